@@ -1,0 +1,293 @@
+"""A mutable view over one graph body: a GraphDef's nodes or a FunctionDef's body.
+
+Both kinds of body are handled in one form: node inputs are written the GraphDef way
+(``"name"``, ``"name:1"``, ``"^name"``). A FunctionDef body is converted on the way in (its
+``"node:out_arg:index"`` references become flat ports) and back on the way out, so every pattern
+is written once and runs on the main graph and on loop and cond bodies alike.
+
+Example:
+    >>> import tensorflow as tf
+    >>> from fusion.graph import GraphView
+    >>> g = tf.function(lambda x: tf.nn.relu(x)).get_concrete_function(
+    ...     tf.TensorSpec([2], tf.float32)).graph.as_graph_def()
+    >>> view = GraphView(g.node)
+    >>> [n.op for n in view.consumers("x")]
+    ['Relu']
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Iterator
+
+from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2
+from tensorflow.python.framework import op_def_registry
+
+NodeDef = node_def_pb2.NodeDef
+
+# Ops that read only the shape of their input, never its values.
+SHAPE_ONLY_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+
+
+def parse_input(ref: str) -> tuple[str, int, bool]:
+    """Split a GraphDef input string into (node name, output port, is_control).
+
+    >>> parse_input("conv:1")
+    ('conv', 1, False)
+    >>> parse_input("^init")
+    ('init', -1, True)
+    """
+    if ref.startswith("^"):
+        return ref[1:], -1, True
+    name, sep, port = ref.rpartition(":")
+    if sep and port.isdigit():
+        return name, int(port), False
+    return ref, 0, False
+
+
+def tensor_ref(name: str, port: int = 0) -> str:
+    """Format a tensor reference the GraphDef way (``name`` for port 0)."""
+    return name if port == 0 else f"{name}:{port}"
+
+
+def output_shape(node: NodeDef, port: int = 0) -> tuple[int | None, ...] | None:
+    """Static shape of ``node``'s output from its ``_output_shapes`` attr, None if unknown."""
+    shapes = node.attr.get("_output_shapes")
+    if shapes is None or port >= len(shapes.list.shape):
+        return None
+    shape = shapes.list.shape[port]
+    if shape.unknown_rank:
+        return None
+    return tuple(d.size if d.size >= 0 else None for d in shape.dim)
+
+
+class GraphView:
+    """Nodes by name plus a consumer index, editable in place.
+
+    Edits go through ``add``, ``remove`` and ``replace_input`` so the consumer index stays
+    right. ``protected`` names nodes that must survive every rewrite (the function's fetched
+    outputs and control outputs).
+    """
+
+    def __init__(self, nodes: Iterable[NodeDef], protected: Iterable[str] = ()) -> None:
+        self._nodes: dict[str, NodeDef] = {}
+        self._consumers: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
+        self.protected: set[str] = set(protected)
+        for node in nodes:
+            self.add(node)
+
+    # -- reading -------------------------------------------------------------------------
+    def __contains__(self, name: str) -> bool:
+        return name in self._nodes
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __iter__(self) -> Iterator[NodeDef]:
+        return iter(list(self._nodes.values()))
+
+    def node(self, name_or_ref: str) -> NodeDef | None:
+        """The node producing ``name_or_ref`` (a node name or tensor reference), or None."""
+        return self._nodes.get(parse_input(name_or_ref)[0])
+
+    def consumer_edges(self, name: str) -> list[tuple[NodeDef, int, int, bool]]:
+        """Every edge leaving ``name``: (consumer, input index, output port, is_control)."""
+        edges = []
+        for consumer_name, index in self._consumers.get(name, ()):
+            consumer = self._nodes[consumer_name]
+            _, port, control = parse_input(consumer.input[index])
+            edges.append((consumer, index, port, control))
+        return edges
+
+    def consumers(self, name: str, port: int = 0) -> list[NodeDef]:
+        """Data consumers of output ``port`` of node ``name`` (one entry per edge)."""
+        return [c for c, _, p, ctl in self.consumer_edges(name) if not ctl and p == port]
+
+    def has_control_edges(self, node: NodeDef) -> bool:
+        """True if ``node`` has control inputs or control consumers."""
+        if any(i.startswith("^") for i in node.input):
+            return True
+        return any(ctl for _, _, _, ctl in self.consumer_edges(node.name))
+
+    def data_inputs(self, node: NodeDef) -> list[str]:
+        return [i for i in node.input if not i.startswith("^")]
+
+    # -- editing -------------------------------------------------------------------------
+    def add(self, node: NodeDef) -> None:
+        if node.name in self._nodes:
+            raise ValueError(f"duplicate node name {node.name!r}")
+        self._nodes[node.name] = node
+        for index, ref in enumerate(node.input):
+            self._consumers[parse_input(ref)[0]].append((node.name, index))
+
+    def remove(self, name: str) -> None:
+        node = self._nodes.pop(name)
+        for index, ref in enumerate(node.input):
+            producer = parse_input(ref)[0]
+            edges = self._consumers.get(producer)
+            if edges is not None:
+                edges.remove((name, index))
+
+    def replace(self, old_name: str, new_node: NodeDef) -> None:
+        """Swap node ``old_name`` for ``new_node`` (which may keep the same name)."""
+        self.remove(old_name)
+        self.add(new_node)
+
+    def replace_input(self, consumer: NodeDef, index: int, new_ref: str) -> None:
+        old = parse_input(consumer.input[index])[0]
+        self._consumers[old].remove((consumer.name, index))
+        consumer.input[index] = new_ref
+        self._consumers[parse_input(new_ref)[0]].append((consumer.name, index))
+
+    def dangling_inputs(self, external: Iterable[str] = ()) -> list[str]:
+        """Input references whose producer is neither a node nor an ``external`` name."""
+        known = set(external)
+        return [
+            f"{n.name} <- {ref}"
+            for n in self._nodes.values()
+            for ref in n.input
+            if parse_input(ref)[0] not in self._nodes and parse_input(ref)[0] not in known
+        ]
+
+    def nodes(self) -> list[NodeDef]:
+        return list(self._nodes.values())
+
+
+# -- FunctionDef bodies -----------------------------------------------------------------
+def _output_arg_sizes(node: NodeDef) -> list[tuple[str, int]] | None:
+    """(output arg name, number of tensors) for each output arg of ``node``'s op."""
+    op_def = op_def_registry.get(node.op)
+    if op_def is None:
+        return None
+    sizes = []
+    for arg in op_def.output_arg:
+        if arg.number_attr:
+            count = node.attr[arg.number_attr].i
+        elif arg.type_list_attr:
+            count = len(node.attr[arg.type_list_attr].list.type)
+        else:
+            count = 1
+        sizes.append((arg.name, count))
+    return sizes
+
+
+def _function_output_sizes(fdef: function_pb2.FunctionDef) -> list[tuple[str, int]]:
+    return [(arg.name, 1) for arg in fdef.signature.output_arg]
+
+
+class FunctionBody:
+    """A FunctionDef body converted to GraphDef-style inputs, and back.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> from fusion.graph import FunctionBody
+        >>> f = tf.function(lambda x: tf.nn.relu(x)).get_concrete_function(
+        ...     tf.TensorSpec([2], tf.float32)).function_def
+        >>> body = FunctionBody(f, {})
+        >>> sorted(n.op for n in body.nodes)
+        ['Identity', 'Relu']
+    """
+
+    def __init__(
+        self,
+        fdef: function_pb2.FunctionDef,
+        library: dict[str, function_pb2.FunctionDef],
+    ) -> None:
+        self.fdef = fdef
+        self.args = {a.name for a in fdef.signature.input_arg}
+        self._sizes: dict[str, list[tuple[str, int]] | None] = {}
+        self.nodes = []
+        for original in fdef.node_def:
+            self._sizes[original.name] = (
+                _output_arg_sizes(original)
+                if original.op not in library
+                else _function_output_sizes(library[original.op])
+            )
+        for original in fdef.node_def:
+            node = NodeDef()
+            node.CopyFrom(original)
+            del node.input[:]
+            node.input.extend(self._to_flat(ref) for ref in original.input)
+            self.nodes.append(node)
+        self.ret = {k: self._to_flat(v) for k, v in fdef.ret.items()}
+
+    @property
+    def protected(self) -> set[str]:
+        names = {parse_input(v)[0] for v in self.ret.values()}
+        names.update(self.fdef.control_ret.values())
+        return names
+
+    def _to_flat(self, ref: str) -> str:
+        if ref.startswith("^"):
+            return ref
+        parts = ref.split(":")
+        if len(parts) == 1:  # a function argument
+            return ref
+        if len(parts) != 3:
+            raise ValueError(f"unexpected FunctionDef input {ref!r}")
+        name, arg, index = parts[0], parts[1], int(parts[2])
+        sizes = self._sizes.get(name)
+        if sizes is None:
+            raise ValueError(f"cannot resolve output {ref!r}: unknown op")
+        port = 0
+        for arg_name, count in sizes:
+            if arg_name == arg:
+                return tensor_ref(name, port + index)
+            port += count
+        raise ValueError(f"output arg {arg!r} not found for {ref!r}")
+
+    def _to_nested(self, ref: str, sizes_of: dict[str, list[tuple[str, int]] | None]) -> str:
+        if ref.startswith("^"):
+            return ref
+        name, port, _ = parse_input(ref)
+        if name in self.args and ":" not in ref:
+            return ref
+        sizes = sizes_of.get(name)
+        if sizes is None:
+            raise ValueError(f"cannot express {ref!r} in a FunctionDef: unknown op")
+        for arg_name, count in sizes:
+            if port < count:
+                return f"{name}:{arg_name}:{port}"
+            port -= count
+        raise ValueError(f"port out of range in {ref!r}")
+
+    def to_function_def(
+        self,
+        nodes: list[NodeDef],
+        library: dict[str, function_pb2.FunctionDef],
+    ) -> function_pb2.FunctionDef:
+        """A FunctionDef with this body's signature and ``nodes`` as its body."""
+        sizes_of = {
+            n.name: (
+                _output_arg_sizes(n)
+                if n.op not in library
+                else _function_output_sizes(library[n.op])
+            )
+            for n in nodes
+        }
+        out = function_pb2.FunctionDef()
+        out.CopyFrom(self.fdef)
+        del out.node_def[:]
+        for node in nodes:
+            copy = out.node_def.add()
+            copy.CopyFrom(node)
+            del copy.input[:]
+            copy.input.extend(self._to_nested(ref, sizes_of) for ref in node.input)
+        for key, ref in self.ret.items():
+            out.ret[key] = self._to_nested(ref, sizes_of)
+        return out
+
+
+def op_histogram(graph_def: graph_pb2.GraphDef) -> collections.Counter[str]:
+    """Count op types over the main graph and every function body of ``graph_def``.
+
+    >>> import tensorflow as tf
+    >>> g = tf.function(lambda x: tf.nn.relu(x)).get_concrete_function(
+    ...     tf.TensorSpec([2], tf.float32)).graph.as_graph_def()
+    >>> op_histogram(g)["Relu"]
+    1
+    """
+    counts: collections.Counter[str] = collections.Counter(n.op for n in graph_def.node)
+    for fdef in graph_def.library.function:
+        counts.update(n.op for n in fdef.node_def)
+    return counts

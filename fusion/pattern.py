@@ -1,0 +1,145 @@
+"""What every pattern family shares: its statistics, the target it rewrites for, a registry.
+
+A pattern family is one module with one repeated shape, as in TensorFlow's remapper.cc: a match
+record (a dataclass), ``find_*`` that fills records from a :class:`~fusion.graph.GraphView`, and
+``rewrite_*`` that writes the fused node. The family's pass function ties them together and is
+registered here under a short name that users pass to ``tfmx.enable(patterns=[...])``.
+
+Example:
+    >>> from fusion.pattern import PatternStats
+    >>> s = PatternStats()
+    >>> s.decline("MatMul: dtype float64 not run by cpu")
+    >>> s.as_dict()["declined"]
+    {'MatMul: dtype float64 not run by cpu': 1}
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+from typing import Protocol
+
+from fusion.graph import GraphView
+
+
+class Target(Protocol):
+    """What a pattern needs to know of the backend it rewrites for (see ``tfmx.backends``)."""
+
+    name: str
+
+    def contraction_support(self, op: str, dtype: str, fused_ops: tuple[str, ...]) -> bool:
+        """True if the backend runs ``_Fused<op>`` with ``fused_ops`` in ``dtype``."""
+        ...
+
+    def contraction_data_format(self, op: str, data_format: str) -> bool:
+        """True if the backend runs ``_Fused<op>`` in ``data_format`` (NHWC, NCHW)."""
+        ...
+
+    def runs_op(self, op: str) -> bool:
+        """True if the backend has a kernel for ``op``."""
+        ...
+
+
+@dataclasses.dataclass
+class PatternStats:
+    """Counts for one pattern: matched, fused, fused only in part, declined (with reasons)."""
+
+    matched: int = 0
+    fused: int = 0
+    partial: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    declined: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    fused_kinds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+    def decline(self, reason: str) -> None:
+        self.declined[reason] += 1
+
+    def fuse(self, kind: str, partial_reason: str | None = None) -> None:
+        self.fused += 1
+        self.fused_kinds[kind] += 1
+        if partial_reason:
+            self.partial[partial_reason] += 1
+
+    def merge(self, other: PatternStats) -> None:
+        self.matched += other.matched
+        self.fused += other.fused
+        self.partial.update(other.partial)
+        self.declined.update(other.declined)
+        self.fused_kinds.update(other.fused_kinds)
+        self.errors.extend(other.errors)
+
+    def as_dict(self) -> dict:
+        return {
+            "matched": self.matched,
+            "fused": self.fused,
+            "fused_kinds": dict(self.fused_kinds),
+            "partial": dict(self.partial),
+            "declined": dict(self.declined),
+            "errors": list(self.errors),
+        }
+
+
+@dataclasses.dataclass
+class RewriteContext:
+    """Passed to every pass: the target backend and the pass's own statistics."""
+
+    target: Target
+    stats: PatternStats
+
+
+PassFn = Callable[[GraphView, RewriteContext], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pattern:
+    """A registered pattern family: its name, what it does, and its pass function."""
+
+    name: str
+    description: str
+    run: PassFn
+
+
+_REGISTRY: dict[str, Pattern] = {}
+
+
+def register(name: str, description: str) -> Callable[[PassFn], PassFn]:
+    """Register a pass function as pattern ``name`` (decorator).
+
+    >>> from fusion.pattern import register, registered
+    >>> "contraction" in registered()
+    True
+    """
+
+    def wrap(fn: PassFn) -> PassFn:
+        _REGISTRY[name] = Pattern(name, description, fn)
+        return fn
+
+    return wrap
+
+
+def registered() -> dict[str, Pattern]:
+    """All registered patterns by name, in registration (= pipeline) order."""
+    import fusion.patterns  # noqa: F401  (importing registers the families)
+
+    return dict(_REGISTRY)
+
+
+def resolve(names: list[str] | tuple[str, ...] | None) -> list[Pattern]:
+    """The patterns named (all when None), in pipeline order; ValueError on unknown names.
+
+    >>> [p.name for p in resolve(["contraction"])]
+    ['contraction']
+    """
+    available = registered()
+    if names is None:
+        return list(available.values())
+    if isinstance(names, str):
+        names = [names]
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        raise ValueError(
+            f"unknown pattern(s) {unknown}; choose from {sorted(available)} "
+            "(or pass patterns=None for all)"
+        )
+    return [p for n, p in available.items() if n in names]

@@ -1,0 +1,358 @@
+"""Contraction patterns: Conv2D / DepthwiseConv2dNative / MatMul + BiasAdd (+ Add) (+ activation).
+
+One shape, as in TensorFlow's remapper: :class:`ContractionMatch` records what was matched,
+:func:`find_contractions` fills records, :func:`rewrite_contraction` writes one
+``_FusedConv2D`` / ``_FusedDepthwiseConv2dNative`` / ``_FusedMatMul`` node that takes the name of
+the chain's last node, so its consumers need no rewiring.
+
+Rules (the same as Grappler's, plus one relaxation):
+- an intermediate is swallowed only if every data consumer is the next node of the chain; a
+  consumer that reads only its shape (Shape, ShapeN, Size, Rank) is rewired to the fused output,
+  which has the same shape;
+- no node of the chain may carry a control edge, or be a fetched output of the function;
+- the target backend must run the fused op with that ``fused_ops`` list and dtype. Where it runs
+  only a prefix (``BiasAdd`` but not ``BiasAdd, Add``), the longest prefix it runs is fused and the
+  report says why the rest was left.
+
+In a training graph, ReluGrad / EluGrad / TanhGrad / SigmoidGrad read the activation's output, so
+the chain fuses whole; Relu6Grad, LeakyReluGrad and GELU's gradient read the pre-activation, so
+there the activation stays apart (recorded) and Conv/MatMul+BiasAdd still fuse. Inference graphs
+fuse whole chains, composite GELU included.
+
+Example:
+    >>> import tensorflow as tf
+    >>> from fusion.graph import GraphView
+    >>> from fusion.patterns.contraction import find_contractions
+    >>> from tfmx.backends import get_backend
+    >>> @tf.function
+    ... def f(x, w, b):
+    ...     return tf.nn.relu(tf.nn.bias_add(tf.matmul(x, w), b))
+    >>> g = f.get_concrete_function(tf.TensorSpec([2, 3]), tf.TensorSpec([3, 4]),
+    ...                             tf.TensorSpec([4])).graph.as_graph_def()
+    >>> matches, declined = find_contractions(GraphView(g.node), get_backend("cpu"))
+    >>> matches[0].fused_ops
+    ('BiasAdd', 'Relu')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.framework import op_def_registry
+
+from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, output_shape, parse_input
+from fusion.pattern import RewriteContext, Target, register
+
+FUSED_OP = {
+    "Conv2D": "_FusedConv2D",
+    "DepthwiseConv2dNative": "_FusedDepthwiseConv2dNative",
+    "MatMul": "_FusedMatMul",
+}
+SIMPLE_ACTIVATIONS = ("Relu", "Relu6", "Elu", "LeakyRelu", "Tanh", "Sigmoid")
+ADD_OPS = ("AddV2", "Add")
+
+
+@dataclasses.dataclass
+class ContractionMatch:
+    """A contraction chain: contraction -> BiasAdd [-> Add] [-> activation]."""
+
+    contraction: NodeDef
+    bias_add: NodeDef
+    add: NodeDef | None = None
+    addend: str | None = None
+    activation: str | None = None  # fused_ops name of the activation, e.g. "Relu", "GeluExact"
+    activation_nodes: tuple[NodeDef, ...] = ()  # its node(s); the last is the chain's tail
+    partial: str | None = None  # why part of the chain was left unfused
+
+    @property
+    def fused_ops(self) -> tuple[str, ...]:
+        ops = ["BiasAdd"]
+        if self.add is not None:
+            ops.append("Add")
+        if self.activation:
+            ops.append(self.activation)
+        return tuple(ops)
+
+    @property
+    def nodes(self) -> list[NodeDef]:
+        chain = [self.contraction, self.bias_add]
+        if self.add is not None:
+            chain.append(self.add)
+        return chain + list(self.activation_nodes)
+
+    @property
+    def tail(self) -> NodeDef:
+        return self.nodes[-1]
+
+
+def _dtype(node: NodeDef) -> str:
+    return tf.dtypes.as_dtype(node.attr["T"].type).name
+
+
+def _const_value(view: GraphView, ref: str) -> np.ndarray | None:
+    node = view.node(ref)
+    if node is None or node.op != "Const":
+        return None
+    return tf.make_ndarray(node.attr["value"].tensor)
+
+
+def _is_scalar_const(view: GraphView, ref: str, value: float, tol: float = 1e-6) -> bool:
+    arr = _const_value(view, ref)
+    return arr is not None and arr.size == 1 and abs(float(arr.reshape(())) - value) <= tol
+
+
+def _outside_consumers(view: GraphView, node: NodeDef, inside: set[str]) -> list[NodeDef]:
+    """Data consumers of ``node`` that are not in ``inside`` and read more than its shape."""
+    return [
+        c
+        for c in view.consumers(node.name)
+        if c.name not in inside and c.op not in SHAPE_ONLY_OPS
+    ]
+
+
+def _blocker(view: GraphView, node: NodeDef, inside: set[str]) -> str | None:
+    """Why ``node`` cannot be swallowed by a chain whose nodes are ``inside``, or None."""
+    if node.name in view.protected:
+        return f"{node.op} output is fetched by the function"
+    if view.has_control_edges(node):
+        return f"{node.op} has a control edge"
+    others = _outside_consumers(view, node, inside)
+    if others:
+        ops = sorted({c.op for c in others})
+        return f"{node.op} output also feeds {', '.join(ops)}"
+    if any(p != 0 for _, _, p, ctl in view.consumer_edges(node.name) if not ctl):
+        return f"{node.op} has consumers of other outputs"
+    return None
+
+
+def _sole_consumer(view: GraphView, node: NodeDef) -> NodeDef | None:
+    data = [c for c in view.consumers(node.name) if c.op not in SHAPE_ONLY_OPS]
+    return data[0] if len(data) == 1 else None
+
+
+def _same_shape(a: tuple | None, b: tuple | None) -> bool:
+    return a is not None and b is not None and a == b and len(a) > 0
+
+
+def _consumer(view: GraphView, node: NodeDef, op: str) -> NodeDef | None:
+    found = [c for c in view.consumers(node.name) if c.op == op]
+    return found[0] if len(found) == 1 else None
+
+
+def _other_input(view: GraphView, node: NodeDef, known: NodeDef) -> str | None:
+    other = [i for i in view.data_inputs(node) if parse_input(i)[0] != known.name]
+    return other[0] if len(other) == 1 else None
+
+
+def _match_gelu_exact(view: GraphView, x: NodeDef) -> tuple[NodeDef, ...] | None:
+    """tf.nn.gelu(approximate=False): 0.5 * x * erfc(-x * 0.70710678), found by structure.
+
+    Extra consumers of the interior nodes (a gradient) do not stop the match; they are what
+    keeps it from being fused, and the caller says so.
+    """
+    neg, half = _consumer(view, x, "Neg"), _consumer(view, x, "Mul")
+    if neg is None or half is None:
+        return None
+    const = _other_input(view, half, x)
+    if const is None or not _is_scalar_const(view, const, 0.5):
+        return None
+    scale = _consumer(view, neg, "Mul")
+    const = None if scale is None else _other_input(view, scale, neg)
+    if const is None or not _is_scalar_const(view, const, 0.7071067811865476):
+        return None
+    erfc = _consumer(view, scale, "Erfc")
+    out = None if erfc is None else _consumer(view, erfc, "Mul")
+    if out is None or {parse_input(i)[0] for i in view.data_inputs(out)} != {half.name, erfc.name}:
+        return None
+    return (neg, scale, erfc, half, out)
+
+
+def _activation_after(
+    view: GraphView, tail: NodeDef
+) -> tuple[str, tuple[NodeDef, ...]] | None:
+    """The activation applied to ``tail`` (its fused_ops name and node(s)), if any."""
+    consumers = view.consumers(tail.name)
+    if len(consumers) == 1 and consumers[0].op in SIMPLE_ACTIVATIONS:
+        return consumers[0].op, (consumers[0],)
+    gelu = _match_gelu_exact(view, tail)
+    if gelu is not None:
+        return "GeluExact", gelu
+    # A simple activation beside other consumers (e.g. its gradient reading the input).
+    acts = [c for c in consumers if c.op in SIMPLE_ACTIVATIONS]
+    if len(acts) == 1:
+        return acts[0].op, (acts[0],)
+    return None
+
+
+def _support(target: Target, op: str, dtype: str, fused_ops: tuple[str, ...]) -> bool:
+    return target.contraction_support(op, dtype, fused_ops)
+
+
+def find_contractions(
+    view: GraphView, target: Target
+) -> tuple[list[ContractionMatch], list[str]]:
+    """Every fusable contraction chain in ``view``, and a reason for each declined one."""
+    matches: list[ContractionMatch] = []
+    declined: list[str] = []
+    claimed: set[str] = set()
+    for node in view.nodes():
+        if node.op not in FUSED_OP:
+            continue
+        consumers = view.consumers(node.name)
+        bias = next((c for c in consumers if c.op == "BiasAdd"), None)
+        if bias is None or parse_input(bias.input[0])[0] != node.name:
+            continue  # not a candidate: no bias follows (e.g. a gradient matmul)
+        op, dtype = node.op, _dtype(node)
+        if not _support(target, op, dtype, ("BiasAdd",)):
+            declined.append(f"{op}: {target.name} runs no fused {op} in {dtype}")
+            continue
+        why = _contraction_blocker(view, node, bias, target)
+        if why is None:
+            why = _blocker(view, node, {bias.name})
+        if why is None and view.has_control_edges(bias):
+            why = "BiasAdd has a control edge"
+        if why is not None:
+            declined.append(f"{op}+BiasAdd: {why}")
+            continue
+        if node.name in claimed or bias.name in claimed:
+            declined.append(f"{op}+BiasAdd: overlaps another fused chain")
+            continue
+        match = ContractionMatch(contraction=node, bias_add=bias)
+        _extend(view, match, target, op, dtype)
+        claimed.update(n.name for n in match.nodes)
+        matches.append(match)
+    return matches, declined
+
+
+def _contraction_blocker(
+    view: GraphView, node: NodeDef, bias: NodeDef, target: Target
+) -> str | None:
+    if node.op == "MatMul" and node.attr["transpose_a"].b:
+        return "MatMul with transpose_a is not fused"
+    if node.op != "MatMul":
+        fmt = node.attr["data_format"].s.decode() if "data_format" in node.attr else "NHWC"
+        bias_fmt = bias.attr["data_format"].s.decode() if "data_format" in bias.attr else "NHWC"
+        if fmt != bias_fmt:
+            return f"data_format {fmt} with BiasAdd in {bias_fmt}"
+        if not target.contraction_data_format(node.op, fmt):
+            return f"{target.name} runs fused {node.op} in NHWC only, not {fmt}"
+        if node.op == "DepthwiseConv2dNative" and node.attr["padding"].s == b"EXPLICIT":
+            return "explicit padding is not an attribute of _FusedDepthwiseConv2dNative"
+    if parse_input(bias.input[0])[0] != node.name:
+        return "BiasAdd reads the contraction as its bias"
+    return None
+
+
+def _extend(
+    view: GraphView, match: ContractionMatch, target: Target, op: str, dtype: str
+) -> None:
+    """Grow ``match`` past BiasAdd with a residual Add and an activation where allowed."""
+    inside = {n.name for n in match.nodes}
+    tail = match.bias_add
+    nxt = _sole_consumer(view, tail)
+    if nxt is not None and nxt.op in ADD_OPS:
+        inputs = view.data_inputs(nxt)
+        others = [i for i in inputs if parse_input(i)[0] != tail.name]
+        if len(inputs) == 2 and len(others) == 1:
+            addend = others[0]
+            producer = view.node(addend)
+            shape_ok = producer is not None and _same_shape(
+                output_shape(producer, parse_input(addend)[1]), output_shape(tail)
+            )
+            why = _blocker(view, tail, inside | {nxt.name})
+            if not shape_ok:
+                match.partial = "residual Add left apart: addend shape differs or is unknown"
+            elif why is not None:
+                match.partial = f"residual Add left apart: {why}"
+            elif view.has_control_edges(nxt):
+                match.partial = "residual Add left apart: Add has a control edge"
+            elif not _support(target, op, dtype, ("BiasAdd", "Add")):
+                match.partial = f"residual Add left apart: {target.name} runs no fused {op}+Add"
+            else:
+                match.add, match.addend = nxt, addend
+                inside.add(nxt.name)
+                tail = nxt
+    found = _activation_after(view, tail)
+    if found is None:
+        return
+    act, act_nodes = found
+    candidate = (*match.fused_ops, act)
+    if not _support(target, op, dtype, candidate):
+        match.partial = match.partial or (
+            f"{act} left apart: {target.name} runs no fused {op} with {', '.join(candidate)}"
+        )
+        return
+    why = _blocker(view, tail, inside | {n.name for n in act_nodes})
+    if why is None:
+        for interior in act_nodes[:-1]:
+            why = _blocker(view, interior, inside | {n.name for n in act_nodes})
+            if why:
+                break
+    if why is not None:
+        match.partial = match.partial or f"{act} left apart: {why}"
+        return
+    if view.has_control_edges(act_nodes[-1]):
+        match.partial = match.partial or f"{act} left apart: it has a control edge"
+        return
+    match.activation, match.activation_nodes = act, act_nodes
+
+
+def _set_list_s(attr: attr_value_pb2.AttrValue, values: tuple[str, ...]) -> None:
+    attr.list.s.extend(v.encode() for v in values)
+
+
+def rewrite_contraction(view: GraphView, match: ContractionMatch) -> NodeDef:
+    """Replace the chain in ``match`` with one fused node named like the chain's tail."""
+    c, tail = match.contraction, match.tail
+    fused_name = FUSED_OP[c.op]
+    op_def = op_def_registry.get(fused_name)
+    fused = NodeDef(name=tail.name, op=fused_name, device=c.device or tail.device)
+    args = [match.bias_add.input[1]] + ([match.addend] if match.addend else [])
+    fused.input.extend([c.input[0], c.input[1], *args])
+    allowed = {a.name for a in op_def.attr}
+    for key, value in c.attr.items():
+        if key in allowed:
+            fused.attr[key].CopyFrom(value)
+    fused.attr["num_args"].i = len(args)
+    _set_list_s(fused.attr["fused_ops"], match.fused_ops)
+    if "TArgs" in allowed:
+        fused.attr["TArgs"].list.type.extend([c.attr["T"].type] * len(args))
+    if "num_host_args" in allowed:
+        fused.attr["num_host_args"].i = 0
+    if match.activation == "LeakyRelu":
+        fused.attr["leakyrelu_alpha"].f = match.activation_nodes[-1].attr["alpha"].f
+    for attr in op_def.attr:
+        if attr.name not in fused.attr and attr.HasField("default_value"):
+            fused.attr[attr.name].CopyFrom(attr.default_value)
+    if "_output_shapes" in tail.attr:
+        fused.attr["_output_shapes"].CopyFrom(tail.attr["_output_shapes"])
+
+    inner = [n for n in match.nodes if n is not tail]
+    for node in inner:  # shape-only readers of an intermediate read the fused output instead
+        for consumer, index, _, control in view.consumer_edges(node.name):
+            if not control and consumer.op in SHAPE_ONLY_OPS:
+                view.replace_input(consumer, index, tail.name)
+    for node in inner:
+        view.remove(node.name)
+    view.replace(tail.name, fused)
+    return fused
+
+
+@register(
+    "contraction",
+    "Conv2D / DepthwiseConv2dNative / MatMul + BiasAdd (+ residual Add) (+ activation) "
+    "-> _FusedConv2D / _FusedDepthwiseConv2dNative / _FusedMatMul",
+)
+def contraction_pass(view: GraphView, ctx: RewriteContext) -> None:
+    """Find every contraction chain in ``view`` and fuse it for ``ctx.target``."""
+    matches, declined = find_contractions(view, ctx.target)
+    ctx.stats.matched += len(matches) + len(declined)
+    for reason in declined:
+        ctx.stats.decline(reason)
+    for match in matches:
+        rewrite_contraction(view, match)
+        kind = f"{FUSED_OP[match.contraction.op]}({', '.join(match.fused_ops)})"
+        ctx.stats.fuse(kind, match.partial)

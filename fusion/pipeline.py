@@ -1,0 +1,211 @@
+"""The pass pipeline: every pattern, over the main graph and every function body, safely.
+
+``rewrite(graph_def, target)`` is a function from a GraphDef to a GraphDef (plus what happened).
+Each pattern runs on each body inside a transaction: if it raises, or leaves an input that points
+nowhere, that body is restored exactly as it was and the error is recorded; the other patterns
+and bodies go on. Function bodies that change are renamed (``<name>_tfmx<N>``) and every reference
+to them is updated, so the rewritten library never clashes with functions TensorFlow already
+registered under the old names.
+
+Example:
+    >>> import tensorflow as tf
+    >>> from fusion.pipeline import rewrite
+    >>> from tfmx.backends import get_backend
+    >>> @tf.function
+    ... def f(x, w, b):
+    ...     return tf.nn.relu(tf.nn.bias_add(tf.matmul(x, w), b))
+    >>> g = f.get_concrete_function(tf.TensorSpec([2, 3]), tf.TensorSpec([3, 4]),
+    ...                             tf.TensorSpec([4])).graph.as_graph_def()
+    >>> result = rewrite(g, get_backend("cpu"))
+    >>> result.stats["contraction"].fused
+    1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Iterable
+
+from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2
+
+from fusion.graph import FunctionBody, GraphView
+from fusion.pattern import Pattern, PatternStats, RewriteContext, Target, resolve
+
+_RENAME_COUNTER = itertools.count(1)
+
+
+@dataclasses.dataclass
+class RewriteResult:
+    """The rewritten GraphDef and what each pattern did."""
+
+    graph_def: graph_pb2.GraphDef
+    stats: dict[str, PatternStats]
+    seconds: float
+    renamed_functions: dict[str, str]
+    skipped_functions: dict[str, str]
+
+    @property
+    def changed(self) -> bool:
+        return any(s.fused for s in self.stats.values())
+
+    @property
+    def errors(self) -> list[str]:
+        return [e for s in self.stats.values() for e in s.errors]
+
+
+def _run_pattern(
+    pattern: Pattern,
+    view: GraphView,
+    target: Target,
+    external: set[str],
+    total: PatternStats,
+    where: str,
+) -> GraphView:
+    """Run one pattern on one body as a transaction; return the view to go on with."""
+    snapshot = [n.SerializeToString() for n in view.nodes()]
+    ctx = RewriteContext(target=target, stats=PatternStats())
+    try:
+        pattern.run(view, ctx)
+        dangling = view.dangling_inputs(external)
+        if dangling:
+            raise RuntimeError(f"rewrite left inputs pointing nowhere: {dangling[:3]}")
+    except Exception as exc:  # noqa: BLE001 - any failure must leave the graph as it was
+        restored = GraphView(
+            (graph_pb2.NodeDef.FromString(b) for b in snapshot), protected=view.protected
+        )
+        total.errors.append(f"{where}: {type(exc).__name__}: {exc}")
+        return restored
+    total.merge(ctx.stats)
+    return view
+
+
+def _run_patterns(
+    patterns: list[Pattern],
+    view: GraphView,
+    target: Target,
+    external: set[str],
+    stats: dict[str, PatternStats],
+    where: str,
+) -> tuple[GraphView, bool]:
+    changed = False
+    for pattern in patterns:
+        before = stats[pattern.name].fused
+        view = _run_pattern(pattern, view, target, external, stats[pattern.name], where)
+        changed |= stats[pattern.name].fused > before
+    return view, changed
+
+
+def _rename_refs(attr: attr_value_pb2.AttrValue, renames: dict[str, str]) -> bool:
+    hit = False
+    if attr.HasField("func") and attr.func.name in renames:
+        attr.func.name = renames[attr.func.name]
+        hit = True
+    if attr.HasField("list"):
+        for fn in attr.list.func:
+            if fn.name in renames:
+                fn.name = renames[fn.name]
+                hit = True
+    return hit
+
+
+def _update_references(nodes: Iterable[graph_pb2.NodeDef], renames: dict[str, str]) -> bool:
+    hit = False
+    for node in nodes:
+        if node.op in renames:
+            node.op = renames[node.op]
+            hit = True
+        for attr in node.attr.values():
+            hit |= _rename_refs(attr, renames)
+    return hit
+
+
+def rewrite(
+    graph_def: graph_pb2.GraphDef,
+    target: Target,
+    patterns: list[str] | None = None,
+    protected: Iterable[str] = (),
+) -> RewriteResult:
+    """Run the patterns named (all by default) over ``graph_def`` for ``target``.
+
+    ``protected`` names main-graph nodes that must keep their name and outputs (the traced
+    function's fetched outputs and control outputs). The input GraphDef is not modified.
+    """
+    start = time.perf_counter()
+    selected = resolve(patterns)
+    stats = {p.name: PatternStats() for p in selected}
+    out = graph_pb2.GraphDef()
+    out.CopyFrom(graph_def)
+
+    view = GraphView(out.node, protected=protected)
+    view, main_changed = _run_patterns(selected, view, target, set(), stats, "main graph")
+    if main_changed:
+        rebuilt = graph_pb2.GraphDef()
+        rebuilt.versions.CopyFrom(out.versions)
+        rebuilt.node.extend(view.nodes())
+        rebuilt.library.CopyFrom(out.library)
+        out = rebuilt
+
+    library = {f.signature.name: f for f in out.library.function}
+    new_bodies: dict[str, function_pb2.FunctionDef] = {}
+    skipped: dict[str, str] = {}
+    for name, fdef in library.items():
+        try:
+            body = FunctionBody(fdef, library)
+        except Exception as exc:  # noqa: BLE001 - a body we cannot read stays as it is
+            skipped[name] = f"{type(exc).__name__}: {exc}"
+            continue
+        fview = GraphView(body.nodes, protected=body.protected)
+        fview, changed = _run_patterns(selected, fview, target, body.args, stats, name)
+        if changed:
+            try:
+                new_bodies[name] = body.to_function_def(fview.nodes(), library)
+            except Exception as exc:  # noqa: BLE001
+                skipped[name] = f"could not write back: {type(exc).__name__}: {exc}"
+                stats[selected[0].name].errors.append(f"{name}: {exc}")
+
+    renames = _rename_library(out, new_bodies)
+    return RewriteResult(out, stats, time.perf_counter() - start, renames, skipped)
+
+
+def _rename_library(
+    out: graph_pb2.GraphDef, new_bodies: dict[str, function_pb2.FunctionDef]
+) -> dict[str, str]:
+    """Give every changed function (and every function that calls one) a fresh name."""
+    if not new_bodies:
+        return {}
+    functions = {f.signature.name: f for f in out.library.function}
+    functions.update(new_bodies)
+    renames: dict[str, str] = {}
+    pending = set(new_bodies)
+    while pending:
+        for name in pending:
+            renames[name] = f"{name}_tfmx{next(_RENAME_COUNTER)}"
+        pending = {
+            name
+            for name, fdef in functions.items()
+            if name not in renames
+            and any(
+                n.op in renames or any(_mentions(a, renames) for a in n.attr.values())
+                for n in fdef.node_def
+            )
+        }
+    del out.library.function[:]
+    for name, fdef in functions.items():
+        copy = out.library.function.add()
+        copy.CopyFrom(fdef)
+        _update_references(copy.node_def, renames)
+        if name in renames:
+            copy.signature.name = renames[name]
+    _update_references(out.node, renames)
+    for grad in out.library.gradient:
+        grad.function_name = renames.get(grad.function_name, grad.function_name)
+        grad.gradient_func = renames.get(grad.gradient_func, grad.gradient_func)
+    return renames
+
+
+def _mentions(attr: attr_value_pb2.AttrValue, names: dict[str, str]) -> bool:
+    if attr.HasField("func") and attr.func.name in names:
+        return True
+    return attr.HasField("list") and any(f.name in names for f in attr.list.func)

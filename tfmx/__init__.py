@@ -1,0 +1,115 @@
+"""tfmx: make Keras 3 training on TensorFlow fast on every backend, and show why.
+
+    import tfmx
+    tfmx.enable()          # before model.fit / evaluate / predict
+    model.fit(x, y)
+    print(tfmx.report())   # what was fused, what was declined and why
+
+Example:
+    >>> import tfmx
+    >>> tfmx.enable(backend="cpu")
+    >>> tfmx.enabled()
+    True
+    >>> tfmx.disable()
+    >>> tfmx.enabled()
+    False
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tfmx import state
+from tfmx.backends import BACKEND_NAMES, get_backend
+from tfmx.errors import BackendUnavailableError, TfmxWarning, VerificationError
+from tfmx.function import FusedFunction, function
+from tfmx.report import Report
+
+__version__ = "0.1.0"
+
+
+def enable(
+    backend: str | None = None,
+    patterns: Sequence[str] | None = None,
+    verify: bool = False,
+) -> None:
+    """Switch the rewrite on for every Keras model's fit/evaluate/predict and tfmx.function.
+
+    Args:
+        backend: ``"cpu"``, ``"cuda"``, ``"metal"``, or None to detect this machine's. A backend
+            this machine lacks gives a plan (see ``tfmx.report()``) and an error if run.
+        patterns: names of the pattern families to run (default: all); see
+            ``fusion.available_patterns()``.
+        verify: run the first step of each traced function both stock and fused from the same
+            variable values and raise :class:`VerificationError` if they disagree.
+
+    Global and idempotent: calling it again replaces the settings; models compiled before
+    rebuild their step functions on next use. Bad names raise ValueError listing the choices.
+
+    >>> import tfmx
+    >>> tfmx.enable(backend="gpu")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown backend 'gpu'; choose one of ('cpu', 'cuda', 'metal') or None to detect
+    """
+    from fusion.pattern import resolve
+    from tfmx import keras_hook
+
+    target = get_backend(backend)
+    if patterns is not None:
+        patterns = tuple([patterns] if isinstance(patterns, str) else patterns)
+        resolve(list(patterns))
+    if not isinstance(verify, bool):
+        raise ValueError(f"verify must be True or False, got {verify!r}")
+    new = state.Options(backend=target, patterns=patterns, verify=verify)
+    if state.options() == new:
+        return
+    keras_hook.install()
+    state.set_options(new)
+
+
+def disable() -> None:
+    """Switch the rewrite off; step functions go back to stock on next use.
+
+    >>> import tfmx
+    >>> tfmx.disable()
+    >>> tfmx.enabled()
+    False
+    """
+    if state.options() is not None:
+        state.set_options(None)
+
+
+def enabled() -> bool:
+    """True between ``enable()`` and ``disable()``."""
+    return state.options() is not None
+
+
+def report(reset: bool = False) -> Report:
+    """What tfmx did since ``enable()``: print it, ``.to_dict()`` it, ``.export_graphs(dir)``.
+
+    With ``reset=True`` the returned report is the one so far, and a fresh one starts.
+
+    >>> import tfmx
+    >>> isinstance(tfmx.report(), tfmx.Report)
+    True
+    """
+    current = state.report()
+    if reset:
+        state.reset_report()
+    return current
+
+
+__all__ = [
+    "BACKEND_NAMES",
+    "BackendUnavailableError",
+    "FusedFunction",
+    "Report",
+    "TfmxWarning",
+    "VerificationError",
+    "disable",
+    "enable",
+    "enabled",
+    "function",
+    "report",
+]

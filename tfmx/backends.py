@@ -1,0 +1,236 @@
+"""Backends as data: which fused nodes, fused_ops lists and dtypes each target runs.
+
+- ``cpu``: TensorFlow's own CPU kernels. With oneDNN on (``TF_ENABLE_ONEDNN_OPTS=1``; off by
+  default in the TensorFlow 2.21 Linux wheel) the fused kernels take more (residual Add, GELU,
+  Tanh/Sigmoid after MatMul). The tables were read off the kernels by running each entry against
+  the composite ops (``tests/test_backends.py`` runs them again).
+- ``cuda``: TensorFlow's GPU kernels (tensorflow/core/kernels/conv_ops_fused_impl.h,
+  matmul_op_fused.cc).
+- ``metal``: Apple's tensorflow-metal 1.2.0 plugin, from the symbols of its public wheel
+  (shared reference); its kernel list ships as ``tfmx/data/tensorflow-metal-1.2.0-ops.txt``.
+
+A backend that is not present on this machine (``metal`` on Linux) still rewrites: the result is
+a plan to inspect, and running it raises :class:`tfmx.errors.BackendUnavailableError`.
+
+Example:
+    >>> from tfmx.backends import get_backend
+    >>> cpu = get_backend("cpu")
+    >>> cpu.contraction_support("Conv2D", "float32", ("BiasAdd", "Relu"))
+    True
+    >>> get_backend("metal").contraction_support("DepthwiseConv2dNative", "float32", ("BiasAdd",))
+    False
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import platform
+from collections.abc import Iterable
+from importlib import resources
+
+BACKEND_NAMES = ("cpu", "cuda", "metal")
+
+
+def _chains(*chains: Iterable[str]) -> frozenset[tuple[str, ...]]:
+    return frozenset(tuple(c) for c in chains)
+
+
+def _with_acts(prefix: tuple[str, ...], acts: Iterable[str]) -> list[tuple[str, ...]]:
+    return [prefix] + [(*prefix, a) for a in acts]
+
+
+Chains = frozenset[tuple[str, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One rewrite target. Instances are data; see :func:`get_backend`."""
+
+    name: str
+    description: str
+    device_type: str
+    contractions: dict[str, dict[str, Chains]]  # op -> dtype -> fused_ops lists it runs
+    data_formats: dict[str, frozenset[str]]
+    kernels: frozenset[str] | None = None  # None: every registered TensorFlow op
+    notes: tuple[str, ...] = ()
+
+    def contraction_support(self, op: str, dtype: str, fused_ops: tuple[str, ...]) -> bool:
+        """True if ``_Fused<op>`` with ``fused_ops`` runs here in ``dtype``."""
+        return tuple(fused_ops) in self.contractions.get(op, {}).get(dtype, frozenset())
+
+    def contraction_data_format(self, op: str, data_format: str) -> bool:
+        """True if the fused form of ``op`` runs here in ``data_format``."""
+        return data_format in self.data_formats.get(op, frozenset())
+
+    def runs_op(self, op: str) -> bool:
+        """True if this backend has a kernel for ``op``."""
+        return self.kernels is None or op in self.kernels
+
+    @property
+    def available(self) -> bool:
+        """True if graphs for this backend can run on this machine."""
+        return self.name in _present_backends()
+
+    def describe(self) -> dict:
+        """A plain dict of what this backend fuses, for reports and the README table."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "available_here": self.available,
+            "contractions": {
+                op: {dt: sorted("+".join(c) for c in chains) for dt, chains in by_dtype.items()}
+                for op, by_dtype in self.contractions.items()
+            },
+            "notes": list(self.notes),
+        }
+
+
+_ACTS_BASIC = ("Relu", "Relu6", "Elu", "LeakyRelu")
+
+
+def _cpu(onednn: bool) -> Backend:
+    # Read off the kernels (TF 2.21, x86-64) by running every fused_ops list in every dtype
+    # against the composite ops; tests/test_backends.py runs each entry again.
+    conv = _chains(*_with_acts(("BiasAdd",), _ACTS_BASIC))
+    matmul = _chains(*_with_acts(("BiasAdd",), (*_ACTS_BASIC, "Tanh", "Sigmoid")))
+    contractions = {
+        "Conv2D": {"float32": conv},
+        "MatMul": {"float32": matmul, "bfloat16": matmul, "float16": matmul},
+    }
+    if onednn:
+        contractions["Conv2D"]["float32"] = conv | _chains(
+            *_with_acts(("BiasAdd", "Add"), _ACTS_BASIC)
+        )
+        contractions["MatMul"]["float32"] = matmul | _chains(
+            ("BiasAdd", "GeluExact"), ("BiasAdd", "GeluApproximate"), ("BiasAdd", "Add")
+        )
+        # _FusedDepthwiseConv2dNative has a CPU kernel only through oneDNN.
+        contractions["DepthwiseConv2dNative"] = {
+            "float32": _chains(*_with_acts(("BiasAdd",), ("Relu", "Relu6", "Elu")))
+        }
+    return Backend(
+        name="cpu",
+        description=f"TensorFlow CPU kernels, oneDNN {'on' if onednn else 'off'}",
+        device_type="CPU",
+        contractions=contractions,
+        data_formats={"Conv2D": frozenset({"NHWC"}),
+                      "DepthwiseConv2dNative": frozenset({"NHWC"})},
+        notes=() if onednn else (
+            "residual Add, GELU and depthwise fuse only with oneDNN on "
+            "(TF_ENABLE_ONEDNN_OPTS=1; off by default in the TF 2.21 Linux wheel)",
+        ),
+    )
+
+
+def _cuda() -> Backend:
+    conv = _chains(*_with_acts(("BiasAdd",), _ACTS_BASIC))
+    matmul32 = _chains(*_with_acts(("BiasAdd",), ("Relu",)))
+    matmul16 = _chains(*_with_acts(("BiasAdd",), ("Relu", "Tanh", "Sigmoid",
+                                                  "GeluApproximate", "GeluExact")))
+    return Backend(
+        name="cuda",
+        description="TensorFlow CUDA kernels (cuDNN / cuBLASLt)",
+        device_type="GPU",
+        contractions={
+            "Conv2D": {"float32": conv, "float16": conv},
+            "MatMul": {"float32": matmul32, "float16": matmul16, "bfloat16": matmul16},
+        },
+        data_formats={"Conv2D": frozenset({"NHWC", "NCHW"})},
+        notes=("_FusedDepthwiseConv2dNative has no GPU kernel",
+               "Tanh/Sigmoid/GELU after MatMul are cuBLASLt epilogues in 16-bit only"),
+    )
+
+
+def metal_kernels() -> frozenset[str]:
+    """Op names with a kernel in tensorflow-metal 1.2.0 (shipped list)."""
+    text = resources.files("tfmx").joinpath("data/tensorflow-metal-1.2.0-ops.txt").read_text()
+    return frozenset(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _metal() -> Backend:
+    chains = _chains(*_with_acts(("BiasAdd",), _ACTS_BASIC))
+    by_dtype = {dt: chains for dt in ("float32", "float16", "bfloat16")}
+    return Backend(
+        name="metal",
+        description="Apple tensorflow-metal 1.2.0 (PluggableDevice GPU)",
+        device_type="GPU",
+        contractions={"Conv2D": by_dtype, "MatMul": dict(by_dtype)},
+        data_formats={"Conv2D": frozenset({"NHWC", "NCHW"})},
+        kernels=metal_kernels(),
+        notes=(
+            "conv fused computations per the plugin: biasAdd, biasAddWith{Relu,Relu6,Elu,"
+            "LeakyRelu}; no residual Add, no _FusedDepthwiseConv2dNative kernel",
+            "GeluExact/GeluApproximate appear beside _FusedMatMul in the plugin's strings but "
+            "cannot be confirmed without a Mac: not emitted",
+        ),
+    )
+
+
+def onednn_enabled() -> bool:
+    """True if this TensorFlow runs its oneDNN CPU kernels (``TF_ENABLE_ONEDNN_OPTS``)."""
+    from tensorflow.python.util import _pywrap_util_port
+
+    return bool(_pywrap_util_port.IsMklEnabled())
+
+
+@functools.lru_cache(maxsize=None)
+def _present_backends() -> frozenset[str]:
+    import tensorflow as tf
+
+    present = {"cpu"}
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus and platform.system() == "Darwin":
+        present.add("metal")
+    elif gpus and tf.test.is_built_with_cuda():
+        present.add("cuda")
+    return frozenset(present)
+
+
+def detect() -> str:
+    """The backend this machine trains on: ``metal`` on a Mac GPU, ``cuda``, else ``cpu``.
+
+    >>> detect() in BACKEND_NAMES
+    True
+    """
+    present = _present_backends()
+    for name in ("metal", "cuda"):
+        if name in present:
+            return name
+    return "cpu"
+
+
+def get_backend(name: str | None = None) -> Backend:
+    """The :class:`Backend` called ``name`` (auto-detected when None).
+
+    >>> get_backend("cuda").device_type
+    'GPU'
+    >>> get_backend("tpu")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown backend 'tpu'; choose one of ('cpu', 'cuda', 'metal') or None to detect
+    """
+    if name is None:
+        name = detect()
+    if name == "cpu":
+        return _cpu(onednn_enabled())
+    if name == "cuda":
+        return _cuda()
+    if name == "metal":
+        return _metal()
+    raise ValueError(
+        f"unknown backend {name!r}; choose one of {BACKEND_NAMES} or None to detect"
+    )
+
+
+def env_summary() -> dict[str, str]:
+    """What the report prints about this machine's TensorFlow."""
+    import tensorflow as tf
+
+    return {
+        "tensorflow": tf.__version__,
+        "platform": f"{platform.system()} {platform.machine()}",
+        "onednn": "on" if onednn_enabled() else "off",
+        "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "(unset)"),
+    }

@@ -1,0 +1,207 @@
+"""``tfmx.function``: a drop-in for ``tf.function`` whose traced graphs are rewritten.
+
+Each input signature is traced by an ordinary ``tf.function`` (same caching, same retracing
+rules); the traced graph is rewritten once by :func:`fusion.rewrite` and rebuilt into a
+ConcreteFunction with the same signature, captures and control outputs. Calls then go to the
+rewritten function. When tfmx is disabled, when a gradient tape watches the call (fused ops
+have no gradient), or when the rewrite fails, the stock traced function runs.
+
+Example:
+    >>> import tensorflow as tf, tfmx
+    >>> w, b = tf.Variable(tf.ones([3, 2])), tf.Variable(tf.zeros([2]))
+    >>> @tfmx.function
+    ... def layer(x):
+    ...     return tf.nn.relu(tf.nn.bias_add(tf.matmul(x, w), b))
+    >>> tfmx.enable(backend="cpu")
+    >>> layer(tf.ones([1, 3])).numpy().tolist()
+    [[3.0, 3.0]]
+    >>> "_FusedMatMul" in [op.type for op in layer.get_concrete_function(
+    ...     tf.TensorSpec([1, 3])).graph.get_operations()]
+    True
+    >>> tfmx.disable()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.python.eager import record
+
+from fusion.graph import op_histogram
+from fusion.pipeline import rewrite
+from tfmx import state
+from tfmx.errors import BackendUnavailableError
+from tfmx.rebuild import protected_names, rebuild
+from tfmx.report import TraceRecord
+from tfmx.verify import verified_call
+
+
+@dataclasses.dataclass
+class _Entry:
+    stock: Any  # the traced ConcreteFunction
+    fused: Any  # the rewritten ConcreteFunction, or the stock one when not rewritten
+    plan_only: bool = False
+    record: TraceRecord | None = None
+    verify_flag: tf.Variable | None = None
+
+
+class FusedFunction:
+    """A ``tf.function`` whose every trace runs through the tfmx rewrite (see module doc)."""
+
+    def __init__(
+        self,
+        python_function: Callable,
+        *,
+        name: str | None = None,
+        input_signature: Any = None,
+        autograph: bool = True,
+        reduce_retracing: bool = False,
+        jit_compile: bool | None = None,
+    ) -> None:
+        self.python_function = python_function
+        self.name = name or getattr(python_function, "__name__", "function")
+        self._stock = tf.function(
+            python_function,
+            input_signature=input_signature,
+            autograph=autograph,
+            reduce_retracing=reduce_retracing,
+            jit_compile=jit_compile,
+        )
+        self._jit = bool(jit_compile)
+        self._entries: dict[tuple[int, int], _Entry] = {}
+        functools.update_wrapper(self, python_function)
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        """Bind like a method when used as a decorator inside a class."""
+        if instance is None:
+            return self
+        bound = FusedFunction.__new__(FusedFunction)
+        bound.__dict__.update(self.__dict__)
+        bound._stock = self._stock.__get__(instance, owner)
+        bound._entries = self._entries
+        return bound
+
+    # -- public ------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        opts = state.options()
+        if opts is None or self._jit or record.could_possibly_record():
+            if opts is not None and self._jit:
+                state.report().note(f"{self.name}: jit_compile=True, left to XLA")
+            return self._stock(*args, **kwargs)
+        entry = self._entry(opts, args, kwargs)
+        if entry.plan_only:
+            raise BackendUnavailableError(
+                f"tfmx rewrote {self.name!r} for backend {opts.backend.name!r}, which this "
+                "machine does not have, so it cannot run. Inspect the plan with "
+                "tfmx.report() / tfmx.report().export_graphs(logdir), or call "
+                "tfmx.enable() without backend= to train on this machine."
+            )
+        if opts.verify and entry.fused is not entry.stock:
+            return verified_call(entry, args, kwargs, opts, self.name)
+        return entry.fused(*args, **kwargs)
+
+    def get_concrete_function(self, *args: Any, **kwargs: Any) -> Any:
+        """The ConcreteFunction that runs for these arguments (rewritten when tfmx is on)."""
+        opts = state.options()
+        if opts is None or self._jit:
+            return self._stock.get_concrete_function(*args, **kwargs)
+        return self._entry(opts, args, kwargs).fused
+
+    def stock_concrete_function(self, *args: Any, **kwargs: Any) -> Any:
+        """The ConcreteFunction tf.function traced, before any rewrite."""
+        return self._stock.get_concrete_function(*args, **kwargs)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _entry(self, opts: state.Options, args: tuple, kwargs: dict) -> _Entry:
+        concrete = self._stock.get_concrete_function(*args, **kwargs)
+        key = (id(concrete), state.generation())
+        entry = self._entries.get(key)
+        if entry is None or entry.stock is not concrete:
+            entry = build_entry(concrete, opts, self.name)
+            self._entries = {k: v for k, v in self._entries.items() if k[1] == key[1]}
+            self._entries[key] = entry
+        return entry
+
+
+def build_entry(concrete: Any, opts: state.Options, name: str) -> _Entry:
+    """Rewrite one traced function for ``opts``; never raises for a failed rewrite."""
+    start = time.perf_counter()
+    graph_def = concrete.graph.as_graph_def(add_shapes=True)
+    rec = TraceRecord(function=name, backend=opts.backend.name, status="unchanged",
+                      nodes_before=len(graph_def.node), graph_before=graph_def)
+    rec.ops_before = op_histogram(graph_def)
+    stats = None
+    entry = _Entry(stock=concrete, fused=concrete, record=rec)
+    try:
+        result = rewrite(graph_def, opts.backend, opts.patterns, protected_names(concrete))
+        stats = result.stats
+        rec.errors.extend(result.errors)
+        for fname, why in result.skipped_functions.items():
+            rec.errors.append(f"function {fname} left as it was: {why}")
+        rec.graph_after = result.graph_def
+        rec.ops_after = op_histogram(result.graph_def)
+        rec.nodes_after = len(result.graph_def.node)
+        if not opts.backend.available:
+            entry.plan_only = True
+            rec.status = "plan only"
+        elif result.changed:
+            entry.fused = rebuild(concrete, result.graph_def)
+            rec.status = "rewritten"
+    except Exception as exc:  # noqa: BLE001 - never break training because of tfmx
+        rec.status = "stock: rewrite failed"
+        rec.errors.append(f"{type(exc).__name__}: {exc}")
+        rec.graph_after = graph_def
+        rec.ops_after = rec.ops_before
+        rec.nodes_after = rec.nodes_before
+        entry.fused = concrete
+        state.warn_once(
+            f"rebuild:{name}:{type(exc).__name__}",
+            f"tfmx could not rewrite {name!r} ({type(exc).__name__}: {exc}); it runs unfused. "
+            "tfmx.report() has the details.",
+        )
+    for err in rec.errors:
+        state.warn_once(f"err:{err}", f"tfmx left part of {name!r} unfused: {err}")
+    if rec.status == "unchanged":
+        rec.ops_after, rec.nodes_after = rec.ops_before, rec.nodes_before
+        rec.graph_after = rec.graph_after or graph_def
+    rec.seconds = time.perf_counter() - start
+    state.report().add_trace(rec, stats)
+    return entry
+
+
+def function(
+    func: Callable | None = None,
+    *,
+    input_signature: Any = None,
+    autograph: bool = True,
+    reduce_retracing: bool = False,
+    jit_compile: bool | None = None,
+) -> Any:
+    """Drop-in for ``tf.function``: the traced graph gets the tfmx rewrite when enabled.
+
+    Usable bare (``@tfmx.function``) or with arguments (``@tfmx.function(reduce_retracing=True)``).
+    ``jit_compile=True`` is passed to XLA untouched (tfmx does not rewrite XLA clusters).
+
+    >>> import tensorflow as tf, tfmx
+    >>> @tfmx.function(reduce_retracing=True)
+    ... def double(x):
+    ...     return x * 2.0
+    >>> float(double(tf.constant(2.0)))
+    4.0
+    """
+
+    def wrap(fn: Callable) -> FusedFunction:
+        return FusedFunction(
+            fn,
+            input_signature=input_signature,
+            autograph=autograph,
+            reduce_retracing=reduce_retracing,
+            jit_compile=jit_compile,
+        )
+
+    return wrap(func) if func is not None else wrap

@@ -1,0 +1,177 @@
+"""``tfmx.report()``: what was fused, what was declined and why, op histograms before and after.
+
+Example:
+    >>> from tfmx.report import Report
+    >>> r = Report(backend="cpu")
+    >>> r.to_dict()["traces"]
+    []
+    >>> print(r)  # doctest: +ELLIPSIS
+    tfmx report (backend cpu): 0 traced function(s)...
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+from pathlib import Path
+
+from tensorflow.core.framework import graph_pb2
+
+from fusion.graph import op_histogram
+from fusion.pattern import PatternStats
+
+MAX_KEPT_GRAPHS = 32
+
+
+@dataclasses.dataclass
+class TraceRecord:
+    """One traced function (one input signature) and what the rewrite did to it."""
+
+    function: str
+    backend: str
+    status: str  # "rewritten", "unchanged", "stock: <why>", "plan only"
+    seconds: float = 0.0
+    nodes_before: int = 0
+    nodes_after: int = 0
+    ops_before: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    ops_after: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    errors: list[str] = dataclasses.field(default_factory=list)
+    graph_before: graph_pb2.GraphDef | None = None
+    graph_after: graph_pb2.GraphDef | None = None
+
+    def as_dict(self) -> dict:
+        changed = {
+            op: [self.ops_before[op], self.ops_after[op]]
+            for op in sorted(set(self.ops_before) | set(self.ops_after))
+            if self.ops_before[op] != self.ops_after[op]
+        }
+        return {
+            "function": self.function,
+            "backend": self.backend,
+            "status": self.status,
+            "rewrite_seconds": round(self.seconds, 4),
+            "nodes_before": self.nodes_before,
+            "nodes_after": self.nodes_after,
+            "ops_changed": changed,
+            "errors": list(self.errors),
+        }
+
+
+@dataclasses.dataclass
+class Report:
+    """Everything tfmx did since ``enable()`` (or the last ``report(reset=True)``)."""
+
+    backend: str = ""
+    traces: list[TraceRecord] = dataclasses.field(default_factory=list)
+    patterns: dict[str, PatternStats] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    # -- recording -------------------------------------------------------------------------
+    def add_trace(self, record: TraceRecord, stats: dict[str, PatternStats] | None = None) -> None:
+        self.traces.append(record)
+        for name, s in (stats or {}).items():
+            self.patterns.setdefault(name, PatternStats()).merge(s)
+        kept = [t for t in self.traces if t.graph_before is not None]
+        for old in kept[:-MAX_KEPT_GRAPHS]:
+            old.graph_before = old.graph_after = None
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    # -- reading ---------------------------------------------------------------------------
+    def op_histogram(self) -> tuple[collections.Counter, collections.Counter]:
+        """Op counts over every traced function, before and after the rewrite."""
+        before: collections.Counter = collections.Counter()
+        after: collections.Counter = collections.Counter()
+        for t in self.traces:
+            before.update(t.ops_before)
+            after.update(t.ops_after)
+        return before, after
+
+    def fused(self, pattern: str | None = None) -> int:
+        """How many chains/updates were fused (by one pattern, or all)."""
+        return sum(s.fused for n, s in self.patterns.items() if pattern in (None, n))
+
+    def to_dict(self) -> dict:
+        before, after = self.op_histogram()
+        return {
+            "backend": self.backend,
+            "patterns": {n: s.as_dict() for n, s in self.patterns.items()},
+            "traces": [t.as_dict() for t in self.traces],
+            "op_histogram": {
+                op: {"before": before[op], "after": after[op]}
+                for op in sorted(set(before) | set(after))
+            },
+            "notes": list(self.notes),
+        }
+
+    def __str__(self) -> str:
+        lines = [f"tfmx report (backend {self.backend}): {len(self.traces)} traced function(s)"]
+        if self.traces:
+            lines.append("")
+            lines.append(f"{'function':<28} {'status':<24} {'nodes':>13} {'rewrite s':>10}")
+            for t in self.traces:
+                nodes = f"{t.nodes_before}->{t.nodes_after}"
+                lines.append(f"{t.function[:28]:<28} {t.status[:24]:<24} {nodes:>13} "
+                             f"{t.seconds:>10.3f}")
+        if self.patterns:
+            lines.append("")
+            lines.append(f"{'pattern':<14} {'matched':>8} {'fused':>6} {'declined':>9}")
+            for name, s in self.patterns.items():
+                lines.append(f"{name:<14} {s.matched:>8} {s.fused:>6} "
+                             f"{sum(s.declined.values()):>9}")
+                for kind, n in sorted(s.fused_kinds.items()):
+                    lines.append(f"  fused     {n:>4} x {kind}")
+                for why, n in sorted(s.partial.items()):
+                    lines.append(f"  partial   {n:>4} x {why}")
+                for why, n in sorted(s.declined.items()):
+                    lines.append(f"  declined  {n:>4} x {why}")
+                for err in s.errors:
+                    lines.append(f"  undone    {err}")
+        before, after = self.op_histogram()
+        changed = [op for op in sorted(set(before) | set(after)) if before[op] != after[op]]
+        if changed:
+            lines.append("")
+            lines.append(f"{'op':<32} {'before':>7} {'after':>7}")
+            for op in changed:
+                lines.append(f"{op:<32} {before[op]:>7} {after[op]:>7}")
+        for t in self.traces:
+            for err in t.errors:
+                lines.append(f"note: {t.function}: {err}")
+        for text in self.notes:
+            lines.append(f"note: {text}")
+        return "\n".join(lines)
+
+    def export_graphs(self, logdir: str | os.PathLike) -> list[Path]:
+        """Write each kept trace's graph before and after, for TensorBoard and as text.
+
+        Layout: ``logdir/<n>_<function>/before`` and ``/after`` hold TensorBoard event files
+        (``tensorboard --logdir LOGDIR``, Graphs tab), beside ``before.pbtxt``/``after.pbtxt``.
+        Returns the directories written.
+        """
+        import tensorflow as tf
+
+        root = Path(logdir)
+        written = []
+        for i, t in enumerate(self.traces):
+            if t.graph_before is None:
+                continue
+            base = root / f"{i:02d}_{t.function.replace('/', '_')}"
+            for label, g in (("before", t.graph_before), ("after", t.graph_after)):
+                if g is None:
+                    continue
+                (base / label).mkdir(parents=True, exist_ok=True)
+                writer = tf.summary.create_file_writer(str(base / label))
+                with writer.as_default():
+                    tf.summary.graph(g)
+                writer.close()
+                (base / f"{label}.pbtxt").write_text(str(g))
+            written.append(base)
+        return written
+
+
+def histogram(graph_def: graph_pb2.GraphDef) -> collections.Counter:
+    """Op histogram over a GraphDef and its function library."""
+    return op_histogram(graph_def)
