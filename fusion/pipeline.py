@@ -28,7 +28,7 @@ import itertools
 import time
 from collections.abc import Iterable
 
-from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2
+from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2, node_def_pb2
 
 from fusion.graph import FunctionBody, GraphView
 from fusion.pattern import Pattern, PatternStats, RewriteContext, Target, resolve
@@ -73,7 +73,7 @@ def _run_pattern(
             raise RuntimeError(f"rewrite left inputs pointing nowhere: {dangling[:3]}")
     except Exception as exc:  # noqa: BLE001 - any failure must leave the graph as it was
         restored = GraphView(
-            (graph_pb2.NodeDef.FromString(b) for b in snapshot), protected=view.protected
+            (node_def_pb2.NodeDef.FromString(b) for b in snapshot), protected=view.protected
         )
         total.errors.append(f"{where}: {type(exc).__name__}: {exc}")
         return restored

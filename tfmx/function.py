@@ -164,7 +164,7 @@ def build_entry(concrete: Any, opts: state.Options, name: str) -> _Entry:
             f"tfmx could not rewrite {name!r} ({type(exc).__name__}: {exc}); it runs unfused. "
             "tfmx.report() has the details.",
         )
-    for err in rec.errors:
+    for err in rec.errors if entry.fused is not concrete or rec.status == "unchanged" else ():
         state.warn_once(f"err:{err}", f"tfmx left part of {name!r} unfused: {err}")
     if rec.status == "unchanged":
         rec.ops_after, rec.nodes_after = rec.ops_before, rec.nodes_before
