@@ -175,7 +175,7 @@ def onednn_enabled() -> bool:
     return bool(_pywrap_util_port.IsMklEnabled())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _present_backends() -> frozenset[str]:
     import tensorflow as tf
 

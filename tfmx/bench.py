@@ -31,8 +31,8 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 

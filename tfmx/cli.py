@@ -1,0 +1,137 @@
+"""The ``tfmx`` command (also ``python -m tfmx``).
+
+Subcommands::
+
+    tfmx bench [--model M [M ...]] [--rounds N] [--steps N] [--batch-size B]
+               [--modes stock tfmx xla] [--output FILE.md]
+    tfmx recipe NAME [recipe args...]      # e.g. tfmx recipe small_cnn --quick
+    tfmx backends [--json]                 # what each backend fuses
+
+Example:
+    >>> from tfmx.cli import main
+    >>> main(["recipe", "no_such_recipe"])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    SystemExit: tfmx recipe: unknown recipe 'no_such_recipe'; available: small_cnn...
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+
+def _parser() -> argparse.ArgumentParser:
+    from tfmx.bench import MODES, WORKLOADS
+
+    parser = argparse.ArgumentParser(
+        prog="tfmx", description="tfmx: graph-rewrite fusion for Keras 3 on TensorFlow."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    bench = sub.add_parser(
+        "bench", help="time stock vs tfmx vs XLA training steps, interleaved",
+        description="Time one training step stock, with tfmx and with XLA (jit_compile=True), "
+                    "interleaved in one process, warm-up excluded; print a markdown table.",
+    )
+    bench.add_argument("--model", nargs="+", default=["small_cnn"], choices=sorted(WORKLOADS),
+                       metavar="M", help=f"workload(s): {', '.join(WORKLOADS)} "
+                                         "(default small_cnn)")
+    bench.add_argument("--rounds", type=int, default=None,
+                       help="interleaved rounds (default: per workload)")
+    bench.add_argument("--steps", type=int, default=None,
+                       help="steps per mode per round (default: per workload)")
+    bench.add_argument("--batch-size", type=int, default=None,
+                       help="batch size (default: per workload)")
+    bench.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, metavar="MODE",
+                       help="modes to run (default: stock tfmx xla)")
+    bench.add_argument("--warmup", type=int, default=2, help="untimed calls per mode (default 2)")
+    bench.add_argument("--backend", default=None, help="tfmx backend (default: detect)")
+    bench.add_argument("--output", metavar="FILE.md", default=None,
+                       help="also append the table to this markdown file (created if missing)")
+    bench.add_argument("--json", action="store_true", help="print the raw numbers as JSON too")
+
+    recipe = sub.add_parser(
+        "recipe", help="run a training recipe: tfmx recipe NAME [args...]",
+        description="Run recipes.NAME's main with the remaining arguments.",
+    )
+    recipe.add_argument("name", help="recipe name (see recipes/)")
+    recipe.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the recipe")
+
+    backends = sub.add_parser("backends", help="what each backend fuses")
+    backends.add_argument("--json", action="store_true", help="print as JSON")
+    return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from tfmx.bench import format_markdown, run_benchmark
+
+    results = []
+    for name in args.model:
+        print(f"benchmarking {name} ({', '.join(args.modes)}) ...", file=sys.stderr, flush=True)
+        results.append(run_benchmark(
+            name, rounds=args.rounds, steps=args.steps, modes=tuple(args.modes),
+            batch_size=args.batch_size, warmup=args.warmup, backend=args.backend,
+        ))
+    table = format_markdown(results)
+    print(table)
+    if args.json:
+        print(json.dumps(results, indent=2, default=str))
+    if args.output:
+        existing = os.path.exists(args.output) and os.path.getsize(args.output) > 0
+        with open(args.output, "a") as f:
+            f.write(("\n" if existing else "") + table)
+        print(f"{'appended to' if existing else 'wrote'} {args.output}", file=sys.stderr)
+    return 0
+
+
+def _recipe(args: argparse.Namespace) -> int:
+    import recipes
+
+    names = recipes.available()
+    if args.name not in names:
+        raise SystemExit(f"tfmx recipe: unknown recipe {args.name!r}; available: "
+                         f"{', '.join(names) or '(none)'}")
+    module = importlib.import_module(f"recipes.{args.name}")
+    module.main(list(args.args))
+    return 0
+
+
+def _backends(args: argparse.Namespace) -> int:
+    from tfmx.backends import BACKEND_NAMES, get_backend
+
+    described = [get_backend(name).describe() for name in BACKEND_NAMES]
+    if args.json:
+        print(json.dumps(described, indent=2))
+        return 0
+    for d in described:
+        here = "available here" if d["available_here"] else "not on this machine: plan only"
+        print(f"{d['name']}: {d['description']} ({here})")
+        for op, by_dtype in d["contractions"].items():
+            for dtype, chains in by_dtype.items():
+                print(f"  _Fused{op} {dtype}: {', '.join(chains)}")
+        for note in d["notes"]:
+            print(f"  note: {note}")
+        print()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tfmx`` console script; returns the exit status.
+
+    >>> main(["backends"])  # doctest: +ELLIPSIS
+    cpu: ...
+    0
+    """
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    handler = {"bench": _bench, "recipe": _recipe, "backends": _backends}[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
