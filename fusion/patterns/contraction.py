@@ -38,12 +38,19 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import op_def_registry
 
 from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, output_shape, parse_input
+from fusion.match import (
+    blocker,
+    consumer,
+    dtype_name,
+    is_scalar_const,
+    other_input,
+    same_shape,
+    set_list_s,
+    sole_consumer,
+)
 from fusion.pattern import RewriteContext, Target, register
 
 FUSED_OP = {
@@ -88,83 +95,24 @@ class ContractionMatch:
         return self.nodes[-1]
 
 
-def _dtype(node: NodeDef) -> str:
-    return tf.dtypes.as_dtype(node.attr["T"].type).name
-
-
-def _const_value(view: GraphView, ref: str) -> np.ndarray | None:
-    node = view.node(ref)
-    if node is None or node.op != "Const":
-        return None
-    return tf.make_ndarray(node.attr["value"].tensor)
-
-
-def _is_scalar_const(view: GraphView, ref: str, value: float, tol: float = 1e-6) -> bool:
-    arr = _const_value(view, ref)
-    return arr is not None and arr.size == 1 and abs(float(arr.reshape(())) - value) <= tol
-
-
-def _outside_consumers(view: GraphView, node: NodeDef, inside: set[str]) -> list[NodeDef]:
-    """Data consumers of ``node`` that are not in ``inside`` and read more than its shape."""
-    return [
-        c
-        for c in view.consumers(node.name)
-        if c.name not in inside and c.op not in SHAPE_ONLY_OPS
-    ]
-
-
-def _blocker(view: GraphView, node: NodeDef, inside: set[str]) -> str | None:
-    """Why ``node`` cannot be swallowed by a chain whose nodes are ``inside``, or None."""
-    if node.name in view.protected:
-        return f"{node.op} output is fetched by the function"
-    if view.has_control_edges(node):
-        return f"{node.op} has a control edge"
-    others = _outside_consumers(view, node, inside)
-    if others:
-        ops = sorted({c.op for c in others})
-        return f"{node.op} output also feeds {', '.join(ops)}"
-    if any(p != 0 for _, _, p, ctl in view.consumer_edges(node.name) if not ctl):
-        return f"{node.op} has consumers of other outputs"
-    return None
-
-
-def _sole_consumer(view: GraphView, node: NodeDef) -> NodeDef | None:
-    data = [c for c in view.consumers(node.name) if c.op not in SHAPE_ONLY_OPS]
-    return data[0] if len(data) == 1 else None
-
-
-def _same_shape(a: tuple | None, b: tuple | None) -> bool:
-    return a is not None and b is not None and a == b and len(a) > 0
-
-
-def _consumer(view: GraphView, node: NodeDef, op: str) -> NodeDef | None:
-    found = [c for c in view.consumers(node.name) if c.op == op]
-    return found[0] if len(found) == 1 else None
-
-
-def _other_input(view: GraphView, node: NodeDef, known: NodeDef) -> str | None:
-    other = [i for i in view.data_inputs(node) if parse_input(i)[0] != known.name]
-    return other[0] if len(other) == 1 else None
-
-
 def _match_gelu_exact(view: GraphView, x: NodeDef) -> tuple[NodeDef, ...] | None:
     """tf.nn.gelu(approximate=False): 0.5 * x * erfc(-x * 0.70710678), found by structure.
 
     Extra consumers of the interior nodes (a gradient) do not stop the match; they are what
     keeps it from being fused, and the caller says so.
     """
-    neg, half = _consumer(view, x, "Neg"), _consumer(view, x, "Mul")
+    neg, half = consumer(view, x, "Neg"), consumer(view, x, "Mul")
     if neg is None or half is None:
         return None
-    const = _other_input(view, half, x)
-    if const is None or not _is_scalar_const(view, const, 0.5):
+    const = other_input(view, half, x)
+    if const is None or not is_scalar_const(view, const, 0.5):
         return None
-    scale = _consumer(view, neg, "Mul")
-    const = None if scale is None else _other_input(view, scale, neg)
-    if const is None or not _is_scalar_const(view, const, 0.7071067811865476):
+    scale = consumer(view, neg, "Mul")
+    const = None if scale is None else other_input(view, scale, neg)
+    if const is None or not is_scalar_const(view, const, 0.7071067811865476):
         return None
-    erfc = _consumer(view, scale, "Erfc")
-    out = None if erfc is None else _consumer(view, erfc, "Mul")
+    erfc = consumer(view, scale, "Erfc")
+    out = None if erfc is None else consumer(view, erfc, "Mul")
     if out is None or {parse_input(i)[0] for i in view.data_inputs(out)} != {half.name, erfc.name}:
         return None
     return (neg, scale, erfc, half, out)
@@ -205,13 +153,13 @@ def find_contractions(
         bias = next((c for c in consumers if c.op == "BiasAdd"), None)
         if bias is None or parse_input(bias.input[0])[0] != node.name:
             continue  # not a candidate: no bias follows (e.g. a gradient matmul)
-        op, dtype = node.op, _dtype(node)
+        op, dtype = node.op, dtype_name(node)
         if not _support(target, op, dtype, ("BiasAdd",)):
             declined.append(f"{op}: {target.name} runs no fused {op} in {dtype}")
             continue
         why = _contraction_blocker(view, node, bias, target)
         if why is None:
-            why = _blocker(view, node, {bias.name})
+            why = blocker(view, node, {bias.name})
         if why is None and view.has_control_edges(bias):
             why = "BiasAdd has a control edge"
         if why is not None:
@@ -252,17 +200,17 @@ def _extend(
     """Grow ``match`` past BiasAdd with a residual Add and an activation where allowed."""
     inside = {n.name for n in match.nodes}
     tail = match.bias_add
-    nxt = _sole_consumer(view, tail)
+    nxt = sole_consumer(view, tail)
     if nxt is not None and nxt.op in ADD_OPS:
         inputs = view.data_inputs(nxt)
         others = [i for i in inputs if parse_input(i)[0] != tail.name]
         if len(inputs) == 2 and len(others) == 1:
             addend = others[0]
             producer = view.node(addend)
-            shape_ok = producer is not None and _same_shape(
+            shape_ok = producer is not None and same_shape(
                 output_shape(producer, parse_input(addend)[1]), output_shape(tail)
             )
-            why = _blocker(view, tail, inside | {nxt.name})
+            why = blocker(view, tail, inside | {nxt.name})
             if not shape_ok:
                 match.partial = "residual Add left apart: addend shape differs or is unknown"
             elif why is not None:
@@ -285,10 +233,10 @@ def _extend(
             f"{act} left apart: {target.name} runs no fused {op} with {', '.join(candidate)}"
         )
         return
-    why = _blocker(view, tail, inside | {n.name for n in act_nodes})
+    why = blocker(view, tail, inside | {n.name for n in act_nodes})
     if why is None:
         for interior in act_nodes[:-1]:
-            why = _blocker(view, interior, inside | {n.name for n in act_nodes})
+            why = blocker(view, interior, inside | {n.name for n in act_nodes})
             if why:
                 break
     if why is not None:
@@ -298,10 +246,6 @@ def _extend(
         match.partial = match.partial or f"{act} left apart: it has a control edge"
         return
     match.activation, match.activation_nodes = act, act_nodes
-
-
-def _set_list_s(attr: attr_value_pb2.AttrValue, values: tuple[str, ...]) -> None:
-    attr.list.s.extend(v.encode() for v in values)
 
 
 def rewrite_contraction(view: GraphView, match: ContractionMatch) -> NodeDef:
@@ -317,7 +261,7 @@ def rewrite_contraction(view: GraphView, match: ContractionMatch) -> NodeDef:
         if key in allowed:
             fused.attr[key].CopyFrom(value)
     fused.attr["num_args"].i = len(args)
-    _set_list_s(fused.attr["fused_ops"], match.fused_ops)
+    set_list_s(fused.attr["fused_ops"], match.fused_ops)
     if "TArgs" in allowed:
         fused.attr["TArgs"].list.type.extend([c.attr["T"].type] * len(args))
     if "num_host_args" in allowed:
@@ -332,9 +276,9 @@ def rewrite_contraction(view: GraphView, match: ContractionMatch) -> NodeDef:
 
     inner = [n for n in match.nodes if n is not tail]
     for node in inner:  # shape-only readers of an intermediate read the fused output instead
-        for consumer, index, _, control in view.consumer_edges(node.name):
-            if not control and consumer.op in SHAPE_ONLY_OPS:
-                view.replace_input(consumer, index, tail.name)
+        for reader, index, _, control in view.consumer_edges(node.name):
+            if not control and reader.op in SHAPE_ONLY_OPS:
+                view.replace_input(reader, index, tail.name)
     for node in inner:
         view.remove(node.name)
     view.replace(tail.name, fused)
