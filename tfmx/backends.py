@@ -93,7 +93,9 @@ _ACTS_BASIC = ("Relu", "Relu6", "Elu", "LeakyRelu")
 def _cpu(onednn: bool) -> Backend:
     # Read off the kernels (TF 2.21, x86-64) by running every fused_ops list in every dtype
     # against the composite ops; tests/test_backends.py runs each entry again.
-    conv = _chains(*_with_acts(("BiasAdd",), _ACTS_BASIC))
+    conv = _chains(
+        *_with_acts(("BiasAdd",), _ACTS_BASIC), *_with_acts(("FusedBatchNorm",), _ACTS_BASIC)
+    )
     matmul = _chains(*_with_acts(("BiasAdd",), (*_ACTS_BASIC, "Tanh", "Sigmoid")))
     contractions = {
         "Conv2D": {"float32": conv},

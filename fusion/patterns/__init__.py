@@ -6,4 +6,7 @@
 ['contraction']
 """
 
-from fusion.patterns import contraction  # noqa: F401  (registers "contraction")
+from fusion.patterns import (
+    contraction,  # noqa: F401  (registers "contraction")
+    conv_bn_fold,  # noqa: F401  (registers "conv_bn_fold")
+)

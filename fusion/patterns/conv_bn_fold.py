@@ -1,0 +1,198 @@
+"""Inference Conv2D + BatchNormalization (+ activation) -> one ``_FusedConv2D``.
+
+Keras 3's BatchNormalization in an inference graph is ``tf.nn.batch_normalization`` on the
+moving statistics, composite::
+
+    inv  = Rsqrt(AddV2(variance, epsilon)) * gamma
+    out  = AddV2(Mul(conv, inv), Sub(beta, Mul(mean, inv)))
+
+:func:`find_conv_bn` records the convolution, that subgraph and an optional activation in a
+:class:`ConvBatchNormMatch`; :func:`rewrite_conv_bn` writes ``_FusedConv2D`` with
+``fused_ops=["FusedBatchNorm"(, activation)]``, ``num_args=4`` (gamma, beta, mean, variance) and
+``epsilon``. Training graphs never match: there the statistics are the batch's own moments.
+
+Example:
+    >>> import tensorflow as tf, keras
+    >>> from fusion.graph import GraphView
+    >>> from fusion.patterns.conv_bn_fold import find_conv_bn
+    >>> from tfmx.backends import get_backend
+    >>> inp = keras.Input((6, 6, 3))
+    >>> out = keras.layers.BatchNormalization()(keras.layers.Conv2D(4, 3, use_bias=False)(inp))
+    >>> m = keras.Model(inp, out)
+    >>> g = tf.function(m.predict_step, autograph=False).get_concrete_function(
+    ...     tf.TensorSpec([None, 6, 6, 3])).graph.as_graph_def(add_shapes=True)
+    >>> matches, declined = find_conv_bn(GraphView(g.node), get_backend("cpu"))
+    >>> [round(match.epsilon, 4) for match in matches]
+    [0.001]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tensorflow.python.framework import op_def_registry
+
+from fusion.graph import GraphView, NodeDef, output_shape, parse_input
+from fusion.match import blocker, const_value, consumer, dtype_name, other_input, set_list_s
+from fusion.pattern import RewriteContext, Target, register
+
+ACTIVATIONS = ("Relu", "Relu6", "Elu", "LeakyRelu")
+
+
+@dataclasses.dataclass
+class ConvBatchNormMatch:
+    """Conv2D -> composite inference batch norm [-> activation]."""
+
+    conv: NodeDef
+    interior: tuple[NodeDef, ...]  # the batch-norm nodes, last is the output AddV2
+    gamma: str
+    beta: str
+    mean: str
+    variance: str
+    epsilon: float
+    activation: NodeDef | None = None
+
+    @property
+    def tail(self) -> NodeDef:
+        return self.activation or self.interior[-1]
+
+    @property
+    def fused_ops(self) -> tuple[str, ...]:
+        return ("FusedBatchNorm",) + ((self.activation.op,) if self.activation else ())
+
+
+def _vector(view: GraphView, ref: str, channels: int | None) -> bool:
+    node = view.node(ref)
+    shape = None if node is None else output_shape(node, parse_input(ref)[1])
+    return shape is not None and len(shape) == 1 and (channels is None or shape[0] == channels)
+
+
+def _match_at(view: GraphView, conv: NodeDef) -> ConvBatchNormMatch | None:
+    """The batch-norm subgraph applied to ``conv``'s output, by structure; None if absent."""
+    scale_mul = consumer(view, conv, "Mul")
+    inv_ref = None if scale_mul is None else other_input(view, scale_mul, conv)
+    inv = None if inv_ref is None else view.node(inv_ref)
+    if inv is None or inv.op != "Mul":
+        return None
+    rsqrt = next((view.node(i) for i in view.data_inputs(inv)
+                  if view.node(i) is not None and view.node(i).op == "Rsqrt"), None)
+    if rsqrt is None:
+        return None
+    gamma = other_input(view, inv, rsqrt)
+    var_add = view.node(rsqrt.input[0])
+    if gamma is None or var_add is None or var_add.op not in ("AddV2", "Add"):
+        return None
+    variance, eps = None, None
+    for ref in view.data_inputs(var_add):
+        value = const_value(view, ref)
+        if value is not None and value.size == 1:
+            eps = float(value.reshape(()))
+        else:
+            variance = ref
+    out = consumer(view, scale_mul, "AddV2")
+    shift_ref = None if out is None else other_input(view, out, scale_mul)
+    shift = None if shift_ref is None else view.node(shift_ref)
+    if variance is None or eps is None or shift is None or shift.op != "Sub":
+        return None
+    beta, mean_mul_ref = view.data_inputs(shift)
+    mean_mul = view.node(mean_mul_ref)
+    if mean_mul is None or mean_mul.op != "Mul":
+        return None
+    mean = other_input(view, mean_mul, inv)
+    if mean is None:
+        return None
+    return ConvBatchNormMatch(
+        conv=conv,
+        interior=(scale_mul, var_add, rsqrt, inv, mean_mul, shift, out),
+        gamma=gamma, beta=beta, mean=mean, variance=variance, epsilon=eps,
+    )
+
+
+def find_conv_bn(
+    view: GraphView, target: Target
+) -> tuple[list[ConvBatchNormMatch], list[str]]:
+    """Every Conv2D + inference batch norm in ``view`` that ``target`` can fold, and declines."""
+    matches, declined = [], []
+    for conv in view.nodes():
+        if conv.op != "Conv2D":
+            continue
+        match = _match_at(view, conv)
+        if match is None:
+            continue
+        dtype = dtype_name(conv)
+        fmt = conv.attr["data_format"].s.decode()
+        channels = (output_shape(conv) or (None,))[-1] if fmt == "NHWC" else None
+        if not target.contraction_support("Conv2D", dtype, ("FusedBatchNorm",)):
+            declined.append(f"Conv2D+BatchNorm: {target.name} runs no fused batch norm "
+                            f"in {dtype}")
+            continue
+        if fmt != "NHWC" or not all(
+            _vector(view, r, channels) for r in (match.gamma, match.beta, match.mean,
+                                                 match.variance)
+        ):
+            declined.append("Conv2D+BatchNorm: statistics are not per-channel vectors of an "
+                            "NHWC convolution")
+            continue
+        inside = {n.name for n in (conv, *match.interior)}
+        why = blocker(view, conv, inside)
+        for node in match.interior[:-1]:
+            why = why or blocker(view, node, inside)
+        why = why or ("BatchNorm output has a control edge"
+                      if view.has_control_edges(match.interior[-1]) else None)
+        if why is not None:
+            declined.append(f"Conv2D+BatchNorm: {why}")
+            continue
+        act = consumer(view, match.interior[-1], "Relu") or next(
+            (c for c in view.consumers(match.interior[-1].name) if c.op in ACTIVATIONS), None)
+        if act is not None and target.contraction_support(
+            "Conv2D", dtype, ("FusedBatchNorm", act.op)
+        ) and blocker(view, match.interior[-1], inside | {act.name}) is None \
+                and not view.has_control_edges(act):
+            match.activation = act
+        matches.append(match)
+    return matches, declined
+
+
+def rewrite_conv_bn(view: GraphView, match: ConvBatchNormMatch) -> NodeDef:
+    """Replace the convolution and batch norm with one ``_FusedConv2D`` named like the tail."""
+    conv, tail = match.conv, match.tail
+    op_def = op_def_registry.get("_FusedConv2D")
+    fused = NodeDef(name=tail.name, op="_FusedConv2D", device=conv.device)
+    fused.input.extend([conv.input[0], conv.input[1], match.gamma, match.beta, match.mean,
+                        match.variance])
+    allowed = {a.name for a in op_def.attr}
+    for key, value in conv.attr.items():
+        if key in allowed:
+            fused.attr[key].CopyFrom(value)
+    fused.attr["num_args"].i = 4
+    fused.attr["TArgs"].list.type.extend([conv.attr["T"].type] * 4)
+    fused.attr["num_host_args"].i = 0
+    fused.attr["epsilon"].f = match.epsilon
+    set_list_s(fused.attr["fused_ops"], match.fused_ops)
+    if match.activation is not None and match.activation.op == "LeakyRelu":
+        fused.attr["leakyrelu_alpha"].f = match.activation.attr["alpha"].f
+    for attr in op_def.attr:
+        if attr.name not in fused.attr and attr.HasField("default_value"):
+            fused.attr[attr.name].CopyFrom(attr.default_value)
+    if "_output_shapes" in tail.attr:
+        fused.attr["_output_shapes"].CopyFrom(tail.attr["_output_shapes"])
+    for node in (conv, *match.interior):
+        if node is not tail:
+            view.remove(node.name)
+    view.replace(tail.name, fused)
+    return fused
+
+
+@register(
+    "conv_bn_fold",
+    "inference Conv2D + BatchNormalization (+ activation) -> _FusedConv2D(FusedBatchNorm)",
+)
+def conv_bn_fold_pass(view: GraphView, ctx: RewriteContext) -> None:
+    """Fold every inference batch norm that follows a Conv2D into the convolution."""
+    matches, declined = find_conv_bn(view, ctx.target)
+    ctx.stats.matched += len(matches) + len(declined)
+    for reason in declined:
+        ctx.stats.decline(reason)
+    for match in matches:
+        rewrite_conv_bn(view, match)
+        ctx.stats.fuse(f"_FusedConv2D({', '.join(match.fused_ops)})")
