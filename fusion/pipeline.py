@@ -139,13 +139,15 @@ def rewrite(
     out.CopyFrom(graph_def)
 
     view = GraphView(out.node, protected=protected)
-    view, main_changed = _run_patterns(selected, view, target, set(), stats, "main graph")
-    if main_changed:
-        rebuilt = graph_pb2.GraphDef()
-        rebuilt.versions.CopyFrom(out.versions)
-        rebuilt.node.extend(view.nodes())
-        rebuilt.library.CopyFrom(out.library)
-        out = rebuilt
+    view, _ = _run_patterns(selected, view, target, set(), stats, "main graph")
+    # Always take the view's nodes: a pass that failed after editing a node in place was
+    # undone in the view (restored from its snapshot), not in ``out``.
+    rebuilt = graph_pb2.GraphDef()
+    rebuilt.node.extend(view.nodes())
+    for field in ("versions", "library", "debug_info"):
+        if out.HasField(field):
+            getattr(rebuilt, field).CopyFrom(getattr(out, field))
+    out = rebuilt
 
     library = {f.signature.name: f for f in out.library.function}
     new_bodies: dict[str, function_pb2.FunctionDef] = {}

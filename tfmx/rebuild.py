@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
+from tensorflow.python.eager import context
 from tensorflow.python.eager.polymorphic_function import concrete_function as cf_lib
 from tensorflow.python.framework import func_graph as func_graph_lib
 from tensorflow.python.framework import importer
@@ -31,6 +32,14 @@ def _strip(graph_def: graph_pb2.GraphDef, names: set[str]) -> graph_pb2.GraphDef
     out.library.CopyFrom(graph_def.library)
     out.node.extend(n for n in graph_def.node if n.name not in names)
     return out
+
+
+def _register_library(graph_def: graph_pb2.GraphDef) -> None:
+    """Make the (renamed, rewritten) library functions known to the eager runtime."""
+    ctx = context.context()
+    for fdef in graph_def.library.function:
+        if not ctx.has_function(fdef.signature.name):
+            ctx.add_function_def(fdef)
 
 
 def protected_names(concrete: tf.types.experimental.ConcreteFunction) -> set[str]:
@@ -54,6 +63,7 @@ def rebuild(
     (a symbolic tensor of another graph).
     """
     old = concrete.graph
+    _register_library(graph_def)
     captures = list(old.captures)
     for external, _ in captures:
         if not isinstance(external, tf.Tensor) or (

@@ -1,0 +1,269 @@
+"""tfmx.backends: the cpu table runs on this machine and matches the composite ops; the metal
+plan only uses what the plugin runs; backend names and detection."""
+
+import json
+import os
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+
+import fusion
+from tfmx.backends import BACKEND_NAMES, _cpu, detect, get_backend, metal_kernels, onednn_enabled
+from tfmx.rebuild import protected_names
+
+ALPHA = 0.3
+EPSILON = 0.001
+NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+FUSED_OP = {"Conv2D": "_FusedConv2D", "MatMul": "_FusedMatMul",
+            "DepthwiseConv2dNative": "_FusedDepthwiseConv2dNative"}
+METAL_FUSED_OPS = {("BiasAdd",)} | {("BiasAdd", a) for a in ("Relu", "Relu6", "Elu", "LeakyRelu")}
+METAL_DTYPES = {tf.float32.as_datatype_enum, tf.float16.as_datatype_enum,
+                tf.bfloat16.as_datatype_enum}
+
+
+# -- (a) every cpu table entry runs and matches the composite ops ------------------------------
+def _entries(backend):
+    return sorted(
+        (op, dtype, chain)
+        for op, by_dtype in backend.contractions.items()
+        for dtype, chains in by_dtype.items()
+        for chain in chains
+    )
+
+
+def _activation(x, name):
+    return {
+        None: lambda v: v,
+        "Relu": tf.nn.relu,
+        "Relu6": tf.nn.relu6,
+        "Elu": tf.nn.elu,
+        "LeakyRelu": lambda v: tf.nn.leaky_relu(v, ALPHA),
+        "Tanh": tf.nn.tanh,
+        "Sigmoid": tf.nn.sigmoid,
+        "GeluExact": lambda v: tf.nn.gelu(v, approximate=False),
+        "GeluApproximate": lambda v: tf.nn.gelu(v, approximate=True),
+    }[name](x)
+
+
+def run_entry(op, dtype, chain, seed=0):
+    """Run one fused node (Placeholder inputs, tf.compat.v1.Session) and the composite ops
+    (eager, float32, from the same dtype-rounded inputs); return (error, tolerance)."""
+    rng = np.random.default_rng(seed)
+    npdt = NP_DTYPES[dtype]
+    tfdt = tf.as_dtype(dtype)
+
+    def rnd(*shape, scale=1.0):
+        return (rng.standard_normal(shape) * scale).astype(np.float32).astype(npdt)
+
+    if op == "MatMul":
+        ins = {"a": rnd(2, 5, scale=1.5), "b": rnd(5, 3, scale=1.5)}
+        core = tf.matmul(*(tf.constant(v.astype(np.float32)) for v in ins.values()))
+    else:
+        depthwise = op == "DepthwiseConv2dNative"
+        ins = {"x": rnd(1, 5, 5, 2), "f": rnd(3, 3, 2, 2 if depthwise else 3)}
+        x, f = (tf.constant(v.astype(np.float32)) for v in ins.values())
+        core = (tf.nn.depthwise_conv2d(x, f, [1, 1, 1, 1], "SAME") if depthwise
+                else tf.nn.conv2d(x, f, 1, "SAME"))
+    channels = core.shape[-1]
+    if chain[0] == "FusedBatchNorm":  # args: scale, offset, mean, variance
+        args = {"scale": rnd(channels), "offset": rnd(channels), "mean": rnd(channels),
+                "variance": np.abs(rnd(channels)) + npdt(0.5)}
+        s, o, m, v = (a.astype(np.float32) for a in args.values())
+        pre = (core - m) * tf.math.rsqrt(v + EPSILON) * s + o
+    else:
+        args = {"bias": rnd(channels, scale=2.0)}
+        if "Add" in chain:
+            args["addend"] = rnd(*core.shape, scale=2.0)
+        pre = tf.nn.bias_add(core, args["bias"].astype(np.float32))
+        if "Add" in chain:
+            pre = pre + args["addend"].astype(np.float32)
+    act = chain[-1] if chain[-1] not in ("BiasAdd", "Add", "FusedBatchNorm") else None
+    ref = _activation(pre, act).numpy().astype(np.float64)
+
+    g = graph_pb2.GraphDef()
+    for name, value in {**ins, **args}.items():
+        ph = g.node.add(name=name, op="Placeholder")
+        ph.attr["dtype"].type = tfdt.as_datatype_enum
+        ph.attr["shape"].shape.CopyFrom(tf.TensorShape(value.shape).as_proto())
+    node = g.node.add(name="fused", op=FUSED_OP[op], input=[*ins, *args])
+    node.attr["T"].type = tfdt.as_datatype_enum
+    node.attr["num_args"].i = len(args)
+    node.attr["fused_ops"].list.s.extend(s.encode() for s in chain)
+    node.attr["leakyrelu_alpha"].f = ALPHA
+    node.attr["epsilon"].f = EPSILON
+    if op != "MatMul":
+        node.attr["strides"].list.i.extend([1, 1, 1, 1])
+        node.attr["padding"].s = b"SAME"
+    if op == "Conv2D":
+        node.attr["TArgs"].list.type.extend([tfdt.as_datatype_enum] * len(args))
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.import_graph_def(g, name="")
+        with tf.compat.v1.Session(graph=graph) as sess:
+            out = sess.run("fused:0", {f"{k}:0": v for k, v in {**ins, **args}.items()})
+    assert out.shape == ref.shape
+    # Normalised by the pre-activation scale too: 16-bit rounding of a pre-activation of ~10
+    # must not look like a bug next to a bounded output (tanh, sigmoid).
+    scale = max(np.abs(ref).max(), np.abs(pre.numpy()).max(), 1e-30)
+    err = float(np.abs(out.astype(np.float64) - ref).max() / scale)
+    return err, (1e-5 if dtype == "float32" else 2e-2)
+
+
+@pytest.mark.parametrize("op, dtype, chain", _entries(get_backend("cpu")),
+                         ids=lambda v: "+".join(v) if isinstance(v, tuple) else v)
+def test_live_cpu_table_entry_runs_and_matches(op, dtype, chain):
+    err, tol = run_entry(op, dtype, chain)
+    assert err <= tol
+
+
+@pytest.mark.skipif(onednn_enabled(), reason="these run with oneDNN on")
+@pytest.mark.parametrize(
+    "op, chain",
+    [("Conv2D", ("BiasAdd", "Tanh")), ("Conv2D", ("BiasAdd", "Add", "Relu")),
+     ("MatMul", ("BiasAdd", "GeluExact")), ("DepthwiseConv2dNative", ("BiasAdd", "Relu"))],
+)
+def test_entries_left_out_of_the_live_table_do_not_run(op, chain, cpu):
+    assert not cpu.contraction_support(op, "float32", chain)
+    with pytest.raises(tf.errors.OpError):
+        run_entry(op, "float32", chain)
+
+
+def test_onednn_table_entries_run_in_subprocess():
+    """The oneDNN-on table, each entry run in one child process with TF_ENABLE_ONEDNN_OPTS=1."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = (
+        "import json, sys; sys.path.insert(0, HERE)\n"
+        "import test_backends as t\n"
+        "from tfmx.backends import _cpu, onednn_enabled\n"
+        "out = {'onednn': onednn_enabled(), 'bad': []}\n"
+        "for op, dtype, chain in t._entries(_cpu(True)):\n"
+        "    try:\n"
+        "        err, tol = t.run_entry(op, dtype, chain)\n"
+        "        ok = err <= tol\n"
+        "    except Exception as exc:\n"
+        "        ok, err = False, type(exc).__name__\n"
+        "    if not ok:\n"
+        "        out['bad'].append([op, dtype, list(chain), err])\n"
+        "print('RESULT' + json.dumps(out))\n"
+    ).replace("HERE", repr(here))
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1", TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))[6:])
+    if not out["onednn"]:
+        pytest.skip("TF_ENABLE_ONEDNN_OPTS=1 did not turn oneDNN on")
+    assert out["bad"] == []
+
+
+# -- (b) the metal plan ------------------------------------------------------------------------
+def _all_nodes(graph_def):
+    yield from graph_def.node
+    for fdef in graph_def.library.function:
+        yield from fdef.node_def
+
+
+@pytest.fixture(scope="module")
+def metal_plan():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((6, 6, 2)),
+        keras.layers.Conv2D(3, 3, activation="relu"),
+        keras.layers.DepthwiseConv2D(3, activation="relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(4, activation="relu"),
+        keras.layers.Dense(2),
+    ])
+    model.compile(optimizer="sgd", loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    data = (tf.zeros([2, 6, 6, 2]), tf.zeros([2, 2]))
+    concrete = tf.function(model.train_step, autograph=False).get_concrete_function(data)
+    graph_def = concrete.graph.as_graph_def(add_shapes=True)
+    result = fusion.rewrite(graph_def, get_backend("metal"), protected=protected_names(concrete))
+    return graph_def, result
+
+
+def test_metal_plan_uses_only_plugin_kernels(metal_plan):
+    _, result = metal_plan
+    kernels = metal_kernels()
+    fused = [n for n in _all_nodes(result.graph_def) if n.op.startswith("_Fused")]
+    assert sorted(n.op for n in fused) == ["_FusedConv2D", "_FusedMatMul", "_FusedMatMul"]
+    for node in fused:
+        assert node.op in kernels, node.op
+        chain = tuple(s.decode() for s in node.attr["fused_ops"].list.s)
+        assert chain in METAL_FUSED_OPS, (node.name, chain)
+        assert node.attr["T"].type in METAL_DTYPES
+        assert node.attr["num_args"].i == 1
+    chains = sorted(tuple(s.decode() for s in n.attr["fused_ops"].list.s) for n in fused)
+    assert chains == [("BiasAdd",), ("BiasAdd", "Relu"), ("BiasAdd", "Relu")]
+    assert not result.errors
+
+
+def test_metal_plan_leaves_depthwise_unfused(metal_plan):
+    graph_def, result = metal_plan
+    ops = [n.op for n in _all_nodes(result.graph_def)]
+    assert "_FusedDepthwiseConv2dNative" not in ops
+    assert ops.count("DepthwiseConv2dNative") == 1
+    assert "_FusedDepthwiseConv2dNative" not in metal_kernels()
+    assert dict(result.stats["contraction"].declined) == {
+        "DepthwiseConv2dNative: metal runs no fused DepthwiseConv2dNative in float32": 1}
+    # The training graph keeps its gradients: ReluGrad reads the fused output.
+    assert ops.count("ReluGrad") == 3 and ops.count("BiasAddGrad") == 4
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
+def test_metal_plan_16_bit(dtype):
+    def f(x, w, b, k, c):
+        h = tf.nn.elu(tf.nn.bias_add(tf.nn.conv2d(x, w, 1, "SAME"), b))
+        return tf.nn.relu6(tf.nn.bias_add(tf.matmul(tf.reshape(h, [1, 27]), k), c))
+
+    specs = [tf.TensorSpec(s, dtype) for s in ([1, 3, 3, 2], [3, 3, 2, 3], [3], [27, 4], [4])]
+    concrete = tf.function(f, autograph=False).get_concrete_function(*specs)
+    g = concrete.graph.as_graph_def(add_shapes=True)
+    result = fusion.rewrite(g, get_backend("metal"), protected=protected_names(concrete))
+    fused = sorted((n.op, tuple(s.decode() for s in n.attr["fused_ops"].list.s), n.attr["T"].type)
+                   for n in result.graph_def.node if n.op.startswith("_Fused"))
+    enum = dtype.as_datatype_enum
+    assert fused == [("_FusedConv2D", ("BiasAdd", "Elu"), enum),
+                     ("_FusedMatMul", ("BiasAdd", "Relu6"), enum)]
+    assert all(op in metal_kernels() for op, _, _ in fused)
+
+
+def test_metal_backend_tables_are_within_the_plugin():
+    metal = get_backend("metal")
+    kernels = metal_kernels()
+    assert not metal.available  # no Mac GPU here: a plan only
+    for op, by_dtype in metal.contractions.items():
+        assert FUSED_OP[op] in kernels and op in kernels
+        assert set(by_dtype) <= {"float32", "float16", "bfloat16"}
+        for chains in by_dtype.values():
+            assert set(chains) <= METAL_FUSED_OPS
+
+
+# -- (c) names and detection -------------------------------------------------------------------
+def test_unknown_backend_names_the_choices():
+    with pytest.raises(ValueError) as info:
+        get_backend("nope")
+    msg = str(info.value)
+    assert "'nope'" in msg
+    assert all(name in msg for name in BACKEND_NAMES)
+
+
+def test_detect_is_cpu_here():
+    assert detect() == "cpu"
+    assert get_backend(None).name == "cpu"
+    assert get_backend().description == get_backend("cpu").description
+
+
+def test_cpu_backend_follows_the_live_onednn_setting():
+    assert get_backend("cpu").contractions == _cpu(onednn_enabled()).contractions
+    assert "DepthwiseConv2dNative" in _cpu(True).contractions
+    assert "DepthwiseConv2dNative" not in _cpu(False).contractions
+    assert get_backend("cpu").available

@@ -1,0 +1,488 @@
+"""The contraction pattern on traced GraphDefs: what fuses, what is declined and why, and that the
+rewritten graph computes the same numbers as the original function."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import tensorflow as tf
+
+from fusion.graph import GraphView
+from fusion.patterns.contraction import find_contractions
+from tfmx.backends import onednn_enabled
+
+F32 = tf.float32
+X4 = tf.TensorSpec([1, 5, 5, 2], F32)  # NHWC image
+W4 = tf.TensorSpec([3, 3, 2, 3], F32)  # HWIO filter
+B3 = tf.TensorSpec([3], F32)
+XM = tf.TensorSpec([2, 3], F32)
+WM = tf.TensorSpec([3, 4], F32)
+B4 = tf.TensorSpec([4], F32)
+
+ONEDNN_OFF = pytest.mark.skipif(onednn_enabled(), reason="expects the oneDNN-off cpu tables")
+
+
+def _args(rng, *specs):
+    return [tf.constant(rng.standard_normal(s.shape.as_list()).astype(s.dtype.as_numpy_dtype))
+            for s in specs]
+
+
+def _fused_nodes(graph_def):
+    return [n for n in graph_def.node if n.op.startswith("_Fused")]
+
+
+def _only_fused(graph_def):
+    nodes = _fused_nodes(graph_def)
+    assert len(nodes) == 1, [n.op for n in nodes]
+    return nodes[0]
+
+
+def _fused_ops(node):
+    return tuple(s.decode() for s in node.attr["fused_ops"].list.s)
+
+
+def _ops(graph_def):
+    return sorted(n.op for n in graph_def.node)
+
+
+def _conv(x, w, b, act=None, strides=1, padding="SAME"):
+    y = tf.nn.bias_add(tf.nn.conv2d(x, w, strides, padding), b)
+    return act(y) if act else y
+
+
+# -- Conv2D ----------------------------------------------------------------------------------
+def test_conv_bias_attrs(trace, fuse, cpu, rng, assert_same_numbers):
+    def f(x, w, b):
+        return tf.nn.bias_add(tf.nn.conv2d(x, w, [1, 2, 2, 1], "VALID", dilations=1), b)
+
+    cf, g = trace(f, tf.TensorSpec([1, 7, 7, 2], F32), W4, B3)
+    conv = next(n for n in g.node if n.op == "Conv2D")
+    res = fuse(cf, g, cpu)
+    node = _only_fused(res.graph_def)
+    assert node.op == "_FusedConv2D" and node.name == "BiasAdd"  # the tail's name
+    assert list(node.input) == ["x", "w", "b"]
+    assert _fused_ops(node) == ("BiasAdd",)
+    assert node.attr["num_args"].i == 1
+    assert node.attr["T"].type == tf.float32.as_datatype_enum
+    assert list(node.attr["TArgs"].list.type) == [tf.float32.as_datatype_enum]
+    for key in ("strides", "padding", "data_format", "dilations", "explicit_paddings"):
+        assert node.attr[key] == conv.attr[key], key
+    assert list(node.attr["strides"].list.i) == [1, 2, 2, 1]
+    assert node.attr["padding"].s == b"VALID"
+    assert node.attr["_output_shapes"] == next(
+        n for n in g.node if n.name == "BiasAdd").attr["_output_shapes"]
+    assert "Conv2D" not in _ops(res.graph_def) and "BiasAdd" not in _ops(res.graph_def)
+    st = res.stats["contraction"]
+    assert (st.matched, st.fused) == (1, 1)
+    assert dict(st.fused_kinds) == {"_FusedConv2D(BiasAdd)": 1}
+    assert not st.declined and not st.partial and not st.errors
+    assert_same_numbers(cf, res, *_args(rng, tf.TensorSpec([1, 7, 7, 2], F32), W4, B3))
+
+
+@pytest.mark.parametrize(
+    "act, name",
+    [
+        (tf.nn.relu, "Relu"),
+        (tf.nn.relu6, "Relu6"),
+        (tf.nn.elu, "Elu"),
+        (lambda y: tf.nn.leaky_relu(y, alpha=0.3), "LeakyRelu"),
+    ],
+)
+def test_conv_bias_activation(trace, fuse, cpu, rng, assert_same_numbers, act, name):
+    cf, g = trace(lambda x, w, b: _conv(x, w, b, act), X4, W4, B3)
+    res = fuse(cf, g, cpu)
+    node = _only_fused(res.graph_def)
+    assert node.op == "_FusedConv2D" and node.name == name
+    assert _fused_ops(node) == ("BiasAdd", name)
+    assert node.attr["num_args"].i == 1
+    if name == "LeakyRelu":
+        assert node.attr["leakyrelu_alpha"].f == pytest.approx(0.3)
+    assert _ops(res.graph_def) == ["Identity", "Placeholder", "Placeholder", "Placeholder",
+                                   "_FusedConv2D"]
+    assert dict(res.stats["contraction"].fused_kinds) == {f"_FusedConv2D(BiasAdd, {name})": 1}
+    assert_same_numbers(cf, res, *_args(rng, X4, W4, B3))
+
+
+def test_leaky_relu_alpha_is_not_the_default(trace, fuse, cpu, rng, assert_same_numbers):
+    # alpha 0.05 differs from the op's default 0.2: a dropped alpha would show in the numbers.
+    cf, g = trace(lambda x, w, b: tf.nn.leaky_relu(tf.nn.bias_add(tf.matmul(x, w), b), 0.05),
+                  XM, WM, B4)
+    res = fuse(cf, g, cpu)
+    node = _only_fused(res.graph_def)
+    assert node.attr["leakyrelu_alpha"].f == pytest.approx(0.05)
+    assert_same_numbers(cf, res, *_args(rng, XM, WM, B4))
+
+
+# -- MatMul ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("act, name", [(tf.nn.tanh, "Tanh"), (tf.nn.sigmoid, "Sigmoid"),
+                                       (tf.nn.relu, "Relu")])
+def test_matmul_bias_activation(trace, fuse, cpu, rng, assert_same_numbers, act, name):
+    cf, g = trace(lambda x, w, b: act(tf.nn.bias_add(tf.matmul(x, w), b)), XM, WM, B4)
+    res = fuse(cf, g, cpu)
+    node = _only_fused(res.graph_def)
+    assert node.op == "_FusedMatMul" and node.name == name
+    assert _fused_ops(node) == ("BiasAdd", name)
+    assert node.attr["num_args"].i == 1 and node.attr["T"].type == tf.float32.as_datatype_enum
+    assert node.attr["transpose_a"].b is False and node.attr["transpose_b"].b is False
+    assert_same_numbers(cf, res, *_args(rng, XM, WM, B4))
+
+
+def test_matmul_transpose_b_copied(trace, fuse, cpu, rng, assert_same_numbers):
+    wt = tf.TensorSpec([4, 3], F32)
+    cf, g = trace(lambda x, w, b: tf.nn.bias_add(tf.matmul(x, w, transpose_b=True), b),
+                  XM, wt, B4)
+    res = fuse(cf, g, cpu)
+    node = _only_fused(res.graph_def)
+    assert node.attr["transpose_b"].b is True
+    assert_same_numbers(cf, res, *_args(rng, XM, wt, B4))
+
+
+def test_find_contractions_records(trace, cpu):
+    cf, g = trace(lambda x, w, b: tf.nn.relu(tf.nn.bias_add(tf.matmul(x, w), b)), XM, WM, B4)
+    matches, declined = find_contractions(GraphView(g.node), cpu)
+    assert declined == []
+    (m,) = matches
+    assert (m.contraction.op, m.bias_add.op, m.add, m.activation) == ("MatMul", "BiasAdd",
+                                                                      None, "Relu")
+    assert [n.name for n in m.nodes] == ["MatMul", "BiasAdd", "Relu"]
+    assert m.tail.name == "Relu" and m.fused_ops == ("BiasAdd", "Relu") and m.partial is None
+
+
+def test_shape_reader_of_intermediate_is_rewired(trace, fuse, cpu, rng, assert_same_numbers):
+    def f(x, w, b):
+        y = tf.nn.bias_add(tf.matmul(x, w), b)
+        return tf.nn.relu(y), tf.shape(y)
+
+    xs = tf.TensorSpec([None, 3], F32)  # a dynamic batch keeps the Shape op in the graph
+    cf, g = trace(f, xs, WM, B4)
+    res = fuse(cf, g, cpu)
+    node = _only_fused(res.graph_def)
+    assert _fused_ops(node) == ("BiasAdd", "Relu")
+    shape = next(n for n in res.graph_def.node if n.op == "Shape")
+    assert list(shape.input) == [node.name]
+    assert_same_numbers(cf, res, *_args(rng, XM, WM, B4))
+
+
+# -- residual Add, depthwise, GELU (oneDNN tables) --------------------------------------------
+def _residual(x, w, b, r):
+    return tf.nn.relu(_conv(x, w, b) + r)
+
+
+R4 = tf.TensorSpec([1, 5, 5, 3], F32)
+
+
+def test_residual_add_with_onednn_tables(trace, fuse, onednn_cpu):
+    cf, g = trace(_residual, X4, W4, B3, R4)
+    assert any(n.op == "AddV2" for n in g.node)
+    res = fuse(cf, g, onednn_cpu)
+    node = _only_fused(res.graph_def)
+    assert node.op == "_FusedConv2D" and node.name == "Relu"
+    assert _fused_ops(node) == ("BiasAdd", "Add", "Relu")
+    assert list(node.input) == ["x", "w", "b", "r"]
+    assert node.attr["num_args"].i == 2
+    assert list(node.attr["TArgs"].list.type) == [tf.float32.as_datatype_enum] * 2
+    assert _ops(res.graph_def).count("AddV2") == 0
+    assert not res.stats["contraction"].partial
+
+
+def test_residual_add_addend_shape_must_match(trace, fuse, onednn_cpu):
+    # A broadcast addend ([3] against [1, 5, 5, 3]) cannot be the fused Add's argument.
+    cf, g = trace(_residual, X4, W4, B3, B3)
+    res = fuse(cf, g, onednn_cpu)
+    node = _only_fused(res.graph_def)
+    assert _fused_ops(node) == ("BiasAdd",)
+    assert dict(res.stats["contraction"].partial) == {
+        "residual Add left apart: addend shape differs or is unknown": 1}
+
+
+@ONEDNN_OFF
+def test_longest_prefix_without_add(trace, fuse, cpu, rng, assert_same_numbers):
+    cf, g = trace(_residual, X4, W4, B3, R4)
+    res = fuse(cf, g, cpu)
+    node = _only_fused(res.graph_def)
+    assert node.name == "BiasAdd" and _fused_ops(node) == ("BiasAdd",)
+    assert {"AddV2", "Relu"} <= set(_ops(res.graph_def))
+    st = res.stats["contraction"]
+    assert st.fused == 1
+    assert dict(st.partial) == {"residual Add left apart: cpu runs no fused Conv2D+Add": 1}
+    assert_same_numbers(cf, res, *_args(rng, X4, W4, B3, R4))
+
+
+def _depthwise(x, w, b):
+    return tf.nn.relu6(tf.nn.bias_add(tf.nn.depthwise_conv2d(x, w, [1, 1, 1, 1], "SAME"), b))
+
+
+WD = tf.TensorSpec([3, 3, 2, 2], F32)
+BD = tf.TensorSpec([4], F32)
+
+
+def test_depthwise_with_onednn_tables(trace, fuse, onednn_cpu):
+    cf, g = trace(_depthwise, X4, WD, BD)
+    dw = next(n for n in g.node if n.op == "DepthwiseConv2dNative")
+    res = fuse(cf, g, onednn_cpu)
+    node = _only_fused(res.graph_def)
+    assert node.op == "_FusedDepthwiseConv2dNative" and node.name == "Relu6"
+    assert _fused_ops(node) == ("BiasAdd", "Relu6")
+    assert node.attr["num_args"].i == 1
+    assert "TArgs" not in node.attr and "explicit_paddings" not in node.attr
+    for key in ("strides", "padding", "data_format", "dilations", "T"):
+        assert node.attr[key] == dw.attr[key], key
+
+
+@ONEDNN_OFF
+def test_depthwise_declined_without_onednn(trace, fuse, cpu):
+    cf, g = trace(_depthwise, X4, WD, BD)
+    res = fuse(cf, g, cpu)
+    assert _fused_nodes(res.graph_def) == []
+    assert res.graph_def == g
+    assert dict(res.stats["contraction"].declined) == {
+        "DepthwiseConv2dNative: cpu runs no fused DepthwiseConv2dNative in float32": 1}
+
+
+def _gelu(x, w, b):
+    return tf.nn.gelu(tf.nn.bias_add(tf.matmul(x, w), b), approximate=False)
+
+
+def test_gelu_exact_with_onednn_tables(trace, fuse, onednn_cpu):
+    cf, g = trace(_gelu, XM, WM, B4)
+    assert {"Erfc", "Neg"} <= {n.op for n in g.node}
+    res = fuse(cf, g, onednn_cpu)
+    node = _only_fused(res.graph_def)
+    assert node.op == "_FusedMatMul" and _fused_ops(node) == ("BiasAdd", "GeluExact")
+    identity = next(n for n in res.graph_def.node if n.name == "Identity")
+    assert list(identity.input) == [node.name]
+    assert not {"Erfc", "Neg", "Mul", "MatMul", "BiasAdd"} & {n.op for n in res.graph_def.node}
+
+
+@ONEDNN_OFF
+def test_gelu_left_apart_without_onednn(trace, fuse, cpu, rng, assert_same_numbers):
+    cf, g = trace(_gelu, XM, WM, B4)
+    res = fuse(cf, g, cpu)
+    node = _only_fused(res.graph_def)
+    assert _fused_ops(node) == ("BiasAdd",) and node.name == "BiasAdd"
+    assert dict(res.stats["contraction"].partial) == {
+        "GeluExact left apart: cpu runs no fused MatMul with BiasAdd, GeluExact": 1}
+    assert_same_numbers(cf, res, *_args(rng, XM, WM, B4))
+
+
+# One subprocess with oneDNN on runs every oneDNN-only variant through rewrite + rebuild.
+_ONEDNN_SCRIPT = textwrap.dedent(
+    """
+    import json, numpy as np, tensorflow as tf, fusion
+    from tfmx.backends import get_backend, onednn_enabled
+    from tfmx.rebuild import protected_names, rebuild
+    S = tf.TensorSpec
+    def conv(x, w, b):
+        return tf.nn.bias_add(tf.nn.conv2d(x, w, 1, "SAME"), b)
+    cases = {
+        "conv_add_relu": (lambda x, w, b, r: tf.nn.relu(conv(x, w, b) + r),
+                          [[1, 5, 5, 2], [3, 3, 2, 3], [3], [1, 5, 5, 3]]),
+        "conv_add": (lambda x, w, b, r: conv(x, w, b) + r,
+                     [[1, 5, 5, 2], [3, 3, 2, 3], [3], [1, 5, 5, 3]]),
+        "conv_add_leakyrelu": (lambda x, w, b, r: tf.nn.leaky_relu(conv(x, w, b) + r, 0.3),
+                               [[1, 5, 5, 2], [3, 3, 2, 3], [3], [1, 5, 5, 3]]),
+        "depthwise_relu6": (lambda x, w, b: tf.nn.relu6(tf.nn.bias_add(
+            tf.nn.depthwise_conv2d(x, w, [1, 1, 1, 1], "SAME"), b)),
+            [[1, 5, 5, 2], [3, 3, 2, 2], [4]]),
+        "matmul_gelu": (lambda x, w, b: tf.nn.gelu(tf.nn.bias_add(tf.matmul(x, w), b), False),
+                        [[2, 3], [3, 4], [4]]),
+        "matmul_add": (lambda x, w, b, r: tf.nn.bias_add(tf.matmul(x, w), b) + r,
+                       [[2, 3], [3, 4], [4], [2, 4]]),
+    }
+    rng = np.random.default_rng(0)
+    out = {"onednn": onednn_enabled()}
+    for name, (fn, shapes) in cases.items():
+        cf = tf.function(fn, autograph=False).get_concrete_function(*[S(s) for s in shapes])
+        g = cf.graph.as_graph_def(add_shapes=True)
+        res = fusion.rewrite(g, get_backend("cpu"), protected=protected_names(cf))
+        new = rebuild(cf, res.graph_def)
+        args = [tf.constant(rng.standard_normal(s).astype("float32")) for s in shapes]
+        fused = [n for n in res.graph_def.node if n.op.startswith("_Fused")]
+        # The reference runs op by op (eager): the stock traced function is itself rewritten
+        # by Grappler's oneDNN remapper, which is what the extra "stock_err" records.
+        ref = fn(*args).numpy()
+        out[name] = {
+            "fused": [(n.op, [s.decode() for s in n.attr["fused_ops"].list.s]) for n in fused],
+            "err": float(np.max(np.abs(new(*args).numpy() - ref))),
+            "stock_err": float(np.max(np.abs(cf(*args).numpy() - ref))),
+            "scale": float(np.max(np.abs(ref))),
+        }
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+def test_onednn_variants_numerically_in_subprocess():
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1", TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run([sys.executable, "-c", _ONEDNN_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+    out = json.loads(line[len("RESULT"):])
+    if not out.pop("onednn"):
+        pytest.skip("TF_ENABLE_ONEDNN_OPTS=1 did not turn oneDNN on")
+    expected = {
+        "conv_add_relu": [("_FusedConv2D", ["BiasAdd", "Add", "Relu"])],
+        "conv_add": [("_FusedConv2D", ["BiasAdd", "Add"])],
+        "conv_add_leakyrelu": [("_FusedConv2D", ["BiasAdd", "Add", "LeakyRelu"])],
+        "depthwise_relu6": [("_FusedDepthwiseConv2dNative", ["BiasAdd", "Relu6"])],
+        "matmul_gelu": [("_FusedMatMul", ["BiasAdd", "GeluExact"])],
+        "matmul_add": [("_FusedMatMul", ["BiasAdd", "Add"])],
+    }
+    for name, want in expected.items():
+        got = out[name]
+        assert [tuple(f) for f in got["fused"]] == [tuple(w) for w in want], name
+        assert got["err"] <= 1e-5 * max(got["scale"], 1.0), (name, got)
+    # Not a tfmx bug, found by this test: with oneDNN on, TF 2.21's own Grappler remapper fuses
+    # Conv2D+BiasAdd+Add+LeakyRelu in the *stock* function and loses alpha (0.3 -> default 0.2),
+    # so the unrewritten function is the one that is wrong there. Recorded, not asserted.
+    for name, got in out.items():
+        if got["stock_err"] > 1e-5 * max(got["scale"], 1.0):
+            print(f"stock TensorFlow differs from eager for {name}: {got['stock_err']:.3g}")
+
+
+# -- declines ----------------------------------------------------------------------------------
+def test_bias_output_used_twice_leaves_activation_apart(trace, fuse, cpu, rng,
+                                                        assert_same_numbers):
+    def f(x, w, b):
+        y = tf.nn.bias_add(tf.matmul(x, w), b)
+        return tf.nn.relu(y), y * 2.0
+
+    cf, g = trace(f, XM, WM, B4)
+    res = fuse(cf, g, cpu)
+    node = _only_fused(res.graph_def)
+    assert node.name == "BiasAdd" and _fused_ops(node) == ("BiasAdd",)
+    relu = next(n for n in res.graph_def.node if n.op == "Relu")
+    assert list(relu.input) == ["BiasAdd"]
+    assert dict(res.stats["contraction"].partial) == {
+        "Relu left apart: BiasAdd output also feeds Mul": 1}
+    assert_same_numbers(cf, res, *_args(rng, XM, WM, B4))
+
+
+def test_conv_output_used_twice_is_declined(trace, fuse, cpu):
+    def f(x, w, b):
+        c = tf.nn.conv2d(x, w, 1, "SAME")
+        return tf.nn.relu(tf.nn.bias_add(c, b)), c * 2.0
+
+    cf, g = trace(f, X4, W4, B3)
+    res = fuse(cf, g, cpu)
+    assert _fused_nodes(res.graph_def) == [] and res.graph_def == g
+    st = res.stats["contraction"]
+    assert (st.matched, st.fused) == (1, 0)
+    assert dict(st.declined) == {"Conv2D+BiasAdd: Conv2D output also feeds Mul": 1}
+
+
+def test_control_edge_declines(trace, fuse, cpu):
+    def f(x, w, b):
+        mm = tf.matmul(x, w)
+        with tf.control_dependencies([tf.identity(x)]):
+            y = tf.nn.bias_add(mm, b)
+        return tf.nn.relu(y)
+
+    cf, g = trace(f, XM, WM, B4)
+    assert any(i.startswith("^") for n in g.node if n.op == "BiasAdd" for i in n.input)
+    res = fuse(cf, g, cpu)
+    assert _fused_nodes(res.graph_def) == []
+    assert dict(res.stats["contraction"].declined) == {
+        "MatMul+BiasAdd: BiasAdd has a control edge": 1}
+
+
+def test_control_edge_on_activation_leaves_it_apart(trace, fuse, cpu, rng, assert_same_numbers):
+    def f(x, w, b):
+        y = tf.nn.bias_add(tf.matmul(x, w), b)
+        with tf.control_dependencies([tf.identity(x)]):
+            return tf.nn.relu(y)
+
+    cf, g = trace(f, XM, WM, B4)
+    res = fuse(cf, g, cpu)
+    node = _only_fused(res.graph_def)
+    assert _fused_ops(node) == ("BiasAdd",)
+    assert dict(res.stats["contraction"].partial) == {
+        "Relu left apart: it has a control edge": 1}
+    assert_same_numbers(cf, res, *_args(rng, XM, WM, B4))
+
+
+@ONEDNN_OFF
+def test_unsupported_activation_for_backend(trace, fuse, cpu, rng, assert_same_numbers):
+    cf, g = trace(lambda x, w, b: _conv(x, w, b, tf.nn.tanh), X4, W4, B3)
+    res = fuse(cf, g, cpu)
+    node = _only_fused(res.graph_def)
+    assert node.name == "BiasAdd" and _fused_ops(node) == ("BiasAdd",)
+    assert "Tanh" in _ops(res.graph_def)
+    assert dict(res.stats["contraction"].partial) == {
+        "Tanh left apart: cpu runs no fused Conv2D with BiasAdd, Tanh": 1}
+    assert_same_numbers(cf, res, *_args(rng, X4, W4, B3))
+
+
+@pytest.mark.parametrize(
+    "fn, specs, reason",
+    [
+        (lambda x, w, b: tf.nn.relu(tf.nn.bias_add(tf.matmul(x, w), b)),
+         [tf.TensorSpec([2, 3], tf.float64), tf.TensorSpec([3, 4], tf.float64),
+          tf.TensorSpec([4], tf.float64)],
+         "MatMul: cpu runs no fused MatMul in float64"),
+        (lambda x, w, b: tf.nn.relu(_conv(x, w, b)),
+         [tf.TensorSpec([1, 5, 5, 2], tf.bfloat16), tf.TensorSpec([3, 3, 2, 3], tf.bfloat16),
+          tf.TensorSpec([3], tf.bfloat16)],
+         "Conv2D: cpu runs no fused Conv2D in bfloat16"),
+    ],
+    ids=["matmul-float64", "conv-bfloat16"],
+)
+def test_unsupported_dtype_declined(trace, fuse, cpu, fn, specs, reason):
+    cf, g = trace(fn, *specs)
+    res = fuse(cf, g, cpu)
+    assert _fused_nodes(res.graph_def) == [] and res.graph_def == g
+    assert dict(res.stats["contraction"].declined) == {reason: 1}
+
+
+def test_fetched_intermediate_is_kept(trace, fuse, cpu, rng, assert_same_numbers):
+    cf, g = trace(lambda x, w, b: tf.nn.relu(tf.nn.bias_add(tf.matmul(x, w), b)), XM, WM, B4)
+    # The BiasAdd output is fetched: the activation cannot swallow it.
+    res = fuse(cf, g, cpu, protected={"x", "w", "b", "Identity", "BiasAdd"})
+    node = _only_fused(res.graph_def)
+    assert node.name == "BiasAdd" and _fused_ops(node) == ("BiasAdd",)
+    assert dict(res.stats["contraction"].partial) == {
+        "Relu left apart: BiasAdd output is fetched by the function": 1}
+    assert_same_numbers(cf, res, *_args(rng, XM, WM, B4))
+    # The MatMul output is fetched: nothing fuses.
+    res = fuse(cf, g, cpu, protected={"x", "w", "b", "Identity", "MatMul"})
+    assert _fused_nodes(res.graph_def) == []
+    assert dict(res.stats["contraction"].declined) == {
+        "MatMul+BiasAdd: MatMul output is fetched by the function": 1}
+
+
+def test_transpose_a_declined(trace, fuse, cpu):
+    xt = tf.TensorSpec([3, 2], F32)
+    cf, g = trace(lambda x, w, b: tf.nn.bias_add(tf.matmul(x, w, transpose_a=True), b),
+                  xt, WM, B4)
+    res = fuse(cf, g, cpu)
+    assert _fused_nodes(res.graph_def) == []
+    assert dict(res.stats["contraction"].declined) == {
+        "MatMul+BiasAdd: MatMul with transpose_a is not fused": 1}
+
+
+def test_matmul_without_bias_is_not_a_candidate(trace, fuse, cpu):
+    cf, g = trace(lambda x, w: tf.nn.relu(tf.matmul(x, w)), XM, WM)
+    res = fuse(cf, g, cpu)
+    st = res.stats["contraction"]
+    assert (st.matched, st.fused, dict(st.declined)) == (0, 0, {})
+    assert res.graph_def == g and not res.changed
+
+
+def test_two_chains_in_one_graph(trace, fuse, cpu, rng, assert_same_numbers):
+    def f(x, w, b, w2, b2):
+        h = tf.nn.relu(_conv(x, w, b))
+        flat = tf.reshape(h, [1, 75])
+        return tf.nn.sigmoid(tf.nn.bias_add(tf.matmul(flat, w2), b2))
+
+    specs = [X4, W4, B3, tf.TensorSpec([75, 4], F32), B4]
+    cf, g = trace(f, *specs)
+    res = fuse(cf, g, cpu)
+    kinds = sorted((n.op, _fused_ops(n)) for n in _fused_nodes(res.graph_def))
+    assert kinds == [("_FusedConv2D", ("BiasAdd", "Relu")),
+                     ("_FusedMatMul", ("BiasAdd", "Sigmoid"))]
+    assert res.stats["contraction"].fused == 2
+    assert_same_numbers(cf, res, *_args(rng, *specs))
