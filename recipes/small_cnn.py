@@ -38,7 +38,7 @@ DEFAULT_SEED = 1234
 
 
 def make_data(
-    samples: int, seed: int = DEFAULT_SEED, noise: float = 0.6
+    samples: int, seed: int = DEFAULT_SEED, noise: float = 2.5
 ) -> tuple[np.ndarray, np.ndarray]:
     """Synthetic 10-class images with learnable structure; deterministic for a seed.
 
