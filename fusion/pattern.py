@@ -91,6 +91,27 @@ class RewriteContext:
 PassFn = Callable[[GraphView, RewriteContext], None]
 
 
+def apply_matches(
+    view: GraphView,
+    ctx: RewriteContext,
+    found: tuple[list, list[str]],
+    rewrite: Callable[[GraphView, object], object],
+    kind: Callable[[object], str],
+    partial: Callable[[object], str | None] = lambda match: None,
+) -> None:
+    """The body every family's pass shares: count matches and declines, rewrite each match.
+
+    ``found`` is what the family's ``find_*`` returned: (match records, decline reasons).
+    """
+    matches, declined = found
+    ctx.stats.matched += len(matches) + len(declined)
+    for reason in declined:
+        ctx.stats.decline(reason)
+    for match in matches:
+        rewrite(view, match)
+        ctx.stats.fuse(kind(match), partial(match))
+
+
 @dataclasses.dataclass(frozen=True)
 class Pattern:
     """A registered pattern family: its name, what it does, and its pass function."""

@@ -130,6 +130,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny run for tests (< 40 s)")
     p.add_argument("--rounds", type=int, default=None,
                    help="interleaved timing rounds (default 15)")
+    p.add_argument("--noise", type=float, default=None,
+                   help="std of the Gaussian pixel noise (default 2.5; 1.0 with --quick)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--plot", metavar="PATH", default=None,
                    help="save a PNG of the loss curves, stock vs tfmx (needs matplotlib)")
@@ -185,9 +187,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     """
     args = _parser().parse_args(argv)
     quick = args.quick
-    epochs = args.epochs or (1 if quick else 3)
+    epochs = args.epochs or (2 if quick else 3)
     batch_size = args.batch_size or 64
-    samples = args.samples or (512 if quick else 6000)
+    samples = args.samples or (1024 if quick else 6000)
+    noise = args.noise if args.noise is not None else (1.0 if quick else 2.5)
     rounds = args.rounds or (3 if quick else 15)
     steps = 3 if quick else 10
 
@@ -197,10 +200,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     import tfmx
     from tfmx.bench import time_step_functions
 
-    x, y = make_data(samples + max(samples * 15 // 100, batch_size), seed=args.seed)
+    x, y = make_data(samples + max(samples * 15 // 100, batch_size), seed=args.seed,
+                     noise=noise)
     x_train, y_train, x_val, y_val = x[:samples], y[:samples], x[samples:], y[samples:]
     print(f"small_cnn: {samples} training / {len(x_val)} held-out synthetic 32x32x3 images, "
-          f"10 classes, batch {batch_size}, {epochs} epoch(s)")
+          f"10 classes, noise {noise}, batch {batch_size}, {epochs} epoch(s)")
 
     histories: dict[str, Any] = {}
     models: dict[str, Any] = {}

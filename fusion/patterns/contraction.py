@@ -51,7 +51,7 @@ from fusion.match import (
     set_list_s,
     sole_consumer,
 )
-from fusion.pattern import RewriteContext, Target, register
+from fusion.pattern import RewriteContext, Target, apply_matches, register
 
 FUSED_OP = {
     "Conv2D": "_FusedConv2D",
@@ -292,11 +292,9 @@ def rewrite_contraction(view: GraphView, match: ContractionMatch) -> NodeDef:
 )
 def contraction_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Find every contraction chain in ``view`` and fuse it for ``ctx.target``."""
-    matches, declined = find_contractions(view, ctx.target)
-    ctx.stats.matched += len(matches) + len(declined)
-    for reason in declined:
-        ctx.stats.decline(reason)
-    for match in matches:
-        rewrite_contraction(view, match)
-        kind = f"{FUSED_OP[match.contraction.op]}({', '.join(match.fused_ops)})"
-        ctx.stats.fuse(kind, match.partial)
+    apply_matches(
+        view, ctx, find_contractions(view, ctx.target),
+        lambda v, m: rewrite_contraction(v, m),
+        lambda m: f"{FUSED_OP[m.contraction.op]}({', '.join(m.fused_ops)})",
+        lambda m: m.partial,
+    )

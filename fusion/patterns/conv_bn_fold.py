@@ -34,7 +34,7 @@ from tensorflow.python.framework import op_def_registry
 
 from fusion.graph import GraphView, NodeDef, output_shape, parse_input
 from fusion.match import blocker, const_value, consumer, dtype_name, other_input, set_list_s
-from fusion.pattern import RewriteContext, Target, register
+from fusion.pattern import RewriteContext, Target, apply_matches, register
 
 ACTIVATIONS = ("Relu", "Relu6", "Elu", "LeakyRelu")
 
@@ -189,10 +189,8 @@ def rewrite_conv_bn(view: GraphView, match: ConvBatchNormMatch) -> NodeDef:
 )
 def conv_bn_fold_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Fold every inference batch norm that follows a Conv2D into the convolution."""
-    matches, declined = find_conv_bn(view, ctx.target)
-    ctx.stats.matched += len(matches) + len(declined)
-    for reason in declined:
-        ctx.stats.decline(reason)
-    for match in matches:
-        rewrite_conv_bn(view, match)
-        ctx.stats.fuse(f"_FusedConv2D({', '.join(match.fused_ops)})")
+    apply_matches(
+        view, ctx, find_conv_bn(view, ctx.target),
+        lambda v, m: rewrite_conv_bn(v, m),
+        lambda m: f"_FusedConv2D({', '.join(m.fused_ops)})",
+    )
