@@ -123,10 +123,12 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m recipes.small_cnn",
         description="Train a small CNN on synthetic images stock and with tfmx; compare.",
     )
-    p.add_argument("--epochs", type=int, default=None, help="epochs per run (default 3)")
-    p.add_argument("--batch-size", type=int, default=None, help="batch size (default 64)")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="epochs per run (default 3; 2 with --quick)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="batch size (default 64; 32 with --quick)")
     p.add_argument("--samples", type=int, default=None,
-                   help="training images (default 6000; 15%% more are held out)")
+                   help="training images (default 6000; 1024 with --quick; 15%% more are held out)")
     p.add_argument("--quick", action="store_true", help="tiny run for tests (< 40 s)")
     p.add_argument("--rounds", type=int, default=None,
                    help="interleaved timing rounds (default 15)")
@@ -188,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = _parser().parse_args(argv)
     quick = args.quick
     epochs = args.epochs or (2 if quick else 3)
-    batch_size = args.batch_size or 64
+    batch_size = args.batch_size or (32 if quick else 64)
     samples = args.samples or (1024 if quick else 6000)
     noise = args.noise if args.noise is not None else (1.0 if quick else 2.5)
     rounds = args.rounds or (3 if quick else 15)
