@@ -66,15 +66,42 @@ class GraphView:
 
     Edits go through ``add``, ``remove`` and ``replace_input`` so the consumer index stays
     right. ``protected`` names nodes that must survive every rewrite (the function's fetched
-    outputs and control outputs).
+    outputs and control outputs). A control output (a node that must run, such as a variable
+    update) may be retired in favour of a node that does its work
+    (:meth:`retire_control_output`); ``control_renames`` records which, so the function's
+    control outputs can be rewritten to match.
+
+    >>> from tensorflow.core.framework.node_def_pb2 import NodeDef
+    >>> view = GraphView([NodeDef(name="a", op="AssignVariableOp"),
+    ...                   NodeDef(name="b", op="NoOp", input=["^a"])], control_outputs=["a"])
+    >>> view.add(NodeDef(name="fused", op="ResourceApplyAdam"))
+    >>> view.retire_control_output("a", "fused")
+    >>> view.remove("a")
+    >>> list(view.node("b").input), view.control_renames
+    (['^fused'], {'a': 'fused'})
     """
 
-    def __init__(self, nodes: Iterable[NodeDef], protected: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        nodes: Iterable[NodeDef],
+        protected: Iterable[str] = (),
+        control_outputs: Iterable[str] = (),
+    ) -> None:
         self._nodes: dict[str, NodeDef] = {}
         self._consumers: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
-        self.protected: set[str] = set(protected)
+        self.control_outputs: set[str] = set(control_outputs)
+        self._pinned: frozenset[str] = frozenset(protected)
+        self.protected: set[str] = set(protected) | self.control_outputs
+        self.control_renames: dict[str, str] = {}
         for node in nodes:
             self.add(node)
+
+    def copy_bookkeeping(self, other: GraphView) -> None:
+        """Take ``other``'s protected names and control outputs (used to restore snapshots)."""
+        self.protected = set(other.protected)
+        self._pinned = other._pinned
+        self.control_outputs = set(other.control_outputs)
+        self.control_renames = dict(other.control_renames)
 
     # -- reading -------------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -139,6 +166,41 @@ class GraphView:
         consumer.input[index] = new_ref
         self._consumers[parse_input(new_ref)[0]].append((consumer.name, index))
 
+    def redirect_control_edges(self, old: str, new: str) -> None:
+        """Make every control consumer of ``old`` depend on ``new`` instead (no duplicates)."""
+        for consumer, index, _, control in sorted(
+            self.consumer_edges(old), key=lambda edge: -edge[1]
+        ):
+            if not control:
+                continue
+            if f"^{new}" in consumer.input or consumer.name == new:
+                self.remove(consumer.name)
+                del consumer.input[index]
+                self.add(consumer)
+            else:
+                self.replace_input(consumer, index, f"^{new}")
+
+    def retire_control_output(self, old: str, new: str) -> None:
+        """Let node ``new`` stand for control output ``old``, which may then be removed.
+
+        Control edges from ``old`` move to ``new``; ``control_renames`` maps ``old`` (and
+        anything earlier retired into it) to ``new``. Raises ValueError if ``old`` is not a
+        control output or is a fetched output.
+        """
+        if old not in self.control_outputs or old in self._pinned:
+            raise ValueError(f"{old!r} is not a control output that may be replaced")
+        if new not in self._nodes:
+            raise ValueError(f"retire {old!r}: replacement {new!r} is not in the graph")
+        self.redirect_control_edges(old, new)
+        self.control_outputs.discard(old)
+        self.control_outputs.add(new)
+        self.protected.discard(old)
+        self.protected.add(new)
+        for key, value in self.control_renames.items():
+            if value == old:
+                self.control_renames[key] = new
+        self.control_renames[old] = new
+
     def dangling_inputs(self, external: Iterable[str] = ()) -> list[str]:
         """Input references whose producer is neither a node nor an ``external`` name."""
         known = set(external)
@@ -154,7 +216,7 @@ class GraphView:
 
 
 # -- FunctionDef bodies -----------------------------------------------------------------
-def _output_arg_sizes(node: NodeDef) -> list[tuple[str, int]] | None:
+def output_arg_sizes(node: NodeDef) -> list[tuple[str, int]] | None:
     """(output arg name, number of tensors) for each output arg of ``node``'s op."""
     op_def = op_def_registry.get(node.op)
     if op_def is None:
@@ -173,6 +235,30 @@ def _output_arg_sizes(node: NodeDef) -> list[tuple[str, int]] | None:
 
 def _function_output_sizes(fdef: function_pb2.FunctionDef) -> list[tuple[str, int]]:
     return [(arg.name, 1) for arg in fdef.signature.output_arg]
+
+
+def output_sizes(
+    node: NodeDef, library: dict[str, function_pb2.FunctionDef]
+) -> list[tuple[str, int]] | None:
+    """Output arg sizes of ``node``, a primitive op or a call of a ``library`` function."""
+    fdef = library.get(node.op)
+    return _function_output_sizes(fdef) if fdef is not None else output_arg_sizes(node)
+
+
+def function_def_ref(ref: str, sizes: list[tuple[str, int]] | None) -> str:
+    """GraphDef reference ``node:port`` as a FunctionDef one, ``node:out_arg:index``.
+
+    >>> function_def_ref("split:1", [("output", 2)])
+    'split:output:1'
+    """
+    name, port, _ = parse_input(ref)
+    if sizes is None:
+        raise ValueError(f"cannot express {ref!r} in a FunctionDef: unknown op")
+    for arg_name, count in sizes:
+        if port < count:
+            return f"{name}:{arg_name}:{port}"
+        port -= count
+    raise ValueError(f"port out of range in {ref!r}")
 
 
 class FunctionBody:
@@ -198,11 +284,7 @@ class FunctionBody:
         self._sizes: dict[str, list[tuple[str, int]] | None] = {}
         self.nodes = []
         for original in fdef.node_def:
-            self._sizes[original.name] = (
-                _output_arg_sizes(original)
-                if original.op not in library
-                else _function_output_sizes(library[original.op])
-            )
+            self._sizes[original.name] = output_sizes(original, library)
         for original in fdef.node_def:
             node = NodeDef()
             node.CopyFrom(original)
@@ -213,9 +295,13 @@ class FunctionBody:
 
     @property
     def protected(self) -> set[str]:
-        names = {parse_input(v)[0] for v in self.ret.values()}
-        names.update(self.fdef.control_ret.values())
-        return names
+        """Nodes whose outputs the function returns."""
+        return {parse_input(v)[0] for v in self.ret.values()}
+
+    @property
+    def control_outputs(self) -> set[str]:
+        """Nodes that must run (the FunctionDef's control_ret)."""
+        return set(self.fdef.control_ret.values())
 
     def _to_flat(self, ref: str) -> str:
         if ref.startswith("^"):
@@ -239,32 +325,22 @@ class FunctionBody:
     def _to_nested(self, ref: str, sizes_of: dict[str, list[tuple[str, int]] | None]) -> str:
         if ref.startswith("^"):
             return ref
-        name, port, _ = parse_input(ref)
+        name = parse_input(ref)[0]
         if name in self.args and ":" not in ref:
             return ref
-        sizes = sizes_of.get(name)
-        if sizes is None:
-            raise ValueError(f"cannot express {ref!r} in a FunctionDef: unknown op")
-        for arg_name, count in sizes:
-            if port < count:
-                return f"{name}:{arg_name}:{port}"
-            port -= count
-        raise ValueError(f"port out of range in {ref!r}")
+        return function_def_ref(ref, sizes_of.get(name))
 
     def to_function_def(
         self,
         nodes: list[NodeDef],
         library: dict[str, function_pb2.FunctionDef],
+        control_renames: dict[str, str] | None = None,
     ) -> function_pb2.FunctionDef:
-        """A FunctionDef with this body's signature and ``nodes`` as its body."""
-        sizes_of = {
-            n.name: (
-                _output_arg_sizes(n)
-                if n.op not in library
-                else _function_output_sizes(library[n.op])
-            )
-            for n in nodes
-        }
+        """A FunctionDef with this body's signature and ``nodes`` as its body.
+
+        ``control_renames`` maps control outputs that a rewrite replaced to their replacement.
+        """
+        sizes_of = {n.name: output_sizes(n, library) for n in nodes}
         out = function_pb2.FunctionDef()
         out.CopyFrom(self.fdef)
         del out.node_def[:]
@@ -275,6 +351,8 @@ class FunctionBody:
             copy.input.extend(self._to_nested(ref, sizes_of) for ref in node.input)
         for key, ref in self.ret.items():
             out.ret[key] = self._to_nested(ref, sizes_of)
+        for key, node_name in self.fdef.control_ret.items():
+            out.control_ret[key] = (control_renames or {}).get(node_name, node_name)
         return out
 
 

@@ -45,6 +45,7 @@ class RewriteResult:
     seconds: float
     renamed_functions: dict[str, str]
     skipped_functions: dict[str, str]
+    control_renames: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def changed(self) -> bool:
@@ -65,6 +66,8 @@ def _run_pattern(
 ) -> GraphView:
     """Run one pattern on one body as a transaction; return the view to go on with."""
     snapshot = [n.SerializeToString() for n in view.nodes()]
+    bookkeeping = GraphView(())
+    bookkeeping.copy_bookkeeping(view)
     ctx = RewriteContext(target=target, stats=PatternStats())
     try:
         pattern.run(view, ctx)
@@ -72,9 +75,8 @@ def _run_pattern(
         if dangling:
             raise RuntimeError(f"rewrite left inputs pointing nowhere: {dangling[:3]}")
     except Exception as exc:  # noqa: BLE001 - any failure must leave the graph as it was
-        restored = GraphView(
-            (node_def_pb2.NodeDef.FromString(b) for b in snapshot), protected=view.protected
-        )
+        restored = GraphView(node_def_pb2.NodeDef.FromString(b) for b in snapshot)
+        restored.copy_bookkeeping(bookkeeping)
         total.errors.append(f"{where}: {type(exc).__name__}: {exc}")
         return restored
     total.merge(ctx.stats)
@@ -126,11 +128,14 @@ def rewrite(
     target: Target,
     patterns: list[str] | None = None,
     protected: Iterable[str] = (),
+    control_outputs: Iterable[str] = (),
 ) -> RewriteResult:
     """Run the patterns named (all by default) over ``graph_def`` for ``target``.
 
     ``protected`` names main-graph nodes that must keep their name and outputs (the traced
-    function's fetched outputs and control outputs). The input GraphDef is not modified.
+    function's inputs and fetched outputs); ``control_outputs`` names nodes that must run. A
+    pattern may replace a control output by a node doing its work; the result's
+    ``control_renames`` says which. The input GraphDef is not modified.
     """
     start = time.perf_counter()
     selected = resolve(patterns)
@@ -138,7 +143,7 @@ def rewrite(
     out = graph_pb2.GraphDef()
     out.CopyFrom(graph_def)
 
-    view = GraphView(out.node, protected=protected)
+    view = GraphView(out.node, protected=protected, control_outputs=control_outputs)
     view, _ = _run_patterns(selected, view, target, set(), stats, "main graph")
     # Always take the view's nodes: a pass that failed after editing a node in place was
     # undone in the view (restored from its snapshot), not in ``out``.
@@ -158,17 +163,23 @@ def rewrite(
         except Exception as exc:  # noqa: BLE001 - a body we cannot read stays as it is
             skipped[name] = f"{type(exc).__name__}: {exc}"
             continue
-        fview = GraphView(body.nodes, protected=body.protected)
+        fview = GraphView(
+            body.nodes, protected=body.protected, control_outputs=body.control_outputs
+        )
         fview, changed = _run_patterns(selected, fview, target, body.args, stats, name)
         if changed:
             try:
-                new_bodies[name] = body.to_function_def(fview.nodes(), library)
+                new_bodies[name] = body.to_function_def(
+                    fview.nodes(), library, fview.control_renames
+                )
             except Exception as exc:  # noqa: BLE001
                 skipped[name] = f"could not write back: {type(exc).__name__}: {exc}"
                 stats[selected[0].name].errors.append(f"{name}: {exc}")
 
     renames = _rename_library(out, new_bodies)
-    return RewriteResult(out, stats, time.perf_counter() - start, renames, skipped)
+    return RewriteResult(
+        out, stats, time.perf_counter() - start, renames, skipped, dict(view.control_renames)
+    )
 
 
 def _rename_library(

@@ -1,0 +1,31 @@
+"""Every public docstring example runs (the modules' doctests are part of the suite)."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import fusion
+import tfmx
+
+MODULES = sorted(
+    info.name
+    for package in (fusion, tfmx)
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".")
+    if not info.name.endswith("__main__")
+)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples_run(name: str) -> None:
+    import tfmx as api
+
+    module = importlib.import_module(name)
+    try:
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    finally:
+        api.disable()
+    assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"
