@@ -201,6 +201,41 @@ class GraphView:
                 self.control_renames[key] = new
         self.control_renames[old] = new
 
+    def prune(self, candidates: Iterable[str]) -> list[str]:
+        """Remove the ``candidates`` nothing consumes, then their inputs likewise.
+
+        Only pure nodes go: protected nodes, control outputs and ops with side effects (or
+        of unknown op type, such as function calls by name) stay. Returns what was removed.
+        """
+        removed = []
+        work = [n for n in candidates if n in self._nodes]
+        while work:
+            name = work.pop()
+            node = self._nodes.get(name)
+            if node is None or name in self.protected or self._consumers.get(name):
+                continue
+            op_def = op_def_registry.get(node.op)
+            if op_def is None or op_def.is_stateful or node.op == "Placeholder":
+                continue
+            self.remove(name)
+            removed.append(name)
+            work.extend(parse_input(ref)[0] for ref in node.input)
+        return removed
+
+    def cycle(self) -> list[str]:
+        """Names of nodes on or behind a cycle (empty for a DAG; v1 loops count as cycles)."""
+        pending = {name: len(node.input) for name, node in self._nodes.items()}
+        for name, node in self._nodes.items():
+            pending[name] = sum(parse_input(ref)[0] in self._nodes for ref in node.input)
+        ready = [name for name, count in pending.items() if count == 0]
+        while ready:
+            name = ready.pop()
+            for consumer, _ in self._consumers.get(name, ()):
+                pending[consumer] -= 1
+                if pending[consumer] == 0:
+                    ready.append(consumer)
+        return sorted(name for name, count in pending.items() if count > 0)
+
     def dangling_inputs(self, external: Iterable[str] = ()) -> list[str]:
         """Input references whose producer is neither a node nor an ``external`` name."""
         known = set(external)

@@ -68,12 +68,15 @@ def _run_pattern(
     snapshot = [n.SerializeToString() for n in view.nodes()]
     bookkeeping = GraphView(())
     bookkeeping.copy_bookkeeping(view)
+    had_cycle = any(n.op in ("NextIteration", "RefNextIteration") for n in view)
     ctx = RewriteContext(target=target, stats=PatternStats())
     try:
         pattern.run(view, ctx)
         dangling = view.dangling_inputs(external)
         if dangling:
             raise RuntimeError(f"rewrite left inputs pointing nowhere: {dangling[:3]}")
+        if ctx.stats.fused and not had_cycle and view.cycle():
+            raise RuntimeError(f"rewrite made a cycle through {view.cycle()[:3]}")
     except Exception as exc:  # noqa: BLE001 - any failure must leave the graph as it was
         restored = GraphView(node_def_pb2.NodeDef.FromString(b) for b in snapshot)
         restored.copy_bookkeeping(bookkeeping)

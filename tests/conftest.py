@@ -10,7 +10,7 @@ import tensorflow as tf  # noqa: E402
 
 import fusion  # noqa: E402
 from tfmx.backends import _cpu, get_backend  # noqa: E402
-from tfmx.rebuild import protected_names, rebuild  # noqa: E402
+from tfmx.rebuild import control_output_names, protected_names, rebuild  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +43,10 @@ def fuse():
     def _fuse(concrete, graph_def, backend, protected=None):
         if protected is None:
             protected = protected_names(concrete)
-        return fusion.rewrite(graph_def, backend, protected=protected)
+        return fusion.rewrite(
+            graph_def, backend, protected=protected,
+            control_outputs=control_output_names(concrete),
+        )
 
     return _fuse
 
@@ -53,7 +56,7 @@ def assert_same_numbers():
     """Rebuild the rewritten graph and compare its outputs with the original function's."""
 
     def _check(concrete, result, *args, rtol=1e-5, atol=1e-6):
-        new = rebuild(concrete, result.graph_def)
+        new = rebuild(concrete, result.graph_def, result.control_renames)
         expected = tf.nest.flatten(concrete(*args))
         got = tf.nest.flatten(new(*args))
         assert len(got) == len(expected)

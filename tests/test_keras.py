@@ -9,6 +9,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import ops_that_ran
 
 import fusion.patterns.contraction as contraction
 import tfmx
@@ -33,7 +34,7 @@ def build_model(seed: int = 0, compile_kwargs: dict | None = None) -> keras.Mode
     out = keras.layers.Dense(3, activation="softmax")(x)
     model = keras.Model(inp, out)
     model.compile(
-        optimizer=keras.optimizers.Adam(1e-2),
+        optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
         loss="sparse_categorical_crossentropy",
         metrics=["accuracy"],
         **(compile_kwargs or {}),
@@ -48,21 +49,6 @@ def data(n: int = 36, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
 
 def max_rel_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return max(float(np.max(np.abs(x - y) / (np.abs(x) + 1e-6))) for x, y in zip(a, b))
-
-
-def ops_that_ran(fn) -> set[str]:
-    """Op types in every graph (and function library) Keras's step function traced."""
-    fn = getattr(fn, "__wrapped__", fn)
-    ops: set[str] = set()
-    candidates = [fn] + [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]
-    for target in candidates:
-        if hasattr(target, "_list_all_concrete_functions"):
-            for cf in target._list_all_concrete_functions():
-                g = cf.graph.as_graph_def()
-                ops.update(n.op for n in g.node)
-                for f in g.library.function:
-                    ops.update(n.op for n in f.node_def)
-    return ops
 
 
 def weights(model: keras.Model) -> list[np.ndarray]:
