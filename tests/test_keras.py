@@ -137,7 +137,10 @@ def test_model_compiled_before_enable_is_rebuilt_and_disable_restores_stock():
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert "_FusedConv2D" in ops_that_ran(model.train_function)
     tfmx.disable()
+    fused_fn = model.train_function  # disable() alone changes nothing yet: fit rebuilds
+    assert "_FusedConv2D" in ops_that_ran(fused_fn)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert model.train_function is not fused_fn
     assert "_FusedConv2D" not in ops_that_ran(model.train_function)
 
 

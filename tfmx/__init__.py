@@ -69,7 +69,20 @@ def enable(
 
 
 def disable() -> None:
-    """Switch the rewrite off; step functions go back to stock on next use.
+    """Switch the rewrite off. What was built while it was on runs fused until rebuilt.
+
+    When it takes effect:
+
+    - A Keras model: at its next ``fit``, ``evaluate`` or ``predict`` (or ``*_on_batch``). These
+      call Keras's ``make_train_function`` / ``make_test_function`` / ``make_predict_function``,
+      where tfmx's hook sees the step function was built under another generation and rebuilds
+      the stock one. Until then ``model.train_function`` (``test_function``,
+      ``predict_function``) still runs the fused graph, and a reference kept to one always does.
+    - A ``tfmx.function``: at its next call, unless an outer ``tf.function`` has already traced
+      the call (that trace keeps the fused graph).
+
+    ``tfmx.report()`` keeps what was recorded; a later ``enable()`` with new settings starts a
+    fresh report.
 
     >>> import tfmx
     >>> tfmx.disable()
