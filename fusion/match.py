@@ -2,7 +2,8 @@
 
 Each answers one question about a :class:`~fusion.graph.GraphView`: who consumes a node, what a
 constant holds, and above all :func:`blocker`: may a pattern swallow this intermediate, and if
-not, why (the reason goes into the report).
+not, why (the reason goes into the report). :func:`fused_node` writes the node that replaces a
+matched chain.
 
 Example:
     >>> import tensorflow as tf
@@ -21,11 +22,22 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Union
+
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.framework import op_def_registry
 
 from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, parse_input
+
+# What fused_node accepts as an attr value: an AttrValue as is, or a plain value (a list's
+# items all of one kind).
+AttrLike = Union[
+    attr_value_pb2.AttrValue, bool, int, float, str, tf.DType,
+    Sequence[int], Sequence[float], Sequence[str], Sequence[tf.DType],
+]
 
 
 def dtype_name(node: NodeDef, attr: str = "T") -> str:
@@ -97,3 +109,86 @@ def same_shape(a: tuple | None, b: tuple | None) -> bool:
 def set_list_s(attr: attr_value_pb2.AttrValue, values: tuple[str, ...]) -> None:
     """Fill a list(string) attr."""
     attr.list.s.extend(v.encode() for v in values)
+
+
+def _set_attr(attr: attr_value_pb2.AttrValue, value: AttrLike) -> None:
+    """Fill ``attr`` from a plain value (bool, int, float, str, tf.DType or a list of one)."""
+    if isinstance(value, attr_value_pb2.AttrValue):
+        attr.CopyFrom(value)
+    elif isinstance(value, bool):
+        attr.b = value
+    elif isinstance(value, int):
+        attr.i = value
+    elif isinstance(value, float):
+        attr.f = value
+    elif isinstance(value, str):
+        attr.s = value.encode()
+    elif isinstance(value, tf.DType):
+        attr.type = value.as_datatype_enum
+    elif isinstance(value, (list, tuple)):
+        attr.list.SetInParent()
+        if all(isinstance(v, str) for v in value):
+            set_list_s(attr, tuple(value))
+        elif all(isinstance(v, tf.DType) for v in value):
+            attr.list.type.extend(v.as_datatype_enum for v in value)
+        elif all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            attr.list.i.extend(value)
+        elif all(isinstance(v, float) for v in value):
+            attr.list.f.extend(value)
+        else:
+            raise TypeError(f"attr list must hold one kind of str, int, float or tf.DType, "
+                            f"got {value!r}")
+    else:
+        raise TypeError(f"cannot make an attr of {type(value).__name__} {value!r}; pass an "
+                        f"AttrValue or a bool, int, float, str, tf.DType or list of one")
+
+
+def fused_node(
+    template: NodeDef,
+    op: str,
+    tail: NodeDef,
+    inputs: Sequence[str],
+    attrs: Mapping[str, AttrLike] | None = None,
+    device: str | None = None,
+) -> NodeDef:
+    """A new ``op`` node to stand in for a matched chain from ``template`` to ``tail``.
+
+    The node takes ``tail``'s name, so the chain's consumers need no rewiring, and its
+    ``_output_shapes``. Its attrs are, in order: ``template``'s (usually the contraction), then
+    ``attrs``, each kept only where ``op``'s OpDef declares it, then the OpDef's defaults for any
+    still missing. Values in ``attrs`` may be AttrValues or plain Python values (a str list
+    becomes ``list(string)``, a tf.DType list ``list(type)``). ``device`` defaults to
+    ``template``'s. Nothing is added to or removed from a view: the caller does that.
+
+    >>> import tensorflow as tf
+    >>> from fusion.graph import NodeDef
+    >>> from fusion.match import fused_node
+    >>> matmul = NodeDef(name="mm", op="MatMul", input=["x", "w"])
+    >>> matmul.attr["T"].type = tf.float32.as_datatype_enum
+    >>> matmul.attr["transpose_b"].b = True
+    >>> bias = NodeDef(name="out", op="BiasAdd", input=["mm", "b"])
+    >>> node = fused_node(matmul, "_FusedMatMul", bias, ["x", "w", "b"],
+    ...                   {"num_args": 1, "fused_ops": ["BiasAdd"]})
+    >>> node.name, list(node.input), node.attr["transpose_b"].b, node.attr["fused_ops"].list.s
+    ('out', ['x', 'w', 'b'], True, [b'BiasAdd'])
+    >>> sorted(node.attr)  # transpose_a, epsilon, leakyrelu_alpha: the OpDef's defaults
+    ['T', 'epsilon', 'fused_ops', 'leakyrelu_alpha', 'num_args', 'transpose_a', 'transpose_b']
+    """
+    op_def = op_def_registry.get(op)
+    if op_def is None:
+        raise ValueError(f"no op {op!r} is registered with TensorFlow; check the name")
+    declared = {a.name for a in op_def.attr}
+    node = NodeDef(name=tail.name, op=op, device=template.device if device is None else device)
+    node.input.extend(inputs)
+    for key, value in template.attr.items():
+        if key in declared:
+            node.attr[key].CopyFrom(value)
+    for key, value in (attrs or {}).items():
+        if key in declared:
+            _set_attr(node.attr[key], value)
+    for attr in op_def.attr:
+        if attr.name not in node.attr and attr.HasField("default_value"):
+            node.attr[attr.name].CopyFrom(attr.default_value)
+    if "_output_shapes" in tail.attr:
+        node.attr["_output_shapes"].CopyFrom(tail.attr["_output_shapes"])
+    return node

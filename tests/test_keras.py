@@ -123,8 +123,27 @@ def test_model_compiled_before_enable_is_rebuilt_and_disable_restores_stock():
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert "_FusedConv2D" in ops_that_ran(model.train_function)
     tfmx.disable()
+    fused_fn = model.train_function  # disable() alone changes nothing yet: fit rebuilds
+    assert "_FusedConv2D" in ops_that_ran(fused_fn)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert model.train_function is not fused_fn
     assert "_FusedConv2D" not in ops_that_ran(model.train_function)
+
+
+@pytest.mark.parametrize("kind", ["train", "test", "predict"])
+def test_make_functions_return_what_keras_returns(kind):
+    """Keras's make_*_function returns None when it builds and the function when cached."""
+    tfmx.enable(backend="cpu")
+    model = build_model()
+    make = getattr(model, f"make_{kind}_function")
+    assert make() is None
+    built = getattr(model, f"{kind}_function")
+    assert built is not None
+    assert make() is built
+    assert make(force=True) is None
+    tfmx.disable()  # a new generation: the next call rebuilds, as Keras builds: None
+    assert make() is None
+    assert getattr(model, f"{kind}_function") is not built
 
 
 def test_recompile_and_several_fits():

@@ -13,19 +13,59 @@ Example:
     >>> tfmx.disable()
     >>> tfmx.enabled()
     False
+
+``import tfmx`` does not import TensorFlow (so ``tfmx --help`` is quick): ``FusedFunction``,
+``function`` and ``Report`` load on first use, TensorFlow with them or with ``enable()``.
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
+import types
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from tfmx import state
-from tfmx.backends import BACKEND_NAMES, get_backend
+from tfmx.backends import BACKEND_NAMES
 from tfmx.errors import BackendUnavailableError, TfmxWarning, VerificationError
-from tfmx.function import FusedFunction, function
-from tfmx.report import Report
+
+if TYPE_CHECKING:
+    from tfmx.function import FusedFunction, function
+    from tfmx.report import Report
 
 __version__ = "0.1.0"
+
+# Public names whose modules import TensorFlow: loaded on first access (PEP 562).
+_LAZY = {"FusedFunction": "tfmx.function", "function": "tfmx.function", "Report": "tfmx.report"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'tfmx' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(types.ModuleType):
+    """Keeps ``tfmx.function`` and ``tfmx.report`` the public functions.
+
+    Python binds a submodule to its package's attribute when it first loads it; loading
+    ``tfmx.function`` or ``tfmx.report`` lazily would otherwise replace the functions of those
+    names with the modules (``from tfmx.report import ...`` still finds the modules).
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("function", "report") and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def enable(
@@ -53,7 +93,8 @@ def enable(
     ValueError: unknown backend 'gpu'; choose one of ('cpu', 'cuda', 'metal') or None to detect
     """
     from fusion.pattern import resolve
-    from tfmx import keras_hook
+    from tfmx import keras_hook, state
+    from tfmx.backends import get_backend
 
     target = get_backend(backend)
     if patterns is not None:
@@ -69,19 +110,36 @@ def enable(
 
 
 def disable() -> None:
-    """Switch the rewrite off; step functions go back to stock on next use.
+    """Switch the rewrite off. What was built while it was on runs fused until rebuilt.
+
+    When it takes effect:
+
+    - A Keras model: at its next ``fit``, ``evaluate`` or ``predict`` (or ``*_on_batch``). These
+      call Keras's ``make_train_function`` / ``make_test_function`` / ``make_predict_function``,
+      where tfmx's hook sees the step function was built under another generation and rebuilds
+      the stock one. Until then ``model.train_function`` (``test_function``,
+      ``predict_function``) still runs the fused graph, and a reference kept to one always does.
+    - A ``tfmx.function``: at its next call, unless an outer ``tf.function`` has already traced
+      the call (that trace keeps the fused graph).
+
+    ``tfmx.report()`` keeps what was recorded; a later ``enable()`` with new settings starts a
+    fresh report.
 
     >>> import tfmx
     >>> tfmx.disable()
     >>> tfmx.enabled()
     False
     """
+    from tfmx import state
+
     if state.options() is not None:
         state.set_options(None)
 
 
 def enabled() -> bool:
     """True between ``enable()`` and ``disable()``."""
+    from tfmx import state
+
     return state.options() is not None
 
 
@@ -94,6 +152,8 @@ def report(reset: bool = False) -> Report:
     >>> isinstance(tfmx.report(), tfmx.Report)
     True
     """
+    from tfmx import state
+
     current = state.report()
     if reset:
         state.reset_report()

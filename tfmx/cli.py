@@ -7,6 +7,8 @@ Subcommands::
     tfmx recipe NAME [recipe args...]      # e.g. tfmx recipe small_cnn --quick
     tfmx backends [--json]                 # what each backend fuses
 
+Only the subcommands import TensorFlow, so ``tfmx --help`` answers at once.
+
 Example:
     >>> from tfmx.cli import main
     >>> main(["recipe", "no_such_recipe"])  # doctest: +ELLIPSIS
@@ -124,10 +126,14 @@ def _backends(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tfmx`` console script; returns the exit status.
 
+    Parsing (and ``--help``) does not import TensorFlow; the subcommands do, with TensorFlow's
+    C++ info logs off unless ``TF_CPP_MIN_LOG_LEVEL`` is already set.
+
     >>> main(["backends"])  # doctest: +ELLIPSIS
     cpu: ...
     0
     """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     handler = {"bench": _bench, "recipe": _recipe, "backends": _backends}[args.command]
     return handler(args)

@@ -92,6 +92,8 @@ def _make_builder(kind: str, attr: str) -> Any:
 
     @functools.wraps(original)
     def make(self: Any, force: bool = False) -> Any:
+        # Keras's make_*_function, also rebuilding when tfmx's generation moved on. Returns what
+        # Keras's does: the function when already built (and current), None when it builds.
         if getattr(self, attr) is not None and not force and not _stale(self, kind):
             return getattr(self, attr)
         if kind == "predict":
@@ -99,7 +101,7 @@ def _make_builder(kind: str, attr: str) -> Any:
         original(self, force=True)
         setattr(self, attr, _guard(getattr(self, attr)))
         _stamp(self, kind)
-        return getattr(self, attr)
+        return None
 
     return make
 

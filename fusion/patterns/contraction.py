@@ -38,17 +38,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from tensorflow.python.framework import op_def_registry
+import tensorflow as tf
 
 from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, output_shape, parse_input
 from fusion.match import (
+    AttrLike,
     blocker,
     consumer,
     dtype_name,
+    fused_node,
     is_scalar_const,
     other_input,
     same_shape,
-    set_list_s,
     sole_consumer,
 )
 from fusion.pattern import RewriteContext, Target, apply_matches, register
@@ -251,28 +252,17 @@ def _extend(
 def rewrite_contraction(view: GraphView, match: ContractionMatch) -> NodeDef:
     """Replace the chain in ``match`` with one fused node named like the chain's tail."""
     c, tail = match.contraction, match.tail
-    fused_name = FUSED_OP[c.op]
-    op_def = op_def_registry.get(fused_name)
-    fused = NodeDef(name=tail.name, op=fused_name, device=c.device or tail.device)
     args = [match.bias_add.input[1]] + ([match.addend] if match.addend else [])
-    fused.input.extend([c.input[0], c.input[1], *args])
-    allowed = {a.name for a in op_def.attr}
-    for key, value in c.attr.items():
-        if key in allowed:
-            fused.attr[key].CopyFrom(value)
-    fused.attr["num_args"].i = len(args)
-    set_list_s(fused.attr["fused_ops"], match.fused_ops)
-    if "TArgs" in allowed:
-        fused.attr["TArgs"].list.type.extend([c.attr["T"].type] * len(args))
-    if "num_host_args" in allowed:
-        fused.attr["num_host_args"].i = 0
+    attrs: dict[str, AttrLike] = {
+        "num_args": len(args),
+        "fused_ops": match.fused_ops,
+        "TArgs": [tf.dtypes.as_dtype(c.attr["T"].type)] * len(args),  # _FusedConv2D only
+        "num_host_args": 0,  # _FusedConv2D only
+    }
     if match.activation == "LeakyRelu":
-        fused.attr["leakyrelu_alpha"].f = match.activation_nodes[-1].attr["alpha"].f
-    for attr in op_def.attr:
-        if attr.name not in fused.attr and attr.HasField("default_value"):
-            fused.attr[attr.name].CopyFrom(attr.default_value)
-    if "_output_shapes" in tail.attr:
-        fused.attr["_output_shapes"].CopyFrom(tail.attr["_output_shapes"])
+        attrs["leakyrelu_alpha"] = match.activation_nodes[-1].attr["alpha"].f
+    fused = fused_node(c, FUSED_OP[c.op], tail, [c.input[0], c.input[1], *args], attrs,
+                       device=c.device or tail.device)
 
     inner = [n for n in match.nodes if n is not tail]
     for node in inner:  # shape-only readers of an intermediate read the fused output instead

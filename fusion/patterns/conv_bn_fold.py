@@ -30,10 +30,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from tensorflow.python.framework import op_def_registry
+import tensorflow as tf
 
 from fusion.graph import GraphView, NodeDef, output_shape, parse_input
-from fusion.match import blocker, const_value, consumer, dtype_name, other_input, set_list_s
+from fusion.match import (
+    AttrLike,
+    blocker,
+    const_value,
+    consumer,
+    dtype_name,
+    fused_node,
+    other_input,
+)
 from fusion.pattern import RewriteContext, Target, apply_matches, register
 
 ACTIVATIONS = ("Relu", "Relu6", "Elu", "LeakyRelu")
@@ -156,26 +164,18 @@ def find_conv_bn(
 def rewrite_conv_bn(view: GraphView, match: ConvBatchNormMatch) -> NodeDef:
     """Replace the convolution and batch norm with one ``_FusedConv2D`` named like the tail."""
     conv, tail = match.conv, match.tail
-    op_def = op_def_registry.get("_FusedConv2D")
-    fused = NodeDef(name=tail.name, op="_FusedConv2D", device=conv.device)
-    fused.input.extend([conv.input[0], conv.input[1], match.gamma, match.beta, match.mean,
-                        match.variance])
-    allowed = {a.name for a in op_def.attr}
-    for key, value in conv.attr.items():
-        if key in allowed:
-            fused.attr[key].CopyFrom(value)
-    fused.attr["num_args"].i = 4
-    fused.attr["TArgs"].list.type.extend([conv.attr["T"].type] * 4)
-    fused.attr["num_host_args"].i = 0
-    fused.attr["epsilon"].f = match.epsilon
-    set_list_s(fused.attr["fused_ops"], match.fused_ops)
+    attrs: dict[str, AttrLike] = {
+        "num_args": 4,
+        "TArgs": [tf.dtypes.as_dtype(conv.attr["T"].type)] * 4,
+        "num_host_args": 0,
+        "epsilon": match.epsilon,
+        "fused_ops": match.fused_ops,
+    }
     if match.activation is not None and match.activation.op == "LeakyRelu":
-        fused.attr["leakyrelu_alpha"].f = match.activation.attr["alpha"].f
-    for attr in op_def.attr:
-        if attr.name not in fused.attr and attr.HasField("default_value"):
-            fused.attr[attr.name].CopyFrom(attr.default_value)
-    if "_output_shapes" in tail.attr:
-        fused.attr["_output_shapes"].CopyFrom(tail.attr["_output_shapes"])
+        attrs["leakyrelu_alpha"] = match.activation.attr["alpha"].f
+    fused = fused_node(conv, "_FusedConv2D", tail, [conv.input[0], conv.input[1], match.gamma,
+                                                    match.beta, match.mean, match.variance],
+                       attrs)
     for node in (conv, *match.interior):
         if node is not tail:
             view.remove(node.name)
