@@ -185,7 +185,25 @@ def _dataset(workload: Workload, batch_size: int, seed: int, batches: int = 4) -
         batch_size, drop_remainder=True).repeat()
 
 
-def _build(workload: Workload, mode: str, seed: int, weights: list | None) -> Any:
+OPTIMIZERS = ("adam", "adamw", "sgd", "rmsprop")
+
+
+def _optimizer(name: str) -> Any:
+    import keras
+
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose from {list(OPTIMIZERS)}")
+    return {
+        "adam": lambda: keras.optimizers.Adam(1e-3),
+        "adamw": lambda: keras.optimizers.AdamW(1e-3, weight_decay=0.004),
+        "sgd": lambda: keras.optimizers.SGD(1e-2, momentum=0.9),
+        "rmsprop": lambda: keras.optimizers.RMSprop(1e-3, momentum=0.9),
+    }[name]()
+
+
+def _build(
+    workload: Workload, mode: str, seed: int, weights: list | None, optimizer: str = "adam"
+) -> Any:
     import keras
 
     keras.utils.set_random_seed(seed)
@@ -193,7 +211,7 @@ def _build(workload: Workload, mode: str, seed: int, weights: list | None) -> An
     if weights is not None:
         model.set_weights(weights)
     model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
+        optimizer=_optimizer(optimizer),
         loss="sparse_categorical_crossentropy",
         metrics=["accuracy"],
         jit_compile=(mode == "xla"),
@@ -240,6 +258,7 @@ def run_benchmark(
     warmup: int = 2,
     seed: int = 0,
     backend: str | None = None,
+    optimizer: str = "adam",
 ) -> dict[str, Any]:
     """Benchmark one workload's training step in each mode, interleaved; return the numbers.
 
@@ -249,6 +268,7 @@ def run_benchmark(
         modes: any of ``"stock"``, ``"tfmx"``, ``"xla"``.
         warmup: untimed calls per mode before timing (the first one traces).
         backend: passed to ``tfmx.enable`` (None detects this machine's).
+        optimizer: one of ``OPTIMIZERS`` (Keras defaults; AdamW with weight_decay=0.004).
 
     Returns a dict with ``model``, ``batch_size``, ``rounds``, ``steps``, ``modes`` (per-mode
     timing from :func:`time_step_functions`), ``ratios`` (``"tfmx/stock"``, ``"xla/stock"``),
@@ -285,7 +305,7 @@ def run_benchmark(
                 tfmx.disable()
             else:
                 tfmx.enable(backend=backend)
-            model = _build(workload, mode, seed, weights)
+            model = _build(workload, mode, seed, weights, optimizer)
             weights = weights if weights is not None else model.get_weights()
             model.make_train_function()
             fn = model.train_function
@@ -313,6 +333,7 @@ def run_benchmark(
     return {
         "model": model_name,
         "description": workload.description,
+        "optimizer": optimizer,
         "batch_size": batch_size,
         "rounds": rounds,
         "steps": steps,
@@ -341,7 +362,7 @@ def format_markdown(results: Mapping[str, Any] | Iterable[Mapping[str, Any]]) ->
     ...         "modes": {m: {"median_ms": v, "p25_ms": v, "p75_ms": v, "min_ms": v,
     ...                       "first_call_s": 1.0} for m, v in (("stock", 10.0), ("tfmx", 9.0))}}
     >>> print(format_markdown(fake))  # doctest: +NORMALIZE_WHITESPACE
-    ### mlp: batch 32, 3 interleaved rounds x 5 steps (warm-up 2 excluded)
+    ### mlp (adam): batch 32, 3 interleaved rounds x 5 steps (warm-up 2 excluded)
     <BLANKLINE>
     d
     <BLANKLINE>
@@ -357,7 +378,8 @@ def format_markdown(results: Mapping[str, Any] | Iterable[Mapping[str, Any]]) ->
     blocks = []
     for r in results:
         lines = [
-            f"### {r['model']}: batch {r['batch_size']}, {r['rounds']} interleaved rounds x "
+            f"### {r['model']} ({r.get('optimizer', 'adam')}): batch {r['batch_size']}, "
+            f"{r['rounds']} interleaved rounds x "
             f"{r['steps']} steps (warm-up {r['warmup']} excluded)",
             "",
         ]
