@@ -12,6 +12,11 @@ largest value.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import keras
 import numpy as np
 import pytest
@@ -19,7 +24,7 @@ import tensorflow as tf
 from helpers import ops_that_ran
 
 import tfmx
-from fusion.graph import GraphView
+from fusion.graph import GraphView, op_histogram
 from fusion.patterns.optimizer_update import find_updates
 from tfmx.backends import get_backend
 
@@ -253,3 +258,75 @@ def test_metal_plan_uses_only_kernels_the_plugin_has():
     view = GraphView(step.graph.as_graph_def(add_shapes=True).node)
     matches, declined = find_updates(view, get_backend("metal"))
     assert matches == [] and any("ResourceApplyAdaMax" in d for d in declined)
+
+
+@pytest.mark.parametrize("optimizer,kind", [("momentum", "SGD(momentum)"), ("adam", "Adam")])
+def test_mirrored_strategy_with_two_replicas_fuses_every_replicas_update(optimizer, kind):
+    script = Path(__file__).parent / "scripts" / "mirrored_fit.py"
+    done = subprocess.run(
+        [sys.executable, str(script), optimizer], capture_output=True, text=True, timeout=600,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    rtol = 1e-5 if kind == "Adam" else 1e-6
+    assert result["max_diff"] <= rtol * result["scale"], result
+    assert result["fused"] == {kind: 8}  # 4 variables x 2 replicas
+    assert "CollectiveReduceV2" in result["ops"] and result["errors"] == []
+
+
+def test_sparse_embedding_gradients_are_declined_and_dense_layers_still_fused():
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((5,), dtype="int32"), keras.layers.Embedding(50, 4),
+            keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2),
+        ])
+        model.compile(keras.optimizers.Adam(1e-3), "mse")
+        return model
+
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 50, (64, 5)), rng.normal(size=(64, 2))
+    results = []
+    for fused in (False, True):
+        if fused:
+            tfmx.enable(backend="cpu")
+        model = build()
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        results.append([v.numpy() for v in model.weights])
+        report = tfmx.report().to_dict()
+        tfmx.disable()
+    _assert_parity([""] * len(results[0]), results[0], results[1], "Adam")
+    stats = report["patterns"]["optimizer_update"]
+    assert stats["fused_kinds"] == {"Adam": 2}
+    assert any("sparse gradient" in reason for reason in stats["declined"])
+
+
+def test_custom_training_loop_through_tfmx_function():
+    def run(decorate):
+        model = _model()
+        opt = keras.optimizers.Adam(1e-3)
+        opt.build(model.trainable_variables)
+        x, y = _data()
+
+        @decorate
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        for i in range(STEPS):
+            step(tf.constant(x[i * 8:(i + 1) * 8]), tf.constant(y[i * 8:(i + 1) * 8], tf.float32))
+        variables = list(model.weights) + list(opt.variables)
+        return step, [v.path for v in variables], [v.numpy() for v in variables]
+
+    _, names, stock = run(tf.function)
+    tfmx.enable(backend="cpu")
+    step, _, fused = run(tfmx.function)
+    _assert_parity(names, stock, fused, "Adam")
+    ops = set()
+    for concrete in step.concrete_functions():
+        ops |= set(op_histogram(concrete.graph.as_graph_def()))
+    assert "ResourceApplyAdam" in ops

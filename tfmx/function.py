@@ -113,6 +113,16 @@ class FusedFunction:
             return self._stock.get_concrete_function(*args, **kwargs)
         return self._entry(opts, args, kwargs).fused
 
+    def concrete_functions(self) -> list[Any]:
+        """Every ConcreteFunction this function runs: the rewritten ones and, where none was
+        rewritten (tfmx off, a trace that could not be rewritten), the traced ones."""
+        entries = list(self._entries.values())
+        seen = {id(e.stock) for e in entries}
+        stock = [c for c in self._stock._list_all_concrete_functions() if id(c) not in seen]
+        return [e.fused for e in entries] + stock
+
+    _list_all_concrete_functions = concrete_functions  # what tf.function introspection calls
+
     def stock_concrete_function(self, *args: Any, **kwargs: Any) -> Any:
         """The ConcreteFunction tf.function traced, before any rewrite."""
         return self._stock.get_concrete_function(*args, **kwargs)

@@ -1,10 +1,12 @@
 """How ``tfmx.enable()`` reaches ``model.fit``, ``evaluate`` and ``predict`` of Keras 3.
 
-Keras's TensorFlow trainer builds ``one_step_on_data`` around ``self.train_step`` /
-``self.test_step`` in ``_make_function``, and ``predict_step`` in ``make_predict_function``.
-The hook wraps the step in a :class:`tfmx.function.FusedFunction`: Keras's own
-``tf.function`` then calls the rewritten step, so steps_per_execution loops, distribution,
-callbacks and data handling stay Keras's. Each model remembers the tfmx generation its step
+Keras's TensorFlow trainer builds ``one_step_on_data`` (``strategy.run`` of
+``self.train_step`` / ``self.test_step`` plus the cross-replica reduction) and wraps it in
+``tf.function``; predict does the same around ``predict_step``. While Keras builds these, the
+hook has its ``tf.function`` return a :class:`tfmx.function.FusedFunction` for exactly those
+step functions, so the whole per-batch step, every replica included, is traced, rewritten and
+rebuilt, while Keras's own loops (steps_per_execution), distribution, callbacks and data
+handling stay Keras's. Each model remembers the tfmx generation its step
 functions were built under; after ``enable()``/``disable()`` they are rebuilt on next use, so
 models compiled before enable() are covered too.
 
@@ -77,14 +79,39 @@ def _guard(fn: Any) -> Any:
     return guarded
 
 
-def _make_function(self: Any, step_function: Any) -> Any:
-    kind = getattr(step_function, "__name__", "step")
-    if _fusable(self, kind):
-        step_function = FusedFunction(
-            step_function, name=f"{type(self).__name__}.{kind}", autograph=False,
-            reduce_retracing=True,
+# Keras's functions that tfmx takes over: the step that runs one batch on every replica
+# (``strategy.run`` and the cross-replica reduction inside it), and predict's outer functions.
+_STEP_FUNCTIONS = frozenset({"one_step_on_data", "one_step_on_data_distributed",
+                             "multi_step_on_data"})
+
+
+class _TfWithFusedFunction:
+    """``tensorflow`` as Keras's trainer module sees it while tfmx builds a step function:
+    ``tf.function`` of a Keras step returns a FusedFunction, everything else is TensorFlow's."""
+
+    def __init__(self, tf: Any, name: str) -> None:
+        self._tf = tf
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._tf, attr)
+
+    def function(self, fn: Any = None, **kwargs: Any) -> Any:
+        if fn is None or getattr(fn, "__name__", "") not in _STEP_FUNCTIONS:
+            return self._tf.function(fn, **kwargs) if fn is not None else self._tf.function(
+                **kwargs)
+        if kwargs.get("jit_compile"):
+            return self._tf.function(fn, **kwargs)
+        return FusedFunction(
+            fn, name=self._name, autograph=False,
+            reduce_retracing=kwargs.get("reduce_retracing", False),
         )
-    return _ORIGINAL["_make_function"](self, step_function)
+
+
+def _trainer_module() -> Any:
+    import keras.src.backend.tensorflow.trainer as module
+
+    return module
 
 
 def _make_builder(kind: str, attr: str) -> Any:
@@ -96,9 +123,14 @@ def _make_builder(kind: str, attr: str) -> Any:
         # Keras's does: the function when already built (and current), None when it builds.
         if getattr(self, attr) is not None and not force and not _stale(self, kind):
             return getattr(self, attr)
-        if kind == "predict":
-            _shadow_predict_step(self)
-        original(self, force=True)
+        module = _trainer_module()
+        real_tf = module.tf
+        if _fusable(self, f"{kind}_step"):
+            module.tf = _TfWithFusedFunction(real_tf, f"{type(self).__name__}.{kind}_step")
+        try:
+            original(self, force=True)
+        finally:
+            module.tf = real_tf
         setattr(self, attr, _guard(getattr(self, attr)))
         _stamp(self, kind)
         return None
@@ -106,26 +138,13 @@ def _make_builder(kind: str, attr: str) -> Any:
     return make
 
 
-def _shadow_predict_step(model: Any) -> None:
-    """Route Keras's predict loop through a FusedFunction of the model's predict_step."""
-    model.__dict__.pop("predict_step", None)
-    if _fusable(model, "predict_step"):
-        fused = FusedFunction(
-            model.predict_step, name=f"{type(model).__name__}.predict_step", autograph=False,
-            reduce_retracing=True,
-        )
-        object.__setattr__(model, "predict_step", fused)
-
-
 def install() -> None:
     """Patch Keras's TensorFlow trainer once (idempotent)."""
     if _ORIGINAL:
         return
     trainer = _trainer_class()
-    for name in ("_make_function", "make_train_function", "make_test_function",
-                 "make_predict_function"):
+    for name in ("make_train_function", "make_test_function", "make_predict_function"):
         _ORIGINAL[name] = getattr(trainer, name)
-    trainer._make_function = _make_function
     trainer.make_train_function = _make_builder("train", "train_function")
     trainer.make_test_function = _make_builder("test", "test_function")
     trainer.make_predict_function = _make_builder("predict", "predict_function")

@@ -96,22 +96,29 @@ def _new_signature_graph(
     graph's ``inputs`` are in the same order as the old graph's.
     """
     old = concrete.graph
-    captures = list(old.captures)
-    internal_ids = {id(t) for _, t in captures}
+    by_value = {id(internal): external for external, internal in old.captures}
+    old_captures = old.function_captures
+    by_ref = {id(t): key for key, t in old_captures.by_ref_internal.items()}  # call-time values
     graph = func_graph_lib.FuncGraph(name)
     input_map: dict[str, tf.Tensor] = {}
     with graph.as_default():
-        new_inputs = []
         for ph in old.inputs:
-            if id(ph) in internal_ids:
-                continue
-            new_ph = array_ops.placeholder(ph.dtype, ph.shape, name=ph.op.name)
-            handle_data_util.copy_handle_data(ph, new_ph)
+            if id(ph) in by_value:
+                new_ph = graph.capture(by_value[id(ph)], name=ph.op.name)
+            else:
+                new_ph = array_ops.placeholder(ph.dtype, ph.shape, name=ph.op.name)
+                handle_data_util.copy_handle_data(ph, new_ph)
+                key = by_ref.get(id(ph))
+                if key is not None:
+                    graph.function_captures.add_or_replace(
+                        key=key,
+                        external=old_captures.by_ref_external[key],
+                        internal=new_ph,
+                        tracetype=old_captures.by_ref_tracetype[key],
+                        is_by_ref=True,
+                    )
             input_map[ph.name] = new_ph
-            new_inputs.append(new_ph)
-        for external, internal in captures:
-            input_map[internal.name] = graph.capture(external, name=internal.op.name)
-        graph.inputs = new_inputs + list(graph.internal_captures)
+        graph.inputs = [input_map[ph.name] for ph in old.inputs]
     return graph, input_map
 
 

@@ -225,6 +225,13 @@ SPECS: tuple[Spec, ...] = (
     )),
 )
 
+# Keras optimizers this family fuses, by their default name (the ops' name scope).
+FUSABLE = {
+    "adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "rmsprop": "RMSprop",
+    "adadelta": "Adadelta", "adamax": "Adamax",
+}
+SPARSE_OPS = frozenset({"UnsortedSegmentSum", "SparseSegmentSum", "ScatterNd"})
+SPARSE_WRITES = frozenset({"ResourceScatterAdd", "ResourceScatterSub", "ResourceScatterUpdate"})
 # Keras optimizers with no kernel at all, by their default name (the ops' name scope).
 NO_KERNEL = {
     "nadam": "Nadam", "lion": "Lion", "adafactor": "Adafactor", "ftrl": "Ftrl",
@@ -401,16 +408,34 @@ def find_updates(view: GraphView, target: Target) -> tuple[list[UpdateMatch], li
     return matches, declined
 
 
+def _sparse_gradient(view: GraphView, node: NodeDef, depth: int = 4) -> bool:
+    """True if ``node``'s value comes from a densified IndexedSlices (UnsortedSegmentSum)."""
+    frontier = [node]
+    for _ in range(depth):
+        frontier = [p for n in frontier for r in view.data_inputs(n) if (p := view.node(r))]
+        if any(p.op in SPARSE_OPS for p in frontier):
+            return True
+    return False
+
+
 def _unfused_by_name(view: GraphView, claimed: set[str]) -> list[str]:
-    """One reason per write of a Keras optimizer that has no kernel (found by its scope)."""
+    """Reasons for the writes of Keras optimizers (found by their name scope) left composite:
+    optimizers with no kernel, and sparse (IndexedSlices) gradients."""
     reasons = []
     for node in view:
-        if node.op not in WRITE_OPS or node.name in claimed:
+        if node.name in claimed or not (node.op in WRITE_OPS or node.op in SPARSE_WRITES):
             continue
         for part in node.name.split("/")[:-1]:
             name = re.sub(r"_\d+$", "", part)
             if name in NO_KERNEL:
                 reasons.append(f"{NO_KERNEL[name]}: no ResourceApply* kernel computes its update")
+                break
+            if name in FUSABLE and (node.op in SPARSE_WRITES or _sparse_gradient(view, node)):
+                reasons.append(
+                    f"{FUSABLE[name]}: sparse gradient (IndexedSlices, e.g. Embedding): Keras "
+                    "densifies it per use or scatters it, no ResourceSparseApply* kernel "
+                    "computes the same; left as it is"
+                )
                 break
     return reasons
 

@@ -1,0 +1,62 @@
+"""Train under a 2-replica MirroredStrategy (two logical CPUs), stock then tfmx; print JSON.
+
+Run by tests/test_optimizer_update.py in a subprocess: logical devices must be configured
+before TensorFlow initialises its devices.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import tensorflow as tf  # noqa: E402
+
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()]
+)
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import tfmx  # noqa: E402
+from fusion.graph import op_histogram  # noqa: E402
+
+OPTIMIZER = sys.argv[1] if len(sys.argv) > 1 else "adam"
+
+
+def train(fused: bool):
+    if fused:
+        tfmx.enable(backend="cpu")
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(4)])
+        opt = {"adam": keras.optimizers.Adam(1e-3),
+               "momentum": keras.optimizers.SGD(0.05, momentum=0.9)}[OPTIMIZER]
+        model.compile(opt, "mse")
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(80, 6)).astype("float32")
+    y = rng.normal(size=(80, 4)).astype("float32")
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    ops = set()
+    fn = getattr(model.train_function, "__wrapped__", model.train_function)
+    for cell in [fn] + [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]:
+        if hasattr(cell, "_list_all_concrete_functions"):
+            for cf in cell._list_all_concrete_functions():
+                ops |= set(op_histogram(cf.graph.as_graph_def()))
+    report = tfmx.report().to_dict() if fused else {}
+    tfmx.disable()
+    return [v.numpy().tolist() for v in model.weights], sorted(ops), report
+
+
+stock, _, _ = train(False)
+fused, ops, report = train(True)
+print(json.dumps({
+    "replicas": 2,
+    "max_diff": max(float(np.max(np.abs(np.array(a) - np.array(b)))) for a, b in zip(stock, fused)),
+    "scale": max(float(np.max(np.abs(np.array(a)))) for a in stock),
+    "ops": ops,
+    "fused": report.get("patterns", {}).get("optimizer_update", {}).get("fused_kinds", {}),
+    "errors": report.get("patterns", {}).get("optimizer_update", {}).get("errors", []),
+}))
