@@ -118,9 +118,10 @@ class Report:
                              f"{t.seconds:>10.3f}")
         if self.patterns:
             lines.append("")
-            lines.append(f"{'pattern':<14} {'matched':>8} {'fused':>6} {'declined':>9}")
+            width = max(14, *(len(name) for name in self.patterns))
+            lines.append(f"{'pattern':<{width}} {'matched':>8} {'fused':>6} {'declined':>9}")
             for name, s in self.patterns.items():
-                lines.append(f"{name:<14} {s.matched:>8} {s.fused:>6} "
+                lines.append(f"{name:<{width}} {s.matched:>8} {s.fused:>6} "
                              f"{sum(s.declined.values()):>9}")
                 for kind, n in sorted(s.fused_kinds.items()):
                     lines.append(f"  fused     {n:>4} x {kind}")
