@@ -34,7 +34,7 @@ from tensorflow.python.eager import record
 
 from fusion.graph import op_histogram
 from fusion.pipeline import rewrite
-from tfmx import state
+from tfmx import forward, state
 from tfmx.errors import BackendUnavailableError
 from tfmx.rebuild import protected_names, rebuild
 from tfmx.report import TraceRecord
@@ -72,6 +72,14 @@ class FusedFunction:
             reduce_retracing=reduce_retracing,
             jit_compile=jit_compile,
         )
+        # The same function, traced with tfmx's pre-differentiation stage on (tfmx.forward).
+        self._staged = tf.function(
+            forward.staged(python_function),
+            input_signature=input_signature,
+            autograph=autograph,
+            reduce_retracing=reduce_retracing,
+            jit_compile=jit_compile,
+        )
         self._jit = bool(jit_compile)
         self._entries: dict[tuple[int, int], _Entry] = {}
         functools.update_wrapper(self, python_function)
@@ -83,6 +91,7 @@ class FusedFunction:
         bound = FusedFunction.__new__(FusedFunction)
         bound.__dict__.update(self.__dict__)
         bound._stock = self._stock.__get__(instance, owner)
+        bound._staged = self._staged.__get__(instance, owner)
         bound._entries = self._entries
         return bound
 
@@ -118,7 +127,7 @@ class FusedFunction:
 
     # -- internals ---------------------------------------------------------------------------
     def _entry(self, opts: state.Options, args: tuple, kwargs: dict) -> _Entry:
-        concrete = self._stock.get_concrete_function(*args, **kwargs)
+        concrete = self._staged.get_concrete_function(*args, **kwargs)
         key = (id(concrete), state.generation())
         entry = self._entries.get(key)
         if entry is None or entry.stock is not concrete:

@@ -117,6 +117,9 @@ def _shadow_predict_step(model: Any) -> None:
 
 def install() -> None:
     """Patch Keras's TensorFlow trainer once (idempotent)."""
+    from tfmx import forward
+
+    forward.install()
     if _ORIGINAL:
         return
     trainer = _trainer_class()
@@ -131,6 +134,9 @@ def install() -> None:
 
 def uninstall() -> None:
     """Restore Keras's own methods (models rebuild their step functions on next use)."""
+    from tfmx import forward
+
+    forward.uninstall()
     if not _ORIGINAL:
         return
     trainer = _trainer_class()
