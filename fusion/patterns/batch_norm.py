@@ -100,7 +100,7 @@ def _layout(rank: int, axis: int) -> tuple[str, str | None]:
         (4, 3): ("NHWC", None), (4, 1): ("NCHW", None),
         (5, 4): ("NDHWC", None), (5, 1): ("NCDHW", None),
         (2, 1): ("NHWC", "reshape"), (3, 2): ("NHWC", "reshape"),
-        (3, 1): ("NCHW", "expand"),
+        (3, 1): ("NCHW", "reshape"),
     }.get((rank, axis), ("", None))
 
 
@@ -163,6 +163,15 @@ def _per_channel(view: GraphView, ref: str, rank: int) -> tuple[str, NodeDef | N
     return ref, None, None, shape[0]
 
 
+def _is_vector(view: GraphView, ref: str) -> bool:
+    """True if ``ref`` is a rank-1 tensor or a (Squeeze, Reshape) that may make one."""
+    node = view.node(ref)
+    if node is None:
+        return False
+    shape = output_shape(node, parse_input(ref)[1])
+    return (shape is not None and len(shape) == 1) or node.op in ("Squeeze", "Reshape")
+
+
 def _moments(view: GraphView, mean_ref: str, var_ref: str) -> tuple | None:
     """(x ref, reduction axes, nodes, mean Squeeze, variance Squeeze) if ``mean_ref`` and
     ``var_ref`` are the Squeezed outputs of ``tf.nn.moments``; None otherwise."""
@@ -207,29 +216,34 @@ def _normalization(view: GraphView, rsqrt: NodeDef) -> dict | None:
     muls = view.consumers(inv.name)
     if len(muls) != 2 or any(m.op != "Mul" for m in muls):
         return None
-    scale_mul = mean_mul = shift = out = None
+    scale_mul = mean_mul = shift = neg = out = None
     for mul in muls:
         after = view.consumers(mul.name)
+        other = view.node(other_input(view, mul, inv) or "")
         if len(after) == 1 and after[0].op in ("Sub", "Neg"):
-            mean_mul, shift = mul, after[0]
+            mean_mul, shift = mul, after[0]  # beta - mean * inv  /  -(mean * inv)
+        elif other is not None and other.op == "Neg" and _is_vector(view, other.input[0]):
+            mean_mul, neg = mul, other  # (-mean) * inv, no beta
         elif len(after) >= 1 and after[0].op in ("AddV2", "Add"):
             scale_mul, out = mul, after[0]
     if mean_mul is None or scale_mul is None or out is None:
         return None
-    if shift.op == "Sub":
+    beta_ref = None
+    if shift is not None and shift.op == "Sub":
         beta_ref, mm_ref = view.data_inputs(shift)
         if view.node(mm_ref) is not mean_mul:
             return None
-    else:
-        beta_ref = None
-    if other_input(view, out, scale_mul) is None or view.node(
-            other_input(view, out, scale_mul)) is not shift:
+    add_term = view.node(other_input(view, out, scale_mul) or "")
+    if add_term is None or add_term is not (shift or mean_mul):
         return None
     x_ref = other_input(view, scale_mul, inv)
-    mean_ref = other_input(view, mean_mul, inv)
+    mean_ref = neg.input[0] if neg is not None else other_input(view, mean_mul, inv)
     if x_ref is None or mean_ref is None:
         return None
-    nodes = [add_eps, rsqrt] + ([inv] if inv is not rsqrt else []) + [scale_mul, mean_mul, shift]
+    if neg is not None and len(view.consumers(neg.name)) != 1:
+        return None
+    nodes = [add_eps, rsqrt] + ([inv] if inv is not rsqrt else []) + [scale_mul, mean_mul]
+    nodes += [n for n in (shift, neg) if n is not None]
     return dict(x=x_ref, mean=mean_ref, var=var_ref, gamma=gamma_ref, beta=beta_ref,
                 epsilon=eps, out=out, nodes=nodes)
 
@@ -337,6 +351,13 @@ def _blocked(view: GraphView, match: BatchNormMatch) -> str | None:
     return None
 
 
+def _shape4(match: BatchNormMatch, x_shape: tuple | None) -> list[int]:
+    """The 4-D shape a 2-D/3-D input is reshaped to for FusedBatchNormV3."""
+    if match.axis == match.rank - 1:
+        return [-1, 1, 1, match.channels]
+    return [-1, match.channels, x_shape[2], 1]  # [N, C, T] -> NCHW [N, C, T, 1]
+
+
 # -- find / rewrite: the composite ----------------------------------------------------------
 def find_batch_norm(view: GraphView, target: Target) -> tuple[list[BatchNormMatch], list[str]]:
     """Every composite batch norm in ``view`` that ``target`` can run fused, and declines."""
@@ -356,6 +377,12 @@ def find_batch_norm(view: GraphView, target: Target) -> tuple[list[BatchNormMatc
             declined.append(f"{label}: channel axis {match.axis} of a rank-{match.rank} input "
                             "(FusedBatchNormV3 takes channels last or first)")
             continue
+        if _layout(match.rank, match.axis)[1] and match.axis != match.rank - 1:
+            x_node = view.node(match.x)
+            shape = output_shape(x_node, parse_input(match.x)[1]) if x_node else None
+            if shape is None or shape[2] is None:
+                declined.append(f"{label}: channels-first 3-D input of unknown length")
+                continue
         why = target.batch_norm_blocker("FusedBatchNormV3", match.dtype, fmt,
                                         match.kind == "training", match.channels, match.epsilon)
         why = why or _blocked(view, match)
@@ -381,15 +408,12 @@ def rewrite_batch_norm(view: GraphView, match: BatchNormMatch) -> NodeDef:
     dtype = tf.as_dtype(match.dtype)
     new: list[NodeDef] = []
     x4 = match.x
-    if how == "reshape":
-        new.append(_const(f"{base}/shape4", np.array([-1, 1, 1, c], np.int32), dev))
+    x_node = view.node(match.x)
+    x_shape = output_shape(x_node, parse_input(match.x)[1]) if x_node is not None else None
+    if how is not None:
+        new.append(_const(f"{base}/shape4", np.array(_shape4(match, x_shape), np.int32), dev))
         new.append(_attr_node(f"{base}/to4d", "Reshape", [match.x, new[-1].name], dev,
                               T=dtype, Tshape=tf.int32))
-        x4 = new[-1].name
-    elif how == "expand":
-        new.append(_const(f"{base}/axis", np.array(3, np.int32), dev))
-        new.append(_attr_node(f"{base}/to4d", "ExpandDims", [match.x, new[-1].name], dev,
-                              T=dtype, Tdim=tf.int32))
         x4 = new[-1].name
 
     def vector(ref: str | None, fill: float, name: str) -> str:
@@ -411,20 +435,14 @@ def rewrite_batch_norm(view: GraphView, match: BatchNormMatch) -> NodeDef:
         dev, T=dtype, U=tf.float32, epsilon=match.epsilon, exponential_avg_factor=1.0,
         data_format=fmt.encode(), is_training=training,
     )
-    x_node = view.node(match.x)
-    x_shape = output_shape(x_node, parse_input(match.x)[1]) if x_node is not None else None
     y_shape = x_shape if how is None else None
     _set_shapes(fused, [y_shape, (c,), (c,), (c,), (c,), None])
     new.append(fused)
-    if how == "reshape":
+    if how is not None:
         new.append(_attr_node(f"{base}/shape", "Shape", [match.x], dev, T=dtype,
                               out_type=tf.int32))
         new.append(_attr_node(tail.name, "Reshape", [fused_name, new[-1].name], dev, T=dtype,
                               Tshape=tf.int32))
-    elif how == "expand":
-        back = _attr_node(tail.name, "Squeeze", [fused_name], dev, T=dtype)
-        back.attr["squeeze_dims"].list.i.append(3)
-        new.append(back)
     if how is not None and "_output_shapes" in tail.attr:
         new[-1].attr["_output_shapes"].CopyFrom(tail.attr["_output_shapes"])
 
@@ -437,21 +455,25 @@ def rewrite_batch_norm(view: GraphView, match: BatchNormMatch) -> NodeDef:
                 if not ctl and consumer.name not in inside:
                     rewire.append((consumer, index, tensor_ref(fused_name, port)))
         if any(ref.endswith(":2") for _, _, ref in rewire):
-            # batch_variance is Bessel-corrected (n / (n - 1)); Keras averages the biased one.
+            # batch_variance is Bessel-corrected (times n / (n - 1)); Keras averages the biased
+            # one: divide by the same factor, computed as the kernel does. (Ops from the Metal
+            # plugin's list only: no Mul/Sub there.)
             new.append(_attr_node(f"{base}/count", "Size", [x4], dev, T=dtype,
-                                  out_type=tf.int64))
+                                  out_type=tf.int32))
             new.append(_attr_node(f"{base}/count_f", "Cast", [new[-1].name], dev,
-                                  SrcT=tf.int64, DstT=tf.float32, Truncate=False))
+                                  SrcT=tf.int32, DstT=tf.float32, Truncate=False))
             new.append(_const(f"{base}/channels", np.array(float(c), np.float32), dev))
             new.append(_attr_node(f"{base}/n", "RealDiv", [f"{base}/count_f",
                                                           f"{base}/channels"], dev, T=tf.float32))
-            new.append(_const(f"{base}/one", np.array(1.0, np.float32), dev))
-            new.append(_attr_node(f"{base}/n_minus_1", "Sub", [f"{base}/n", f"{base}/one"], dev,
+            new.append(_const(f"{base}/minus_one", np.array(-1.0, np.float32), dev))
+            new.append(_attr_node(f"{base}/n_minus_1", "AddV2", [f"{base}/n",
+                                                                f"{base}/minus_one"], dev,
                                   T=tf.float32))
-            new.append(_attr_node(f"{base}/unbias", "RealDiv", [f"{base}/n_minus_1",
-                                                               f"{base}/n"], dev, T=tf.float32))
-            new.append(_attr_node(f"{base}/batch_variance", "Mul",
-                                  [tensor_ref(fused_name, 2), f"{base}/unbias"], dev,
+            new.append(_attr_node(f"{base}/bessel", "RealDiv", [f"{base}/n",
+                                                               f"{base}/n_minus_1"], dev,
+                                  T=tf.float32))
+            new.append(_attr_node(f"{base}/batch_variance", "RealDiv",
+                                  [tensor_ref(fused_name, 2), f"{base}/bessel"], dev,
                                   T=tf.float32))
             rewire = [(cn, i, f"{base}/batch_variance" if ref.endswith(":2") else ref)
                       for cn, i, ref in rewire]
