@@ -206,46 +206,57 @@ def _normalization(view: GraphView, rsqrt: NodeDef) -> dict | None:
     var_ref, eps = split_scalar_const(view, add_eps)
     if var_ref is None or eps is None:
         return None
-    inv, gamma_ref = rsqrt, None
-    cons = view.consumers(rsqrt.name)
-    if len(cons) == 1 and cons[0].op == "Mul":
-        inv = cons[0]
-        gamma_ref = other_input(view, inv, rsqrt)
-        if gamma_ref is None:
-            return None
-    muls = view.consumers(inv.name)
-    if len(muls) != 2 or any(m.op != "Mul" for m in muls):
-        return None
-    scale_mul = mean_mul = shift = neg = out = None
+    # inv = rsqrt * gamma, or rsqrt itself without gamma. Other consumers (the backward's)
+    # are tolerated here; the blocker check declines them with the reason.
+    candidates = [c for c in view.consumers(rsqrt.name) if c.op == "Mul"] + [rsqrt]
+    for inv in candidates:
+        affine = _affine(view, inv)
+        if affine is None:
+            continue
+        gamma_ref = None if inv is rsqrt else other_input(view, inv, rsqrt)
+        if inv is not rsqrt and gamma_ref is None:
+            continue
+        affine["nodes"] = [add_eps, rsqrt] + ([inv] if inv is not rsqrt else []) \
+            + affine["nodes"]
+        return dict(affine, var=var_ref, gamma=gamma_ref, epsilon=eps)
+    return None
+
+
+def _affine(view: GraphView, inv: NodeDef) -> dict | None:
+    """``x * inv + (beta - mean * inv)`` (or ``+ (-mean) * inv`` without beta) around ``inv``."""
+    muls = [c for c in view.consumers(inv.name) if c.op == "Mul"]
+    mean_mul = shift = neg = None
     for mul in muls:
         after = view.consumers(mul.name)
         other = view.node(other_input(view, mul, inv) or "")
         if len(after) == 1 and after[0].op in ("Sub", "Neg"):
             mean_mul, shift = mul, after[0]  # beta - mean * inv  /  -(mean * inv)
-        elif other is not None and other.op == "Neg" and _is_vector(view, other.input[0]):
+            break
+        if other is not None and other.op == "Neg" and _is_vector(view, other.input[0]):
             mean_mul, neg = mul, other  # (-mean) * inv, no beta
-        elif len(after) >= 1 and after[0].op in ("AddV2", "Add"):
-            scale_mul, out = mul, after[0]
-    if mean_mul is None or scale_mul is None or out is None:
+            break
+    if mean_mul is None:
         return None
+    add_term = shift or mean_mul
     beta_ref = None
     if shift is not None and shift.op == "Sub":
         beta_ref, mm_ref = view.data_inputs(shift)
         if view.node(mm_ref) is not mean_mul:
             return None
-    add_term = view.node(other_input(view, out, scale_mul) or "")
-    if add_term is None or add_term is not (shift or mean_mul):
-        return None
-    x_ref = other_input(view, scale_mul, inv)
-    mean_ref = neg.input[0] if neg is not None else other_input(view, mean_mul, inv)
-    if x_ref is None or mean_ref is None:
-        return None
-    if neg is not None and len(view.consumers(neg.name)) != 1:
-        return None
-    nodes = [add_eps, rsqrt] + ([inv] if inv is not rsqrt else []) + [scale_mul, mean_mul]
-    nodes += [n for n in (shift, neg) if n is not None]
-    return dict(x=x_ref, mean=mean_ref, var=var_ref, gamma=gamma_ref, beta=beta_ref,
-                epsilon=eps, out=out, nodes=nodes)
+    for scale_mul in muls:
+        if scale_mul is mean_mul:
+            continue
+        out = next((c for c in view.consumers(scale_mul.name) if c.op in ("AddV2", "Add")
+                    and view.node(other_input(view, c, scale_mul) or "") is add_term), None)
+        x_ref = other_input(view, scale_mul, inv)
+        if out is None or x_ref is None:
+            continue
+        mean_ref = neg.input[0] if neg is not None else other_input(view, mean_mul, inv)
+        if mean_ref is None:
+            return None
+        nodes = [scale_mul, mean_mul] + [n for n in (shift, neg) if n is not None]
+        return dict(x=x_ref, mean=mean_ref, beta=beta_ref, out=out, nodes=nodes)
+    return None
 
 
 def _match_at(view: GraphView, rsqrt: NodeDef) -> tuple[BatchNormMatch | None, str | None]:
@@ -490,6 +501,16 @@ def rewrite_batch_norm(view: GraphView, match: BatchNormMatch) -> NodeDef:
 
 
 # -- find / rewrite: FusedBatchNormV3 + Add + Relu ------------------------------------------
+def _behind_identity(view: GraphView, ref: str) -> NodeDef | None:
+    """The FusedBatchNormV3 whose output 0 is ``ref``, directly or through one Identity."""
+    node = view.node(ref)
+    if node is not None and node.op == "Identity" and not parse_input(ref)[1]:
+        ref, node = node.input[0], view.node(node.input[0])
+    if node is None or node.op != "FusedBatchNormV3" or parse_input(ref)[1]:
+        return None
+    return node
+
+
 def _data_consumers(view: GraphView, name: str, port: int = 0) -> list[NodeDef]:
     return [c for c in view.consumers(name, port) if c.op not in SHAPE_ONLY_OPS]
 
@@ -506,12 +527,20 @@ def find_batch_norm_ex(view: GraphView,
         if add is None or add.op not in ("Add", "AddV2") or parse_input(relu.input[0])[1]:
             continue
         inputs = view.data_inputs(add)
-        fused = next((view.node(r) for r in inputs if view.node(r) is not None
-                      and view.node(r).op == "FusedBatchNormV3" and parse_input(r)[1] == 0),
-                     None)
+        found = [(r, _behind_identity(view, r)) for r in inputs]
+        ref, fused = next(((r, f) for r, f in found if f is not None), (None, None))
         if fused is None or len(inputs) != 2:
             continue
-        side = other_input(view, add, fused)
+        side = next(r for r in inputs if r is not ref)
+        if view.node(ref) is not fused:  # the forward stage's Identity (moving-update order)
+            declined.append("FusedBatchNormV3+Add+Relu: an Identity with control inputs "
+                            "between (the forward stage's); "
+                            + (target.batch_norm_blocker("_FusedBatchNormEx",
+                                                         dtype_name(fused),
+                                                         fused.attr["data_format"].s.decode(),
+                                                         fused.attr["is_training"].b)
+                               or "it orders the moving-average updates"))
+            continue
         label = "FusedBatchNormV3+Add+Relu"
         shape = output_shape(fused, 0)
         side_node = view.node(side) if side else None
