@@ -36,7 +36,7 @@ def _clean():
 
 # -- models -----------------------------------------------------------------------------------
 SHAPES = {"conv": (8, 8, 3), "dense": (6,), "channels_first": (4, 5, 5), "sequence": (5, 4),
-          "embedding": (5,)}
+          "embedding": (5,), "volume": (3, 4, 4, 4)}
 
 
 def build(kind: str, bn: dict | None = None, policy: str | None = None, frozen: bool = False,
@@ -119,6 +119,7 @@ CONFIGS = {
     "mixed_bfloat16": dict(kind="conv", policy="mixed_bfloat16"),
     "channels_first_4d": dict(kind="channels_first", bn=dict(axis=1, momentum=0.0)),
     "sequence_3d": dict(kind="sequence", bn=dict(momentum=0.3)),
+    "volume_5d": dict(kind="volume", bn=dict(momentum=0.5)),
 }
 
 
@@ -304,3 +305,29 @@ def test_metal_training_plan_uses_only_plugin_kernels():
     assert new_ops and new_ops <= kernels, new_ops - kernels
     declined = tfmx.report().patterns["batch_norm"].declined
     assert any("_FusedBatchNormGradEx" in why for why in declined), declined
+
+
+def test_backend_batch_norm_tables():
+    kernels = metal_kernels()
+    for op in ("FusedBatchNormV3", "FusedBatchNormGradV3", "_FusedBatchNormEx"):
+        assert op in kernels
+    cpu, metal = get_backend("cpu"), get_backend("metal")
+    assert cpu.batch_norm_blocker("FusedBatchNormV3", "bfloat16", "NCHW") is None
+    assert "no FusedBatchNormV3 kernel for float64" in cpu.batch_norm_blocker(
+        "FusedBatchNormV3", "float64", "NHWC")
+    assert metal.batch_norm_blocker("_FusedBatchNormEx", "float16", "NHWC", False, 8) is None
+    assert "channels % 4" in metal.batch_norm_blocker("_FusedBatchNormEx", "float16", "NHWC",
+                                                      False, 6)
+    assert "epsilon" in get_backend("cuda").batch_norm_blocker("FusedBatchNormV3", "float32",
+                                                               "NHWC", epsilon=1e-6)
+
+
+def test_cpu_fused_batch_norm_ex_really_has_no_working_kernel():
+    """Keeps the cpu table honest: the op is registered, its CPU kernel yields nothing."""
+    concrete, g = _inference_graph("float32")
+    result = fusion.rewrite(g, get_backend("cuda"), ["batch_norm"], protected_names(concrete))
+    from tfmx.rebuild import rebuild
+
+    fn = rebuild(concrete, result.graph_def)
+    with pytest.raises((tf.errors.InternalError, tf.errors.InvalidArgumentError)):
+        fn(tf.ones([2, 4, 4, 8]))

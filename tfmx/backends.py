@@ -136,6 +136,14 @@ class Backend:
                 op: {dt: sorted("+".join(c) for c in chains) for dt, chains in by_dtype.items()}
                 for op, by_dtype in self.contractions.items()
             },
+            "batch_norm": None if self.batch_norm is None else {
+                "FusedBatchNormV3": sorted(self.batch_norm.dtypes),
+                "data_formats": sorted(self.batch_norm.data_formats),
+                "_FusedBatchNormEx": {
+                    "inference": sorted(self.batch_norm.ex_inference_dtypes),
+                    "training": sorted(self.batch_norm.ex_training_dtypes),
+                },
+            },
             "notes": list(self.notes),
         }
 
@@ -248,7 +256,8 @@ def _metal() -> Backend:
             ex_inference_dtypes=frozenset({"float16"}),
             ex_data_formats=frozenset({"NHWC"}),
             ex_channel_multiple=4,
-            ex_reason="training needs the backward as _FusedBatchNormGradEx (not emitted)",
+            ex_reason="training needs the backward as _FusedBatchNormGradEx, which the plugin "
+                      "does not register",
         ),
     )
 

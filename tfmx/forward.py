@@ -125,6 +125,8 @@ def _layer_decline(layer: Any, mask: Any) -> str | None:
         return "renorm=True (batch renormalization)"
     if getattr(layer, "virtual_batch_size", None):
         return "virtual_batch_size (ghost batch norm)"
+    if tf.distribute.has_strategy():
+        return "inside a tf.distribute strategy (per-replica variables)"
     return None
 
 
