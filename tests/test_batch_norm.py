@@ -360,3 +360,18 @@ def test_cpu_fused_batch_norm_ex_really_has_no_working_kernel():
     fn = rebuild(concrete, result.graph_def)
     with pytest.raises((tf.errors.InternalError, tf.errors.InvalidArgumentError)):
         fn(tf.ones([2, 4, 4, 8]))
+
+
+@pytest.mark.parametrize("layer, shape", [
+    (lambda: keras.layers.LayerNormalization(), (None, 6, 8)),
+    (lambda: keras.layers.LayerNormalization(axis=[1, 2]), (None, 6, 8)),
+    (lambda: keras.layers.GroupNormalization(groups=2), (None, 4, 4, 8)),
+    (lambda: keras.layers.UnitNormalization(), (None, 8)),
+])
+@pytest.mark.parametrize("training", [True, False])
+def test_other_normalizations_are_not_mistaken_for_batch_norm(layer, shape, training):
+    layer = layer()
+    layer.build(shape)
+    g = tf.function(lambda x: layer(x, training=training), autograph=False) \
+        .get_concrete_function(tf.TensorSpec(shape)).graph.as_graph_def(add_shapes=True)
+    assert find_batch_norm(GraphView(g.node), get_backend("cpu")) == ([], [])
