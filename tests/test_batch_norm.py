@@ -256,6 +256,23 @@ def test_custom_training_loop_with_tfmx_function():
     assert "FusedBatchNormGradV3" in ops and "SquaredDifference" not in ops
 
 
+def test_tfmx_function_under_an_outer_tape_gets_the_forward_stage():
+    model = build("conv")
+    x, y = data("conv", n=8)
+    forward_fn = tfmx.function(lambda x: model(x, training=True))
+    with tf.GradientTape() as tape:
+        stock_loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+    stock_grads = tape.gradient(stock_loss, model.trainable_variables)
+    # (gradients in training mode do not depend on the moving statistics just updated)
+    tfmx.enable(backend="cpu")
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((forward_fn(x) - y) ** 2)
+    grads = tape.gradient(loss, model.trainable_variables)
+    for a, b in zip(stock_grads, grads):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    assert tfmx.report().fused("batch_norm") >= 1
+
+
 def test_post_gradient_training_composite_is_declined_with_the_reason():
     model = build("dense")
     model.optimizer.build(model.trainable_variables)

@@ -101,6 +101,10 @@ class FusedFunction:
         if opts is None or self._jit or record.could_possibly_record():
             if opts is not None and self._jit:
                 state.report().note(f"{self.name}: jit_compile=True, left to XLA")
+            elif opts is not None and opts.backend.available:
+                # Under an outer tape: only the pre-differentiation stage (tfmx.forward), whose
+                # fused ops have registered gradients.
+                return self._staged(*args, **kwargs)
             return self._stock(*args, **kwargs)
         entry = self._entry(opts, args, kwargs)
         if entry.plan_only:
