@@ -218,6 +218,17 @@ def test_declines_keep_training_stock(kind, bn, reason):
     assert any(reason in why for why in fused["report"]["declined"]), fused["report"]
 
 
+def test_virtual_batch_size_is_declined():
+    """Keras 3 has no ghost batch norm; a layer that carries tf.keras's attribute is declined."""
+    tfmx.enable(backend="cpu")
+    model = build("dense")
+    model.layers[2].virtual_batch_size = 4
+    model.fit(*data("dense"), batch_size=8, epochs=1, verbose=0)
+    assert train_ops(model)["FusedBatchNormV3"] == 0
+    assert any("virtual_batch_size" in why
+               for why in tfmx.report().patterns["batch_norm"].declined)
+
+
 def test_a_failing_forward_stage_falls_back_to_stock(monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("forward stage exploded")
