@@ -112,7 +112,11 @@ def uninstall() -> None:
 
 
 def _record(stats: PatternStats) -> None:
-    state.report().patterns.setdefault(PATTERN, PatternStats()).merge(stats)
+    report = state.report()
+    report.patterns.setdefault(PATTERN, PatternStats()).merge(stats)
+    if stats.fused:
+        report.note("batch_norm: layers were fused before differentiation (tfmx.forward), so "
+                    "a train step's 'before' graph already holds FusedBatchNormV3")
 
 
 def _layer_decline(layer: Any, mask: Any) -> str | None:
