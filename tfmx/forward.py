@@ -157,17 +157,23 @@ def fused_layer_call(layer: Any, original: Callable, inputs: Any, training: Any,
         _record(stats)
         return stock()
     try:
-        out, stats = _rewrite_and_import(layer, original, inputs, training, opts)
+        plan, stats = _rewrite(layer, original, inputs, training, opts)
     except Exception as exc:  # noqa: BLE001 - never break training because of tfmx
         stats = PatternStats()
         stats.errors.append(f"{layer.name}: forward stage: {type(exc).__name__}: {exc}")
-        out = None
+        state.warn_once(f"forward:{type(exc).__name__}",
+                        f"tfmx left batch norm {layer.name!r} unfused ({type(exc).__name__}: "
+                        f"{exc}); tfmx.report() has the details.")
+        plan = None
     _record(stats)
-    return stock() if out is None else out
+    # Once the plan is spliced into the step's graph there is no going back (its variable
+    # updates would run twice): everything that can fail was checked on a scratch graph.
+    return stock() if plan is None else _splice(plan, inputs)
 
 
-def _rewrite_and_import(layer: Any, original: Callable, inputs: Any, training: Any,
-                        opts: state.Options) -> tuple[Any, PatternStats]:
+def _rewrite(layer: Any, original: Callable, inputs: Any, training: Any,
+             opts: state.Options) -> tuple[dict | None, PatternStats]:
+    """Trace the layer's forward, rewrite it, check it: (a plan for :func:`_splice`, stats)."""
     from fusion.pipeline import rewrite
     from tfmx.rebuild import protected_names
 
@@ -192,29 +198,39 @@ def _rewrite_and_import(layer: Any, original: Callable, inputs: Any, training: A
     if any(not hasattr(external, "numpy") for external, _ in captures):
         stats.errors.append(f"{layer.name}: captures that are not eager variables")
         return None, stats
-    outer = ops.get_default_graph()
-    input_map = {graph.inputs[0].name: inputs}
-    for external, internal in captures:
-        input_map[internal.name] = outer.capture(external)
+    # Import once into a throwaway graph: the real splice must not fail half-way.
+    with tf.Graph().as_default() as probe:
+        importer.import_graph_def(result.graph_def, name="")
+        for op in probe.get_operations():
+            _attr_tuple(op)
     placeholders = {t.op.name for t in graph.inputs}
     graph_def = tf.compat.v1.GraphDef()
     graph_def.versions.CopyFrom(result.graph_def.versions)
     graph_def.library.CopyFrom(result.graph_def.library)
     graph_def.node.extend(n for n in result.graph_def.node if n.name not in placeholders)
-    output = graph.outputs[0]
+    return dict(graph_def=graph_def, input=graph.inputs[0].name, captures=captures,
+                output=graph.outputs[0].name, variables=list(graph.variables),
+                name=f"{layer.name}_tfmx"), stats
+
+
+def _splice(plan: dict, inputs: Any) -> Any:
+    """Import the rewritten forward into the graph being traced; record it on the tapes."""
+    inputs = tf.convert_to_tensor(inputs)
+    outer = ops.get_default_graph()
+    input_map = {plan["input"]: inputs}
+    for external, internal in plan["captures"]:
+        input_map[internal.name] = outer.capture(external)
     before = len(outer.get_operations())
-    (out,) = importer.import_graph_def(graph_def, input_map=input_map,
-                                       return_elements=[output.name],
-                                       name=f"{layer.name}_tfmx")
-    imported = outer.get_operations()[before:]
+    (out,) = importer.import_graph_def(plan["graph_def"], input_map=input_map,
+                                       return_elements=[plan["output"]], name=plan["name"])
     if execute.must_record_gradient():
-        for op in imported:
+        for op in outer.get_operations()[before:]:
             if op.outputs:
                 execute.record_gradient(op.type, op.inputs, _attr_tuple(op), op.outputs)
-    for variable in graph.variables:
+    for variable in plan["variables"]:
         resource_variable_ops.variable_accessed(variable)
     out.set_shape(inputs.shape)
-    return out, stats
+    return out
 
 
 def _has_gradient(op_type: str) -> bool:
