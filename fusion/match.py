@@ -59,6 +59,21 @@ def is_scalar_const(view: GraphView, ref: str, value: float, tol: float = 1e-6) 
     return arr is not None and arr.size == 1 and abs(float(arr.reshape(())) - value) <= tol
 
 
+def split_scalar_const(view: GraphView, node: NodeDef) -> tuple[str | None, float | None]:
+    """(the non-constant input, the scalar) of a binary ``node`` with one scalar Const input.
+
+    Either is None when absent, e.g. for ``AddV2(variance, epsilon)`` in a batch norm.
+    """
+    other, scalar = None, None
+    for ref in view.data_inputs(node):
+        value = const_value(view, ref)
+        if value is not None and value.size == 1:
+            scalar = float(value.reshape(()))
+        else:
+            other = ref
+    return other, scalar
+
+
 def outside_consumers(view: GraphView, node: NodeDef, inside: set[str]) -> list[NodeDef]:
     """Data consumers of ``node`` that are not in ``inside`` and read more than its shape."""
     return [

@@ -40,6 +40,12 @@ class Target(Protocol):
         """True if the backend has a kernel for ``op``."""
         ...
 
+    def batch_norm_blocker(self, op: str, dtype: str, data_format: str,
+                           is_training: bool = True, channels: int | None = None,
+                           epsilon: float | None = None) -> str | None:
+        """Why the backend cannot run ``op`` (FusedBatchNormV3, _FusedBatchNormEx), or None."""
+        ...
+
 
 @dataclasses.dataclass
 class PatternStats:

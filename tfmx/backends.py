@@ -45,6 +45,49 @@ Chains = frozenset[tuple[str, ...]]
 
 
 @dataclasses.dataclass(frozen=True)
+class BatchNormKernels:
+    """What a backend runs of ``FusedBatchNormV3`` (and its gradient) and ``_FusedBatchNormEx``.
+
+    ``ex_*`` describe ``_FusedBatchNormEx`` (side input + Relu) by mode; an empty dtype set
+    means the backend does not run it in that mode, and ``ex_reason`` says why.
+    """
+
+    dtypes: frozenset[str]  # T of FusedBatchNormV3 / FusedBatchNormGradV3 (U is float32)
+    data_formats: frozenset[str]
+    ex_inference_dtypes: frozenset[str] = frozenset()
+    ex_training_dtypes: frozenset[str] = frozenset()
+    ex_data_formats: frozenset[str] = frozenset({"NHWC"})
+    ex_channel_multiple: int = 1
+    ex_reason: str = ""
+    min_epsilon: float = 0.0
+
+    def blocker(self, op: str, dtype: str, data_format: str, is_training: bool = True,
+                channels: int | None = None, epsilon: float | None = None) -> str | None:
+        """Why ``op`` ("FusedBatchNormV3" or "_FusedBatchNormEx") cannot run here, or None."""
+        if epsilon is not None and epsilon < self.min_epsilon:
+            return f"epsilon {epsilon:g} below the {self.min_epsilon:g} the kernel accepts"
+        if op == "FusedBatchNormV3":
+            if dtype not in self.dtypes:
+                return f"no FusedBatchNormV3 kernel for {dtype}"
+            if data_format not in self.data_formats:
+                return f"no FusedBatchNormV3 kernel for {data_format}"
+            return None
+        mode = "training" if is_training else "inference"
+        dtypes = self.ex_training_dtypes if is_training else self.ex_inference_dtypes
+        if not dtypes:
+            return f"no _FusedBatchNormEx in {mode}" + (f" ({self.ex_reason})"
+                                                       if self.ex_reason else "")
+        if dtype not in dtypes:
+            return f"_FusedBatchNormEx in {mode} takes {'/'.join(sorted(dtypes))}, not {dtype}"
+        if data_format not in self.ex_data_formats:
+            return f"_FusedBatchNormEx takes {'/'.join(sorted(self.ex_data_formats))}"
+        if self.ex_channel_multiple > 1 and (channels is None
+                                             or channels % self.ex_channel_multiple):
+            return f"_FusedBatchNormEx needs channels % {self.ex_channel_multiple} == 0"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
 class Backend:
     """One rewrite target. Instances are data; see :func:`get_backend`."""
 
@@ -55,6 +98,7 @@ class Backend:
     data_formats: dict[str, frozenset[str]]
     kernels: frozenset[str] | None = None  # None: every registered TensorFlow op
     notes: tuple[str, ...] = ()
+    batch_norm: BatchNormKernels | None = None
 
     def contraction_support(self, op: str, dtype: str, fused_ops: tuple[str, ...]) -> bool:
         """True if ``_Fused<op>`` with ``fused_ops`` runs here in ``dtype``."""
@@ -67,6 +111,15 @@ class Backend:
     def runs_op(self, op: str) -> bool:
         """True if this backend has a kernel for ``op``."""
         return self.kernels is None or op in self.kernels
+
+    def batch_norm_blocker(self, op: str, dtype: str, data_format: str,
+                           is_training: bool = True, channels: int | None = None,
+                           epsilon: float | None = None) -> str | None:
+        """Why this backend cannot run batch-norm kernel ``op`` so configured, or None."""
+        if self.batch_norm is None or not self.runs_op(op):
+            return f"{self.name} runs no {op}"
+        why = self.batch_norm.blocker(op, dtype, data_format, is_training, channels, epsilon)
+        return None if why is None else f"{self.name}: {why}"
 
     @property
     def available(self) -> bool:
@@ -82,6 +135,14 @@ class Backend:
             "contractions": {
                 op: {dt: sorted("+".join(c) for c in chains) for dt, chains in by_dtype.items()}
                 for op, by_dtype in self.contractions.items()
+            },
+            "batch_norm": None if self.batch_norm is None else {
+                "FusedBatchNormV3": sorted(self.batch_norm.dtypes),
+                "data_formats": sorted(self.batch_norm.data_formats),
+                "_FusedBatchNormEx": {
+                    "inference": sorted(self.batch_norm.ex_inference_dtypes),
+                    "training": sorted(self.batch_norm.ex_training_dtypes),
+                },
             },
             "notes": list(self.notes),
         }
@@ -119,9 +180,17 @@ def _cpu(onednn: bool) -> Backend:
         contractions=contractions,
         data_formats={"Conv2D": frozenset({"NHWC"}),
                       "DepthwiseConv2dNative": frozenset({"NHWC"})},
-        notes=() if onednn else (
+        notes=(() if onednn else (
             "residual Add, GELU and depthwise fuse only with oneDNN on "
             "(TF_ENABLE_ONEDNN_OPTS=1; off by default in the TF 2.21 Linux wheel)",
+        )) + ("_FusedBatchNormEx has no working CPU kernel (probed, oneDNN on and off)",),
+        # Probed (TF 2.21, x86-64): FusedBatchNormV3 and its gradient run in float32,
+        # bfloat16 and float16, NHWC and NCHW. _FusedBatchNormEx is registered on CPU but its
+        # kernel produces no output ("Missing 0-th output"), oneDNN on or off.
+        batch_norm=BatchNormKernels(
+            dtypes=frozenset({"float32", "bfloat16", "float16"}),
+            data_formats=frozenset({"NHWC", "NCHW", "NDHWC", "NCDHW"}),
+            ex_reason="registered on CPU but its kernel produces no output in TF 2.21",
         ),
     )
 
@@ -142,6 +211,18 @@ def _cuda() -> Backend:
         data_formats={"Conv2D": frozenset({"NHWC", "NCHW"})},
         notes=("_FusedDepthwiseConv2dNative has no GPU kernel",
                "Tanh/Sigmoid/GELU after MatMul are cuBLASLt epilogues in 16-bit only"),
+        # tensorflow/core/kernels/fused_batch_norm_op.cc and Grappler's remapper.cc:
+        # inference _FusedBatchNormEx is a custom CUDA kernel (float, half; NHWC/NCHW);
+        # training goes through cuDNN (half, NHWC, channels % 4) and needs the backward as
+        # _FusedBatchNormGradEx, which tfmx does not emit yet.
+        batch_norm=BatchNormKernels(
+            dtypes=frozenset({"float32", "float16"}),
+            data_formats=frozenset({"NHWC", "NCHW", "NDHWC", "NCDHW"}),
+            ex_inference_dtypes=frozenset({"float32", "float16"}),
+            ex_data_formats=frozenset({"NHWC", "NCHW"}),
+            ex_reason="training needs the backward as _FusedBatchNormGradEx (not emitted)",
+            min_epsilon=1.001e-5,
+        ),
     )
 
 
@@ -166,6 +247,17 @@ def _metal() -> Backend:
             "LeakyRelu}; no residual Add, no _FusedDepthwiseConv2dNative kernel",
             "GeluExact/GeluApproximate appear beside _FusedMatMul in the plugin's strings but "
             "cannot be confirmed without a Mac: not emitted",
+        ),
+        # The plugin registers FusedBatchNorm{,V2,V3}, their grads and _FusedBatchNormEx; its
+        # messages say the side-input + activation form wants half, NHWC and channels % 4.
+        batch_norm=BatchNormKernels(
+            dtypes=frozenset({"float32", "float16", "bfloat16"}),
+            data_formats=frozenset({"NHWC", "NCHW"}),
+            ex_inference_dtypes=frozenset({"float16"}),
+            ex_data_formats=frozenset({"NHWC"}),
+            ex_channel_multiple=4,
+            ex_reason="training needs the backward as _FusedBatchNormGradEx, which the plugin "
+                      "does not register",
         ),
     )
 

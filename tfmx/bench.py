@@ -145,6 +145,27 @@ def _resnet50() -> Any:
     return keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
 
 
+def _bn_resnet() -> Any:
+    """A small ResNet-style CNN with batch norm: 7 convolutions, each followed by
+    BatchNormalization, two residual blocks (one downsampling, with a projection)."""
+    import keras
+    from keras import layers
+
+    def conv_bn(x: Any, filters: int, kernel: int = 3, strides: int = 1) -> Any:
+        x = layers.Conv2D(filters, kernel, strides=strides, padding="same", use_bias=False)(x)
+        return layers.BatchNormalization()(x)
+
+    inp = keras.Input((32, 32, 3))
+    x = layers.ReLU()(conv_bn(inp, 32))
+    y = conv_bn(layers.ReLU()(conv_bn(x, 32)), 32)
+    x = layers.ReLU()(layers.Add()([x, y]))
+    y = conv_bn(layers.ReLU()(conv_bn(x, 64, strides=2)), 64)
+    x = layers.ReLU()(layers.Add()([conv_bn(x, 64, kernel=1, strides=2), y]))
+    x = layers.GlobalAveragePooling2D()(x)
+    out = layers.Dense(10, activation="softmax")(x)
+    return keras.Model(inp, out, name="bn_resnet")
+
+
 def _dense_stack(depth: int, width: int, activation: str, inputs: int) -> Callable[[], Any]:
     def build() -> Any:
         import keras
@@ -166,6 +187,9 @@ WORKLOADS: dict[str, Workload] = {
                  _small_cnn, (32, 32, 3), 10, batch_size=64, rounds=15, steps=10),
         Workload("resnet50", "keras.applications.ResNet50(weights=None), 64x64x3, 10 classes",
                  _resnet50, (64, 64, 3), 10, batch_size=8, rounds=5, steps=3),
+        Workload("bn_resnet", "small ResNet-style CNN, 7 x Conv2D + BatchNormalization, "
+                 "residual Adds, 32x32x3", _bn_resnet, (32, 32, 3), 10, batch_size=128,
+                 rounds=10, steps=3),
         Workload("mlp", "31 x Dense(64, relu): optimizer-bound", _dense_stack(31, 64, "relu", 64),
                  (64,), 10, batch_size=32, rounds=15, steps=20),
         Workload("gelu_mlp", "7 x Dense(512, gelu)", _dense_stack(7, 512, "gelu", 512),

@@ -121,6 +121,13 @@ def _backends(args: argparse.Namespace) -> int:
         for op, by_dtype in d["contractions"].items():
             for dtype, chains in by_dtype.items():
                 print(f"  _Fused{op} {dtype}: {', '.join(chains)}")
+        bn = d.get("batch_norm")
+        if bn:
+            ex = bn["_FusedBatchNormEx"]
+            print(f"  FusedBatchNormV3: {', '.join(bn['FusedBatchNormV3'])} "
+                  f"({', '.join(bn['data_formats'])}); _FusedBatchNormEx inference: "
+                  f"{', '.join(ex['inference']) or '-'}, training: "
+                  f"{', '.join(ex['training']) or '-'}")
         for note in d["notes"]:
             print(f"  note: {note}")
         print()

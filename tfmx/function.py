@@ -35,7 +35,7 @@ from tensorflow.python.eager import record
 
 from fusion.graph import op_histogram
 from fusion.pipeline import rewrite
-from tfmx import state
+from tfmx import forward, state
 from tfmx.errors import BackendUnavailableError
 from tfmx.rebuild import control_output_names, protected_names, rebuild
 from tfmx.report import TraceRecord
@@ -73,6 +73,14 @@ class FusedFunction:
             reduce_retracing=reduce_retracing,
             jit_compile=jit_compile,
         )
+        # The same function, traced with tfmx's pre-differentiation stage on (tfmx.forward).
+        self._staged = tf.function(
+            forward.staged(python_function),
+            input_signature=input_signature,
+            autograph=autograph,
+            reduce_retracing=reduce_retracing,
+            jit_compile=jit_compile,
+        )
         self._jit = bool(jit_compile)
         self._entries: dict[tuple[int, int], _Entry] = {}
         functools.update_wrapper(self, python_function)
@@ -84,6 +92,7 @@ class FusedFunction:
         bound = FusedFunction.__new__(FusedFunction)
         bound.__dict__.update(self.__dict__)
         bound._stock = self._stock.__get__(instance, owner)
+        bound._staged = self._staged.__get__(instance, owner)
         bound._entries = self._entries
         return bound
 
@@ -93,6 +102,10 @@ class FusedFunction:
         if opts is None or self._jit or record.could_possibly_record():
             if opts is not None and self._jit:
                 state.report().note(f"{self.name}: jit_compile=True, left to XLA")
+            elif opts is not None and opts.backend.available:
+                # Under an outer tape: only the pre-differentiation stage (tfmx.forward), whose
+                # fused ops have registered gradients.
+                return self._staged(*args, **kwargs)
             return self._stock(*args, **kwargs)
         entry = self._entry(opts, args, kwargs)
         if entry.plan_only:
@@ -129,7 +142,7 @@ class FusedFunction:
 
     # -- internals ---------------------------------------------------------------------------
     def _entry(self, opts: state.Options, args: tuple, kwargs: dict) -> _Entry:
-        concrete = self._stock.get_concrete_function(*args, **kwargs)
+        concrete = self._staged.get_concrete_function(*args, **kwargs)
         key = (id(concrete), state.generation())
         entry = self._entries.get(key)
         if entry is None or entry.stock is not concrete:

@@ -140,6 +140,9 @@ def _make_builder(kind: str, attr: str) -> Any:
 
 def install() -> None:
     """Patch Keras's TensorFlow trainer once (idempotent)."""
+    from tfmx import forward
+
+    forward.install()
     if _ORIGINAL:
         return
     trainer = _trainer_class()
@@ -152,6 +155,9 @@ def install() -> None:
 
 def uninstall() -> None:
     """Restore Keras's own methods (models rebuild their step functions on next use)."""
+    from tfmx import forward
+
+    forward.uninstall()
     if not _ORIGINAL:
         return
     trainer = _trainer_class()

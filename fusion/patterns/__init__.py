@@ -6,8 +6,14 @@
 ['contraction']
 """
 
+# The import order is the pipeline order.
+# isort: off
 from fusion.patterns import (
     contraction,  # noqa: F401  (registers "contraction")
     conv_bn_fold,  # noqa: F401  (registers "conv_bn_fold")
     optimizer_update,  # noqa: F401  (registers "optimizer_update")
 )
+
+# Registered last: inference batch norms that conv_bn_fold did not fold into a convolution.
+from fusion.patterns import batch_norm  # noqa: F401  (registers "batch_norm")
+# isort: on

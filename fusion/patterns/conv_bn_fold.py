@@ -36,11 +36,11 @@ from fusion.graph import GraphView, NodeDef, output_shape, parse_input
 from fusion.match import (
     AttrLike,
     blocker,
-    const_value,
     consumer,
     dtype_name,
     fused_node,
     other_input,
+    split_scalar_const,
 )
 from fusion.pattern import RewriteContext, Target, apply_matches, register
 
@@ -90,13 +90,7 @@ def _match_at(view: GraphView, conv: NodeDef) -> ConvBatchNormMatch | None:
     var_add = view.node(rsqrt.input[0])
     if gamma is None or var_add is None or var_add.op not in ("AddV2", "Add"):
         return None
-    variance, eps = None, None
-    for ref in view.data_inputs(var_add):
-        value = const_value(view, ref)
-        if value is not None and value.size == 1:
-            eps = float(value.reshape(()))
-        else:
-            variance = ref
+    variance, eps = split_scalar_const(view, var_add)
     out = consumer(view, scale_mul, "AddV2")
     shift_ref = None if out is None else other_input(view, out, scale_mul)
     shift = None if shift_ref is None else view.node(shift_ref)

@@ -1,0 +1,617 @@
+"""Keras 3's composite BatchNormalization -> ``FusedBatchNormV3`` (and ``_FusedBatchNormEx``).
+
+Keras 3 on TensorFlow writes batch norm as ``tf.nn.moments`` + ``tf.nn.batch_normalization``::
+
+    training:  mean = Squeeze(Mean(x, axes, keep_dims))
+               var  = Squeeze(Mean(SquaredDifference(x, StopGradient(Mean(x, axes)))))
+               moving_* <- moving_* * momentum + batch_* * (1 - momentum)   (AssignVariableOp)
+    both:      inv  = Rsqrt(AddV2(var, epsilon)) [* gamma]
+               y    = AddV2(Mul(x, inv), Sub(beta, Mul(mean, inv)))   (Neg(...) without beta)
+
+with ``Reshape`` of the per-channel vectors when the channel axis is not the last, and a
+``Cast`` in and out under a float16/bfloat16 policy (Keras computes batch norm in float32).
+
+Three records, one shape each (as in Grappler's remapper):
+
+- :class:`BatchNormMatch` (``find_batch_norm`` / ``rewrite_batch_norm``): the composite, training
+  or inference, -> one ``FusedBatchNormV3`` (``is_training`` accordingly). In training the
+  moving-average updates stay Keras's own nodes, fed from the kernel's ``batch_mean`` and from its
+  ``batch_variance`` times ``(n - 1) / n``: the kernel returns the Bessel-corrected variance
+  (``exponential_avg_factor=1``), Keras averages the biased one. Under a 16-bit policy the two
+  Casts are swallowed and the kernel takes the 16-bit activations with float32 statistics.
+- :class:`BatchNormExMatch` (``find_batch_norm_ex`` / ``rewrite_batch_norm_ex``):
+  ``FusedBatchNormV3`` + residual ``Add`` + ``Relu`` -> ``_FusedBatchNormEx`` where the target
+  runs it (declined with the target's reason elsewhere, e.g. on CPU).
+
+A training composite whose intermediates the backward pass reads is declined here: training batch
+norm is fused *before* differentiation, by ``tfmx.forward`` (which runs this same pattern on the
+layer's forward graph and lets TensorFlow's registered ``FusedBatchNormV3`` gradient build
+``FusedBatchNormGradV3``).
+
+Example:
+    >>> import tensorflow as tf, keras
+    >>> from fusion.graph import GraphView
+    >>> from fusion.patterns.batch_norm import find_batch_norm
+    >>> from tfmx.backends import get_backend
+    >>> bn = keras.layers.BatchNormalization()
+    >>> bn.build((None, 4, 4, 8))
+    >>> g = tf.function(lambda x: bn(x, training=True), autograph=False).get_concrete_function(
+    ...     tf.TensorSpec([None, 4, 4, 8])).graph.as_graph_def(add_shapes=True)
+    >>> matches, declined = find_batch_norm(GraphView(g.node), get_backend("cpu"))
+    >>> [(m.kind, m.data_format, m.channels) for m in matches]
+    [('training', 'NHWC', 8)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+
+from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, output_shape, parse_input, tensor_ref
+from fusion.match import blocker, const_value, dtype_name, other_input, split_scalar_const
+from fusion.pattern import RewriteContext, Target, apply_matches, register
+
+LOW_PRECISION = ("float16", "bfloat16")
+
+
+# -- records --------------------------------------------------------------------------------
+@dataclasses.dataclass
+class BatchNormMatch:
+    """One composite batch norm, training or inference."""
+
+    kind: str  # "training" | "inference"
+    x: str  # input of the fused op (the 16-bit tensor when the Casts are swallowed)
+    tail: NodeDef  # the node whose output is the batch norm's output
+    interior: tuple[NodeDef, ...]  # nodes removed (the tail excluded)
+    rank: int
+    axis: int
+    channels: int
+    dtype: str  # T of the fused op
+    epsilon: float
+    gamma: str | None = None
+    beta: str | None = None
+    mean: str | None = None  # inference: the moving mean read
+    variance: str | None = None
+    batch_mean: NodeDef | None = None  # training: nodes whose consumers get the kernel's stats
+    batch_variance: NodeDef | None = None
+
+    @property
+    def data_format(self) -> str:
+        return _layout(self.rank, self.axis)[0]
+
+
+@dataclasses.dataclass
+class BatchNormExMatch:
+    """FusedBatchNormV3 -> Add(side input) -> Relu."""
+
+    fused: NodeDef
+    add: NodeDef
+    relu: NodeDef
+    side_input: str
+
+
+# -- helpers --------------------------------------------------------------------------------
+def _layout(rank: int, axis: int) -> tuple[str, str | None]:
+    """(data_format, how x is brought to 4-D or 5-D) for a channel ``axis`` of a ``rank`` input;
+    ("", None) when FusedBatchNormV3 cannot take it."""
+    return {
+        (4, 3): ("NHWC", None), (4, 1): ("NCHW", None),
+        (5, 4): ("NDHWC", None), (5, 1): ("NCDHW", None),
+        (2, 1): ("NHWC", "reshape"), (3, 2): ("NHWC", "reshape"),
+        (3, 1): ("NCHW", "reshape"),
+    }.get((rank, axis), ("", None))
+
+
+def _attr_node(name: str, op: str, inputs: list[str], device: str, **attrs) -> NodeDef:
+    node = NodeDef(name=name, op=op, device=device)
+    node.input.extend(inputs)
+    for key, value in attrs.items():
+        if isinstance(value, bool):
+            node.attr[key].b = value
+        elif isinstance(value, float):
+            node.attr[key].f = value
+        elif isinstance(value, int):
+            node.attr[key].i = value
+        elif isinstance(value, bytes):
+            node.attr[key].s = value
+        elif isinstance(value, tf.DType):
+            node.attr[key].type = value.as_datatype_enum
+        elif isinstance(value, tf.TensorShape):
+            node.attr[key].list.shape.add().CopyFrom(value.as_proto())
+        else:
+            raise TypeError(f"attr {key}: {value!r}")
+    return node
+
+
+def _const(name: str, value: np.ndarray, device: str) -> NodeDef:
+    node = _attr_node(name, "Const", [], device, dtype=tf.as_dtype(value.dtype),
+                      _output_shapes=tf.TensorShape(value.shape))
+    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
+    return node
+
+
+def _set_shapes(node: NodeDef, shapes: list[tuple | None]) -> None:
+    attr = node.attr["_output_shapes"]
+    del attr.list.shape[:]
+    for shape in shapes:
+        attr.list.shape.add().CopyFrom(tf.TensorShape(shape).as_proto())
+
+
+def _per_channel(view: GraphView, ref: str, rank: int) -> tuple[str, NodeDef | None,
+                                                              int | None, int | None] | None:
+    """A per-channel vector feeding the normalization: (vector ref, its Reshape or None,
+    channel axis, channels); axis None for a plain vector (broadcast on the last axis)."""
+    node = view.node(ref)
+    if node is None:
+        return None
+    if node.op == "Reshape":
+        target = const_value(view, node.input[1])
+        src = view.node(node.input[0])
+        src_shape = None if src is None else output_shape(src, parse_input(node.input[0])[1])
+        if target is None or src_shape is None or len(src_shape) != 1 or target.ndim != 1:
+            return None
+        dims = [int(d) for d in target]
+        if len(dims) != rank or sorted(dims)[:-1] != [1] * (rank - 1):
+            return None
+        axis = int(np.argmax(dims))
+        return node.input[0], node, axis, dims[axis]
+    shape = output_shape(node, parse_input(ref)[1])
+    if shape is None or len(shape) != 1 or shape[0] is None:
+        return None
+    return ref, None, None, shape[0]
+
+
+def _is_vector(view: GraphView, ref: str) -> bool:
+    """True if ``ref`` is a rank-1 tensor or a (Squeeze, Reshape) that may make one."""
+    node = view.node(ref)
+    if node is None:
+        return False
+    shape = output_shape(node, parse_input(ref)[1])
+    return (shape is not None and len(shape) == 1) or node.op in ("Squeeze", "Reshape")
+
+
+def _moments(view: GraphView, mean_ref: str, var_ref: str) -> tuple | None:
+    """(x ref, reduction axes, nodes, mean Squeeze, variance Squeeze) if ``mean_ref`` and
+    ``var_ref`` are the Squeezed outputs of ``tf.nn.moments``; None otherwise."""
+    mean_sq, var_sq = view.node(mean_ref), view.node(var_ref)
+    if mean_sq is None or var_sq is None or mean_sq.op != "Squeeze" or var_sq.op != "Squeeze":
+        return None
+    mean_k, var_k = view.node(mean_sq.input[0]), view.node(var_sq.input[0])
+    if mean_k is None or var_k is None or mean_k.op != "Mean" or var_k.op != "Mean":
+        return None
+    sqd = view.node(var_k.input[0])
+    if sqd is None or sqd.op != "SquaredDifference":
+        return None
+    x_ref, sg_ref = sqd.input[0], sqd.input[1]
+    sg = view.node(sg_ref)
+    if sg is None or sg.op != "StopGradient" or view.node(sg.input[0]) is not mean_k:
+        return None
+    if mean_k.input[0] != x_ref:
+        return None
+    axes_m, axes_v = const_value(view, mean_k.input[1]), const_value(view, var_k.input[1])
+    if axes_m is None or axes_v is None or sorted(axes_m.ravel()) != sorted(axes_v.ravel()):
+        return None
+    if not (mean_k.attr["keep_dims"].b and var_k.attr["keep_dims"].b):
+        return None
+    return x_ref, [int(a) for a in axes_m.ravel()], (mean_k, sg, sqd, var_k), mean_sq, var_sq
+
+
+def _normalization(view: GraphView, rsqrt: NodeDef) -> dict | None:
+    """The ``tf.nn.batch_normalization`` subgraph around ``rsqrt``, by structure."""
+    add_eps = view.node(rsqrt.input[0])
+    if add_eps is None or add_eps.op not in ("AddV2", "Add"):
+        return None
+    var_ref, eps = split_scalar_const(view, add_eps)
+    if var_ref is None or eps is None:
+        return None
+    # inv = rsqrt * gamma, or rsqrt itself without gamma. Other consumers (the backward's)
+    # are tolerated here; the blocker check declines them with the reason.
+    candidates = [c for c in view.consumers(rsqrt.name) if c.op == "Mul"] + [rsqrt]
+    for inv in candidates:
+        affine = _affine(view, inv)
+        if affine is None:
+            continue
+        gamma_ref = None if inv is rsqrt else other_input(view, inv, rsqrt)
+        if inv is not rsqrt and gamma_ref is None:
+            continue
+        affine["nodes"] = [add_eps, rsqrt] + ([inv] if inv is not rsqrt else []) \
+            + affine["nodes"]
+        return dict(affine, var=var_ref, gamma=gamma_ref, epsilon=eps)
+    return None
+
+
+def _affine(view: GraphView, inv: NodeDef) -> dict | None:
+    """``x * inv + (beta - mean * inv)`` (or ``+ (-mean) * inv`` without beta) around ``inv``."""
+    muls = [c for c in view.consumers(inv.name) if c.op == "Mul"]
+    mean_mul = shift = neg = None
+    for mul in muls:
+        after = view.consumers(mul.name)
+        other = view.node(other_input(view, mul, inv) or "")
+        if len(after) == 1 and after[0].op in ("Sub", "Neg"):
+            mean_mul, shift = mul, after[0]  # beta - mean * inv  /  -(mean * inv)
+            break
+        if other is not None and other.op == "Neg" and _is_vector(view, other.input[0]):
+            mean_mul, neg = mul, other  # (-mean) * inv, no beta
+            break
+    if mean_mul is None:
+        return None
+    add_term = shift or mean_mul
+    beta_ref = None
+    if shift is not None and shift.op == "Sub":
+        beta_ref, mm_ref = view.data_inputs(shift)
+        if view.node(mm_ref) is not mean_mul:
+            return None
+    for scale_mul in muls:
+        if scale_mul is mean_mul:
+            continue
+        out = next((c for c in view.consumers(scale_mul.name) if c.op in ("AddV2", "Add")
+                    and view.node(other_input(view, c, scale_mul) or "") is add_term), None)
+        x_ref = other_input(view, scale_mul, inv)
+        if out is None or x_ref is None:
+            continue
+        mean_ref = neg.input[0] if neg is not None else other_input(view, mean_mul, inv)
+        if mean_ref is None:
+            return None
+        nodes = [scale_mul, mean_mul] + [n for n in (shift, neg) if n is not None]
+        return dict(x=x_ref, mean=mean_ref, beta=beta_ref, out=out, nodes=nodes)
+    return None
+
+
+def _match_at(view: GraphView, rsqrt: NodeDef) -> tuple[BatchNormMatch | None, str | None]:
+    """A :class:`BatchNormMatch` around ``rsqrt``, or (None, why) / (None, None) if absent."""
+    norm = _normalization(view, rsqrt)
+    if norm is None:
+        return None, None
+    x_node = view.node(norm["x"])
+    x_shape = None if x_node is None else output_shape(x_node, parse_input(norm["x"])[1])
+    if x_shape is None:
+        return None, "input rank unknown"
+    rank = len(x_shape)
+    moments = _moments(view, *_strip_reshape(view, norm["mean"], norm["var"]))
+    kind = "training" if moments is not None else "inference"
+    vectors = {}
+    axis = channels = None
+    for key in ("mean", "var", "gamma", "beta"):
+        if norm[key] is None:
+            continue
+        ref = norm[key]
+        if kind == "training" and key in ("mean", "var"):
+            node = view.node(ref)
+            vectors[key] = (ref, node if node is not None and node.op == "Reshape" else None)
+            continue
+        found = _per_channel(view, ref, rank)
+        if found is None:
+            return None, None  # not a per-channel normalization (LayerNorm, ...)
+        src, reshape, ax, ch = found
+        ax = rank - 1 if ax is None else ax
+        if axis is not None and (ax, ch) != (axis, channels):
+            return None, None
+        axis, channels = ax, ch
+        vectors[key] = (src, reshape)
+    if moments is not None:
+        x_ref, axes, moment_nodes, mean_sq, var_sq = moments
+        if x_ref != norm["x"]:
+            return None, None
+        kept = sorted(set(range(rank)) - {a % rank for a in axes})
+        if len(kept) != 1 or (axis is not None and kept[0] != axis):
+            return None, f"moments over axes {sorted(axes)} of a rank-{rank} input"
+        axis = kept[0]
+        channels = x_shape[axis] if channels is None else channels
+    if axis is None or channels is None:
+        return None, None
+    if x_shape[axis] is not None and x_shape[axis] != channels:
+        return None, None
+    interior = list(norm["nodes"])
+    for _, reshape in vectors.values():
+        if reshape is not None:
+            interior.append(reshape)
+    match = BatchNormMatch(
+        kind=kind, x=norm["x"], tail=norm["out"], interior=(), rank=rank, axis=axis,
+        channels=channels, dtype=dtype_name(norm["out"]), epsilon=norm["epsilon"],
+        gamma=vectors["gamma"][0] if "gamma" in vectors else None,
+        beta=vectors["beta"][0] if "beta" in vectors else None,
+    )
+    if moments is not None:
+        interior.extend(moments[2])
+        match.batch_mean, match.batch_variance = moments[3], moments[4]
+    else:
+        match.mean, match.variance = vectors["mean"][0], vectors["var"][0]
+    match.interior = tuple(interior)
+    _swallow_casts(view, match)
+    return match, None
+
+
+def _strip_reshape(view: GraphView, *refs: str) -> list[str]:
+    out = []
+    for ref in refs:
+        node = view.node(ref)
+        out.append(node.input[0] if node is not None and node.op == "Reshape" else ref)
+    return out
+
+
+def _swallow_casts(view: GraphView, match: BatchNormMatch) -> None:
+    """Under a 16-bit policy take the 16-bit input and output directly (float32 statistics)."""
+    cast_in = view.node(match.x)
+    outs = view.consumers(match.tail.name)
+    if cast_in is None or cast_in.op != "Cast" or len(outs) != 1 or outs[0].op != "Cast":
+        return
+    low = tf.as_dtype(cast_in.attr["SrcT"].type).name
+    if low not in LOW_PRECISION or tf.as_dtype(outs[0].attr["DstT"].type).name != low:
+        return
+    inside = {n.name for n in (*match.interior, match.tail, cast_in, outs[0])}
+    if blocker(view, cast_in, inside) is not None or blocker(view, match.tail, inside):
+        return
+    match.interior = (*match.interior, cast_in, match.tail)
+    match.tail, match.x, match.dtype = outs[0], cast_in.input[0], low
+
+
+def _blocked(view: GraphView, match: BatchNormMatch) -> str | None:
+    stats = [n for n in (match.batch_mean, match.batch_variance) if n is not None]
+    inside = {n.name for n in (*match.interior, match.tail, *stats)}
+    for node in match.interior:
+        why = blocker(view, node, inside)
+        if why is not None:
+            return why
+    for node in (match.batch_mean, match.batch_variance):
+        if node is not None and (node.name in view.protected or view.has_control_edges(node)):
+            return f"batch {node.op} is fetched or has a control edge"
+    if view.has_control_edges(match.tail):
+        return "batch norm output has a control edge"
+    return None
+
+
+def _shape4(match: BatchNormMatch, x_shape: tuple | None) -> list[int]:
+    """The 4-D shape a 2-D/3-D input is reshaped to for FusedBatchNormV3."""
+    if match.axis == match.rank - 1:
+        return [-1, 1, 1, match.channels]
+    return [-1, match.channels, x_shape[2], 1]  # [N, C, T] -> NCHW [N, C, T, 1]
+
+
+# -- find / rewrite: the composite ----------------------------------------------------------
+def find_batch_norm(view: GraphView, target: Target) -> tuple[list[BatchNormMatch], list[str]]:
+    """Every composite batch norm in ``view`` that ``target`` can run fused, and declines."""
+    matches, declined = [], []
+    taken: set[str] = set()
+    for rsqrt in view.nodes():
+        if rsqrt.op != "Rsqrt":
+            continue
+        match, why = _match_at(view, rsqrt)
+        if match is None:
+            if why:
+                declined.append(f"BatchNorm: {why}")
+            continue
+        label = f"BatchNorm({match.kind})"
+        fmt = match.data_format
+        if not fmt:
+            declined.append(f"{label}: channel axis {match.axis} of a rank-{match.rank} input "
+                            "(FusedBatchNormV3 takes channels last or first)")
+            continue
+        if _layout(match.rank, match.axis)[1] and match.axis != match.rank - 1:
+            x_node = view.node(match.x)
+            shape = output_shape(x_node, parse_input(match.x)[1]) if x_node else None
+            if shape is None or shape[2] is None:
+                declined.append(f"{label}: channels-first 3-D input of unknown length")
+                continue
+        why = target.batch_norm_blocker("FusedBatchNormV3", match.dtype, fmt,
+                                        match.kind == "training", match.channels, match.epsilon)
+        why = why or _blocked(view, match)
+        if why is None and {n.name for n in match.interior} & taken:
+            why = "overlaps another batch norm"
+        if why is not None:
+            if match.kind == "training" and "feeds" in why:
+                why += " (the backward reads it: training batch norm is fused before " \
+                       "differentiation, by tfmx.forward)"
+            declined.append(f"{label}: {why}")
+            continue
+        taken.update(n.name for n in match.interior)
+        matches.append(match)
+    return matches, declined
+
+
+def rewrite_batch_norm(view: GraphView, match: BatchNormMatch) -> NodeDef:
+    """Replace the composite with one ``FusedBatchNormV3``; return it."""
+    tail, dev = match.tail, match.tail.device
+    base = f"{tail.name}/tfmx_bn"
+    fmt, how = _layout(match.rank, match.axis)
+    c = match.channels
+    dtype = tf.as_dtype(match.dtype)
+    new: list[NodeDef] = []
+    x4 = match.x
+    x_node = view.node(match.x)
+    x_shape = output_shape(x_node, parse_input(match.x)[1]) if x_node is not None else None
+    if how is not None:
+        new.append(_const(f"{base}/shape4", np.array(_shape4(match, x_shape), np.int32), dev))
+        new.append(_attr_node(f"{base}/to4d", "Reshape", [match.x, new[-1].name], dev,
+                              T=dtype, Tshape=tf.int32))
+        x4 = new[-1].name
+
+    def vector(ref: str | None, fill: float, name: str) -> str:
+        if ref is not None:
+            return ref
+        new.append(_const(f"{base}/{name}", np.full([c], fill, np.float32), dev))
+        return new[-1].name
+
+    training = match.kind == "training"
+    if training:
+        new.append(_const(f"{base}/empty", np.zeros([0], np.float32), dev))
+        mean = variance = new[-1].name
+    else:
+        mean, variance = match.mean, match.variance
+    fused_name = tail.name if how is None else f"{base}/FusedBatchNormV3"
+    fused = _attr_node(
+        fused_name, "FusedBatchNormV3",
+        [x4, vector(match.gamma, 1.0, "ones"), vector(match.beta, 0.0, "zeros"), mean, variance],
+        dev, T=dtype, U=tf.float32, epsilon=match.epsilon, exponential_avg_factor=1.0,
+        data_format=fmt.encode(), is_training=training,
+    )
+    y_shape = x_shape if how is None else None
+    _set_shapes(fused, [y_shape, (c,), (c,), (c,), (c,), None])
+    new.append(fused)
+    if how is not None:
+        new.append(_attr_node(f"{base}/shape", "Shape", [match.x], dev, T=dtype,
+                              out_type=tf.int32))
+        new.append(_attr_node(tail.name, "Reshape", [fused_name, new[-1].name], dev, T=dtype,
+                              Tshape=tf.int32))
+    if how is not None and "_output_shapes" in tail.attr:
+        new[-1].attr["_output_shapes"].CopyFrom(tail.attr["_output_shapes"])
+
+    # Keras's moving-average updates read the batch statistics: give them the kernel's.
+    rewire: list[tuple[NodeDef, int, str]] = []
+    if training:
+        inside = {n.name for n in match.interior}
+        for stat, port in ((match.batch_mean, 1), (match.batch_variance, 2)):
+            for consumer, index, _, ctl in view.consumer_edges(stat.name):
+                if not ctl and consumer.name not in inside:
+                    rewire.append((consumer, index, tensor_ref(fused_name, port)))
+        if any(ref.endswith(":2") for _, _, ref in rewire):
+            # batch_variance is Bessel-corrected (times n / (n - 1)); Keras averages the biased
+            # one: divide by the same factor, computed as the kernel does. (Ops from the Metal
+            # plugin's list only: no Mul/Sub there.)
+            new.append(_attr_node(f"{base}/count", "Size", [x4], dev, T=dtype,
+                                  out_type=tf.int32))
+            new.append(_attr_node(f"{base}/count_f", "Cast", [new[-1].name], dev,
+                                  SrcT=tf.int32, DstT=tf.float32, Truncate=False))
+            new.append(_const(f"{base}/channels", np.array(float(c), np.float32), dev))
+            new.append(_attr_node(f"{base}/n", "RealDiv", [f"{base}/count_f",
+                                                          f"{base}/channels"], dev, T=tf.float32))
+            new.append(_const(f"{base}/minus_one", np.array(-1.0, np.float32), dev))
+            new.append(_attr_node(f"{base}/n_minus_1", "AddV2", [f"{base}/n",
+                                                                f"{base}/minus_one"], dev,
+                                  T=tf.float32))
+            new.append(_attr_node(f"{base}/bessel", "RealDiv", [f"{base}/n",
+                                                               f"{base}/n_minus_1"], dev,
+                                  T=tf.float32))
+            new.append(_attr_node(f"{base}/batch_variance", "RealDiv",
+                                  [tensor_ref(fused_name, 2), f"{base}/bessel"], dev,
+                                  T=tf.float32))
+            rewire = [(cn, i, f"{base}/batch_variance" if ref.endswith(":2") else ref)
+                      for cn, i, ref in rewire]
+        for stat in (match.batch_mean, match.batch_variance):
+            view.remove(stat.name)
+    for node in match.interior:
+        view.remove(node.name)
+    view.remove(tail.name)
+    for node in new:
+        view.add(node)
+    for consumer, index, ref in rewire:
+        view.replace_input(consumer, index, ref)
+    return fused
+
+
+# -- find / rewrite: FusedBatchNormV3 + Add + Relu ------------------------------------------
+def _behind_identity(view: GraphView, ref: str) -> NodeDef | None:
+    """The FusedBatchNormV3 whose output 0 is ``ref``, directly or through one Identity."""
+    node = view.node(ref)
+    if node is not None and node.op == "Identity" and not parse_input(ref)[1]:
+        ref, node = node.input[0], view.node(node.input[0])
+    if node is None or node.op != "FusedBatchNormV3" or parse_input(ref)[1]:
+        return None
+    return node
+
+
+def _data_consumers(view: GraphView, name: str, port: int = 0) -> list[NodeDef]:
+    return [c for c in view.consumers(name, port) if c.op not in SHAPE_ONLY_OPS]
+
+
+def find_batch_norm_ex(view: GraphView,
+                       target: Target) -> tuple[list[BatchNormExMatch], list[str]]:
+    """Every FusedBatchNormV3 + residual Add + Relu that ``target`` runs as one
+    ``_FusedBatchNormEx``, and the declines."""
+    matches, declined = [], []
+    for relu in view.nodes():
+        if relu.op != "Relu":
+            continue
+        add = view.node(relu.input[0])
+        if add is None or add.op not in ("Add", "AddV2") or parse_input(relu.input[0])[1]:
+            continue
+        inputs = view.data_inputs(add)
+        found = [(r, _behind_identity(view, r)) for r in inputs]
+        ref, fused = next(((r, f) for r, f in found if f is not None), (None, None))
+        if fused is None or len(inputs) != 2:
+            continue
+        side = next(r for r in inputs if r is not ref)
+        if view.node(ref) is not fused:  # the forward stage's Identity (moving-update order)
+            declined.append("FusedBatchNormV3+Add+Relu: an Identity with control inputs "
+                            "between (the forward stage's); "
+                            + (target.batch_norm_blocker("_FusedBatchNormEx",
+                                                         dtype_name(fused),
+                                                         fused.attr["data_format"].s.decode(),
+                                                         fused.attr["is_training"].b)
+                               or "it orders the moving-average updates"))
+            continue
+        label = "FusedBatchNormV3+Add+Relu"
+        shape = output_shape(fused, 0)
+        side_node = view.node(side) if side else None
+        side_shape = None if side_node is None else output_shape(side_node,
+                                                                 parse_input(side)[1])
+        training = fused.attr["is_training"].b
+        fmt = fused.attr["data_format"].s.decode()
+        channels = None
+        if shape is not None and len(shape) == 4:
+            channels = shape[3] if fmt == "NHWC" else shape[1]
+        why = target.batch_norm_blocker("_FusedBatchNormEx", dtype_name(fused), fmt, training,
+                                        channels, fused.attr["epsilon"].f)
+        if why is None and (shape is None or shape != side_shape
+                            or any(d is None for d in shape[1:])):
+            why = "side input shape differs or is unknown (Add broadcasts, the kernel does not)"
+        if why is None:
+            if fused.name in view.protected or view.has_control_edges(fused) or len(
+                    _data_consumers(view, fused.name)) != 1:
+                why = "FusedBatchNormV3 output has other consumers"
+            elif len(_data_consumers(view, add.name)) != 1 or view.has_control_edges(add) \
+                    or add.name in view.protected or view.has_control_edges(relu):
+                why = "Add output has other consumers"
+        if why is None and any(view.consumers(fused.name, p) for p in (3, 4, 5)):
+            why = "the backward reads the reserve spaces (needs _FusedBatchNormGradEx)"
+        if why is not None:
+            declined.append(f"{label}: {why}")
+            continue
+        matches.append(BatchNormExMatch(fused=fused, add=add, relu=relu, side_input=side))
+    return matches, declined
+
+
+def rewrite_batch_norm_ex(view: GraphView, match: BatchNormExMatch) -> NodeDef:
+    """Replace FusedBatchNormV3 + Add + Relu with one ``_FusedBatchNormEx`` named like the Relu."""
+    fused, add, relu = match.fused, match.add, match.relu
+    ex = NodeDef(name=relu.name, op="_FusedBatchNormEx", device=fused.device)
+    ex.input.extend([*view.data_inputs(fused)[:5], match.side_input])
+    for key in ("T", "U", "epsilon", "exponential_avg_factor", "data_format", "is_training",
+                "_output_shapes"):
+        if key in fused.attr:
+            ex.attr[key].CopyFrom(fused.attr[key])
+    ex.attr["num_side_inputs"].i = 1
+    ex.attr["activation_mode"].s = b"Relu"
+    rewire = []
+    for node in (fused, add):
+        for consumer, index, port, ctl in view.consumer_edges(node.name):
+            if consumer.name in (add.name, relu.name):
+                continue
+            rewire.append((consumer, index, ("^" + ex.name) if ctl else
+                           tensor_ref(ex.name, port if node is fused else 0)))
+    view.remove(fused.name)
+    view.remove(add.name)
+    view.replace(relu.name, ex)
+    for consumer, index, ref in rewire:
+        view.replace_input(consumer, index, ref)
+    return ex
+
+
+@register(
+    "batch_norm",
+    "composite BatchNormalization -> FusedBatchNormV3 (training: before differentiation, "
+    "via tfmx.forward); FusedBatchNormV3 + Add + Relu -> _FusedBatchNormEx",
+)
+def batch_norm_pass(view: GraphView, ctx: RewriteContext) -> None:
+    """Fuse every composite batch norm, then every batch norm + residual Add + Relu."""
+    apply_matches(
+        view, ctx, find_batch_norm(view, ctx.target),
+        lambda v, m: rewrite_batch_norm(v, m),
+        lambda m: f"FusedBatchNormV3({m.kind}, {m.dtype})",
+    )
+    apply_matches(
+        view, ctx, find_batch_norm_ex(view, ctx.target),
+        lambda v, m: rewrite_batch_norm_ex(v, m),
+        lambda m: "_FusedBatchNormEx(side input, Relu)",
+    )

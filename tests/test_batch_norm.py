@@ -1,0 +1,406 @@
+"""Batch norm: Keras 3 BatchNormalization trains through FusedBatchNormV3 / FusedBatchNormGradV3.
+
+Parity: a few training steps stock vs tfmx from identical weights (weights and moving statistics
+within 1e-4 relative, predict within 1e-5) for every supported configuration; the graph that ran
+has the fused ops and none of the composite ones; declines keep training stock; the Metal plan
+uses only kernels of the plugin's list.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import fusion
+import tfmx
+from fusion.graph import GraphView
+from fusion.patterns.batch_norm import find_batch_norm
+from tfmx import forward
+from tfmx.backends import get_backend, metal_kernels
+from tfmx.rebuild import protected_names
+
+COMPOSITE = ("SquaredDifference", "StopGradient", "Rsqrt")
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    tfmx.disable()
+    yield
+    tfmx.disable()
+    keras.mixed_precision.set_global_policy("float32")
+
+
+# -- models -----------------------------------------------------------------------------------
+SHAPES = {"conv": (8, 8, 3), "dense": (6,), "channels_first": (4, 5, 5), "sequence": (5, 4),
+          "embedding": (5,), "volume": (3, 4, 4, 4)}
+
+
+def build(kind: str, bn: dict | None = None, policy: str | None = None, frozen: bool = False,
+          residual: bool = True) -> keras.Model:
+    if policy:
+        keras.mixed_precision.set_global_policy(policy)
+    keras.utils.set_random_seed(0)
+    layer = keras.layers.BatchNormalization(**(bn or {}))
+    inp = keras.Input(SHAPES[kind], dtype="int32" if kind == "embedding" else "float32")
+    if kind == "conv":
+        x = keras.layers.Conv2D(8, 3, padding="same", use_bias=False)(inp)
+        y = layer(x)
+        x = keras.layers.ReLU()(keras.layers.Add()([y, x]) if residual else y)
+        x = keras.layers.GlobalAveragePooling2D()(x)
+    elif kind == "dense":
+        x = keras.layers.ReLU()(layer(keras.layers.Dense(8)(inp)))
+    elif kind == "embedding":
+        x = layer(keras.layers.Embedding(10, 4, mask_zero=True)(inp))
+        x = keras.layers.GlobalAveragePooling1D()(x)
+    else:
+        x = keras.layers.Flatten()(layer(inp))
+    if frozen:
+        layer.trainable = False
+    out = keras.layers.Dense(3, dtype="float32")(x)
+    model = keras.Model(inp, out)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    return model
+
+
+def data(kind: str, n: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    if kind == "embedding":
+        x = rng.integers(0, 10, (n,) + SHAPES[kind]).astype(np.int32)
+    else:
+        x = rng.random((n,) + SHAPES[kind], dtype=np.float32) * 3.0 + 1.0
+    return x, rng.random((n, 3), dtype=np.float32)
+
+
+def train_ops(model: keras.Model) -> collections.Counter:
+    """Op counts over every graph (and function library) the train step traced."""
+    fn = getattr(model.train_function, "__wrapped__", model.train_function)
+    counts: collections.Counter = collections.Counter()
+    targets = [fn] + [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]
+    for target in targets:
+        for cf in getattr(target, "_list_all_concrete_functions", lambda: [])():
+            g = cf.graph.as_graph_def()
+            counts.update(n.op for n in g.node)
+            for f in g.library.function:
+                counts.update(n.op for n in f.node_def)
+    return counts
+
+
+def run(enable: bool, kind: str, **kwargs) -> dict:
+    if enable:
+        tfmx.enable(backend="cpu")
+    model = build(kind, **kwargs)
+    x, y = data(kind)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    out = {"weights": [v.numpy() for v in model.weights], "names": [v.path for v in model.weights],
+           "predict": model.predict(x, verbose=0), "ops": train_ops(model),
+           "report": tfmx.report().to_dict()["patterns"].get("batch_norm") if enable else None}
+    tfmx.disable()
+    return out
+
+
+def assert_parity(stock: dict, fused: dict, half: bool = False) -> None:
+    """Weights within 1e-4 relative, predictions within 1e-5; float16 activations: to half
+    precision (2^-10), since the kernel and the composite round dy/dx to half at different
+    points (from equal inputs the forward agrees to one ulp: test_half_kernels_...)."""
+    rtol, atol = (1e-3, 1e-4) if half else (1e-4, 1e-6)
+    for name, a, b in zip(stock["names"], stock["weights"], fused["weights"]):
+        # atol: a Dense bias before batch norm has a zero gradient in exact arithmetic.
+        np.testing.assert_allclose(b, a, rtol=rtol, atol=atol, err_msg=name)
+    np.testing.assert_allclose(fused["predict"], stock["predict"], rtol=1e-5,
+                               atol=2e-3 if half else 1e-5)
+
+
+CONFIGS = {
+    "conv_nhwc": dict(kind="conv"),
+    "dense_2d": dict(kind="dense"),
+    "center_false": dict(kind="conv", bn=dict(center=False)),
+    "scale_false": dict(kind="dense", bn=dict(scale=False)),
+    "no_center_no_scale": dict(kind="dense", bn=dict(center=False, scale=False)),
+    "momentum_epsilon": dict(kind="conv", bn=dict(momentum=0.5, epsilon=0.01)),
+    "mixed_bfloat16": dict(kind="conv", policy="mixed_bfloat16"),
+    "mixed_float16": dict(kind="dense", policy="mixed_float16", bn=dict(momentum=0.5)),
+    "channels_first_4d": dict(kind="channels_first", bn=dict(axis=1, momentum=0.0)),
+    "sequence_3d": dict(kind="sequence", bn=dict(momentum=0.3)),
+    "volume_5d": dict(kind="volume", bn=dict(momentum=0.5)),
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_training_parity_and_fused_ops_ran(config):
+    kwargs = CONFIGS[config]
+    stock = run(False, **kwargs)
+    fused = run(True, **kwargs)
+    assert_parity(stock, fused, half=kwargs.get("policy") == "mixed_float16")
+    ops = fused["ops"]
+    assert ops["FusedBatchNormV3"] >= 1 and ops["FusedBatchNormGradV3"] >= 1
+    for op in COMPOSITE:
+        assert stock["ops"][op] >= 1 and ops[op] == 0, op
+    assert stock["ops"]["Mean"] - ops["Mean"] == 2  # the moments' two Means
+    dtype = (kwargs.get("policy") or "float32").replace("mixed_", "")
+    assert fused["report"]["fused_kinds"][f"FusedBatchNormV3(training, {dtype})"] >= 1
+    assert not fused["report"]["errors"]
+
+
+def test_frozen_layer_under_the_tape_runs_inference_kernel():
+    stock = run(False, kind="dense", frozen=True)
+    fused = run(True, kind="dense", frozen=True)
+    assert_parity(stock, fused)
+    assert fused["ops"]["FusedBatchNormV3"] >= 1 and fused["ops"]["FusedBatchNormGradV3"] >= 1
+    assert fused["ops"]["Rsqrt"] == 0
+    assert fused["report"]["fused_kinds"]["FusedBatchNormV3(inference, float32)"] >= 1
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
+@pytest.mark.parametrize("training", [False, True])
+def test_half_kernels_equal_keras_float32_composite_to_one_ulp(dtype, training):
+    """What the 16-bit rewrite relies on: T=half/bfloat16 with float32 statistics gives Keras's
+    cast-to-float32, normalize, cast-back, up to a rare last-place flip (float32 rounding)."""
+    rng = np.random.default_rng(0)
+    x = tf.cast(rng.standard_normal((64, 1, 1, 8)) * 3 + 1, dtype)
+    xf = tf.cast(x, tf.float32)
+    g, b, m = (tf.constant(rng.standard_normal(8), tf.float32) for _ in range(3))
+    v = tf.constant(rng.random(8) + 0.5, tf.float32)
+    if training:
+        m, v = tf.nn.moments(xf, [0, 1, 2])
+    expected = tf.cast(tf.nn.batch_normalization(xf, m, v, b, g, 1e-3), dtype)
+    empty = tf.zeros([0])
+    got = tf.raw_ops.FusedBatchNormV3(x=x, scale=g, offset=b, mean=empty if training else m,
+                                      variance=empty if training else v, epsilon=1e-3,
+                                      is_training=training)[0]
+    got, expected = (tf.cast(t, tf.float32).numpy() for t in (got, expected))
+    ulp = 2.0 ** (-10 if dtype == tf.float16 else -7)
+    np.testing.assert_allclose(got, expected, rtol=ulp, atol=0)
+    assert np.mean(got != expected) < 0.01
+
+
+def test_moving_statistics_are_keras_biased_ones():
+    """momentum=0: after one step the moving statistics are that batch's own (biased) moments."""
+    tfmx.enable(backend="cpu")
+    model = build("dense", bn=dict(momentum=0.0))
+    x, y = data("dense", n=8)
+    dense, bn = model.layers[1], model.layers[2]
+    h = x @ dense.kernel.numpy() + dense.bias.numpy()  # what the step's batch norm sees
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    np.testing.assert_allclose(bn.moving_mean.numpy(), h.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), h.var(0), rtol=1e-5)  # not ddof=1
+    assert tfmx.report().fused("batch_norm") >= 1
+
+
+def test_predict_and_evaluate_use_the_inference_kernel():
+    model = build("dense")
+    x, y = data("dense")
+    stock = model.predict(x, verbose=0), model.evaluate(x, y, verbose=0)
+    tfmx.enable(backend="cpu")
+    fused = model.predict(x, verbose=0), model.evaluate(x, y, verbose=0)
+    np.testing.assert_allclose(fused[0], stock[0], rtol=1e-5, atol=1e-5)
+    assert abs(fused[1] - stock[1]) <= 1e-5 * max(1.0, abs(stock[1]))
+    traces = {t.function: t for t in tfmx.report().traces}
+    after = traces["Functional.predict_step"].ops_after
+    assert after["FusedBatchNormV3"] == 1 and after["Rsqrt"] == 0
+
+
+# -- declines ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind, bn, reason", [
+    ("embedding", {}, "a mask"),
+    ("dense", {"synchronized": True}, "synchronized=True"),
+    ("dense", {"renorm": True}, "renorm=True"),
+    ("conv", {"axis": 2}, "channel axis 2 of a rank-4 input"),
+])
+def test_declines_keep_training_stock(kind, bn, reason):
+    stock = run(False, kind, bn=bn)
+    fused = run(True, kind, bn=bn)
+    assert_parity(stock, fused)
+    assert fused["ops"]["FusedBatchNormV3"] == 0
+    assert any(reason in why for why in fused["report"]["declined"]), fused["report"]
+
+
+def test_virtual_batch_size_is_declined():
+    """Keras 3 has no ghost batch norm; a layer that carries tf.keras's attribute is declined."""
+    tfmx.enable(backend="cpu")
+    model = build("dense")
+    model.layers[2].virtual_batch_size = 4
+    model.fit(*data("dense"), batch_size=8, epochs=1, verbose=0)
+    assert train_ops(model)["FusedBatchNormV3"] == 0
+    assert any("virtual_batch_size" in why
+               for why in tfmx.report().patterns["batch_norm"].declined)
+
+
+@pytest.mark.filterwarnings("ignore::tfmx.errors.TfmxWarning")
+def test_a_failing_forward_stage_falls_back_to_stock(monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("forward stage exploded")
+
+    monkeypatch.setattr(forward, "_rewrite", boom)
+    stock = run(False, "conv")
+    fused = run(True, "conv")
+    assert_parity(stock, fused)
+    assert fused["ops"]["FusedBatchNormV3"] == 0 and fused["ops"]["SquaredDifference"] >= 1
+    assert any("forward stage exploded" in e for e in fused["report"]["errors"])
+
+
+def test_patterns_without_batch_norm_leave_it_alone():
+    tfmx.enable(backend="cpu", patterns=["contraction"])
+    model = build("conv")
+    model.fit(*data("conv"), batch_size=8, epochs=1, verbose=0)
+    assert train_ops(model)["FusedBatchNormV3"] == 0
+
+
+def test_custom_training_loop_with_tfmx_function():
+    model = build("conv")
+    x, y = data("conv", n=8)
+    opt = keras.optimizers.SGD(0.1)
+
+    @tfmx.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    tfmx.enable(backend="cpu")
+    step(x, y)
+    ops = {n.op for n in step.get_concrete_function(x, y).graph.as_graph_def().node}
+    assert "FusedBatchNormGradV3" in ops and "SquaredDifference" not in ops
+
+
+def test_tfmx_function_under_an_outer_tape_gets_the_forward_stage():
+    model = build("conv")
+    x, y = data("conv", n=8)
+    forward_fn = tfmx.function(lambda x: model(x, training=True))
+    with tf.GradientTape() as tape:
+        stock_loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+    stock_grads = tape.gradient(stock_loss, model.trainable_variables)
+    # (gradients in training mode do not depend on the moving statistics just updated)
+    tfmx.enable(backend="cpu")
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((forward_fn(x) - y) ** 2)
+    grads = tape.gradient(loss, model.trainable_variables)
+    for a, b in zip(stock_grads, grads):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    assert tfmx.report().fused("batch_norm") >= 1
+
+
+def test_post_gradient_training_composite_is_declined_with_the_reason():
+    model = build("dense")
+    model.optimizer.build(model.trainable_variables)
+    concrete = tf.function(model.train_step, autograph=False).get_concrete_function(
+        tuple(tf.constant(a[:8]) for a in data("dense")))
+    g = concrete.graph.as_graph_def(add_shapes=True)
+    matches, declined = find_batch_norm(GraphView(g.node, protected_names(concrete)),
+                                        get_backend("cpu"))
+    assert not matches
+    assert any("fused before differentiation" in d for d in declined), declined
+
+
+# -- _FusedBatchNormEx and the Metal plan -------------------------------------------------------
+def _inference_graph(policy: str, channels: int = 8):
+    keras.mixed_precision.set_global_policy(policy)
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((4, 4, channels))
+    y = keras.layers.BatchNormalization()(inp)
+    out = keras.layers.ReLU()(keras.layers.Add()([y, inp]))
+    model = keras.Model(inp, out)
+    dtype = keras.mixed_precision.global_policy().compute_dtype
+    concrete = tf.function(lambda x: model(x, training=False), autograph=False) \
+        .get_concrete_function(tf.TensorSpec([None, 4, 4, channels], dtype))
+    return concrete, concrete.graph.as_graph_def(add_shapes=True)
+
+
+@pytest.mark.parametrize("backend, policy, expect", [
+    ("metal", "mixed_float16", None),
+    ("cuda", "float32", None),
+    ("metal", "float32", "takes float16"),
+    ("cpu", "float32", "produces no output"),
+])
+def test_batch_norm_add_relu_becomes_fused_batch_norm_ex_where_it_runs(backend, policy, expect):
+    concrete, g = _inference_graph(policy)
+    result = fusion.rewrite(g, get_backend(backend), ["batch_norm"], protected_names(concrete))
+    ops = collections.Counter(n.op for n in result.graph_def.node)
+    stats = result.stats["batch_norm"]
+    if expect is None:
+        assert ops["_FusedBatchNormEx"] == 1 and ops["Relu"] == 0 and ops["FusedBatchNormV3"] == 0
+        ex = next(n for n in result.graph_def.node if n.op == "_FusedBatchNormEx")
+        assert ex.attr["activation_mode"].s == b"Relu" and ex.attr["num_side_inputs"].i == 1
+        assert not ex.attr["is_training"].b
+    else:
+        assert ops["_FusedBatchNormEx"] == 0 and ops["FusedBatchNormV3"] == 1
+        assert any(expect in why for why in stats.declined), stats.declined
+    assert not result.errors
+
+
+def test_batch_norm_ex_numbers_match_on_cpu_with_the_inference_kernel():
+    """The CPU runs no _FusedBatchNormEx; the FusedBatchNormV3 it gets instead is exact."""
+    concrete, g = _inference_graph("float32")
+    result = fusion.rewrite(g, get_backend("cpu"), ["batch_norm"], protected_names(concrete))
+    x = tf.random.stateless_normal([2, 4, 4, 8], seed=[1, 2])
+    from tfmx.rebuild import rebuild
+
+    np.testing.assert_allclose(rebuild(concrete, result.graph_def)(x), concrete(x), atol=1e-5)
+
+
+def test_metal_training_plan_uses_only_plugin_kernels():
+    stock_model = build("conv")
+    stock_model.fit(*data("conv", n=8), batch_size=8, verbose=0)
+    stock_ops = set(train_ops(stock_model))
+    tfmx.enable(backend="metal")
+    model = build("conv", bn=dict(momentum=0.5))
+    with pytest.raises(tfmx.BackendUnavailableError):
+        model.fit(*data("conv", n=8), batch_size=8, verbose=0)
+    trace = next(t for t in tfmx.report().traces if t.function.endswith("train_step"))
+    plan = trace.graph_after
+    ops = collections.Counter(n.op for n in plan.node)
+    for fdef in plan.library.function:
+        ops.update(n.op for n in fdef.node_def)
+    assert ops["FusedBatchNormV3"] == 1 and ops["FusedBatchNormGradV3"] == 1
+    assert not any(ops[op] for op in COMPOSITE)
+    kernels = metal_kernels()
+    new_ops = set(ops) - stock_ops
+    assert new_ops and new_ops <= kernels, new_ops - kernels
+    declined = tfmx.report().patterns["batch_norm"].declined
+    assert any("_FusedBatchNormGradEx" in why for why in declined), declined
+
+
+def test_backend_batch_norm_tables():
+    kernels = metal_kernels()
+    for op in ("FusedBatchNormV3", "FusedBatchNormGradV3", "_FusedBatchNormEx"):
+        assert op in kernels
+    cpu, metal = get_backend("cpu"), get_backend("metal")
+    assert cpu.batch_norm_blocker("FusedBatchNormV3", "bfloat16", "NCHW") is None
+    assert "no FusedBatchNormV3 kernel for float64" in cpu.batch_norm_blocker(
+        "FusedBatchNormV3", "float64", "NHWC")
+    assert metal.batch_norm_blocker("_FusedBatchNormEx", "float16", "NHWC", False, 8) is None
+    assert "channels % 4" in metal.batch_norm_blocker("_FusedBatchNormEx", "float16", "NHWC",
+                                                      False, 6)
+    assert "epsilon" in get_backend("cuda").batch_norm_blocker("FusedBatchNormV3", "float32",
+                                                               "NHWC", epsilon=1e-6)
+
+
+def test_cpu_fused_batch_norm_ex_really_has_no_working_kernel():
+    """Keeps the cpu table honest: the op is registered, its CPU kernel yields nothing."""
+    concrete, g = _inference_graph("float32")
+    result = fusion.rewrite(g, get_backend("cuda"), ["batch_norm"], protected_names(concrete))
+    from tfmx.rebuild import rebuild
+
+    fn = rebuild(concrete, result.graph_def)
+    with pytest.raises((tf.errors.InternalError, tf.errors.InvalidArgumentError)):
+        fn(tf.ones([2, 4, 4, 8]))
+
+
+@pytest.mark.parametrize("layer, shape", [
+    (lambda: keras.layers.LayerNormalization(), (None, 6, 8)),
+    (lambda: keras.layers.LayerNormalization(axis=[1, 2]), (None, 6, 8)),
+    (lambda: keras.layers.GroupNormalization(groups=2), (None, 4, 4, 8)),
+    (lambda: keras.layers.UnitNormalization(), (None, 8)),
+])
+@pytest.mark.parametrize("training", [True, False])
+def test_other_normalizations_are_not_mistaken_for_batch_norm(layer, shape, training):
+    layer = layer()
+    layer.build(shape)
+    g = tf.function(lambda x: layer(x, training=training), autograph=False) \
+        .get_concrete_function(tf.TensorSpec(shape)).graph.as_graph_def(add_shapes=True)
+    assert find_batch_norm(GraphView(g.node), get_backend("cpu")) == ([], [])

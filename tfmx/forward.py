@@ -1,0 +1,256 @@
+"""The pre-differentiation stage: rewrite a layer's forward graph before the tape sees it.
+
+Some fusions cannot be made after gradients exist: Keras 3's batch norm backward is ~30 ops
+that read the composite forward's intermediates, and the fused kernels have no registered
+gradient. So while tfmx traces a step (:func:`staged`), each ``BatchNormalization.call`` that
+a gradient tape records (or that runs in training mode) goes through :func:`fused_layer_call`:
+
+1. trace the layer's own ``call`` for this input into a scratch ``tf.function`` graph;
+2. run the pattern engine on it (``fusion.rewrite(..., patterns=["batch_norm"])``, the same
+   pattern, statistics and report as every other pass);
+3. import the rewritten nodes into the graph being traced, re-binding the scratch graph's input
+   and captured variable handles, and record every imported op on the active gradient tapes with
+   its registered gradient, exactly as TensorFlow's generated op wrappers do.
+
+The tape then differentiates ``FusedBatchNormV3`` with TensorFlow's own gradient
+(``FusedBatchNormGradV3``). If anything does not fit (nothing fused, an op without a gradient,
+captures that are not plain variables, any exception), the layer's stock ``call`` runs instead
+and the report says why: training is never broken.
+
+Example:
+    >>> import keras, numpy as np, tfmx
+    >>> tfmx.enable(backend="cpu")
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+    ...                           keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+    >>> model.compile("sgd", "mse")
+    >>> _ = model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0)
+    >>> tfmx.report().patterns["batch_norm"].fused_kinds["FusedBatchNormV3(training, float32)"]
+    1
+    >>> tfmx.disable()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.python.eager import execute
+from tensorflow.python.framework import importer, ops
+from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.util import tf_decorator
+
+from fusion.pattern import PatternStats
+from tfmx import state
+
+PATTERN = "batch_norm"
+# Ops that may sit in a rewritten forward graph without a registered gradient.
+_NO_GRADIENT_NEEDED = frozenset({"Const", "NoOp", "Placeholder", "AssignVariableOp",
+                                 "AssignAddVariableOp", "AssignSubVariableOp"})
+
+_local = threading.local()
+_ORIGINAL: dict[str, Any] = {}
+
+
+# -- when the stage is on ---------------------------------------------------------------------
+def active() -> state.Options | None:
+    """The options of the tfmx trace in progress, or None outside one."""
+    return getattr(_local, "options", None)
+
+
+@contextlib.contextmanager
+def tracing(options: state.Options | None) -> Iterator[None]:
+    """Mark the code inside as traced by tfmx with ``options`` (None: not)."""
+    previous = active()
+    _local.options = options
+    try:
+        yield
+    finally:
+        _local.options = previous
+
+
+def staged(fn: Callable) -> Callable:
+    """``fn`` with the forward stage on while it runs (tfmx wraps the functions it traces)."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with tracing(state.options()):
+            return fn(*args, **kwargs)
+
+    return tf_decorator.make_decorator(fn, wrapper)
+
+
+# -- the BatchNormalization hook --------------------------------------------------------------
+def _batch_norm_class() -> type:
+    from keras.src.layers.normalization.batch_normalization import BatchNormalization
+
+    return BatchNormalization
+
+
+def install() -> None:
+    """Route ``BatchNormalization.call`` through :func:`fused_layer_call` (idempotent)."""
+    if _ORIGINAL:
+        return
+    cls = _batch_norm_class()
+    original = cls.call
+    _ORIGINAL["call"] = original
+
+    def call(self: Any, inputs: Any, training: Any = None, mask: Any = None) -> Any:
+        opts = active()
+        if opts is None or not tf.inside_function():
+            return original(self, inputs, training=training, mask=mask)
+        return fused_layer_call(self, original, inputs, training, mask, opts)
+
+    call.__doc__ = original.__doc__
+    cls.call = call
+
+
+def uninstall() -> None:
+    if _ORIGINAL:
+        _batch_norm_class().call = _ORIGINAL.pop("call")
+
+
+def _record(stats: PatternStats) -> None:
+    report = state.report()
+    report.patterns.setdefault(PATTERN, PatternStats()).merge(stats)
+    if stats.fused:
+        report.note("batch_norm: layers were fused before differentiation (tfmx.forward), so "
+                    "a train step's 'before' graph already holds FusedBatchNormV3")
+
+
+def _layer_decline(layer: Any, mask: Any) -> str | None:
+    """Why this layer's configuration has no fused kernel, or None."""
+    if mask is not None:
+        return "a mask (masked moments have no fused kernel)"
+    if getattr(layer, "synchronized", False):
+        return "synchronized=True (cross-replica moments)"
+    if getattr(layer, "renorm", False):
+        return "renorm=True (batch renormalization)"
+    if getattr(layer, "virtual_batch_size", None):
+        return "virtual_batch_size (ghost batch norm)"
+    if tf.distribute.has_strategy():
+        return "inside a tf.distribute strategy (per-replica variables)"
+    return None
+
+
+def fused_layer_call(layer: Any, original: Callable, inputs: Any, training: Any, mask: Any,
+                     opts: state.Options) -> Any:
+    """``layer.call`` with its composite batch norm rewritten before differentiation."""
+
+    def stock() -> Any:
+        return original(layer, inputs, training=training, mask=mask)
+
+    recording = execute.must_record_gradient()
+    is_training = training is True and layer.trainable
+    if opts.patterns is not None and PATTERN not in opts.patterns:
+        return stock()
+    if not (is_training or recording):
+        return stock()  # inference without a tape: the graph pass fuses it after tracing
+    if not isinstance(training, (bool, type(None))):
+        return stock()
+    stats = PatternStats()
+    why = _layer_decline(layer, mask)
+    if why is not None:
+        stats.matched += 1
+        stats.decline(f"BatchNorm: {why}")
+        _record(stats)
+        return stock()
+    try:
+        plan, stats = _rewrite(layer, original, inputs, training, opts)
+    except Exception as exc:  # noqa: BLE001 - never break training because of tfmx
+        stats = PatternStats()
+        stats.errors.append(f"{layer.name}: forward stage: {type(exc).__name__}: {exc}")
+        state.warn_once(f"forward:{type(exc).__name__}",
+                        f"tfmx left batch norm {layer.name!r} unfused ({type(exc).__name__}: "
+                        f"{exc}); tfmx.report() has the details.")
+        plan = None
+    _record(stats)
+    # Once the plan is spliced into the step's graph there is no going back (its variable
+    # updates would run twice): everything that can fail was checked on a scratch graph.
+    return stock() if plan is None else _splice(plan, inputs)
+
+
+def _rewrite(layer: Any, original: Callable, inputs: Any, training: Any,
+             opts: state.Options) -> tuple[dict | None, PatternStats]:
+    """Trace the layer's forward, rewrite it, check it: (a plan for :func:`_splice`, stats)."""
+    from fusion.pipeline import rewrite
+    from tfmx.rebuild import protected_names
+
+    inputs = tf.convert_to_tensor(inputs)
+    scratch = tf.function(lambda x: original(layer, x, training=training), autograph=False)
+    concrete = scratch.get_concrete_function(tf.TensorSpec(inputs.shape, inputs.dtype))
+    graph = concrete.graph
+    result = rewrite(graph.as_graph_def(add_shapes=True), opts.backend, [PATTERN],
+                     protected_names(concrete))
+    stats = result.stats[PATTERN]
+    if not stats.fused:
+        if not stats.declined and not stats.errors:
+            stats.matched += 1
+            stats.decline("BatchNorm: composite not recognised in the layer's forward graph")
+        return None, stats
+    missing = sorted({n.op for n in result.graph_def.node
+                      if n.op not in _NO_GRADIENT_NEEDED and not _has_gradient(n.op)})
+    if missing:
+        stats.errors.append(f"{layer.name}: no registered gradient for {missing}")
+        return None, stats
+    captures = list(graph.captures)
+    if any(not hasattr(external, "numpy") for external, _ in captures):
+        stats.errors.append(f"{layer.name}: captures that are not eager variables")
+        return None, stats
+    # Import once into a throwaway graph: the real splice must not fail half-way.
+    with tf.Graph().as_default() as probe:
+        importer.import_graph_def(result.graph_def, name="")
+        for op in probe.get_operations():
+            _attr_tuple(op)
+    placeholders = {t.op.name for t in graph.inputs}
+    graph_def = tf.compat.v1.GraphDef()
+    graph_def.versions.CopyFrom(result.graph_def.versions)
+    graph_def.library.CopyFrom(result.graph_def.library)
+    graph_def.node.extend(n for n in result.graph_def.node if n.name not in placeholders)
+    return dict(graph_def=graph_def, input=graph.inputs[0].name, captures=captures,
+                output=graph.outputs[0].name, variables=list(graph.variables),
+                name=f"{layer.name}_tfmx"), stats
+
+
+def _splice(plan: dict, inputs: Any) -> Any:
+    """Import the rewritten forward into the graph being traced; record it on the tapes."""
+    inputs = tf.convert_to_tensor(inputs)
+    outer = ops.get_default_graph()
+    input_map = {plan["input"]: inputs}
+    for external, internal in plan["captures"]:
+        input_map[internal.name] = outer.capture(external)
+    before = len(outer.get_operations())
+    (out,) = importer.import_graph_def(plan["graph_def"], input_map=input_map,
+                                       return_elements=[plan["output"]], name=plan["name"])
+    if execute.must_record_gradient():
+        for op in outer.get_operations()[before:]:
+            if op.outputs:
+                execute.record_gradient(op.type, op.inputs, _attr_tuple(op), op.outputs)
+    for variable in plan["variables"]:
+        resource_variable_ops.variable_accessed(variable)
+    out.set_shape(inputs.shape)
+    return out
+
+
+def _has_gradient(op_type: str) -> bool:
+    try:
+        ops._gradient_registry.lookup(op_type)  # noqa: SLF001 - TF has no public lookup
+    except LookupError:
+        return False
+    return True
+
+
+def _attr_tuple(op: tf.Operation) -> tuple:
+    """The flat (name, value, ...) attrs that generated op wrappers hand the tape."""
+    flat: list[Any] = []
+    for name in op.node_def.attr:
+        if name.startswith("_"):
+            continue
+        value = op.get_attr(name)
+        if isinstance(value, tf.DType):
+            value = value.as_datatype_enum
+        elif isinstance(value, list) and value and isinstance(value[0], tf.DType):
+            value = [v.as_datatype_enum for v in value]
+        flat.extend([name, value])
+    return tuple(flat)
