@@ -52,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="modes to run (default: stock tfmx xla)")
     bench.add_argument("--warmup", type=int, default=2, help="untimed calls per mode (default 2)")
     bench.add_argument("--backend", default=None, help="tfmx backend (default: detect)")
+    bench.add_argument("--policy", default=None,
+                       help="build the non-stock modes under this policies name (float32, "
+                            "mixed_float16, mixed_bfloat16, auto); stock stays float32")
     bench.add_argument("--output", metavar="FILE.md", default=None,
                        help="also append the table to this markdown file (created if missing)")
     bench.add_argument("--json", action="store_true", help="print the raw numbers as JSON too")
@@ -77,6 +80,7 @@ def _bench(args: argparse.Namespace) -> int:
         results.append(run_benchmark(
             name, rounds=args.rounds, steps=args.steps, modes=tuple(args.modes),
             batch_size=args.batch_size, warmup=args.warmup, backend=args.backend,
+            policy=args.policy,
         ))
     table = format_markdown(results)
     print(table)

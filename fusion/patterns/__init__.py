@@ -10,3 +10,6 @@ from fusion.patterns import (
     contraction,  # noqa: F401  (registers "contraction")
     conv_bn_fold,  # noqa: F401  (registers "conv_bn_fold")
 )
+
+# isort: split
+from fusion.patterns import casts  # noqa: F401  (registers "casts"; runs after the others)
