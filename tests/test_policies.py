@@ -235,3 +235,27 @@ def test_a_custom_layer_that_breaks_is_named():
     # The model is left as it was.
     assert {layer.compute_dtype for layer in model.layers[1:]} == {"float32"}
     policies.check(model)  # float32 runs
+
+
+# -- tfmx bench --policy -----------------------------------------------------------------------
+def test_bench_table_says_which_policy_the_modes_ran_under():
+    from tfmx.bench import _layer_policies, format_markdown
+
+    timing = {"median_ms": 1.0, "p25_ms": 1.0, "p75_ms": 1.0, "min_ms": 1.0, "first_call_s": 1.0}
+    result = {"model": "m", "batch_size": 2, "rounds": 1, "steps": 1, "warmup": 1,
+              "modes": {"stock": timing, "tfmx": timing}, "ratios": {"tfmx/stock": 1.0},
+              "policy": "auto", "policy_choice": "policies: 'auto' chose 'float32': because",
+              "layer_policies": {"stock": {"float32": 3}, "tfmx": {"mixed_bfloat16": 2,
+                                                                  "float32": 1}}}
+    text = format_markdown(result)
+    assert "under policy 'auto' (policies: 'auto' chose 'float32': because)" in text
+    assert "tfmx: float32 x1, mixed_bfloat16 x2" in text
+    policies.set_global("mixed_bfloat16")
+    assert _layer_policies(mlp()) == {"mixed_bfloat16": 3}  # safe defaults come at compile
+
+
+def test_bench_rejects_unknown_policy():
+    from tfmx.bench import run_benchmark
+
+    with pytest.raises(ValueError, match="unknown policy"):
+        run_benchmark("mlp", policy="fp8", modes=("stock",))

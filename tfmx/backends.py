@@ -99,7 +99,10 @@ def _cpu(onednn: bool) -> Backend:
     matmul = _chains(*_with_acts(("BiasAdd",), (*_ACTS_BASIC, "Tanh", "Sigmoid")))
     contractions = {
         "Conv2D": {"float32": conv},
-        "MatMul": {"float32": matmul, "bfloat16": matmul, "float16": matmul},
+        # bfloat16 has a kernel, but _FusedMatMul in bfloat16 ran 25x slower than MatMul +
+        # BiasAdd + Relu (256x512x512, AMD EPYC, oneDNN on and off; BENCHMARKS.md, policies):
+        # not fused until it is measured faster somewhere (AMX with oneDNN is the candidate).
+        "MatMul": {"float32": matmul, "float16": matmul},
     }
     if onednn:
         contractions["Conv2D"]["float32"] = conv | _chains(
@@ -119,10 +122,11 @@ def _cpu(onednn: bool) -> Backend:
         contractions=contractions,
         data_formats={"Conv2D": frozenset({"NHWC"}),
                       "DepthwiseConv2dNative": frozenset({"NHWC"})},
-        notes=() if onednn else (
+        notes=(() if onednn else (
             "residual Add, GELU and depthwise fuse only with oneDNN on "
             "(TF_ENABLE_ONEDNN_OPTS=1; off by default in the TF 2.21 Linux wheel)",
-        ),
+        )) + ("MatMul in bfloat16 is left unfused: TensorFlow's bfloat16 _FusedMatMul CPU kernel "
+              "measured 25x slower than MatMul + BiasAdd",),
     )
 
 
