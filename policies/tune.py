@@ -12,16 +12,22 @@ its 16-bit output with the float32 one, and keep 16 bit only where it is faster 
 - **float32 by safety**: output layer, softmax, non-upcasting normalization
   (:mod:`policies.safety`).
 
-Timing is injectable (``timer=``) so the choice can be tested with made-up numbers.
+Each layer's two variants are timed interleaved (``rounds`` alternations, medians), because the
+machine may be shared and noisy. Then the whole model's forward + gradient is timed with the
+per-layer choice against all-float32 (``check_model``): if the choice is not faster as a whole
+(a layer alone can be faster in 16 bit while the casts and the rest of the step eat the gain),
+every layer goes back to float32. Timing is injectable (``timer=``, called with the model and
+"float32" / "tuned" for that check) so the choice can be tested with made-up numbers.
 
 Example:
     >>> import keras, numpy as np
     >>> from policies.tune import tune
     >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="a"),
     ...                           keras.layers.Dense(8, name="b"),
-    ...                           keras.layers.Dense(2, name="out")])
+    ...                           keras.layers.Dense(2, name="out")], name="seq")
     >>> fake = {("a", "float32"): 2.0, ("a", "mixed_bfloat16"): 1.0,
-    ...         ("b", "float32"): 1.0, ("b", "mixed_bfloat16"): 3.0}
+    ...         ("b", "float32"): 1.0, ("b", "mixed_bfloat16"): 3.0,
+    ...         ("seq", "float32"): 4.0, ("seq", "tuned"): 3.0}  # the whole-model check
     >>> result = tune(model, np.ones((4, 8), "float32"), policy="mixed_bfloat16",
     ...               timer=lambda layer, policy, run: fake[(layer.name, policy)])
     >>> result.chosen()
@@ -74,6 +80,8 @@ class TuneResult:
     tolerance: float
     margin: float
     applied: bool
+    model_float32_ms: float | None = None  # whole-model check: all float32
+    model_tuned_ms: float | None = None  # whole-model check: the per-layer choice
 
     def chosen(self) -> dict[str, str]:
         """layer name -> policy name."""
@@ -84,7 +92,9 @@ class TuneResult:
 
     def to_dict(self) -> dict:
         return {"policy": self.policy, "tolerance": self.tolerance, "margin": self.margin,
-                "applied": self.applied, "layers": [c.as_dict() for c in self.layers]}
+                "applied": self.applied, "model_float32_ms": self.model_float32_ms,
+                "model_tuned_ms": self.model_tuned_ms,
+                "layers": [c.as_dict() for c in self.layers]}
 
     def __str__(self) -> str:
         def ms(v: float | None) -> str:
@@ -96,13 +106,18 @@ class TuneResult:
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
         lines = [f"policies.tune: {self.policy} vs float32 (tolerance {self.tolerance:g}, "
                  f"margin {self.margin:.0%}); {len(self.low_precision_layers())}/"
-                 f"{len(self.layers)} layers in 16 bit", ""]
+                 f"{len(self.layers)} layers in 16 bit"]
+        if self.model_float32_ms is not None and self.model_tuned_ms is not None:
+            lines.append(f"whole model, forward + gradient: float32 {self.model_float32_ms:.3f} "
+                         f"ms, per-layer choice {self.model_tuned_ms:.3f} ms "
+                         f"({self.model_tuned_ms / self.model_float32_ms:.2f}x)")
+        lines.append("")
         for r in [head, *rows]:
             lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
         return "\n".join(lines)
 
 
-def measure(run: Callable[[], Any], warmup: int = 2, repeats: int = 7) -> float:
+def measure(run: Callable[[], Any], warmup: int = 1, repeats: int = 3) -> float:
     """Median seconds per call of ``run`` (which returns tensors), warm-up excluded.
 
     >>> measure(lambda: 1, warmup=0, repeats=3) >= 0.0
@@ -254,9 +269,11 @@ def tune(
     policy: str | None = None,
     timer: Timer | None = None,
     tolerance: float = 0.02,
-    margin: float = 0.05,
+    margin: float = 0.10,
     apply: bool = True,
     batch_size: int = 32,
+    rounds: int = 5,
+    check_model: bool = True,
 ) -> TuneResult:
     """Choose float32 or ``policy`` for each layer of ``model`` by measuring on this backend.
 
@@ -267,11 +284,15 @@ def tune(
         policy: the 16-bit candidate ("mixed_bfloat16" or "mixed_float16"); default: what
             "auto" picks for this hardware, or "mixed_bfloat16".
         timer: ``timer(layer, policy, run) -> seconds``; default :func:`measure` (median of
-            repeated calls of ``run``, one forward + gradient of the layer).
+            repeated calls of ``run``, one forward + gradient of the layer). Called ``rounds``
+            times per variant, alternating; the medians decide.
         tolerance: largest relative L2 error of the layer's 16-bit output against float32.
         margin: 16 bit must be at least this fraction faster to be kept.
         apply: set the chosen policies on the layers (and drop the model's traced step
             functions so they are traced again); with False only report.
+        rounds: alternations of float32 / 16-bit timing per layer (and for the model check).
+        check_model: time the whole model with the choice against all-float32 and fall back
+            to float32 everywhere unless the choice is faster by ``margin``.
 
     Returns a :class:`TuneResult` (print it for a table).
     """
@@ -288,7 +309,8 @@ def tune(
                   and not isinstance(layer, keras.Model)]
     x = inputs_of(sample_batch) if sample_batch is not None else sample_inputs(model, batch_size)
     with quiet_tf_logs():
-        return _tune(model, x, top, candidates, policy, timer, tolerance, margin, apply)
+        return _tune(model, x, top, candidates, policy, timer, tolerance, margin, apply,
+                     max(rounds, 1), check_model)
 
 
 @contextlib.contextmanager
@@ -305,8 +327,42 @@ def quiet_tf_logs() -> Iterator[None]:
         logger.setLevel(level)
 
 
+def _interleaved(timer: Timer, subject: Any, runs: dict[str, Callable[[], Any]],
+                 rounds: int) -> dict[str, float]:
+    """Median ms per call of each run, timed alternately ``rounds`` times."""
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    for r in range(rounds):
+        order = list(runs) if r % 2 == 0 else list(reversed(runs))
+        for label in order:
+            times[label].append(timer(subject, label, runs[label]) * 1000.0)
+    return {label: statistics.median(ms) for label, ms in times.items()}
+
+
+def _model_runner(model: Any, top: list[Any], assignment: dict[int, str],
+                  x: Any) -> Callable[[], Any]:
+    """A traced forward + gradient of the whole model with ``assignment`` (layer id -> policy)."""
+    import tensorflow as tf
+
+    step = layer_step(model)
+    xt = tf.nest.map_structure(tf.convert_to_tensor, x)
+    saved = {id(layer): layer.dtype_policy for layer in top}
+    state = [v.numpy() for v in model.non_trainable_variables]
+    try:
+        for layer in top:
+            if id(layer) in assignment:
+                layer.dtype_policy = assignment[id(layer)]
+        step(xt)
+    finally:
+        for layer in top:
+            layer._dtype_policy = saved[id(layer)]
+        for v, value in zip(model.non_trainable_variables, state):
+            v.assign(value)
+    return lambda: step(xt)
+
+
 def _tune(model: Any, x: Any, top: list[Any], candidates: list[Any], policy: str,
-          timer: Timer, tolerance: float, margin: float, apply: bool) -> TuneResult:
+          timer: Timer, tolerance: float, margin: float, apply: bool, rounds: int,
+          check_model: bool) -> TuneResult:
     import keras
 
     ins, outs = probe_layers(model, candidates, x)
@@ -338,8 +394,8 @@ def _tune(model: Any, x: Any, top: list[Any], candidates: list[Any], policy: str
         run32, _ = make_runner(layer, "float32", inputs)
         run16, out16 = make_runner(layer, policy, inputs)
         error = _rel_error(out16, ref)
-        t32 = timer(layer, "float32", run32) * 1000.0
-        t16 = timer(layer, policy, run16) * 1000.0
+        times = _interleaved(timer, layer, {"float32": run32, policy: run16}, rounds)
+        t32, t16 = times["float32"], times[policy]
         if error > tolerance:
             chosen, why = "float32", f"16-bit error {error:.2g} > tolerance {tolerance:g}"
         elif t16 < t32 * (1.0 - margin):
@@ -349,6 +405,8 @@ def _tune(model: Any, x: Any, top: list[Any], candidates: list[Any], policy: str
         decided[id(layer)] = chosen
         choices.append(LayerChoice(layer.name, cls, chosen, "tuned", why, t32, t16, error))
     result = TuneResult(policy, choices, tolerance, margin, applied=apply)
+    if check_model and any(is_16bit(c.policy) for c in choices if c.kind != "kept"):
+        _check_whole_model(model, top, decided, x, timer, margin, rounds, result)
     if apply:
         by_name = {layer.name: layer for layer in top}
         for c in choices:
@@ -356,6 +414,23 @@ def _tune(model: Any, x: Any, top: list[Any], candidates: list[Any], policy: str
                 set_policy(by_name[c.layer], c.policy)
         reset_step_functions(model)
     return result
+
+
+def _check_whole_model(model: Any, top: list[Any], decided: dict[int, str], x: Any,
+                       timer: Timer, margin: float, rounds: int, result: TuneResult) -> None:
+    """Time the whole model with the choice against all-float32; fall back if not faster."""
+    all32 = {key: "float32" for key in decided}
+    runs = {"float32": _model_runner(model, top, all32, x),
+            "tuned": _model_runner(model, top, decided, x)}
+    times = _interleaved(timer, model, runs, rounds)
+    result.model_float32_ms, result.model_tuned_ms = times["float32"], times["tuned"]
+    ratio = times["tuned"] / times["float32"]
+    if ratio < 1.0 - margin:
+        return
+    for c in result.layers:
+        if c.kind != "kept" and is_16bit(c.policy):
+            c.policy = "float32"
+            c.reason += f"; but the whole model ran {ratio:.2f}x float32 with it: float32"
 
 
 def reset_step_functions(model: Any) -> None:

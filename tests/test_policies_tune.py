@@ -24,7 +24,7 @@ def model_for_tuning():
     x = keras.layers.Dense(32, name="slow")(x)
     x = keras.layers.Activation("relu", name="act_after_slow")(x)
     out = keras.layers.Dense(4, activation="softmax", name="out")(x)
-    return keras.Model(inp, out)
+    return keras.Model(inp, out, name="tunable")
 
 
 def injected(table):
@@ -38,7 +38,8 @@ def injected(table):
 
 
 FAST_SLOW = {("fast", "float32"): 2e-3, ("fast", BF16): 1e-3,
-             ("slow", "float32"): 1e-3, ("slow", BF16): 3e-3}
+             ("slow", "float32"): 1e-3, ("slow", BF16): 3e-3,
+             ("tunable", "float32"): 4e-3, ("tunable", "tuned"): 3e-3}  # whole-model check
 
 
 def test_tune_keeps_16bit_where_faster_and_float32_where_slower():
@@ -48,7 +49,8 @@ def test_tune_keeps_16bit_where_faster_and_float32_where_slower():
     result = policies.tune(model, x, policy=BF16, timer=timer)
     assert result.chosen() == {"fast": BF16, "act_after_fast": BF16, "slow": "float32",
                                "act_after_slow": "float32", "out": "float32"}
-    assert sorted(calls) == sorted(FAST_SLOW)  # only layers with weights are timed
+    assert set(calls) == set(FAST_SLOW)  # layers with weights, then the whole model
+    assert calls.count(("fast", BF16)) == 5  # rounds, alternating with float32
     kinds = {c.layer: c.kind for c in result.layers}
     assert kinds == {"fast": "tuned", "act_after_fast": "follower", "slow": "tuned",
                      "act_after_slow": "follower", "out": "safety"}
@@ -58,8 +60,9 @@ def test_tune_keeps_16bit_where_faster_and_float32_where_slower():
     fast = next(c for c in result.layers if c.layer == "fast")
     assert fast.float32_ms == pytest.approx(2.0) and fast.low_ms == pytest.approx(1.0)
     assert 0.0 < fast.error < 0.02
+    assert (result.model_float32_ms, result.model_tuned_ms) == pytest.approx((4.0, 3.0))
     text = str(result)
-    assert "fast" in text and "0.50x" in text and "1/5" not in text
+    assert "fast" in text and "0.50x" in text and "(0.75x)" in text
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     logs = model.train_on_batch(x, np.arange(8) % 4, return_dict=True)
     assert np.isfinite(logs["loss"])
@@ -76,9 +79,22 @@ def test_tune_margin_and_tolerance_keep_float32():
     assert result.chosen()["fast"] == "float32" and "tolerance" in result.layers[0].reason
 
 
+def test_tune_falls_back_to_float32_when_the_whole_model_is_not_faster():
+    model = model_for_tuning()
+    table = {**FAST_SLOW, ("tunable", "tuned"): 3.9e-3}  # 0.975x: under the 10% margin
+    result = policies.tune(model, policy=BF16, timer=injected(table)[0])
+    assert set(result.chosen().values()) == {"float32"}
+    fast = next(c for c in result.layers if c.layer == "fast")
+    assert "whole model ran 0.97x float32" in fast.reason
+    assert model.get_layer("fast").compute_dtype == "float32"
+    skipped = policies.tune(model, policy=BF16, timer=injected(table)[0], check_model=False,
+                            apply=False)
+    assert skipped.chosen()["fast"] == BF16 and skipped.model_tuned_ms is None
+
+
 def test_tune_with_real_timer_runs_and_decides_every_layer():
     model = model_for_tuning()
-    result = policies.tune(model, policy=BF16, batch_size=4)
+    result = policies.tune(model, policy=BF16, batch_size=4, rounds=2)
     assert set(result.chosen()) == {"fast", "act_after_fast", "slow", "act_after_slow", "out"}
     tuned = [c for c in result.layers if c.kind == "tuned"]
     assert all(c.float32_ms > 0 and c.low_ms > 0 for c in tuned)
