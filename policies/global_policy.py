@@ -117,6 +117,7 @@ def set_global(name: str, *, safe: bool = True, tune: bool = True,
     _set_keras(choice.policy)
     _STATE.choice, _STATE.safe, _STATE.tune = choice, bool(safe), bool(tune)
     hook.install()
+    hook.warn_compiled_models()
     if verbose or (verbose is None and name == "auto"):
         print(choice)
     return choice
@@ -200,13 +201,16 @@ def stale_layers(model: Any) -> list[tuple[Any, str]]:
 
 
 def reset() -> None:
-    """Back to Keras's float32 global policy; forget what ``set_global`` recorded.
+    """Back to Keras's float32 global policy; forget what ``set_global`` and compile recorded.
 
     >>> import policies
     >>> policies.reset()
     >>> policies.current()
     'float32'
     """
+    from policies import hook
+
     _set_keras("float32")
     _STATE.choice, _STATE.safe, _STATE.tune = None, True, True
     _STATE.replaced.clear()
+    hook.forget_compiled_models()

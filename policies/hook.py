@@ -21,18 +21,34 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+import weakref
 from typing import Any
 
 from policies.errors import LayerDtypeError, PolicyWarning
 
 _ORIGINAL: dict[str, Any] = {}
+_COMPILED: weakref.WeakSet = weakref.WeakSet()  # models compiled while the hook was on
 
 
 def installed() -> bool:
     return bool(_ORIGINAL)
 
 
-def _warn_stale(model: Any) -> None:
+def forget_compiled_models() -> None:
+    """Forget the models seen so far (``policies.reset``)."""
+    _COMPILED.clear()
+
+
+def warn_compiled_models() -> None:
+    """Warn now about models compiled earlier whose layers keep an old policy.
+
+    ``set_global`` calls it: ``build; compile; set_global; fit`` would otherwise say nothing.
+    """
+    for model in list(_COMPILED):
+        _warn_stale(model, stacklevel=4)
+
+
+def _warn_stale(model: Any, stacklevel: int = 4) -> None:
     from policies.global_policy import current, stale_layers
 
     stale = stale_layers(model)
@@ -45,7 +61,7 @@ def _warn_stale(model: Any) -> None:
         f"policy {current()!r} was set after {len(names)} layer(s) of model {model.name!r} were "
         f"built; they keep {', '.join(map(repr, kept))}: {shown}. Call policies.set_global(...) "
         "before building the model, or policies.apply(model) to switch the built layers.",
-        PolicyWarning, stacklevel=4,
+        PolicyWarning, stacklevel=stacklevel,
     )
 
 
@@ -56,6 +72,7 @@ def prepare(model: Any, optimizer: Any, auto_scale_loss: bool = True) -> Any:
 
     choice, safe, tune_on = settings()
     _warn_stale(model)
+    _COMPILED.add(model)
     if choice is not None and choice.requested == "auto" and tune_on and choice.policy != \
             "float32" and getattr(model, "_policies_tuned", None) is None:
         from policies.tune import tune

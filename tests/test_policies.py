@@ -145,6 +145,14 @@ def test_policy_set_after_build_warns_which_layers_and_apply_fixes_it():
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
 
 
+def test_policy_set_after_compile_warns_at_set_global():
+    policies.set_global("float32")  # the hook sees the compile below
+    model = mlp(name="compiled_first")
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    with pytest.warns(policies.PolicyWarning, match="'compiled_first'.*h1, h2, out"):
+        policies.set_global("mixed_bfloat16")
+
+
 def test_explicit_layer_dtype_is_not_stale():
     inp = keras.Input((4,))
     out = keras.layers.Dense(2, dtype="float32", name="pinned")(inp)
@@ -196,7 +204,8 @@ def test_loss_scaling_present_for_float16_absent_for_bfloat16(monkeypatch):
     logs = model.train_on_batch(x, np.arange(8) % 3, return_dict=True)
     assert np.isfinite(logs["loss"])
 
-    policies.set_global("mixed_bfloat16")
+    with pytest.warns(policies.PolicyWarning, match="keep 'mixed_float16': h1, h2"):
+        policies.set_global("mixed_bfloat16")  # the float16 model above is told
     model = mlp()
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
