@@ -92,11 +92,50 @@ def prepare(model: Any, optimizer: Any, auto_scale_loss: bool = True) -> Any:
     return optimizer
 
 
+DTYPE_ERROR_HINTS = ("does not match type", "expected to be a", "must be the same type",
+                     "Cannot convert", "incompatible dtype", "different dtype")
+
+
+def looks_like_dtype_error(err: BaseException) -> bool:
+    """True if ``err`` reads like a float32 / 16-bit mismatch inside a layer's call.
+
+    >>> looks_like_dtype_error(TypeError("Input 'y' of 'AddV2' Op has type float32 that does "
+    ...                                  "not match type bfloat16 of argument 'x'."))
+    True
+    >>> looks_like_dtype_error(ValueError("shapes (2,) and (3,) are incompatible"))
+    False
+    """
+    text = str(err)
+    return any(h in text for h in DTYPE_ERROR_HINTS) and ("float16" in text)
+
+
+def _wrap_layer_call(original: Any) -> Any:
+    @functools.wraps(original)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        except (TypeError, ValueError) as err:
+            if isinstance(err, LayerDtypeError) or not looks_like_dtype_error(err) or \
+                    getattr(self, "compute_dtype", "float32") not in ("float16", "bfloat16"):
+                raise
+            raise LayerDtypeError(self.name, type(self).__name__, self.dtype_policy.name,
+                                  err) from err
+
+    return __call__
+
+
 def install() -> None:
-    """Wrap ``keras.Model.compile`` once (idempotent)."""
+    """Wrap ``keras.Model.compile`` and ``keras.layers.Layer.__call__`` once (idempotent).
+
+    The ``__call__`` wrapper only turns a dtype mismatch raised inside a 16-bit layer into a
+    :class:`~policies.errors.LayerDtypeError` that names the layer and the fix.
+    """
     if _ORIGINAL:
         return
     import keras
+
+    _ORIGINAL["__call__"] = keras.layers.Layer.__call__
+    keras.layers.Layer.__call__ = _wrap_layer_call(_ORIGINAL["__call__"])
 
     original = keras.Model.compile
     signature = inspect.signature(original)
@@ -111,6 +150,7 @@ def install() -> None:
         return original(*bound.args, **bound.kwargs)
 
     _ORIGINAL["compile"] = original
+    _ORIGINAL["compile_was_own"] = "compile" in keras.Model.__dict__
     keras.Model.compile = compile
 
 
@@ -120,4 +160,9 @@ def uninstall() -> None:
         return
     import keras
 
-    keras.Model.compile = _ORIGINAL.pop("compile")
+    original = _ORIGINAL.pop("compile")
+    if _ORIGINAL.pop("compile_was_own"):
+        keras.Model.compile = original
+    else:
+        del keras.Model.compile  # inherited again from the trainer
+    keras.layers.Layer.__call__ = _ORIGINAL.pop("__call__")

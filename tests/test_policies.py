@@ -268,3 +268,13 @@ def test_bench_rejects_unknown_policy():
 
     with pytest.raises(ValueError, match="unknown policy"):
         run_benchmark("mlp", policy="fp8", modes=("stock",))
+
+
+def test_a_custom_layer_that_breaks_while_the_model_is_built_is_named():
+    policies.set_global("mixed_bfloat16")
+    inp = keras.Input((4,))
+    with pytest.raises(policies.LayerDtypeError) as err:
+        AddOnes(name="breaks_at_build")(keras.layers.Dense(4)(inp))
+    assert err.value.layer_name == "breaks_at_build"
+    assert "'breaks_at_build' (AddOnes) fails under policy 'mixed_bfloat16'" in str(err.value)
+    assert isinstance(err.value, TypeError)  # what Keras raised: code catching it still does
