@@ -195,6 +195,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ['epochs', 'fused', 'max_rel_weight_diff']
     """
     args = _parser().parse_args(argv)
+    if args.policy:
+        from policies.names import check_name
+
+        check_name(args.policy)  # a bad name fails now, not after the stock run
     quick = args.quick
     epochs = args.epochs or (2 if quick else 3)
     batch_size = args.batch_size or (32 if quick else 64)

@@ -278,3 +278,10 @@ def test_a_custom_layer_that_breaks_while_the_model_is_built_is_named():
     assert err.value.layer_name == "breaks_at_build"
     assert "'breaks_at_build' (AddOnes) fails under policy 'mixed_bfloat16'" in str(err.value)
     assert isinstance(err.value, TypeError)  # what Keras raised: code catching it still does
+
+
+def test_recipe_rejects_an_unknown_policy_before_training():
+    from recipes.small_cnn import main
+
+    with pytest.raises(ValueError, match="unknown policy 'bf16'"):
+        main(["--quick", "--policy", "bf16"])

@@ -3,7 +3,7 @@
 Subcommands::
 
     tfmx bench [--model M [M ...]] [--rounds N] [--steps N] [--batch-size B]
-               [--modes stock tfmx xla] [--output FILE.md]
+               [--modes stock tfmx xla] [--policy NAME] [--output FILE.md]
     tfmx recipe NAME [recipe args...]      # e.g. tfmx recipe small_cnn --quick
     tfmx backends [--json]                 # what each backend fuses
 
