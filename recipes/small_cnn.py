@@ -135,6 +135,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--noise", type=float, default=None,
                    help="std of the Gaussian pixel noise (default 2.5; 1.0 with --quick)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    p.add_argument("--policy", default=None,
+                   help="build and compile the tfmx run under this policies name (float32, "
+                        "mixed_float16, mixed_bfloat16, auto); the stock run stays float32")
     p.add_argument("--plot", metavar="PATH", default=None,
                    help="save a PNG of the loss curves, stock vs tfmx (needs matplotlib)")
     return p
@@ -179,7 +182,11 @@ def _plot(path: str, curves: dict[str, list[float]]) -> str | None:
 def main(argv: Sequence[str] | None = None) -> dict:
     """Train stock and with tfmx, print the comparison, and return the numbers.
 
-    Returns a dict with ``stock_accuracy``, ``tfmx_accuracy`` (held-out), ``stock_train_accuracy``,
+    ``--policy NAME`` builds the tfmx run under a ``policies`` name (the stock run stays
+    float32), so the accuracies compare mixed precision with float32.
+
+    Returns a dict with ``policy``, ``stock_accuracy``, ``tfmx_accuracy`` (held-out),
+    ``stock_train_accuracy``,
     ``tfmx_train_accuracy``, ``max_rel_weight_diff``, ``stock_ms``, ``tfmx_ms`` (median per step),
     ``step_time_ratio`` (tfmx/stock), ``fused`` (chains fused) and ``seconds`` (wall time).
 
@@ -188,6 +195,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ['epochs', 'fused', 'max_rel_weight_diff']
     """
     args = _parser().parse_args(argv)
+    if args.policy:
+        from policies.names import check_name
+
+        check_name(args.policy)  # a bad name fails now, not after the stock run
     quick = args.quick
     epochs = args.epochs or (2 if quick else 3)
     batch_size = args.batch_size or (32 if quick else 64)
@@ -218,9 +229,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
             tfmx.disable()
         else:
             tfmx.enable()
+        import contextlib
+
         import keras
 
-        model = compile_model(build_model(args.seed))
+        context: Any = contextlib.nullcontext()
+        if mode == "tfmx" and args.policy:
+            import policies
+
+            context = policies.scope(args.policy)
+            print(f"tfmx run: {policies.resolve(args.policy)}")
+        with context:  # layers read the policy when built; compile applies its safe defaults
+            model = compile_model(build_model(args.seed))
         model.set_weights(initial)
         keras.utils.set_random_seed(args.seed)  # same shuffling order in both runs
         print(f"\n== {mode} ==")
@@ -268,6 +288,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     seconds = time.perf_counter() - start
     print(f"total {seconds:.1f} s")
     return {
+        "policy": args.policy,
         "epochs": epochs,
         "batch_size": batch_size,
         "samples": samples,

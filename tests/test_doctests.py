@@ -9,11 +9,12 @@ import pkgutil
 import pytest
 
 import fusion
+import policies
 import tfmx
 
 MODULES = sorted(
     info.name
-    for package in (fusion, tfmx)
+    for package in (fusion, policies, tfmx)
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".")
     if not info.name.endswith("__main__")
 )
@@ -28,4 +29,13 @@ def test_docstring_examples_run(name: str) -> None:
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     finally:
         api.disable()
+        _restore_policies()
     assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"
+
+
+def _restore_policies() -> None:
+    """Docstring examples of ``policies`` set keras's global policy; put float32 back."""
+    from policies import global_policy, hook
+
+    global_policy.reset()
+    hook.uninstall()

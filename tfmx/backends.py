@@ -160,7 +160,10 @@ def _cpu(onednn: bool) -> Backend:
     matmul = _chains(*_with_acts(("BiasAdd",), (*_ACTS_BASIC, "Tanh", "Sigmoid")))
     contractions = {
         "Conv2D": {"float32": conv},
-        "MatMul": {"float32": matmul, "bfloat16": matmul, "float16": matmul},
+        # bfloat16 has a kernel, but _FusedMatMul in bfloat16 ran 25x slower than MatMul +
+        # BiasAdd + Relu (256x512x512, AMD EPYC, oneDNN on and off; BENCHMARKS.md, policies):
+        # not fused until it is measured faster somewhere (AMX with oneDNN is the candidate).
+        "MatMul": {"float32": matmul, "float16": matmul},
     }
     if onednn:
         contractions["Conv2D"]["float32"] = conv | _chains(
@@ -183,7 +186,9 @@ def _cpu(onednn: bool) -> Backend:
         notes=(() if onednn else (
             "residual Add, GELU and depthwise fuse only with oneDNN on "
             "(TF_ENABLE_ONEDNN_OPTS=1; off by default in the TF 2.21 Linux wheel)",
-        )) + ("_FusedBatchNormEx has no working CPU kernel (probed, oneDNN on and off)",),
+        )) + ("_FusedBatchNormEx has no working CPU kernel (probed, oneDNN on and off)",
+               "MatMul in bfloat16 is left unfused: TensorFlow's bfloat16 _FusedMatMul CPU kernel "
+               "measured 25x slower than MatMul + BiasAdd"),
         # Probed (TF 2.21, x86-64): FusedBatchNormV3 and its gradient run in float32,
         # bfloat16 and float16, NHWC and NCHW. _FusedBatchNormEx is registered on CPU but its
         # kernel produces no output ("Missing 0-th output"), oneDNN on or off.

@@ -180,6 +180,38 @@ def _dense_stack(depth: int, width: int, activation: str, inputs: int) -> Callab
     return build
 
 
+def _bn_resnet() -> Any:
+    """Small ResNet: 7 Conv2D, each + BatchNormalization + relu, 2 residual Adds."""
+    import keras
+    from keras import layers
+
+    def conv_bn(x: Any, filters: int, strides: int = 1, relu: bool = True) -> Any:
+        x = layers.Conv2D(filters, 3, strides=strides, padding="same", use_bias=False)(x)
+        x = layers.BatchNormalization()(x)
+        return layers.ReLU()(x) if relu else x
+
+    x = inp = keras.Input((32, 32, 3))
+    x = conv_bn(x, 32)
+    for filters, strides in ((32, 1), (64, 2)):
+        if strides != 1:
+            x = conv_bn(x, filters, strides)
+        y = conv_bn(conv_bn(x, filters), filters, relu=False)
+        x = layers.ReLU()(layers.Add()([x, y]))
+    x = conv_bn(x, 128, 2)
+    out = layers.Dense(10, activation="softmax")(layers.GlobalAveragePooling2D()(x))
+    return keras.Model(inp, out, name="bn_resnet")
+
+
+def _lstm() -> Any:
+    import keras
+    from keras import layers
+
+    inp = keras.Input((50, 32))
+    x = layers.LSTM(128, return_sequences=True)(inp)
+    x = layers.LSTM(128)(x)
+    return keras.Model(inp, layers.Dense(10, activation="softmax")(x), name="lstm2")
+
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -194,6 +226,10 @@ WORKLOADS: dict[str, Workload] = {
                  (64,), 10, batch_size=32, rounds=15, steps=20),
         Workload("gelu_mlp", "7 x Dense(512, gelu)", _dense_stack(7, 512, "gelu", 512),
                  (512,), 10, batch_size=256, rounds=10, steps=5),
+        Workload("bn_resnet", "small ResNet: 7 x Conv2D+BatchNorm+relu, 2 residual Adds, "
+                 "32x32x3", _bn_resnet, (32, 32, 3), 10, batch_size=128, rounds=7, steps=3),
+        Workload("lstm", "LSTM(128, sequences) -> LSTM(128), T=50, 32 features", _lstm,
+                 (50, 32), 10, batch_size=64, rounds=10, steps=5),
     )
 }
 
@@ -225,21 +261,29 @@ def _optimizer(name: str) -> Any:
     }[name]()
 
 
-def _build(
-    workload: Workload, mode: str, seed: int, weights: list | None, optimizer: str = "adam"
-) -> Any:
+def _build(workload: Workload, mode: str, seed: int, weights: list | None,
+           policy: str | None = None, optimizer: str = "adam") -> Any:
+    import contextlib
+
     import keras
 
-    keras.utils.set_random_seed(seed)
-    model = workload.build()
-    if weights is not None:
-        model.set_weights(weights)
-    model.compile(
-        optimizer=_optimizer(optimizer),
-        loss="sparse_categorical_crossentropy",
-        metrics=["accuracy"],
-        jit_compile=(mode == "xla"),
-    )
+    if policy is not None and mode != "stock":
+        import policies
+
+        context: Any = policies.scope(policy)
+    else:
+        context = contextlib.nullcontext()
+    with context:  # built and compiled under the policy (its compile hook tunes and guards)
+        keras.utils.set_random_seed(seed)
+        model = workload.build()
+        if weights is not None:
+            model.set_weights(weights)
+        model.compile(
+            optimizer=_optimizer(optimizer),
+            loss="sparse_categorical_crossentropy",
+            metrics=["accuracy"],
+            jit_compile=(mode == "xla"),
+        )
     return model
 
 
@@ -283,6 +327,7 @@ def run_benchmark(
     seed: int = 0,
     backend: str | None = None,
     optimizer: str = "adam",
+    policy: str | None = None,
 ) -> dict[str, Any]:
     """Benchmark one workload's training step in each mode, interleaved; return the numbers.
 
@@ -293,6 +338,9 @@ def run_benchmark(
         warmup: untimed calls per mode before timing (the first one traces).
         backend: passed to ``tfmx.enable`` (None detects this machine's).
         optimizer: one of ``OPTIMIZERS`` (Keras defaults; AdamW with weight_decay=0.004).
+        policy: a ``policies`` name ("auto", "mixed_bfloat16", ...) the non-stock modes are
+            built and compiled under; stock stays float32. Recorded as ``policy`` and
+            ``policy_choice`` (what it resolved to and why) and, for "auto", ``tuned``.
 
     Returns a dict with ``model``, ``batch_size``, ``rounds``, ``steps``, ``modes`` (per-mode
     timing from :func:`time_step_functions`), ``ratios`` (``"tfmx/stock"``, ``"xla/stock"``),
@@ -323,13 +371,20 @@ def run_benchmark(
     first_trace: dict[str, float] = {}
     weights = None
     report = None
+    layer_policies: dict[str, dict[str, int]] = {}
+    choice = None
+    if policy is not None:
+        import policies
+
+        choice = policies.resolve(policy)
     try:
         for mode in ordered:
             if mode == "stock":
                 tfmx.disable()
             else:
                 tfmx.enable(backend=backend)
-            model = _build(workload, mode, seed, weights, optimizer)
+            model = _build(workload, mode, seed, weights, policy, optimizer)
+            layer_policies[mode] = _layer_policies(model)
             weights = weights if weights is not None else model.get_weights()
             model.make_train_function()
             fn = model.train_function
@@ -367,7 +422,19 @@ def run_benchmark(
         "rewrite": [t.as_dict() for t in report.traces] if report else [],
         "fused": report.fused() if report else None,
         "env": environment(),
+        "policy": policy,
+        "policy_choice": str(choice) if choice else None,
+        "layer_policies": layer_policies,
     }
+
+
+def _layer_policies(model: Any) -> dict[str, int]:
+    """How many layers of ``model`` compute under each policy name."""
+    import collections
+
+    counts: collections.Counter = collections.Counter(
+        layer.dtype_policy.name for layer in model.layers if layer.weights)
+    return dict(counts)
 
 
 # -- output ----------------------------------------------------------------------------------
@@ -411,6 +478,13 @@ def format_markdown(results: Mapping[str, Any] | Iterable[Mapping[str, Any]]) ->
             lines += [format_environment(r["env"]), ""]
         if r.get("description"):
             lines += [r["description"], ""]
+        if r.get("policy"):
+            per_mode = "; ".join(
+                f"{mode}: " + ", ".join(f"{n} x{c}" for n, c in sorted(counts.items()))
+                for mode, counts in r.get("layer_policies", {}).items())
+            lines += [f"Non-stock modes built under policy {r['policy']!r} "
+                      f"({r.get('policy_choice')}). Layers with weights per policy: "
+                      f"{per_mode}.", ""]
         lines += [
             "| mode | median ms/step | p25-p75 ms | min ms | vs stock | first call s |",
             "|---|---:|---:|---:|---:|---:|",

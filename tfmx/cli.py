@@ -3,7 +3,7 @@
 Subcommands::
 
     tfmx bench [--model M [M ...]] [--rounds N] [--steps N] [--batch-size B]
-               [--modes stock tfmx xla] [--output FILE.md]
+               [--modes stock tfmx xla] [--policy NAME] [--output FILE.md]
     tfmx recipe NAME [recipe args...]      # e.g. tfmx recipe small_cnn --quick
     tfmx backends [--json]                 # what each backend fuses
 
@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--optimizer", default="adam",
                        choices=("adam", "adamw", "sgd", "rmsprop"),
                        help="optimizer of the benchmarked model (default adam)")
+    bench.add_argument("--policy", default=None,
+                       help="build the non-stock modes under this policies name (float32, "
+                            "mixed_float16, mixed_bfloat16, auto); stock stays float32")
     bench.add_argument("--output", metavar="FILE.md", default=None,
                        help="also append the table to this markdown file (created if missing)")
     bench.add_argument("--json", action="store_true", help="print the raw numbers as JSON too")
@@ -83,6 +86,7 @@ def _bench(args: argparse.Namespace) -> int:
             name, rounds=args.rounds, steps=args.steps, modes=tuple(args.modes),
             batch_size=args.batch_size, warmup=args.warmup, backend=args.backend,
             optimizer=args.optimizer,
+            policy=args.policy,
         ))
     table = format_markdown(results)
     print(table)

@@ -14,6 +14,8 @@ from fusion.patterns import (
     optimizer_update,  # noqa: F401  (registers "optimizer_update")
 )
 
-# Registered last: inference batch norms that conv_bn_fold did not fold into a convolution.
+# Then: inference batch norms that conv_bn_fold did not fold into a convolution.
 from fusion.patterns import batch_norm  # noqa: F401  (registers "batch_norm")
+from fusion.patterns import casts  # noqa: F401  (registers "casts"; runs after the others)
+
 # isort: on

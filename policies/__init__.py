@@ -1,0 +1,115 @@
+"""policies: mixed precision for Keras 3 that is safe by default and chooses by measurement.
+
+    import policies
+    policies.set_global("auto")   # before building the model; says what it chose and why
+    model = build_model()
+    model.compile(...)            # output/softmax/normalization in float32; loss scaling if fp16
+    print(policies.audit(model))  # per layer: compute/variable dtype, where casts sit
+
+"auto" picks for the hardware (:mod:`policies.hardware`) and, where it picks 16 bit, keeps
+float32 in the layers where 16 bit measures slower (:func:`tune`). Keras's own switch is
+``keras.mixed_precision.set_global_policy``; the holes this closes are listed in
+:mod:`policies.safety` and :mod:`policies.hook`.
+
+Example:
+    >>> import keras, policies
+    >>> policies.POLICY_NAMES
+    ('float32', 'mixed_float16', 'mixed_bfloat16', 'auto')
+    >>> with policies.scope("mixed_bfloat16"):
+    ...     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8),
+    ...                               keras.layers.Dense(3, activation="softmax")])
+    ...     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    >>> [layer.compute_dtype for layer in model.layers]  # the output stays float32
+    ['bfloat16', 'float32']
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from policies.audit import Audit, LayerAudit, audit, check
+from policies.errors import LayerDtypeError, PolicyWarning
+from policies.global_policy import (
+    current,
+    explain,
+    hardware,
+    reset,
+    resolve,
+    scope,
+    set_global,
+    stale_layers,
+)
+from policies.hardware import Choice, Hardware, choose, detect
+from policies.names import POLICY_NAMES
+from policies.safety import make_safe
+from policies.tune import LayerChoice, TuneResult, tune
+
+
+def apply(model: Any, name: str | None = None, *, safe: bool = True) -> list[str]:
+    """Switch the layers of an already built ``model`` to policy ``name`` (default: current).
+
+    The fix for "the policy was set after the model was built": mixed policies keep float32
+    variables, so the built weights are kept and only the compute dtype changes. Then the safe
+    defaults are applied (``safe=True``) and every layer is checked; a layer that breaks under
+    the policy raises :class:`LayerDtypeError` naming it, and the model is left as it was.
+    Returns the names of the layers that changed.
+
+    >>> import keras, policies
+    >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="h"),
+    ...                           keras.layers.Dense(2, name="o")])
+    >>> policies.apply(model, "mixed_bfloat16")
+    ['h']
+    >>> model.layers[0].compute_dtype, model.layers[1].compute_dtype
+    ('bfloat16', 'float32')
+    """
+    from policies import hook
+    from policies.layers import iter_layers, set_policy
+    from policies.names import check_name
+    from policies.tune import reset_step_functions
+
+    target = resolve(check_name(name)).policy if name is not None else current()
+    hook.install()
+    layers = list(iter_layers(model))
+    saved = [layer.dtype_policy for layer in layers]
+    try:
+        for layer in layers:
+            if layer.dtype_policy.name != target:
+                set_policy(layer, target)
+        if safe:
+            make_safe(model)
+        check(model)
+    except Exception:
+        for layer, policy in zip(layers, saved):
+            layer._dtype_policy = policy
+        raise
+    reset_step_functions(model)
+    return [layer.name for layer, old in zip(layers, saved)
+            if layer.dtype_policy.name != old.name]
+
+
+__all__ = [
+    "POLICY_NAMES",
+    "Audit",
+    "Choice",
+    "Hardware",
+    "LayerAudit",
+    "LayerChoice",
+    "LayerDtypeError",
+    "PolicyWarning",
+    "TuneResult",
+    "apply",
+    "audit",
+    "check",
+    "choose",
+    "current",
+    "detect",
+    "explain",
+    "hardware",
+    "make_safe",
+    "reset",
+    "resolve",
+    "scope",
+    "set_global",
+    "stale_layers",
+    "tune",
+]

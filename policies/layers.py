@@ -1,0 +1,88 @@
+"""Walking a model's layers and reading or setting their policies (helpers shared by the rest).
+
+Example:
+    >>> import keras
+    >>> from policies.layers import iter_layers, policy_name
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    >>> [(layer.name.split("_")[0], policy_name(layer)) for layer in iter_layers(model)]
+    [('dense', 'float32')]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+
+def iter_layers(model: Any) -> Iterator[Any]:
+    """Every layer inside ``model`` (nested ones too), without Input layers and sub-models."""
+    import keras
+
+    flatten = getattr(model, "_flatten_layers", None)
+    layers = flatten(include_self=False, recursive=True) if flatten else list(model.layers)
+    for layer in layers:
+        if isinstance(layer, keras.layers.InputLayer) or isinstance(layer, keras.Model):
+            continue
+        yield layer
+
+
+def policy_name(layer: Any) -> str:
+    """The name of the policy ``layer`` computes under ("float32", "mixed_bfloat16", ...)."""
+    return layer.dtype_policy.name
+
+
+def set_policy(layer: Any, name: str) -> None:
+    """Give ``layer`` policy ``name``; later calls (and traces) compute in it."""
+    layer.dtype_policy = name
+
+
+def is_low_precision(layer: Any) -> bool:
+    """True if ``layer`` computes in float16 or bfloat16."""
+    return layer.compute_dtype in ("float16", "bfloat16")
+
+
+def output_layers(model: Any) -> list[Any]:
+    """The layers producing ``model``'s outputs (Functional and Sequential; [] if unknown)."""
+    try:
+        outputs = model.outputs
+    except (AttributeError, ValueError):
+        return []
+    found = []
+    for tensor in outputs or []:
+        history = getattr(tensor, "_keras_history", None)
+        op = history[0] if history else None
+        while op is not None and hasattr(op, "outputs") and hasattr(op, "_flatten_layers"):
+            # A nested model produces the output: its own last layer is the output layer.
+            inner = output_layers(op)
+            op = inner[0] if inner else None
+            break
+        if op is not None and op not in found:
+            found.append(op)
+    return found
+
+
+def weighted(layer: Any) -> bool:
+    """True if ``layer`` holds trainable weights of its own (Dense, Conv, LSTM...)."""
+    return bool(layer.trainable_weights)
+
+
+def layer_step(layer: Any) -> Any:
+    """A ``tf.function``: one training-mode forward of ``layer`` and the gradient of its summed
+    output w.r.t. its weights and floating inputs; returns ``(output, gradients)``.
+
+    The layer's policy is read when the function is traced (on its first call).
+    """
+    import tensorflow as tf
+
+    @tf.function
+    def step(x: Any) -> Any:
+        floats = [t for t in tf.nest.flatten(x) if t.dtype.is_floating]
+        with tf.GradientTape() as tape:
+            tape.watch(floats)
+            out = layer(x, training=True)
+            total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32))
+                              for o in tf.nest.flatten(out)])
+        grads = tape.gradient(total, [*layer.trainable_variables, *floats])
+        return out, [g for g in grads if g is not None]
+
+    return step

@@ -1,0 +1,440 @@
+"""Per-layer precision by measurement: keep 16 bit only where it is faster and still accurate.
+
+What Apple's WWDC23 talk describes for MPSGraph and nobody ships for Keras: time each layer's
+training work (forward and gradient) in float32 and in the 16-bit policy on this backend, compare
+its 16-bit output with the float32 one, and keep 16 bit only where it is faster by more than
+``margin`` AND within ``tolerance``. Three kinds of layer:
+
+- **tuned**: layers with weights of their own (Dense, Conv, LSTM, Embedding...), timed;
+- **followers**: layers without weights (activations, Add, pooling, reshapes) and the
+  normalization layers Keras already computes in float32: they take the precision of the layers
+  that feed them (16 bit only if all of them are), so no pointless casts appear between them;
+- **float32 by safety**: output layer, softmax, non-upcasting normalization
+  (:mod:`policies.safety`).
+
+Each layer's two variants are timed interleaved (``rounds`` alternations, medians), because the
+machine may be shared and noisy. Then the whole model's forward + gradient is timed with the
+per-layer choice against all-float32 (``check_model``): if the choice is not faster as a whole
+(a layer alone can be faster in 16 bit while the casts and the rest of the step eat the gain),
+every layer goes back to float32. Timing is injectable (``timer=``, called with the model and
+"float32" / "tuned" for that check) so the choice can be tested with made-up numbers.
+
+Example:
+    >>> import keras, numpy as np
+    >>> from policies.tune import tune
+    >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="a"),
+    ...                           keras.layers.Dense(8, name="b"),
+    ...                           keras.layers.Dense(2, name="out")], name="seq")
+    >>> fake = {("a", "float32"): 2.0, ("a", "mixed_bfloat16"): 1.0,
+    ...         ("b", "float32"): 1.0, ("b", "mixed_bfloat16"): 3.0,
+    ...         ("seq", "float32"): 4.0, ("seq", "tuned"): 3.0}  # the whole-model check
+    >>> result = tune(model, np.ones((4, 8), "float32"), policy="mixed_bfloat16",
+    ...               timer=lambda layer, policy, run: fake[(layer.name, policy)])
+    >>> result.chosen()
+    {'a': 'mixed_bfloat16', 'b': 'float32', 'out': 'float32'}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from policies.errors import LayerDtypeError
+from policies.layers import layer_step, output_layers, policy_name, set_policy, weighted
+from policies.names import check_name, is_16bit
+from policies.safety import NORMALIZATION_WITH_UPCAST, float32_reason
+
+Timer = Callable[[Any, str, Callable[[], Any]], float]
+"""``timer(layer, policy, run) -> seconds per call``; ``run()`` does one forward + gradient."""
+
+
+@dataclasses.dataclass
+class LayerChoice:
+    """The precision chosen for one layer, with the measurements behind it."""
+
+    layer: str
+    cls: str
+    policy: str
+    kind: str  # "tuned", "follower", "safety", "kept"
+    reason: str
+    float32_ms: float | None = None
+    low_ms: float | None = None
+    error: float | None = None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class TuneResult:
+    """What :func:`tune` measured and chose; ``print`` it for a table."""
+
+    policy: str
+    layers: list[LayerChoice]
+    tolerance: float
+    margin: float
+    applied: bool
+    model_float32_ms: float | None = None  # whole-model check: all float32
+    model_tuned_ms: float | None = None  # whole-model check: the per-layer choice
+
+    def chosen(self) -> dict[str, str]:
+        """layer name -> policy name."""
+        return {c.layer: c.policy for c in self.layers}
+
+    def low_precision_layers(self) -> list[str]:
+        return [c.layer for c in self.layers if is_16bit(c.policy)]
+
+    def to_dict(self) -> dict:
+        return {"policy": self.policy, "tolerance": self.tolerance, "margin": self.margin,
+                "applied": self.applied, "model_float32_ms": self.model_float32_ms,
+                "model_tuned_ms": self.model_tuned_ms,
+                "layers": [c.as_dict() for c in self.layers]}
+
+    def __str__(self) -> str:
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v:.3f}"
+
+        rows = [(c.layer, c.cls, c.policy, ms(c.float32_ms), ms(c.low_ms),
+                 "-" if c.error is None else f"{c.error:.2g}", c.reason) for c in self.layers]
+        head = ("layer", "class", "policy", "f32 ms", "16b ms", "rel err", "why")
+        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+        lines = [f"policies.tune: {self.policy} vs float32 (tolerance {self.tolerance:g}, "
+                 f"margin {self.margin:.0%}); {len(self.low_precision_layers())}/"
+                 f"{len(self.layers)} layers in 16 bit"]
+        if self.model_float32_ms is not None and self.model_tuned_ms is not None:
+            lines.append(f"whole model, forward + gradient: float32 {self.model_float32_ms:.3f} "
+                         f"ms, per-layer choice {self.model_tuned_ms:.3f} ms "
+                         f"({self.model_tuned_ms / self.model_float32_ms:.2f}x)")
+        lines.append("")
+        for r in [head, *rows]:
+            lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+        return "\n".join(lines)
+
+
+def measure(run: Callable[[], Any], warmup: int = 1, repeats: int = 3) -> float:
+    """Median seconds per call of ``run`` (which returns tensors), warm-up excluded.
+
+    >>> measure(lambda: 1, warmup=0, repeats=3) >= 0.0
+    True
+    """
+    for _ in range(warmup):
+        _sync(run())
+    times = []
+    for _ in range(max(repeats, 1)):
+        t0 = time.perf_counter()
+        _sync(run())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _sync(out: Any) -> None:
+    import tensorflow as tf
+
+    for t in tf.nest.flatten(out):
+        if hasattr(t, "numpy"):
+            t.numpy()
+
+
+def default_timer(layer: Any, policy: str, run: Callable[[], Any]) -> float:
+    """The timer :func:`tune` uses unless given one: :func:`measure`."""
+    return measure(run)
+
+
+def sample_inputs(model: Any, batch_size: int = 32, seed: int = 0) -> Any:
+    """A random batch shaped like ``model``'s inputs (normal floats; zeros for integers).
+
+    >>> import keras
+    >>> sample_inputs(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]), 2).shape
+    (2, 3)
+    """
+    try:
+        specs = list(model.inputs)
+    except (AttributeError, ValueError, TypeError):
+        specs = []
+    if not specs:
+        raise ValueError(f"model {model.name!r} has no known inputs (a subclassed model?): "
+                         "pass sample_batch=")
+    rng = np.random.default_rng(seed)
+    batches = []
+    for spec in specs:
+        shape = (batch_size, *spec.shape[1:])
+        if any(d is None for d in shape):
+            raise ValueError(f"input shape {tuple(spec.shape)} of {model.name!r} is not fully "
+                             "known: pass sample_batch=")
+        dtype = np.dtype(spec.dtype)
+        if np.issubdtype(dtype, np.floating):
+            batches.append(rng.standard_normal(shape).astype(np.float32))
+        else:
+            batches.append(np.zeros(shape, dtype=dtype))
+    return batches[0] if len(batches) == 1 else batches
+
+
+def inputs_of(sample_batch: Any) -> Any:
+    """The inputs of a batch that may be ``(x, y)`` or ``(x, y, sample_weight)``."""
+    if isinstance(sample_batch, tuple) and len(sample_batch) in (2, 3):
+        return sample_batch[0]
+    return sample_batch
+
+
+def producers(layer: Any) -> list[Any]:
+    node = layer._inbound_nodes[0]
+    found = []
+    for t in node.input_tensors:
+        history = getattr(t, "_keras_history", None)
+        if history is not None and history[0] not in found:
+            found.append(history[0])
+    return found
+
+
+def _rel_error(got: Any, ref: Any) -> float:
+    import tensorflow as tf
+
+    worst = 0.0
+    for g, r in zip(tf.nest.flatten(got), tf.nest.flatten(ref)):
+        r = np.asarray(tf.cast(r, tf.float32))
+        g = np.asarray(tf.cast(g, tf.float32))
+        denom = float(np.linalg.norm(r)) or 1.0
+        worst = max(worst, float(np.linalg.norm(g - r)) / denom)
+    return worst
+
+
+def make_runner(layer: Any, policy: str, inputs: Any) -> tuple[Callable[[], Any], Any]:
+    """A traced forward + gradient of ``layer`` under ``policy`` on ``inputs``; and its output.
+
+    The layer's policy is set only while tracing; it is restored before this returns.
+    Raises :class:`LayerDtypeError` naming the layer if it fails under a 16-bit policy.
+    """
+    import tensorflow as tf
+
+    saved = layer.dtype_policy
+
+    step = layer_step(layer)
+    x = tf.nest.map_structure(tf.convert_to_tensor, inputs)
+    state = [v.numpy() for v in layer.non_trainable_variables]
+    try:
+        set_policy(layer, policy)
+        out, _ = step(x)
+    except Exception as err:
+        if is_16bit(policy):
+            raise LayerDtypeError(layer.name, type(layer).__name__, policy, err) from err
+        raise
+    finally:
+        layer.dtype_policy = saved
+        for v, value in zip(layer.non_trainable_variables, state):
+            v.assign(value)
+
+    def run() -> Any:
+        return step(x)
+
+    return run, out
+
+
+def probe_layers(model: Any, layers: list[Any], x: Any) -> tuple[list[Any], list[Any]]:
+    """Each layer's input and output values in float32 for batch ``x``."""
+    import keras
+
+    saved = {id(layer): layer.dtype_policy for layer in model._flatten_layers(include_self=False)}
+    try:
+        for layer in model._flatten_layers(include_self=False):
+            if not isinstance(layer, keras.layers.InputLayer):
+                layer.dtype_policy = "float32"
+        inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
+        probe = keras.Model(inputs, [[layer.input for layer in layers],
+                                           [layer.output for layer in layers]])
+        ins, outs = probe(x, training=False)
+    finally:
+        for layer in model._flatten_layers(include_self=False):
+            if id(layer) in saved:
+                layer._dtype_policy = saved[id(layer)]
+    return list(ins), list(outs)
+
+
+def _default_candidate() -> str:
+    from policies.global_policy import hardware
+    from policies.hardware import choose
+
+    chosen = choose(hardware()).policy
+    return chosen if is_16bit(chosen) else "mixed_bfloat16"
+
+
+def tune(
+    model: Any,
+    sample_batch: Any = None,
+    policy: str | None = None,
+    timer: Timer | None = None,
+    tolerance: float = 0.02,
+    margin: float = 0.10,
+    apply: bool = True,
+    batch_size: int = 32,
+    rounds: int = 5,
+    check_model: bool = True,
+) -> TuneResult:
+    """Choose float32 or ``policy`` for each layer of ``model`` by measuring on this backend.
+
+    Args:
+        model: a built Functional or Sequential model (its top-level layers are chosen).
+        sample_batch: inputs (or an ``(x, y)`` batch) to time on; default: a random batch of
+            ``batch_size`` shaped like the model's inputs.
+        policy: the 16-bit candidate ("mixed_bfloat16" or "mixed_float16"); default: what
+            "auto" picks for this hardware, or "mixed_bfloat16".
+        timer: ``timer(layer, policy, run) -> seconds``; default :func:`measure` (median of
+            repeated calls of ``run``, one forward + gradient of the layer). Called ``rounds``
+            times per variant, alternating; the medians decide.
+        tolerance: largest relative L2 error of the layer's 16-bit output against float32.
+        margin: 16 bit must be at least this fraction faster to be kept.
+        apply: set the chosen policies on the layers (and drop the model's traced step
+            functions so they are traced again); with False only report.
+        rounds: alternations of float32 / 16-bit timing per layer (and for the model check).
+        check_model: time the whole model with the choice against all-float32 and fall back
+            to float32 everywhere unless the choice is faster by ``margin``.
+
+    Returns a :class:`TuneResult` (print it for a table).
+    """
+    policy = policy or _default_candidate()
+    if check_name(policy) not in ("mixed_float16", "mixed_bfloat16"):
+        raise ValueError(f"tune compares float32 with a 16-bit policy; got {policy!r}: pass "
+                         "'mixed_bfloat16' or 'mixed_float16'")
+    timer = timer or default_timer
+    import keras
+
+    top = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    candidates = [layer for layer in top
+                  if len(getattr(layer, "_inbound_nodes", [])) == 1
+                  and not isinstance(layer, keras.Model)]
+    x = inputs_of(sample_batch) if sample_batch is not None else sample_inputs(model, batch_size)
+    with quiet_tf_logs():
+        return _tune(model, x, top, candidates, policy, timer, tolerance, margin, apply,
+                     max(rounds, 1), check_model)
+
+
+@contextlib.contextmanager
+def quiet_tf_logs() -> Iterator[None]:
+    """Silence TensorFlow's Python logger (its retracing notes) inside the block."""
+    import tensorflow as tf
+
+    logger = tf.get_logger()
+    level = logger.level
+    logger.setLevel("ERROR")
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _interleaved(timer: Timer, subject: Any, runs: dict[str, Callable[[], Any]],
+                 rounds: int) -> dict[str, float]:
+    """Median ms per call of each run, timed alternately ``rounds`` times."""
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    for r in range(rounds):
+        order = list(runs) if r % 2 == 0 else list(reversed(runs))
+        for label in order:
+            times[label].append(timer(subject, label, runs[label]) * 1000.0)
+    return {label: statistics.median(ms) for label, ms in times.items()}
+
+
+def _model_runner(model: Any, top: list[Any], assignment: dict[int, str],
+                  x: Any) -> Callable[[], Any]:
+    """A traced forward + gradient of the whole model with ``assignment`` (layer id -> policy)."""
+    import tensorflow as tf
+
+    step = layer_step(model)
+    xt = tf.nest.map_structure(tf.convert_to_tensor, x)
+    saved = {id(layer): layer.dtype_policy for layer in top}
+    state = [v.numpy() for v in model.non_trainable_variables]
+    try:
+        for layer in top:
+            if id(layer) in assignment:
+                layer.dtype_policy = assignment[id(layer)]
+        step(xt)
+    finally:
+        for layer in top:
+            layer._dtype_policy = saved[id(layer)]
+        for v, value in zip(model.non_trainable_variables, state):
+            v.assign(value)
+    return lambda: step(xt)
+
+
+def _tune(model: Any, x: Any, top: list[Any], candidates: list[Any], policy: str,
+          timer: Timer, tolerance: float, margin: float, apply: bool, rounds: int,
+          check_model: bool) -> TuneResult:
+    import keras
+
+    ins, outs = probe_layers(model, candidates, x)
+    values = {id(layer): (i, o) for layer, i, o in zip(candidates, ins, outs)}
+    outputs = output_layers(model)
+    decided: dict[int, str] = {}
+    choices = []
+    for layer in top:
+        cls = type(layer).__name__
+        if id(layer) not in values:
+            why = "nested model" if isinstance(layer, keras.Model) else "shared layer"
+            choices.append(LayerChoice(layer.name, cls, policy_name(layer), "kept",
+                                       f"not tuned: {why}"))
+            decided[id(layer)] = policy_name(layer)
+            continue
+        safety = float32_reason(layer, outputs)
+        if safety:
+            decided[id(layer)] = "float32"
+            choices.append(LayerChoice(layer.name, cls, "float32", "safety", safety))
+            continue
+        if not weighted(layer) or cls in NORMALIZATION_WITH_UPCAST:
+            feeders = [decided.get(id(p), "float32") for p in producers(layer)]
+            chosen = policy if feeders and all(is_16bit(p) for p in feeders) else "float32"
+            decided[id(layer)] = chosen
+            choices.append(LayerChoice(layer.name, cls, chosen, "follower",
+                                       "follows its inputs' precision"))
+            continue
+        inputs, ref = values[id(layer)]
+        run32, _ = make_runner(layer, "float32", inputs)
+        run16, out16 = make_runner(layer, policy, inputs)
+        error = _rel_error(out16, ref)
+        times = _interleaved(timer, layer, {"float32": run32, policy: run16}, rounds)
+        t32, t16 = times["float32"], times[policy]
+        if error > tolerance:
+            chosen, why = "float32", f"16-bit error {error:.2g} > tolerance {tolerance:g}"
+        elif t16 < t32 * (1.0 - margin):
+            chosen, why = policy, f"16 bit {t16 / t32:.2f}x the float32 time"
+        else:
+            chosen, why = "float32", f"16 bit not faster ({t16 / t32:.2f}x)"
+        decided[id(layer)] = chosen
+        choices.append(LayerChoice(layer.name, cls, chosen, "tuned", why, t32, t16, error))
+    result = TuneResult(policy, choices, tolerance, margin, applied=apply)
+    if check_model and any(is_16bit(c.policy) for c in choices if c.kind != "kept"):
+        _check_whole_model(model, top, decided, x, timer, margin, rounds, result)
+    if apply:
+        by_name = {layer.name: layer for layer in top}
+        for c in choices:
+            if c.kind != "kept" and policy_name(by_name[c.layer]) != c.policy:
+                set_policy(by_name[c.layer], c.policy)
+        reset_step_functions(model)
+    return result
+
+
+def _check_whole_model(model: Any, top: list[Any], decided: dict[int, str], x: Any,
+                       timer: Timer, margin: float, rounds: int, result: TuneResult) -> None:
+    """Time the whole model with the choice against all-float32; fall back if not faster."""
+    all32 = {key: "float32" for key in decided}
+    runs = {"float32": _model_runner(model, top, all32, x),
+            "tuned": _model_runner(model, top, decided, x)}
+    times = _interleaved(timer, model, runs, rounds)
+    result.model_float32_ms, result.model_tuned_ms = times["float32"], times["tuned"]
+    ratio = times["tuned"] / times["float32"]
+    if ratio < 1.0 - margin:
+        return
+    for c in result.layers:
+        if c.kind != "kept" and is_16bit(c.policy):
+            c.policy = "float32"
+            c.reason += f"; but the whole model ran {ratio:.2f}x float32 with it: float32"
+
+
+def reset_step_functions(model: Any) -> None:
+    """Drop ``model``'s traced train/test/predict functions so the next call traces again."""
+    for attr in ("train_function", "test_function", "predict_function"):
+        if getattr(model, attr, None) is not None:
+            setattr(model, attr, None)

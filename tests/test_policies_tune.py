@@ -1,0 +1,189 @@
+"""policies.tune (injected timings) and policies.audit (cast counts)."""
+
+import importlib
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import policies
+from policies import global_policy
+from policies.audit import count_round_trips
+from policies.hardware import Hardware
+from tests.policies_fixtures import restore_global_policy  # noqa: F401 (autouse fixture)
+
+BF16 = "mixed_bfloat16"
+tune_module = importlib.import_module("policies.tune")  # policies.tune is the function
+
+
+def model_for_tuning():
+    inp = keras.Input((16,))
+    x = keras.layers.Dense(32, name="fast")(inp)
+    x = keras.layers.Activation("relu", name="act_after_fast")(x)
+    x = keras.layers.Dense(32, name="slow")(x)
+    x = keras.layers.Activation("relu", name="act_after_slow")(x)
+    out = keras.layers.Dense(4, activation="softmax", name="out")(x)
+    return keras.Model(inp, out, name="tunable")
+
+
+def injected(table):
+    calls = []
+
+    def timer(layer, policy, run):
+        calls.append((layer.name, policy))
+        return table[(layer.name, policy)]
+
+    return timer, calls
+
+
+FAST_SLOW = {("fast", "float32"): 2e-3, ("fast", BF16): 1e-3,
+             ("slow", "float32"): 1e-3, ("slow", BF16): 3e-3,
+             ("tunable", "float32"): 4e-3, ("tunable", "tuned"): 3e-3}  # whole-model check
+
+
+def test_tune_keeps_16bit_where_faster_and_float32_where_slower():
+    model = model_for_tuning()
+    timer, calls = injected(FAST_SLOW)
+    x = np.random.default_rng(0).standard_normal((8, 16)).astype("float32")
+    result = policies.tune(model, x, policy=BF16, timer=timer)
+    assert result.chosen() == {"fast": BF16, "act_after_fast": BF16, "slow": "float32",
+                               "act_after_slow": "float32", "out": "float32"}
+    assert set(calls) == set(FAST_SLOW)  # layers with weights, then the whole model
+    assert calls.count(("fast", BF16)) == 5  # rounds, alternating with float32
+    kinds = {c.layer: c.kind for c in result.layers}
+    assert kinds == {"fast": "tuned", "act_after_fast": "follower", "slow": "tuned",
+                     "act_after_slow": "follower", "out": "safety"}
+    # Applied to the layers, and the model still trains.
+    assert model.get_layer("fast").compute_dtype == "bfloat16"
+    assert model.get_layer("slow").compute_dtype == "float32"
+    fast = next(c for c in result.layers if c.layer == "fast")
+    assert fast.float32_ms == pytest.approx(2.0) and fast.low_ms == pytest.approx(1.0)
+    assert 0.0 < fast.error < 0.02
+    assert (result.model_float32_ms, result.model_tuned_ms) == pytest.approx((4.0, 3.0))
+    text = str(result)
+    assert "fast" in text and "0.50x" in text and "(0.75x)" in text
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    logs = model.train_on_batch(x, np.arange(8) % 4, return_dict=True)
+    assert np.isfinite(logs["loss"])
+
+
+def test_tune_margin_and_tolerance_keep_float32():
+    model = model_for_tuning()
+    table = {**FAST_SLOW, ("fast", BF16): 1.98e-3}  # 1% faster: under the 5% margin
+    result = policies.tune(model, policy=BF16, timer=injected(table)[0], apply=False)
+    assert result.chosen()["fast"] == "float32" and "not faster" in result.layers[0].reason
+    assert model.get_layer("fast").compute_dtype == "float32"  # apply=False
+    result = policies.tune(model, policy=BF16, timer=injected(FAST_SLOW)[0], tolerance=1e-9,
+                           apply=False)
+    assert result.chosen()["fast"] == "float32" and "tolerance" in result.layers[0].reason
+
+
+def test_tune_falls_back_to_float32_when_the_whole_model_is_not_faster():
+    model = model_for_tuning()
+    table = {**FAST_SLOW, ("tunable", "tuned"): 3.9e-3}  # 0.975x: under the 10% margin
+    result = policies.tune(model, policy=BF16, timer=injected(table)[0])
+    assert set(result.chosen().values()) == {"float32"}
+    fast = next(c for c in result.layers if c.layer == "fast")
+    assert "whole model ran 0.97x float32" in fast.reason
+    assert model.get_layer("fast").compute_dtype == "float32"
+    skipped = policies.tune(model, policy=BF16, timer=injected(table)[0], check_model=False,
+                            apply=False)
+    assert skipped.chosen()["fast"] == BF16 and skipped.model_tuned_ms is None
+
+
+def test_tune_with_real_timer_runs_and_decides_every_layer():
+    model = model_for_tuning()
+    result = policies.tune(model, policy=BF16, batch_size=4, rounds=2)
+    assert set(result.chosen()) == {"fast", "act_after_fast", "slow", "act_after_slow", "out"}
+    tuned = [c for c in result.layers if c.kind == "tuned"]
+    assert all(c.float32_ms > 0 and c.low_ms > 0 for c in tuned)
+
+
+def test_tune_refuses_a_float32_candidate():
+    with pytest.raises(ValueError, match="16-bit policy"):
+        policies.tune(model_for_tuning(), policy="float32")
+
+
+def test_tune_names_a_layer_that_breaks():
+    class Breaks(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1],))
+
+        def call(self, x):
+            return x * tf.ones_like(x, dtype=tf.float32) + self.w
+
+    inp = keras.Input((4,))
+    out = Breaks(name="breaks")(keras.layers.Dense(4)(inp))
+    model = keras.Model(inp, keras.layers.Dense(2)(out))
+    with pytest.raises(policies.LayerDtypeError, match="'breaks'"):
+        policies.tune(model, policy=BF16, timer=lambda layer, policy, run: 1.0)
+
+
+def test_auto_tunes_at_compile_when_it_picks_16bit(monkeypatch):
+    monkeypatch.setattr(global_policy._STATE, "hardware",
+                        Hardware(cpu_name="Xeon", cpu_flags=frozenset({"amx_bf16"})))
+    timer, calls = injected(FAST_SLOW)
+    monkeypatch.setattr(tune_module, "default_timer", timer)
+    policies.set_global("auto", verbose=False)
+    model = model_for_tuning()
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    assert model._policies_tuned.chosen()["slow"] == "float32"
+    assert model.get_layer("fast").compute_dtype == "bfloat16"
+    assert model.get_layer("slow").compute_dtype == "float32"
+    assert model.get_layer("out").compute_dtype == "float32"
+
+
+# -- audit -------------------------------------------------------------------------------------
+def test_audit_counts_casts_per_layer():
+    x = np.ones((4, 16), "float32")
+    model = model_for_tuning()
+    report = policies.audit(model, x)
+    assert report.layer_casts == 0 and report.model_casts == 0
+
+    policies.apply(model, BF16)
+    report = policies.audit(model, x)
+    fast = report.layer("fast")
+    assert (fast.compute_dtype, fast.variable_dtype, fast.output_dtype) == \
+        ("bfloat16", "float32", "bfloat16")
+    # input, kernel and bias cast to bfloat16; their gradients cast back (kernel, bias, input).
+    assert fast.casts_forward == 3 and fast.cast_kinds["float32->bfloat16"] == 3
+    assert fast.casts_backward == 3
+    slow = report.layer("slow")  # its input arrives in bfloat16: only kernel and bias cast
+    assert slow.casts_forward == 2
+    out = report.layer("out")
+    assert out.compute_dtype == "float32" and out.casts_forward == 1
+    assert out.cast_kinds == {"bfloat16->float32": 1, "float32->bfloat16": 1}
+    assert "output layer" in out.note
+    assert report.model_casts > 0 and report.round_trips == 0
+    text = str(report)
+    assert "fast" in text and "bfloat16->float32" in text
+    assert report.to_dict()["layers"][0]["casts"] == 6
+
+
+def test_audit_notes_a_failing_layer_and_stale_layers():
+    class AddOnes(keras.layers.Layer):
+        def call(self, x):
+            return x + tf.ones_like(x, dtype=tf.float32)
+
+    inp = keras.Input((4,))
+    out = AddOnes(name="adds")(keras.layers.Dense(4, name="d")(inp))
+    model = keras.Model(inp, out)
+    model.get_layer("adds").dtype_policy = BF16
+    policies.set_global(BF16)
+    report = policies.audit(model)
+    assert "fails under policy 'mixed_bfloat16'" in report.layer("adds").note
+    assert "built before the last set_global" in report.layer("d").note
+    with pytest.raises(policies.LayerDtypeError, match="'adds'"):
+        policies.check(model)
+
+
+def test_round_trips_are_counted():
+    @tf.function
+    def f(x, y):
+        a = tf.cast(tf.cast(x, tf.float32), tf.bfloat16)  # lossless round trip
+        b = tf.cast(tf.cast(y, tf.bfloat16), tf.float32)  # lossy: not a round trip
+        return a, b
+
+    g = f.get_concrete_function(tf.TensorSpec([2], tf.bfloat16), tf.TensorSpec([2]))
+    assert count_round_trips(g.graph.as_graph_def()) == 1
