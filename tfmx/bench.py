@@ -159,6 +159,21 @@ def _dense_stack(depth: int, width: int, activation: str, inputs: int) -> Callab
     return build
 
 
+def _rnn_stack(layer: str, units: int, steps: int, inputs: int) -> Callable[[], Any]:
+    def build() -> Any:
+        import keras
+        from keras import layers
+
+        cls = getattr(layers, layer)
+        x = inp = keras.Input((steps, inputs))
+        x = cls(units, return_sequences=True)(x)
+        x = cls(units)(x)
+        out = layers.Dense(10, activation="softmax")(x)
+        return keras.Model(inp, out, name=f"{layer.lower()}_2x{units}_t{steps}")
+
+    return build
+
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -170,6 +185,12 @@ WORKLOADS: dict[str, Workload] = {
                  (64,), 10, batch_size=32, rounds=15, steps=20),
         Workload("gelu_mlp", "7 x Dense(512, gelu)", _dense_stack(7, 512, "gelu", 512),
                  (512,), 10, batch_size=256, rounds=10, steps=5),
+        Workload("lstm", "LSTM(128, return_sequences) -> LSTM(128) -> Dense, T=50, 32 features",
+                 _rnn_stack("LSTM", 128, 50, 32), (50, 32), 10, batch_size=64, rounds=10,
+                 steps=5),
+        Workload("gru", "GRU(128, return_sequences) -> GRU(128) -> Dense, T=50, 32 features",
+                 _rnn_stack("GRU", 128, 50, 32), (50, 32), 10, batch_size=64, rounds=10,
+                 steps=5),
     )
 }
 
@@ -244,7 +265,8 @@ def run_benchmark(
     """Benchmark one workload's training step in each mode, interleaved; return the numbers.
 
     Args:
-        model_name: one of ``WORKLOADS`` (``small_cnn``, ``resnet50``, ``mlp``, ``gelu_mlp``).
+        model_name: one of ``WORKLOADS`` (``small_cnn``, ``resnet50``, ``mlp``, ``gelu_mlp``,
+            ``lstm``, ``gru``).
         rounds, steps, batch_size: default to the workload's (see ``WORKLOADS``).
         modes: any of ``"stock"``, ``"tfmx"``, ``"xla"``.
         warmup: untimed calls per mode before timing (the first one traces).

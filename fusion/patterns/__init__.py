@@ -9,4 +9,5 @@
 from fusion.patterns import (
     contraction,  # noqa: F401  (registers "contraction")
     conv_bn_fold,  # noqa: F401  (registers "conv_bn_fold")
+    rnn,  # noqa: F401  (registers "rnn")
 )
