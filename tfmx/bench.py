@@ -180,36 +180,19 @@ def _dense_stack(depth: int, width: int, activation: str, inputs: int) -> Callab
     return build
 
 
-def _bn_resnet() -> Any:
-    """Small ResNet: 7 Conv2D, each + BatchNormalization + relu, 2 residual Adds."""
-    import keras
-    from keras import layers
+def _rnn_stack(layer: str, units: int, steps: int, inputs: int) -> Callable[[], Any]:
+    def build() -> Any:
+        import keras
+        from keras import layers
 
-    def conv_bn(x: Any, filters: int, strides: int = 1, relu: bool = True) -> Any:
-        x = layers.Conv2D(filters, 3, strides=strides, padding="same", use_bias=False)(x)
-        x = layers.BatchNormalization()(x)
-        return layers.ReLU()(x) if relu else x
+        cls = getattr(layers, layer)
+        x = inp = keras.Input((steps, inputs))
+        x = cls(units, return_sequences=True)(x)
+        x = cls(units)(x)
+        out = layers.Dense(10, activation="softmax")(x)
+        return keras.Model(inp, out, name=f"{layer.lower()}_2x{units}_t{steps}")
 
-    x = inp = keras.Input((32, 32, 3))
-    x = conv_bn(x, 32)
-    for filters, strides in ((32, 1), (64, 2)):
-        if strides != 1:
-            x = conv_bn(x, filters, strides)
-        y = conv_bn(conv_bn(x, filters), filters, relu=False)
-        x = layers.ReLU()(layers.Add()([x, y]))
-    x = conv_bn(x, 128, 2)
-    out = layers.Dense(10, activation="softmax")(layers.GlobalAveragePooling2D()(x))
-    return keras.Model(inp, out, name="bn_resnet")
-
-
-def _lstm() -> Any:
-    import keras
-    from keras import layers
-
-    inp = keras.Input((50, 32))
-    x = layers.LSTM(128, return_sequences=True)(inp)
-    x = layers.LSTM(128)(x)
-    return keras.Model(inp, layers.Dense(10, activation="softmax")(x), name="lstm2")
+    return build
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -226,10 +209,12 @@ WORKLOADS: dict[str, Workload] = {
                  (64,), 10, batch_size=32, rounds=15, steps=20),
         Workload("gelu_mlp", "7 x Dense(512, gelu)", _dense_stack(7, 512, "gelu", 512),
                  (512,), 10, batch_size=256, rounds=10, steps=5),
-        Workload("bn_resnet", "small ResNet: 7 x Conv2D+BatchNorm+relu, 2 residual Adds, "
-                 "32x32x3", _bn_resnet, (32, 32, 3), 10, batch_size=128, rounds=7, steps=3),
-        Workload("lstm", "LSTM(128, sequences) -> LSTM(128), T=50, 32 features", _lstm,
-                 (50, 32), 10, batch_size=64, rounds=10, steps=5),
+        Workload("lstm", "LSTM(128, return_sequences) -> LSTM(128) -> Dense, T=50, 32 features",
+                 _rnn_stack("LSTM", 128, 50, 32), (50, 32), 10, batch_size=64, rounds=10,
+                 steps=5),
+        Workload("gru", "GRU(128, return_sequences) -> GRU(128) -> Dense, T=50, 32 features",
+                 _rnn_stack("GRU", 128, 50, 32), (50, 32), 10, batch_size=64, rounds=10,
+                 steps=5),
     )
 }
 
@@ -332,7 +317,8 @@ def run_benchmark(
     """Benchmark one workload's training step in each mode, interleaved; return the numbers.
 
     Args:
-        model_name: one of ``WORKLOADS`` (``small_cnn``, ``resnet50``, ``mlp``, ``gelu_mlp``).
+        model_name: one of ``WORKLOADS`` (``small_cnn``, ``resnet50``, ``mlp``, ``gelu_mlp``,
+            ``lstm``, ``gru``).
         rounds, steps, batch_size: default to the workload's (see ``WORKLOADS``).
         modes: any of ``"stock"``, ``"tfmx"``, ``"xla"``.
         warmup: untimed calls per mode before timing (the first one traces).

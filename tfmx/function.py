@@ -35,7 +35,7 @@ from tensorflow.python.eager import record
 
 from fusion.graph import op_histogram
 from fusion.pipeline import rewrite
-from tfmx import forward, state
+from tfmx import forward, forward_rnn, state
 from tfmx.errors import BackendUnavailableError
 from tfmx.rebuild import control_output_names, protected_names, rebuild
 from tfmx.report import TraceRecord
@@ -142,7 +142,8 @@ class FusedFunction:
 
     # -- internals ---------------------------------------------------------------------------
     def _entry(self, opts: state.Options, args: tuple, kwargs: dict) -> _Entry:
-        concrete = self._staged.get_concrete_function(*args, **kwargs)
+        with forward_rnn.tracing(opts):  # the rnn family's stage before differentiation
+            concrete = self._staged.get_concrete_function(*args, **kwargs)
         key = (id(concrete), state.generation())
         entry = self._entries.get(key)
         if entry is None or entry.stock is not concrete:

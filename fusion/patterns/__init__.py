@@ -12,6 +12,7 @@ from fusion.patterns import (
     contraction,  # noqa: F401  (registers "contraction")
     conv_bn_fold,  # noqa: F401  (registers "conv_bn_fold")
     optimizer_update,  # noqa: F401  (registers "optimizer_update")
+    rnn,  # noqa: F401  (registers "rnn")
 )
 
 # Then: inference batch norms that conv_bn_fold did not fold into a convolution.

@@ -1,0 +1,310 @@
+"""RNN-cell patterns: Keras LSTM / GRU layers -> a hoisted loop (CPU) or ``CudnnRNNV3`` (GPU).
+
+This family works in the stage *before* differentiation (DESIGN.md, "Two stages, one engine"):
+a post-gradient rewrite would have to rebuild both the forward ``While`` body and the gradient
+body that TensorFlow derived from it, with its TensorList accumulators. Instead, while tfmx
+traces a step function, each Keras ``LSTM`` / ``GRU`` layer is matched as it is called
+(:func:`find_rnn_layer` fills an :class:`RnnMatch` or gives the reason it declines) and
+:func:`rewrite_rnn_layer` emits the target's form of the layer's inner loop, whose backward
+pass comes from a ``tf.custom_gradient`` (CPU) or from TensorFlow's registered gradient of
+``CudnnRNNV3`` (GPU targets). Emitted nodes live under a name scope ``tfmx_rnn_<kind>``;
+declined layers run Keras's own loop under ``tfmx_rnn_declined_<why>``. The registered graph
+pass, :func:`rnn_pass`, reads those scopes in the traced graph, checks the structure (a
+``While`` loop on CPU; ``CudnnRNNV3`` nodes the target runs on GPU targets) and reports it,
+like every other family.
+
+CPU form (``fusion.patterns.rnn_kernels``): the input projection of all timesteps is one MatMul
+before the loop, the loop keeps the recurrent MatMul and the gate arithmetic, the backward is
+one reverse loop with one MatMul per step and the weight gradients as single big MatMuls.
+
+Example:
+    >>> import keras
+    >>> from fusion.patterns.rnn import find_rnn_layer
+    >>> from tfmx.backends import get_backend
+    >>> match, why = find_rnn_layer(keras.layers.LSTM(4), get_backend("cpu"))
+    >>> match.kind, match.form, why
+    ('lstm', 'hoisted', None)
+    >>> find_rnn_layer(keras.layers.GRU(4, unroll=True), get_backend("cpu"))[1]
+    'unroll'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from typing import Any
+
+from fusion.graph import GraphView, parse_input
+from fusion.pattern import RewriteContext, Target, register
+
+SCOPE = "tfmx_rnn_"
+DECLINED = SCOPE + "declined_"
+GRADIENT_SCOPES = ("gradient_tape/", "gradients/")
+
+# Why a layer keeps Keras's own loop, by the code that goes into its name scope.
+DECLINE_REASONS = {
+    "unroll": "unroll=True: Keras unrolls the loop in Python, nothing to fuse",
+    "stateful": "stateful=True is not fused (states live in variables across batches)",
+    "recurrent_dropout": "recurrent_dropout > 0 needs a fresh mask inside every step",
+    "activation": "activation / recurrent_activation other than tanh / sigmoid",
+    "dtype": "compute dtype other than float32 (mixed precision) is not fused yet",
+    "use_cudnn_true": "use_cudnn=True on a target without cuDNN: Keras's own error stands",
+    "use_cudnn_false": "use_cudnn=False asks the GPU target for Keras's generic loop",
+    "reset_before_gpu": "GRU(reset_after=False) has no cuDNN / Metal kernel (cuDNN GRU "
+                        "applies the reset gate after the MatMul)",
+    "cell": "not a Keras LSTMCell / GRUCell",
+    "target": "no RNN form for this target",
+    "error": "building the fused form raised (see the warning); Keras's own loop runs",
+}
+KIND_LABELS = {
+    ("lstm", "hoisted"): "LSTM: hoisted input projection + recurrent loop, custom gradient",
+    ("gru", "hoisted"): "GRU(reset_after=True): hoisted input projection + recurrent loop, "
+                        "custom gradient",
+    ("gru_reset_before", "hoisted"): "GRU(reset_after=False): hoisted input projection + "
+                                     "recurrent loop, custom gradient",
+    ("lstm", "cudnn"): "LSTM: CudnnRNNV3 (+ CudnnRNNBackpropV3 by its gradient)",
+    ("gru", "cudnn"): "GRU: CudnnRNNV3 (+ CudnnRNNBackpropV3 by its gradient)",
+}
+CUDNN_OPS = ("CudnnRNNV3", "CudnnRNNBackpropV3")
+UNIT_OPS = ("While", "StatelessWhile", "CudnnRNNV3", "If", "StatelessIf")
+RUNTIME_OPS = frozenset({"Placeholder", "If", "StatelessIf", "While", "StatelessWhile"})
+_SCOPE_RE = re.compile(r"^(?P<prefix>.*?)" + SCOPE + r"(?P<tag>[A-Za-z_]+?)(_\d+)?/")
+
+
+@dataclasses.dataclass
+class RnnMatch:
+    """One Keras LSTM / GRU layer call that the family fuses."""
+
+    kind: str  # "lstm", "gru" (reset_after=True) or "gru_reset_before"
+    form: str  # "hoisted" (CPU loop) or "cudnn" (CudnnRNNV3)
+    layer: Any
+    swap_zr: bool = False  # cuDNN on CUDA orders GRU gates r, z, h
+
+    @property
+    def label(self) -> str:
+        return KIND_LABELS[(self.kind, self.form)]
+
+
+def _is_exactly(obj: Any, module: str, name: str) -> bool:
+    cls = type(obj)
+    return cls.__name__ == name and cls.__module__.startswith(module)
+
+
+def find_rnn_layer(layer: Any, target: Target) -> tuple[RnnMatch | None, str | None]:
+    """Match one Keras ``LSTM`` / ``GRU`` layer for ``target``: (match, None) or (None, code).
+
+    ``code`` is a key of :data:`DECLINE_REASONS`.
+    """
+    from keras.src import activations, ops
+
+    cell = getattr(layer, "cell", None)
+    if _is_exactly(cell, "keras.src.layers.rnn.lstm", "LSTMCell"):
+        kind = "lstm"
+    elif _is_exactly(cell, "keras.src.layers.rnn.gru", "GRUCell"):
+        kind = "gru" if cell.reset_after else "gru_reset_before"
+    else:
+        return None, "cell"
+    gpu = target.name in ("cuda", "metal")
+    if target.name not in ("cpu", "cuda", "metal"):
+        return None, "target"
+    if layer.unroll:
+        return None, "unroll"
+    if layer.stateful:
+        return None, "stateful"
+    if cell.recurrent_dropout:
+        return None, "recurrent_dropout"
+    if cell.activation not in (activations.tanh, ops.tanh) or cell.recurrent_activation not in (
+        activations.sigmoid, ops.sigmoid
+    ):
+        return None, "activation"
+    if layer.compute_dtype != "float32" or cell.compute_dtype != "float32":
+        return None, "dtype"
+    use_cudnn = getattr(layer, "use_cudnn", "auto")
+    if use_cudnn is True and not gpu:
+        return None, "use_cudnn_true"
+    if gpu and use_cudnn is False:
+        return None, "use_cudnn_false"
+    if gpu and kind == "gru_reset_before":
+        return None, "reset_before_gpu"
+    return RnnMatch(kind, "cudnn" if gpu else "hoisted", layer,
+                    swap_zr=target.name == "cuda"), None
+
+
+def rewrite_rnn_layer(match: RnnMatch, sequences, initial_state, mask, training=False):
+    """Emit ``match``'s form of the layer's inner loop; Keras's ``(last, outputs, states)``."""
+    import tensorflow as tf
+
+    from fusion.patterns import rnn_kernels as k
+
+    layer, cell = match.layer, match.layer.cell
+    if isinstance(mask, (list, tuple)):
+        mask = mask[0]
+    states = list(initial_state) if isinstance(initial_state, (list, tuple)) else [
+        initial_state]
+    with tf.name_scope(SCOPE + match.kind):
+        raw = sequences
+        if training and cell.dropout:  # Keras's cuDNN path: one input mask for every step
+            dp_mask = cell.get_dropout_mask(sequences[:, 0, :])
+            sequences = sequences * tf.expand_dims(dp_mask, axis=1)
+        kernel, recurrent = cell.kernel.value, cell.recurrent_kernel.value
+        bias = None if cell.bias is None else cell.bias.value
+        flags = {"go_backwards": layer.go_backwards, "return_sequences": layer.return_sequences}
+        if match.form == "cudnn":
+            if match.kind == "lstm":
+                def fused():
+                    return k.cudnn_lstm(sequences, states[0], states[1], mask, kernel,
+                                        recurrent, bias, **flags)
+            else:
+                def fused():
+                    return k.cudnn_gru(sequences, states[0], mask, kernel, recurrent, bias,
+                                       match.swap_zr, **flags)
+            if mask is None:
+                return fused()
+            return _cudnn_or_generic(layer, fused, raw, states, mask, training)
+        flags["zero_output_for_mask"] = layer.zero_output_for_mask
+        # Inference saves nothing for a backward pass (the loop stays differentiable by
+        # TensorFlow's own While gradient); a symbolic ``training`` takes the training form.
+        flags["training"] = training if isinstance(training, bool) else training is not None
+        if match.kind == "lstm":
+            return k.lstm_sequence(sequences, states[0], states[1], mask, kernel, recurrent,
+                                   bias, **flags)
+        return k.gru_sequence(sequences, states[0], mask, kernel, recurrent, bias,
+                              reset_after=match.kind == "gru", **flags)
+
+
+def _cudnn_or_generic(layer, fused, sequences, states, mask, training):
+    """cuDNN takes sequence lengths, so only right-padded masks with no empty sequence; any
+    other mask runs Keras's generic loop instead (a runtime ``tf.cond``, not Keras's Assert)."""
+    import tensorflow as tf
+    from keras.src.layers.rnn.rnn import RNN
+
+    mask = tf.cast(mask, tf.bool)
+    lengths = tf.reduce_sum(tf.cast(mask, tf.int32), axis=1)
+    steps = tf.range(tf.shape(mask)[1])
+    right_padded = tf.reduce_all(tf.equal(mask, steps[None, :] < lengths[:, None]))
+    ok = tf.logical_and(right_padded, tf.reduce_all(lengths > 0))
+
+    # Branch bodies get scopes of their own (absolute names), so the graph pass finds the
+    # layer once, by its ``If`` node, and not again inside each branch function.
+    def generic():
+        with tf.name_scope(f"{layer.name}_generic_branch/"):
+            init = states if len(states) > 1 else states[0]
+            last, outputs, new_states = RNN.inner_loop(layer, sequences, init, mask, training)
+            return last, outputs, list(new_states)
+
+    def cudnn():
+        with tf.name_scope(f"{layer.name}_cudnn_branch/"):
+            last, outputs, new_states = fused()
+            return last, outputs, list(new_states)
+
+    return tf.cond(ok, cudnn, generic)
+
+
+def forward_stage(layer, original, target: Target, sequences, initial_state, mask,
+                  training=False):
+    """A Keras LSTM/GRU ``inner_loop`` call while tfmx traces: fused, or Keras's, declined."""
+    import tensorflow as tf
+
+    match, why = find_rnn_layer(layer, target)
+    if match is not None:
+        try:
+            return rewrite_rnn_layer(match, sequences, initial_state, mask, training)
+        except Exception as exc:  # noqa: BLE001 - never break training: Keras's loop runs
+            why = "error"
+            warnings.warn(f"tfmx rnn: {layer.name}: {type(exc).__name__}: {exc}; "
+                          "Keras's own loop runs", stacklevel=2)
+    with tf.name_scope(DECLINED + why):
+        return original(layer, sequences, initial_state, mask, training=training)
+
+
+# -- the graph pass: find what the forward stage emitted, check it, report it --------------------
+@dataclasses.dataclass
+class RnnUnit:
+    """The nodes of one layer call the forward stage handled, found by its name scope."""
+
+    scope: str
+    tag: str  # a kind ("lstm", "gru", "gru_reset_before") or "declined_<code>"
+    ops: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # op -> node names
+    grad_ops: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # its gradient's
+
+
+def find_rnn_units(view: GraphView) -> list[RnnUnit]:
+    """Every forward-stage scope in ``view``; its gradient's nodes go to ``grad_ops``."""
+    units: dict[str, RnnUnit] = {}
+    gradient_nodes = []
+    for node in view.nodes():
+        if node.name.startswith(GRADIENT_SCOPES):
+            gradient_nodes.append(node)
+            continue
+        found = _SCOPE_RE.match(node.name)
+        if found is None:
+            continue
+        scope = found.group(0)
+        unit = units.setdefault(scope, RnnUnit(scope, found.group("tag")))
+        unit.ops.setdefault(node.op, []).append(node.name)
+    for node in gradient_nodes:
+        found = _SCOPE_RE.match(node.name.split("/", 1)[1])
+        if found is not None and found.group(0) in units:
+            units[found.group(0)].grad_ops.setdefault(node.op, []).append(node.name)
+    # A loop body traced inside the scope names its nodes after it too: a unit is where the
+    # layer's loop (or cuDNN call) is, or an unrolled layer, which has no loop anywhere.
+    return [u for u in units.values()
+            if u.tag == "declined_unroll" or any(op in u.ops for op in UNIT_OPS)]
+
+
+def _check_unit(view: GraphView, unit: RnnUnit, target: Target) -> tuple[str | None, str | None]:
+    """(label, partial reason) for a fused unit, or (None, decline reason) if it is broken."""
+    kind = unit.tag
+    branches = "If" in unit.ops or "StatelessIf" in unit.ops
+    form = "cudnn" if "CudnnRNNV3" in unit.ops or branches else "hoisted"
+    label = KIND_LABELS.get((kind, form))
+    if label is None:
+        return None, f"{kind}: unexpected {form} form"
+    if form == "hoisted":
+        loops = [n for op in ("While", "StatelessWhile") for n in unit.ops.get(op, ())]
+        if not loops:
+            return None, f"{kind}: no recurrent loop found under {unit.scope}"
+        return label, None
+    if branches:
+        return label, ("masked: CudnnRNNV3 for right-padded masks, Keras's loop for others "
+                       "(chosen at run time)")
+    if not any(parse_input(i)[0] in view for n in unit.ops["CudnnRNNV3"]
+               for i in view.node(n).input):
+        return None, f"{kind}: CudnnRNNV3 without inputs"
+    missing = unlisted_ops({**unit.ops, **unit.grad_ops}, target)
+    if any(op in missing for op in CUDNN_OPS):
+        return None, f"{kind}: {target.name} runs no {', '.join(missing)}"
+    if missing:
+        return label, f"ops beside the RNN kernel not in {target.name}'s list: {', '.join(missing)}"
+    return label, None
+
+
+def unlisted_ops(ops, target: Target) -> list[str]:
+    """Ops of ``ops`` the target's kernel list does not show.
+
+    The metal list comes from ``strings -n 4`` of the plugin, so names of three letters or
+    fewer (Mul, Sub, Sum, Neg) cannot appear in it: they are not counted as missing.
+    """
+    return sorted(op for op in ops if len(op) > 3 and op not in RUNTIME_OPS
+                  and not target.runs_op(op))
+
+
+@register(
+    "rnn",
+    "Keras LSTM / GRU -> hoisted input projection + recurrent loop with custom gradient (cpu), "
+    "CudnnRNNV3 (cuda, metal); emitted before differentiation, checked and reported here",
+)
+def rnn_pass(view: GraphView, ctx: RewriteContext) -> None:
+    """Report the RNN layers the forward stage fused or declined in ``view``."""
+    for unit in find_rnn_units(view):
+        ctx.stats.matched += 1
+        if unit.tag.startswith("declined_"):
+            code = unit.tag[len("declined_"):]
+            ctx.stats.decline(DECLINE_REASONS.get(code, code))
+            continue
+        label, why = _check_unit(view, unit, ctx.target)
+        if label is None:
+            ctx.stats.decline(why)
+        else:
+            ctx.stats.fuse(label, why)

@@ -1,0 +1,441 @@
+"""What the ``rnn`` family emits in place of Keras's generic LSTM/GRU loop.
+
+CPU (``lstm_sequence`` / ``gru_sequence``): the loop's structure, not a kernel name, is what
+costs on a CPU (``BlockLSTMV2`` measured ~1.8x slower than Keras's loop). So:
+
+- the input projection of every timestep is hoisted out of the loop: one ``[T*B, I] x [I, G]``
+  MatMul (+ BiasAdd) before it;
+- the loop keeps only the recurrent MatMul and the gate arithmetic, and saves the gate
+  activations it needs for the backward pass (no TensorList accumulators built by autodiff);
+- a ``tf.custom_gradient`` gives the backward: one reverse loop with one MatMul per step
+  (``dz_t @ R^T``), then the recurrent-kernel gradient as one ``[H, T*B] x [T*B, G]`` MatMul;
+  the input-projection gradients (``dX``, ``dKernel``, ``dBias``) are one big MatMul each,
+  built by TensorFlow's own gradients of the hoisted projection.
+
+The arithmetic is Keras's, term for term (``keras/src/layers/rnn/{lstm,gru}.py``, gate orders
+i,f,c,o and z,r,h), masks keep the state and repeat the last output like ``keras.ops.rnn``.
+
+GPU targets (``cudnn_lstm`` / ``cudnn_gru``): Keras's own cuDNN formulation (``CudnnRNNV3``,
+whose registered gradient is ``CudnnRNNBackpropV3``), which tensorflow-metal implements too.
+
+Example:
+    >>> import numpy as np, tensorflow as tf
+    >>> from fusion.patterns.rnn_kernels import lstm_sequence
+    >>> x = tf.ones([2, 3, 4]); h0 = c0 = tf.zeros([2, 5])
+    >>> k, r, b = tf.fill([4, 20], 0.1), tf.fill([5, 20], 0.1), tf.zeros([20])
+    >>> last, seq, (h, c) = lstm_sequence(x, h0, c0, None, k, r, b)
+    >>> seq.shape.as_list(), bool(np.allclose(last, h))
+    ([2, 1, 5], True)
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+PARALLEL_ITERATIONS = 32  # as keras.ops.rnn
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _ta(dtype: tf.DType, size: tf.Tensor) -> tf.TensorArray:
+    return tf.TensorArray(dtype, size=size)
+
+
+def _loop(n: tf.Tensor, body, loop_vars: tuple) -> tuple:
+    return tf.while_loop(
+        lambda t, *_: t < n, body, (tf.constant(0),) + tuple(loop_vars),
+        maximum_iterations=n, parallel_iterations=PARALLEL_ITERATIONS,
+    )[1:]
+
+
+def _or_zeros(grad: tf.Tensor | None, like: tf.Tensor) -> tf.Tensor:
+    return tf.zeros_like(like) if grad is None else grad
+
+
+def _shifted(first: tf.Tensor, seq: tf.Tensor) -> tf.Tensor:
+    """``[first, seq[0], ..., seq[T-2]]``: the state before each step."""
+    return tf.concat([first[None], seq[:-1]], axis=0)
+
+
+def _flat(x: tf.Tensor) -> tf.Tensor:
+    return tf.reshape(x, [-1, tf.shape(x)[-1]])
+
+
+def _sig_grad(a: tf.Tensor) -> tf.Tensor:
+    return a * (1.0 - a)
+
+
+def _seq(x: tf.Tensor) -> tf.TensorArray:
+    return _ta(x.dtype, tf.shape(x)[0]).unstack(x)
+
+
+def _forward(xp, states, mask, cell, keep_states, saved):
+    """The forward loop over ``xp`` [T, B, G].
+
+    ``cell(x_t, *states) -> (new_states, saved_tensors)`` is one step. Masked steps keep the
+    old states. Returns the final states, the stacked first state of every step when
+    ``keep_states`` (else None), and ``saved`` TensorArrays of the cell's saved tensors (what
+    the backward pass reads, computed in the forward loop where it is off the recurrence's
+    critical path; ``saved=0`` for inference).
+    """
+    n = tf.shape(xp)[0]
+    xs = _seq(xp)
+    ms = None if mask is None else _seq(mask)
+    k = len(states)
+
+    def step(t, *carry):
+        old, arrays = carry[:k], list(carry[k:])
+        new, keep = cell(xs.read(t), *old)
+        if ms is not None:
+            m = ms.read(t)
+            new = [tf.where(m, a, b) for a, b in zip(new, old)]
+        if keep_states:
+            arrays[0] = arrays[0].write(t, new[0])
+        for j, tensor in enumerate(keep[:saved]):
+            arrays[keep_states + j] = arrays[keep_states + j].write(t, tensor)
+        return (t + 1, *new, *arrays)
+
+    arrays = [_ta(xp.dtype, n) for _ in range(int(keep_states) + saved)]
+    out = _loop(n, step, (*states, *arrays))
+    final, arrays = list(out[:k]), list(out[k:])
+    hs = arrays.pop(0).stack() if keep_states else None
+    return n, final, hs, arrays
+
+
+def _masks(mask, dtype):
+    """Per-step float masks (TensorArray) for the backward loop, or None."""
+    return None if mask is None else _seq(tf.cast(mask, dtype))
+
+
+# The backward loops carry only what the recurrence needs (the state gradients) and read the
+# factors the forward loop saved; weight gradients are single big MatMuls after the loop. With
+# ``sequence=False`` the core returns only the final states and the backward loop reads no
+# per-step output gradient. Without ``training`` no custom gradient and nothing is saved: the
+# loop stays differentiable by TensorFlow's own While gradient.
+
+
+# -- LSTM ------------------------------------------------------------------------------------
+def _lstm_cell(rk, saving):
+    def cell(x_t, h, c):
+        z = x_t + tf.matmul(h, rk)
+        zi, zf, zg, zo = tf.split(z, 4, axis=1)
+        i, f, g, o = tf.sigmoid(zi), tf.sigmoid(zf), tf.tanh(zg), tf.sigmoid(zo)
+        c_new = f * c + i * g
+        tc = tf.tanh(c_new)
+        if not saving:
+            return [o * tc, c_new], ()
+        # dc_new = dc + dh * p1; dz = [dc_new, dc_new, dc_new, dh] * fac
+        p1 = o * (1.0 - tc * tc)
+        fac = tf.concat([g * _sig_grad(i), c * _sig_grad(f), i * (1.0 - g * g),
+                         tc * _sig_grad(o)], axis=1)
+        return [o * tc, c_new], (tf.concat([p1, f, fac], axis=1),)
+
+    return cell
+
+
+def _lstm_core(xp, h0, c0, rk, mask, sequence=True, training=True):
+    """Recurrence over ``xp`` [T, B, 4H] (input projection + bias already added).
+
+    Returns ``(hs, h_T, c_T)`` (``hs`` the states, [T, B, H]), or ``(h_T, c_T)``.
+    """
+    if not training:
+        _, (h_t, c_t), hs, _ = _forward(xp, (h0, c0), mask, _lstm_cell(rk, False), sequence, 0)
+        return (hs, h_t, c_t) if sequence else (h_t, c_t)
+
+    @tf.custom_gradient
+    def core(xp, h0, c0, rk):
+        units = tf.shape(h0)[-1]
+        n, (h_t, c_t), hs, (rec,) = _forward(xp, (h0, c0), mask, _lstm_cell(rk, True), True, 1)
+
+        def grad(*d_out):
+            d_hs, d_ht, d_ct = d_out if sequence else (None, *d_out)
+            d_ht, d_ct = _or_zeros(d_ht, h_t), _or_zeros(d_ct, c_t)
+            dseq = None if d_hs is None else _seq(d_hs)
+            mf = _masks(mask, xp.dtype)
+            rk_t = tf.transpose(rk)  # MatMul with transpose_b is ~1.6x slower here
+
+            def back(t, dh, dc, dzs):
+                s = n - 1 - t
+                if dseq is not None:
+                    dh = dh + dseq.read(s)
+                p1, f, fac = tf.split(rec.read(s), [units, units, 4 * units], axis=1)
+                dhn, dcn = dh, dc
+                if mf is not None:
+                    m = mf.read(s)
+                    dhn, dcn = dh * m, dc * m
+                dcn = dcn + dhn * p1
+                dz = tf.concat([dcn, dcn, dcn, dhn], axis=1) * fac
+                dh_prev = tf.matmul(dz, rk_t)
+                dc_prev = dcn * f
+                if mf is not None:
+                    dh_prev, dc_prev = dh_prev + dh * (1.0 - m), dc_prev + dc * (1.0 - m)
+                return t + 1, dh_prev, dc_prev, dzs.write(s, dz)
+
+            dh0, dc0, dzs = _loop(n, back, (d_ht, d_ct, _ta(xp.dtype, n)))
+            dxp = dzs.stack()
+            drk = tf.matmul(_flat(_shifted(h0, hs)), _flat(dxp), transpose_a=True)
+            return dxp, dh0, dc0, drk
+
+        return ((hs, h_t, c_t) if sequence else (h_t, c_t)), grad
+
+    return core(xp, h0, c0, rk)
+
+
+# -- GRU -------------------------------------------------------------------------------------
+def _gru_after_cell(rk, brec, saving):
+    def cell(x_t, h):
+        inner = tf.matmul(h, rk) + brec
+        x_z, x_r, x_h = tf.split(x_t, 3, axis=1)
+        r_z, r_r, r_h = tf.split(inner, 3, axis=1)
+        z = tf.sigmoid(x_z + r_z)
+        r = tf.sigmoid(x_r + r_r)
+        hh = tf.tanh(x_h + r * r_h)
+        h_new = z * h + (1 - z) * hh
+        if not saving:
+            return [h_new], ()
+        # d(pre-tanh) = dh * pz; d(inner) = [dh, dh, dh] * [qz, qr, pz * r]
+        pz = (1 - z) * (1.0 - hh * hh)
+        rec = tf.concat([(h - hh) * _sig_grad(z), pz * r_h * _sig_grad(r), pz * r, z, pz], 1)
+        return [h_new], (rec,)
+
+    return cell
+
+
+def _gru_core_after(xp, h0, rk, brec, mask, sequence=True, training=True):
+    """GRU(reset_after=True) recurrence; ``xp`` = x @ kernel + input bias, [T, B, 3H]."""
+    if not training:
+        _, (h_t,), hs, _ = _forward(xp, (h0,), mask, _gru_after_cell(rk, brec, False),
+                                    sequence, 0)
+        return (hs, h_t) if sequence else h_t
+
+    @tf.custom_gradient
+    def core(xp, h0, rk, brec):
+        units = tf.shape(h0)[-1]
+        n, (h_t,), hs, (rec,) = _forward(xp, (h0,), mask, _gru_after_cell(rk, brec, True),
+                                         True, 1)
+
+        def grad(*d_out):
+            d_hs, d_ht = d_out if sequence else (None, *d_out)
+            d_ht = _or_zeros(d_ht, h_t)
+            dseq = None if d_hs is None else _seq(d_hs)
+            mf = _masks(mask, xp.dtype)
+            rk_t = tf.transpose(rk)
+
+            def back(t, dh, dis, dahs):
+                s = n - 1 - t
+                if dseq is not None:
+                    dh = dh + dseq.read(s)
+                fac, z, pz = tf.split(rec.read(s), [3 * units, units, units], axis=1)
+                dhn = dh if mf is None else dh * mf.read(s)
+                dinner = tf.tile(dhn, [1, 3]) * fac
+                dh_prev = dhn * z + tf.matmul(dinner, rk_t)
+                if mf is not None:
+                    dh_prev = dh_prev + (dh - dhn)
+                return t + 1, dh_prev, dis.write(s, dinner), dahs.write(s, dhn * pz)
+
+            dh0, dis, dahs = _loop(n, back, (d_ht, _ta(xp.dtype, n), _ta(xp.dtype, n)))
+            dinner = dis.stack()
+            dxp = tf.concat([dinner[..., : 2 * units], dahs.stack()], axis=2)
+            dinner = _flat(dinner)
+            drk = tf.matmul(_flat(_shifted(h0, hs)), dinner, transpose_a=True)
+            return dxp, dh0, drk, tf.reduce_sum(dinner, axis=0)
+
+        return ((hs, h_t) if sequence else h_t), grad
+
+    return core(xp, h0, rk, brec)
+
+
+def _gru_before_cell(rk_zr, rk_h, saving):
+    def cell(x_t, h):
+        inner = tf.matmul(h, rk_zr)
+        x_z, x_r, x_h = tf.split(x_t, 3, axis=1)
+        r_z, r_r = tf.split(inner, 2, axis=1)
+        z = tf.sigmoid(x_z + r_z)
+        r = tf.sigmoid(x_r + r_r)
+        rh = r * h
+        hh = tf.tanh(x_h + tf.matmul(rh, rk_h))
+        h_new = z * h + (1 - z) * hh
+        if not saving:
+            return [h_new], ()
+        # d(pre-tanh) = dh * pz; d[z, r pre-activations] = [dh * qz, d(r*h) * qr]
+        pz = (1 - z) * (1.0 - hh * hh)
+        rec = tf.concat([pz, (h - hh) * _sig_grad(z), h * _sig_grad(r), z, r], axis=1)
+        return [h_new], (rec, rh)
+
+    return cell
+
+
+def _gru_core_before(xp, h0, rk, mask, sequence=True, training=True):
+    """GRU(reset_after=False) recurrence: the reset gate scales h before its MatMul."""
+    units = rk.shape[0]
+    if not training:
+        cell = _gru_before_cell(rk[:, : 2 * units], rk[:, 2 * units:], False)
+        _, (h_t,), hs, _ = _forward(xp, (h0,), mask, cell, sequence, 0)
+        return (hs, h_t) if sequence else h_t
+
+    @tf.custom_gradient
+    def core(xp, h0, rk):
+        rk_zr, rk_h = rk[:, : 2 * units], rk[:, 2 * units:]
+        n, (h_t,), hs, (rec, rhs) = _forward(xp, (h0,), mask,
+                                             _gru_before_cell(rk_zr, rk_h, True), True, 2)
+
+        def grad(*d_out):
+            d_hs, d_ht = d_out if sequence else (None, *d_out)
+            d_ht = _or_zeros(d_ht, h_t)
+            dseq = None if d_hs is None else _seq(d_hs)
+            mf = _masks(mask, xp.dtype)
+            rk_h_t, rk_zr_t = tf.transpose(rk_h), tf.transpose(rk_zr)
+
+            def back(t, dh, dxs):
+                s = n - 1 - t
+                if dseq is not None:
+                    dh = dh + dseq.read(s)
+                pz, qz, qr, z, r = tf.split(rec.read(s), 5, axis=1)
+                dhn = dh if mf is None else dh * mf.read(s)
+                dah = dhn * pz
+                d_rh = tf.matmul(dah, rk_h_t)
+                dzr = tf.concat([dhn * qz, d_rh * qr], axis=1)
+                dh_prev = dhn * z + d_rh * r + tf.matmul(dzr, rk_zr_t)
+                if mf is not None:
+                    dh_prev = dh_prev + (dh - dhn)
+                return t + 1, dh_prev, dxs.write(s, tf.concat([dzr, dah], axis=1))
+
+            dh0, dxs = _loop(n, back, (d_ht, _ta(xp.dtype, n)))
+            dxp = dxs.stack()
+            d_zr, d_h = _flat(dxp[..., : 2 * units]), _flat(dxp[..., 2 * units:])
+            drk = tf.concat([tf.matmul(_flat(_shifted(h0, hs)), d_zr, transpose_a=True),
+                             tf.matmul(_flat(rhs.stack()), d_h, transpose_a=True)], axis=1)
+            return dxp, dh0, drk
+
+        return ((hs, h_t) if sequence else h_t), grad
+
+    return core(xp, h0, rk)
+
+
+# -- the Keras-shaped wrappers -----------------------------------------------------------------
+def _time_major(sequences, mask, go_backwards):
+    x = tf.transpose(sequences, [1, 0, 2])
+    m = None
+    if mask is not None:
+        m = tf.transpose(tf.cast(mask, tf.bool))[..., None]  # [T, B, 1]
+    if go_backwards:
+        x = tf.reverse(x, [0])
+        m = None if m is None else tf.reverse(m, [0])
+    return x, m
+
+
+def _project(x, kernel, bias):
+    """The hoisted input projection: every timestep in one MatMul (+ BiasAdd)."""
+    shape = tf.shape(x)
+    xp = tf.matmul(tf.reshape(x, [-1, x.shape[-1]]), kernel)
+    if bias is not None:
+        xp = tf.nn.bias_add(xp, bias)
+    return tf.reshape(xp, [shape[0], shape[1], kernel.shape[-1]])
+
+
+def _outputs(hs, h_t, m, return_sequences, zero_output_for_mask):
+    """Keras's (last_output, outputs) from the states ``hs`` [T, B, H] (None: final only)."""
+    if hs is None:  # return_sequences=False: the last output is the final state, or zeros
+        if m is not None:
+            ran = m[-1] if zero_output_for_mask else tf.reduce_any(m, axis=0)
+            h_t = tf.where(ran, h_t, tf.zeros_like(h_t))
+        return h_t, h_t[:, None]
+    if m is not None:
+        if zero_output_for_mask:
+            hs = tf.where(m, hs, tf.zeros_like(hs))
+        else:  # a masked step repeats the previous output; zeros before the first valid step
+            seen = tf.cumsum(tf.cast(m, tf.int32), axis=0) > 0
+            hs = tf.where(seen, hs, tf.zeros_like(hs))
+    return hs[-1], tf.transpose(hs, [1, 0, 2])
+
+
+def lstm_sequence(sequences, h0, c0, mask, kernel, recurrent_kernel, bias,
+                  go_backwards=False, return_sequences=False, zero_output_for_mask=False,
+                  training=True):
+    """Keras ``LSTM.inner_loop`` semantics, hoisted: ``(last_output, outputs, [h, c])``.
+
+    ``training=False`` builds an inference loop (nothing saved for a backward pass).
+    """
+    x, m = _time_major(sequences, mask, go_backwards)
+    xp = _project(x, kernel, bias)
+    out = _lstm_core(xp, h0, c0, recurrent_kernel, m, return_sequences, training)
+    hs, h_t, c_t = out if return_sequences else (None, *out)
+    last, outputs = _outputs(hs, h_t, m, return_sequences, zero_output_for_mask)
+    return last, outputs, [h_t, c_t]
+
+
+def gru_sequence(sequences, h0, mask, kernel, recurrent_kernel, bias, reset_after=True,
+                 go_backwards=False, return_sequences=False, zero_output_for_mask=False,
+                 training=True):
+    """Keras ``GRU.inner_loop`` semantics, hoisted: ``(last_output, outputs, [h])``."""
+    x, m = _time_major(sequences, mask, go_backwards)
+    if reset_after:
+        units = recurrent_kernel.shape[0]
+        if bias is None:
+            in_bias, rec_bias = None, tf.zeros([3 * units], kernel.dtype)
+        else:
+            in_bias, rec_bias = bias[0], bias[1]
+        out = _gru_core_after(_project(x, kernel, in_bias), h0, recurrent_kernel, rec_bias,
+                              m, return_sequences, training)
+    else:
+        out = _gru_core_before(_project(x, kernel, bias), h0, recurrent_kernel, m,
+                               return_sequences, training)
+    hs, h_t = out if return_sequences else (None, out)
+    last, outputs = _outputs(hs, h_t, m, return_sequences, zero_output_for_mask)
+    return last, outputs, [h_t]
+
+
+# -- GPU targets: CudnnRNNV3 ---------------------------------------------------------------------
+def _cudnn_params(weights, biases):
+    """Keras's ``_standardize_cudnn_weights`` with transposed weights, flat."""
+    flat = [tf.reshape(tf.transpose(w), [-1]) for w in weights]
+    return tf.concat(flat + [tf.reshape(b, [-1]) for b in biases], axis=0)
+
+
+def _cudnn_run(sequences, init_h, init_c, mask, params, mode, go_backwards, return_sequences):
+    if mask is not None:
+        lengths = tf.reduce_sum(tf.cast(mask, tf.int32), axis=1)
+    else:
+        lengths = tf.fill([tf.shape(sequences)[0]], tf.shape(sequences)[1])
+    if go_backwards:
+        sequences = tf.reverse_sequence(sequences, lengths, seq_axis=1, batch_axis=0)
+    outputs, h, c, _, _ = tf.raw_ops.CudnnRNNV3(
+        input=sequences, input_h=init_h[:, None], input_c=init_c[:, None], params=params,
+        is_training=True, rnn_mode=mode, sequence_lengths=lengths, time_major=False)
+    if go_backwards:
+        outputs = tf.reverse_sequence(outputs, lengths, seq_axis=1, batch_axis=0)
+        outputs = tf.reverse(outputs, axis=[1])
+    h = tf.squeeze(h, axis=1)
+    if not return_sequences:
+        outputs = h[:, None]
+    return h, outputs, h, c
+
+
+def cudnn_lstm(sequences, h0, c0, mask, kernel, recurrent_kernel, bias,
+               go_backwards=False, return_sequences=False):
+    """LSTM as one ``CudnnRNNV3`` (Keras's cuDNN formulation; right-padded masks)."""
+    units = recurrent_kernel.shape[0]
+    if bias is None:
+        bias = tf.zeros([4 * units], kernel.dtype)
+    weights = tf.split(kernel, 4, axis=1) + tf.split(recurrent_kernel, 4, axis=1)
+    full_bias = tf.concat([tf.zeros_like(bias), bias], axis=0)
+    params = _cudnn_params(weights, tf.split(full_bias, 8))
+    last, outputs, h, c = _cudnn_run(sequences, h0, c0, mask, params, "lstm",
+                                     go_backwards, return_sequences)
+    return last, outputs, [h, tf.squeeze(c, axis=1)]
+
+
+def cudnn_gru(sequences, h0, mask, kernel, recurrent_kernel, bias, swap_zr,
+              go_backwards=False, return_sequences=False):
+    """GRU(reset_after=True) as one ``CudnnRNNV3``; cuDNN (CUDA) wants r before z."""
+    units = recurrent_kernel.shape[0]
+    if bias is None:
+        bias = tf.zeros([2, 3 * units], kernel.dtype)
+    weights = tf.split(kernel, 3, axis=1) + tf.split(recurrent_kernel, 3, axis=1)
+    biases = tf.split(tf.reshape(bias, [-1]), 6)
+    if swap_zr:
+        for seq in (weights, biases):
+            seq[0], seq[1], seq[3], seq[4] = seq[1], seq[0], seq[4], seq[3]
+    params = _cudnn_params(weights, biases)
+    last, outputs, h, _ = _cudnn_run(sequences, h0, tf.zeros_like(h0), mask, params, "gru",
+                                     go_backwards, return_sequences)
+    return last, outputs, [h]
