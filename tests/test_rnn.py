@@ -149,7 +149,8 @@ def _model(layers_fn, seed: int = 0, vocab: int | None = None) -> keras.Model:
     x = layers_fn(x)
     out = keras.layers.Dense(3, activation="softmax")(x)
     model = keras.Model(inp, out)
-    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy")
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss="sparse_categorical_crossentropy")
     return model
 
 

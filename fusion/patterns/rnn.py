@@ -68,7 +68,16 @@ KIND_LABELS = {
 }
 CUDNN_OPS = ("CudnnRNNV3", "CudnnRNNBackpropV3")
 UNIT_OPS = ("While", "StatelessWhile", "CudnnRNNV3", "If", "StatelessIf")
-RUNTIME_OPS = frozenset({"Placeholder", "If", "StatelessIf", "While", "StatelessWhile"})
+RUNTIME_OPS = frozenset({
+    "Placeholder", "If", "StatelessIf", "While", "StatelessWhile",
+    # variant containers the control-flow gradients use (cond_v2 keeps intermediates in
+    # Optionals, while_v2 in TensorLists): kernels registered for every device type
+    "OptionalFromValue", "OptionalGetValue", "OptionalNone", "OptionalHasValue",
+    "EmptyTensorList", "TensorListReserve", "TensorListFromTensor", "TensorListPushBack",
+    "TensorListPopBack", "TensorListElementShape", "TensorListStack", "TensorListGetItem",
+    "TensorListSetItem", "TensorListLength",
+    "VariableShape",  # a variable's shape, host memory output on every device
+})
 _SCOPE_RE = re.compile(r"^(?P<prefix>.*?)" + SCOPE + r"(?P<tag>[A-Za-z_]+?)(_\d+)?/")
 
 
