@@ -6,11 +6,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from policies_fixtures import restore_global_policy  # noqa: F401 (autouse fixture)
 
 import policies
 from policies import global_policy
 from policies.hardware import Hardware, choose
-from tests.policies_fixtures import restore_global_policy  # noqa: F401 (autouse fixture)
 
 XEON_AMX = Hardware(cpu_name="Xeon", cpu_flags=frozenset({"avx512f", "avx512_bf16", "amx_bf16",
                                                            "avx512_fp16"}))
