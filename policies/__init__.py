@@ -45,14 +45,16 @@ from policies.safety import make_safe
 from policies.tune import LayerChoice, TuneResult, tune
 
 
-def apply(model: Any, name: str | None = None, *, safe: bool = True) -> list[str]:
+def apply(model: Any, name: str | None = None, *, safe: bool = True,
+          sample_batch: Any = None) -> list[str]:
     """Switch the layers of an already built ``model`` to policy ``name`` (default: current).
 
     The fix for "the policy was set after the model was built": mixed policies keep float32
     variables, so the built weights are kept and only the compute dtype changes. Then the safe
     defaults are applied (``safe=True``) and every layer is checked; a layer that breaks under
-    the policy raises :class:`LayerDtypeError` naming it, and the model is left as it was.
-    Returns the names of the layers that changed.
+    the policy raises :class:`LayerDtypeError` naming it, and the model is left as it was
+    (the check runs on ``sample_batch``, or on a random batch when the model's input shapes are
+    known; otherwise it is skipped). Returns the names of the layers that changed.
 
     >>> import keras, policies
     >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="h"),
@@ -65,7 +67,7 @@ def apply(model: Any, name: str | None = None, *, safe: bool = True) -> list[str
     from policies import hook
     from policies.layers import iter_layers, set_policy
     from policies.names import check_name
-    from policies.tune import reset_step_functions
+    from policies.tune import reset_step_functions, sample_inputs
 
     target = resolve(check_name(name)).policy if name is not None else current()
     hook.install()
@@ -77,7 +79,13 @@ def apply(model: Any, name: str | None = None, *, safe: bool = True) -> list[str
                 set_policy(layer, target)
         if safe:
             make_safe(model)
-        check(model)
+        if sample_batch is None:
+            try:
+                sample_batch = sample_inputs(model, batch_size=2)
+            except ValueError:
+                sample_batch = None  # shapes unknown: nothing to run the check on
+        if sample_batch is not None:
+            check(model, sample_batch)
     except Exception:
         for layer, policy in zip(layers, saved):
             layer._dtype_policy = policy

@@ -6,11 +6,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from policies_fixtures import restore_global_policy  # noqa: F401 (autouse fixture)
 
 import tfmx
 from fusion.graph import GraphView
 from fusion.patterns.casts import find_casts
-from tests.policies_fixtures import restore_global_policy  # noqa: F401 (autouse fixture)
 
 
 @pytest.fixture(autouse=True)

@@ -6,11 +6,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from policies_fixtures import restore_global_policy  # noqa: F401 (autouse fixture)
 
 import policies
 from policies import global_policy
 from policies.hardware import Hardware, choose
-from tests.policies_fixtures import restore_global_policy  # noqa: F401 (autouse fixture)
 
 XEON_AMX = Hardware(cpu_name="Xeon", cpu_flags=frozenset({"avx512f", "avx512_bf16", "amx_bf16",
                                                            "avx512_fp16"}))
@@ -285,3 +285,11 @@ def test_recipe_rejects_an_unknown_policy_before_training():
 
     with pytest.raises(ValueError, match="unknown policy 'bf16'"):
         main(["--quick", "--policy", "bf16"])
+
+
+def test_apply_on_a_model_with_unknown_input_shapes_skips_the_check():
+    inp = keras.Input((None, 4))
+    out = keras.layers.Dense(2, name="o")(keras.layers.Dense(4, name="h")(inp))
+    model = keras.Model(inp, out)
+    assert policies.apply(model, "mixed_bfloat16") == ["h"]
+    assert policies.apply(model, "float32", sample_batch=np.ones((2, 3, 4), "float32")) == ["h"]

@@ -6,12 +6,12 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from policies_fixtures import restore_global_policy  # noqa: F401 (autouse fixture)
 
 import policies
 from policies import global_policy
 from policies.audit import count_round_trips
 from policies.hardware import Hardware
-from tests.policies_fixtures import restore_global_policy  # noqa: F401 (autouse fixture)
 
 BF16 = "mixed_bfloat16"
 tune_module = importlib.import_module("policies.tune")  # policies.tune is the function
