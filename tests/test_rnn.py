@@ -360,3 +360,15 @@ def test_cudnn_form_gives_keras_mask_semantics_for_any_mask(go_backwards, zero_o
     expected, got = tf.function(both)()
     for e, g in zip(expected, got):
         np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("make,backend,code", [
+    (lambda: L(H, dtype="mixed_bfloat16"), "cpu", "dtype"),
+    (lambda: L(H, use_cudnn=True), "cpu", "use_cudnn_true"),
+    (lambda: G(H, use_cudnn=False), "metal", "use_cudnn_false"),
+    (lambda: G(H, recurrent_activation="hard_sigmoid"), "cuda", "activation"),
+    (lambda: keras.layers.SimpleRNN(H), "cpu", "cell"),
+])
+def test_find_declines_with_a_reason(make, backend, code):
+    match, why = rnn.find_rnn_layer(make(), get_backend(backend))
+    assert match is None and why == code and code in rnn.DECLINE_REASONS
