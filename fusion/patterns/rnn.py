@@ -16,6 +16,9 @@ like every other family.
 CPU form (``fusion.patterns.rnn_kernels``): the input projection of all timesteps is one MatMul
 before the loop, the loop keeps the recurrent MatMul and the gate arithmetic, the backward is
 one reverse loop with one MatMul per step and the weight gradients as single big MatMuls.
+GPU form: one ``CudnnRNNV3`` per layer; masks of any shape (left padding, holes) keep Keras's
+generic-loop semantics by packing each row's unmasked steps to the front (cuDNN takes only
+sequence lengths), where Keras itself asserts right padding.
 
 Example:
     >>> import keras

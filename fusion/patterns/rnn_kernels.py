@@ -15,8 +15,9 @@ costs on a CPU (``BlockLSTMV2`` measured ~1.8x slower than Keras's loop). So:
 The arithmetic is Keras's, term for term (``keras/src/layers/rnn/{lstm,gru}.py``, gate orders
 i,f,c,o and z,r,h), masks keep the state and repeat the last output like ``keras.ops.rnn``.
 
-GPU targets (``cudnn_lstm`` / ``cudnn_gru``): Keras's own cuDNN formulation (``CudnnRNNV3``,
-whose registered gradient is ``CudnnRNNBackpropV3``), which tensorflow-metal implements too.
+GPU targets (``cudnn_lstm`` / ``cudnn_gru``): Keras's own cuDNN weight layout (``CudnnRNNV3``,
+whose registered gradient is ``CudnnRNNBackpropV3``), which tensorflow-metal implements too;
+any mask through :func:`run_keras_semantics`.
 
 Example:
     >>> import numpy as np, tensorflow as tf
