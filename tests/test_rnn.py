@@ -293,19 +293,13 @@ def test_metal_plan_uses_the_plugins_cudnn_kernels_node_by_node():
         lambda x: G(H, return_sequences=True)(keras.layers.Masking(0.0)(x)),
         lambda x: G(H, reset_after=False)(x)))
     ops = op_histogram(graph)
-    # (cond_v2 keeps the original and the gradient-rewritten copy of the cuDNN branch)
-    assert ops["CudnnRNNV3"] >= 2 and ops["CudnnRNNBackpropV3"] >= 2
-    assert stats.fused == 2
-    assert list(stats.partial) == ["masked: CudnnRNNV3 for right-padded masks, Keras's loop "
-                                   "for others (chosen at run time)"]
+    assert ops["CudnnRNNV3"] == 2 and ops["CudnnRNNBackpropV3"] == 2
+    assert stats.fused == 2 and not stats.partial
     assert list(stats.declined) == [rnn.DECLINE_REASONS["reset_before_gpu"]]
-    # node by node: every op the family emitted (forward, its gradient, the cuDNN branch of
-    # the masked layer) has a Metal kernel; three-letter names (Sum, All) cannot appear in the
-    # strings-based list, control flow is run by the runtime
-    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
-    emitted = {n.op for n in nodes if re.search(r"tfmx_rnn_(lstm|gru)/|_cudnn_branch/", n.name)
-               or n.op.startswith("Cudnn")}
-    assert {"CudnnRNNV3", "CudnnRNNBackpropV3"} <= emitted
+    # node by node: every op the family emitted, forward and gradient, has a Metal kernel;
+    # three-letter names (Sum, Mul) cannot appear in the strings-based list
+    emitted = {n.op for n in graph.node if re.search(r"tfmx_rnn_(lstm|gru)/", n.name)}
+    assert {"CudnnRNNV3", "CudnnRNNBackpropV3", "TopKV2", "OneHot", "BatchMatMulV2"} <= emitted
     unlisted = {op for op in emitted if op not in metal_kernels() and len(op) > 3}
     assert unlisted <= rnn.RUNTIME_OPS, unlisted
     assert rnn.unlisted_ops(emitted, get_backend("metal")) == []
@@ -328,3 +322,54 @@ def test_rnn_pattern_can_be_switched_off():
     graph = tfmx.report().traces[0].graph_after
     assert not any("tfmx_rnn" in n.name for n in graph.node)
     assert _max_rel(_weights(stock), _weights(fused)) <= 1e-6
+
+
+@pytest.mark.parametrize("go_backwards,zero_output,return_sequences",
+                         [(False, False, True), (True, True, True), (True, False, False)])
+def test_cudnn_form_gives_keras_mask_semantics_for_any_mask(go_backwards, zero_output,
+                                                            return_sequences):
+    """The GPU form's mask handling, with the CPU kernel standing in for CudnnRNNV3."""
+    rng = np.random.default_rng(2)
+    mask = _mask()
+    mask[3] = False  # a row with no step at all keeps its initial state
+    x = tf.constant(rng.standard_normal((B, T, F_IN)), tf.float32)
+    h0 = tf.constant(rng.standard_normal((B, H)), tf.float32)
+    c0 = tf.constant(rng.standard_normal((B, H)), tf.float32)
+    layer = L(H, go_backwards=go_backwards, return_sequences=return_sequences)
+    layer.build((B, T, F_IN))
+    layer.zero_output_for_mask = zero_output
+    w = [v.value for v in layer.trainable_variables]
+
+    def cudnn_stand_in(xs, h, lengths):  # right-padded rows; zeros past each length
+        right = tf.range(T)[None, :] < lengths[:, None]
+        _, out, (h_t, c_t) = rnn_kernels.lstm_sequence(
+            xs, h, c0, right, *w, return_sequences=True, zero_output_for_mask=True)
+        return out, h_t, c_t
+
+    def both():
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            ref = keras.layers.RNN.inner_loop(layer, x, [h0, c0], tf.constant(mask))
+            last, out, h, c = rnn_kernels.run_keras_semantics(
+                cudnn_stand_in, x, h0, c0, tf.constant(mask), go_backwards, return_sequences,
+                zero_output)
+            got = (last, out, [h, c])
+            losses = [tf.reduce_sum(r[1] ** 2) + tf.reduce_sum(r[2][0]) for r in (ref, got)]
+        return ([ref[0], ref[1], *ref[2], tape.gradient(losses[0], x)],
+                [got[0], got[1], *got[2], tape.gradient(losses[1], x)])
+
+    expected, got = tf.function(both)()
+    for e, g in zip(expected, got):
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("make,backend,code", [
+    (lambda: L(H, dtype="mixed_bfloat16"), "cpu", "dtype"),
+    (lambda: L(H, use_cudnn=True), "cpu", "use_cudnn_true"),
+    (lambda: G(H, use_cudnn=False), "metal", "use_cudnn_false"),
+    (lambda: G(H, recurrent_activation="hard_sigmoid"), "cuda", "activation"),
+    (lambda: keras.layers.SimpleRNN(H), "cpu", "cell"),
+])
+def test_find_declines_with_a_reason(make, backend, code):
+    match, why = rnn.find_rnn_layer(make(), get_backend(backend))
+    assert match is None and why == code and code in rnn.DECLINE_REASONS

@@ -16,6 +16,9 @@ like every other family.
 CPU form (``fusion.patterns.rnn_kernels``): the input projection of all timesteps is one MatMul
 before the loop, the loop keeps the recurrent MatMul and the gate arithmetic, the backward is
 one reverse loop with one MatMul per step and the weight gradients as single big MatMuls.
+GPU form: one ``CudnnRNNV3`` per layer; masks of any shape (left padding, holes) keep Keras's
+generic-loop semantics by packing each row's unmasked steps to the front (cuDNN takes only
+sequence lengths), where Keras itself asserts right padding.
 
 Example:
     >>> import keras
@@ -67,7 +70,7 @@ KIND_LABELS = {
     ("gru", "cudnn"): "GRU: CudnnRNNV3 (+ CudnnRNNBackpropV3 by its gradient)",
 }
 CUDNN_OPS = ("CudnnRNNV3", "CudnnRNNBackpropV3")
-UNIT_OPS = ("While", "StatelessWhile", "CudnnRNNV3", "If", "StatelessIf")
+UNIT_OPS = ("While", "StatelessWhile", "CudnnRNNV3")
 RUNTIME_OPS = frozenset({
     "Placeholder", "If", "StatelessIf", "While", "StatelessWhile",
     # variant containers the control-flow gradients use (cond_v2 keeps intermediates in
@@ -152,26 +155,19 @@ def rewrite_rnn_layer(match: RnnMatch, sequences, initial_state, mask, training=
     states = list(initial_state) if isinstance(initial_state, (list, tuple)) else [
         initial_state]
     with tf.name_scope(SCOPE + match.kind):
-        raw = sequences
         if training and cell.dropout:  # Keras's cuDNN path: one input mask for every step
             dp_mask = cell.get_dropout_mask(sequences[:, 0, :])
-            sequences = sequences * tf.expand_dims(dp_mask, axis=1)
+            sequences = sequences * dp_mask[:, None, :]
         kernel, recurrent = cell.kernel.value, cell.recurrent_kernel.value
         bias = None if cell.bias is None else cell.bias.value
         flags = {"go_backwards": layer.go_backwards, "return_sequences": layer.return_sequences}
-        if match.form == "cudnn":
-            if match.kind == "lstm":
-                def fused():
-                    return k.cudnn_lstm(sequences, states[0], states[1], mask, kernel,
-                                        recurrent, bias, **flags)
-            else:
-                def fused():
-                    return k.cudnn_gru(sequences, states[0], mask, kernel, recurrent, bias,
-                                       match.swap_zr, **flags)
-            if mask is None:
-                return fused()
-            return _cudnn_or_generic(layer, fused, raw, states, mask, training)
         flags["zero_output_for_mask"] = layer.zero_output_for_mask
+        if match.form == "cudnn" and match.kind == "lstm":
+            return k.cudnn_lstm(sequences, states[0], states[1], mask, kernel, recurrent, bias,
+                                **flags)
+        if match.form == "cudnn":
+            return k.cudnn_gru(sequences, states[0], mask, kernel, recurrent, bias,
+                               match.swap_zr, **flags)
         # Inference saves nothing for a backward pass (the loop stays differentiable by
         # TensorFlow's own While gradient); a symbolic ``training`` takes the training form.
         flags["training"] = training if isinstance(training, bool) else training is not None
@@ -180,34 +176,6 @@ def rewrite_rnn_layer(match: RnnMatch, sequences, initial_state, mask, training=
                                    bias, **flags)
         return k.gru_sequence(sequences, states[0], mask, kernel, recurrent, bias,
                               reset_after=match.kind == "gru", **flags)
-
-
-def _cudnn_or_generic(layer, fused, sequences, states, mask, training):
-    """cuDNN takes sequence lengths, so only right-padded masks with no empty sequence; any
-    other mask runs Keras's generic loop instead (a runtime ``tf.cond``, not Keras's Assert)."""
-    import tensorflow as tf
-    from keras.src.layers.rnn.rnn import RNN
-
-    mask = tf.cast(mask, tf.bool)
-    lengths = tf.reduce_sum(tf.cast(mask, tf.int32), axis=1)
-    steps = tf.range(tf.shape(mask)[1])
-    right_padded = tf.reduce_all(tf.equal(mask, steps[None, :] < lengths[:, None]))
-    ok = tf.logical_and(right_padded, tf.reduce_all(lengths > 0))
-
-    # Branch bodies get scopes of their own (absolute names), so the graph pass finds the
-    # layer once, by its ``If`` node, and not again inside each branch function.
-    def generic():
-        with tf.name_scope(f"{layer.name}_generic_branch/"):
-            init = states if len(states) > 1 else states[0]
-            last, outputs, new_states = RNN.inner_loop(layer, sequences, init, mask, training)
-            return last, outputs, list(new_states)
-
-    def cudnn():
-        with tf.name_scope(f"{layer.name}_cudnn_branch/"):
-            last, outputs, new_states = fused()
-            return last, outputs, list(new_states)
-
-    return tf.cond(ok, cudnn, generic)
 
 
 def forward_stage(layer, original, target: Target, sequences, initial_state, mask,
@@ -265,8 +233,7 @@ def find_rnn_units(view: GraphView) -> list[RnnUnit]:
 def _check_unit(view: GraphView, unit: RnnUnit, target: Target) -> tuple[str | None, str | None]:
     """(label, partial reason) for a fused unit, or (None, decline reason) if it is broken."""
     kind = unit.tag
-    branches = "If" in unit.ops or "StatelessIf" in unit.ops
-    form = "cudnn" if "CudnnRNNV3" in unit.ops or branches else "hoisted"
+    form = "cudnn" if "CudnnRNNV3" in unit.ops else "hoisted"
     label = KIND_LABELS.get((kind, form))
     if label is None:
         return None, f"{kind}: unexpected {form} form"
@@ -275,9 +242,6 @@ def _check_unit(view: GraphView, unit: RnnUnit, target: Target) -> tuple[str | N
         if not loops:
             return None, f"{kind}: no recurrent loop found under {unit.scope}"
         return label, None
-    if branches:
-        return label, ("masked: CudnnRNNV3 for right-padded masks, Keras's loop for others "
-                       "(chosen at run time)")
     if not any(parse_input(i)[0] in view for n in unit.ops["CudnnRNNV3"]
                for i in view.node(n).input):
         return None, f"{kind}: CudnnRNNV3 without inputs"

@@ -15,8 +15,9 @@ costs on a CPU (``BlockLSTMV2`` measured ~1.8x slower than Keras's loop). So:
 The arithmetic is Keras's, term for term (``keras/src/layers/rnn/{lstm,gru}.py``, gate orders
 i,f,c,o and z,r,h), masks keep the state and repeat the last output like ``keras.ops.rnn``.
 
-GPU targets (``cudnn_lstm`` / ``cudnn_gru``): Keras's own cuDNN formulation (``CudnnRNNV3``,
-whose registered gradient is ``CudnnRNNBackpropV3``), which tensorflow-metal implements too.
+GPU targets (``cudnn_lstm`` / ``cudnn_gru``): Keras's own cuDNN weight layout (``CudnnRNNV3``,
+whose registered gradient is ``CudnnRNNBackpropV3``), which tensorflow-metal implements too;
+any mask through :func:`run_keras_semantics`.
 
 Example:
     >>> import numpy as np, tensorflow as tf
@@ -391,41 +392,75 @@ def _cudnn_params(weights, biases):
     return tf.concat(flat + [tf.reshape(b, [-1]) for b in biases], axis=0)
 
 
-def _cudnn_run(sequences, init_h, init_c, mask, params, mode, go_backwards, return_sequences):
-    if mask is not None:
-        lengths = tf.reduce_sum(tf.cast(mask, tf.int32), axis=1)
+def _cudnn_runner(params, mode, init_c):
+    """``run(x, h0, lengths) -> (outputs, h, c)``: one CudnnRNNV3 over right-padded rows."""
+
+    def run(x, h0, lengths):
+        outputs, h, c, _, _ = tf.raw_ops.CudnnRNNV3(
+            input=x, input_h=h0[:, None], input_c=init_c[:, None], params=params,
+            is_training=True, rnn_mode=mode, sequence_lengths=lengths, time_major=False)
+        return outputs, tf.squeeze(h, axis=1), (tf.squeeze(c, axis=1) if mode == "lstm" else c)
+
+    return run
+
+
+def run_keras_semantics(run, sequences, h0, c0, mask, go_backwards=False,
+                        return_sequences=False, zero_output_for_mask=False):
+    """Keras's generic-loop results from a kernel that only takes right-padded sequences.
+
+    ``run(x, h0, lengths)`` (cuDNN) processes each row's first ``lengths`` steps and returns
+    (outputs zero past the length, final h, final c). Any mask works: each row's unmasked steps
+    are gathered to the front (a stable sort), run, and every output is gathered back from the
+    last step that ran at or before it (zeros before the first; with ``zero_output_for_mask``,
+    zeros at masked steps), as ``keras.ops.rnn`` does. No ``Cumsum`` (the Metal plugin lists
+    none): running counts are a MatMul with a triangular matrix.
+    """
+    x = tf.reverse(sequences, [1]) if go_backwards else sequences
+    batch, steps = tf.shape(x)[0], tf.shape(x)[1]
+    if mask is None:
+        outputs, h, c = run(x, h0, tf.fill([batch], steps))
+        last = h
     else:
-        lengths = tf.fill([tf.shape(sequences)[0]], tf.shape(sequences)[1])
-    if go_backwards:
-        sequences = tf.reverse_sequence(sequences, lengths, seq_axis=1, batch_axis=0)
-    outputs, h, c, _, _ = tf.raw_ops.CudnnRNNV3(
-        input=sequences, input_h=init_h[:, None], input_c=init_c[:, None], params=params,
-        is_training=True, rnn_mode=mode, sequence_lengths=lengths, time_major=False)
-    if go_backwards:
-        outputs = tf.reverse_sequence(outputs, lengths, seq_axis=1, batch_axis=0)
-        outputs = tf.reverse(outputs, axis=[1])
-    h = tf.squeeze(h, axis=1)
+        m = tf.cast(mask, tf.bool)
+        if go_backwards:
+            m = tf.reverse(m, [1])
+        order = tf.argsort(tf.cast(tf.logical_not(m), tf.int32), axis=1, stable=True)
+        lengths = tf.reduce_sum(tf.cast(m, tf.int32), axis=1)
+        # gathers as one-hot BatchMatMuls: exact, and their gradients are BatchMatMuls too
+        packed, h, c = run(tf.matmul(tf.one_hot(order, steps, dtype=x.dtype), x), h0,
+                           tf.maximum(lengths, 1))
+        ran = lengths[:, None] > 0  # an empty row keeps its initial state
+        h = tf.where(ran, h, h0)
+        c = c if c0 is None else tf.where(ran, c, c0)
+        t = tf.range(steps)
+        upper = tf.cast(t[:, None] <= t[None, :], packed.dtype)
+        count = tf.cast(tf.matmul(tf.cast(m, packed.dtype), upper), tf.int32)  # steps run <= t
+        outputs = tf.matmul(tf.one_hot(tf.maximum(count - 1, 0), steps, dtype=x.dtype), packed)
+        keep = m if zero_output_for_mask else count > 0
+        outputs = tf.where(keep[..., None], outputs, tf.zeros_like(outputs))
+        last = outputs[:, -1]
     if not return_sequences:
-        outputs = h[:, None]
-    return h, outputs, h, c
+        outputs = last[:, None]
+    return last, outputs, h, c
 
 
-def cudnn_lstm(sequences, h0, c0, mask, kernel, recurrent_kernel, bias,
-               go_backwards=False, return_sequences=False):
-    """LSTM as one ``CudnnRNNV3`` (Keras's cuDNN formulation; right-padded masks)."""
+def cudnn_lstm(sequences, h0, c0, mask, kernel, recurrent_kernel, bias, go_backwards=False,
+               return_sequences=False, zero_output_for_mask=False):
+    """LSTM as one ``CudnnRNNV3`` (Keras's cuDNN weight layout), Keras's mask semantics."""
     units = recurrent_kernel.shape[0]
     if bias is None:
         bias = tf.zeros([4 * units], kernel.dtype)
     weights = tf.split(kernel, 4, axis=1) + tf.split(recurrent_kernel, 4, axis=1)
     full_bias = tf.concat([tf.zeros_like(bias), bias], axis=0)
     params = _cudnn_params(weights, tf.split(full_bias, 8))
-    last, outputs, h, c = _cudnn_run(sequences, h0, c0, mask, params, "lstm",
-                                     go_backwards, return_sequences)
-    return last, outputs, [h, tf.squeeze(c, axis=1)]
+    last, outputs, h, c = run_keras_semantics(
+        _cudnn_runner(params, "lstm", c0), sequences, h0, c0, mask, go_backwards,
+        return_sequences, zero_output_for_mask)
+    return last, outputs, [h, c]
 
 
-def cudnn_gru(sequences, h0, mask, kernel, recurrent_kernel, bias, swap_zr,
-              go_backwards=False, return_sequences=False):
+def cudnn_gru(sequences, h0, mask, kernel, recurrent_kernel, bias, swap_zr, go_backwards=False,
+              return_sequences=False, zero_output_for_mask=False):
     """GRU(reset_after=True) as one ``CudnnRNNV3``; cuDNN (CUDA) wants r before z."""
     units = recurrent_kernel.shape[0]
     if bias is None:
@@ -436,6 +471,7 @@ def cudnn_gru(sequences, h0, mask, kernel, recurrent_kernel, bias, swap_zr,
         for seq in (weights, biases):
             seq[0], seq[1], seq[3], seq[4] = seq[1], seq[0], seq[4], seq[3]
     params = _cudnn_params(weights, biases)
-    last, outputs, h, _ = _cudnn_run(sequences, h0, tf.zeros_like(h0), mask, params, "gru",
-                                     go_backwards, return_sequences)
+    last, outputs, h, _ = run_keras_semantics(
+        _cudnn_runner(params, "gru", tf.zeros_like(h0)), sequences, h0, None, mask,
+        go_backwards, return_sequences, zero_output_for_mask)
     return last, outputs, [h]
