@@ -37,11 +37,13 @@ from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework.attr_value_pb2 import AttrValue
 from tensorflow.core.framework.node_def_pb2 import NodeDef
 from tensorflow.python.framework import op_def_registry
 
 from fusion.expr import Any, Const, Match, Op, Pattern, Read, match, norm_ref
 from fusion.graph import GraphView, output_shape, parse_input
+from fusion.match import fused_node
 from fusion.pattern import RewriteContext, Target, apply_matches, register
 
 WRITE_OPS = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"})
@@ -449,37 +451,27 @@ def _const(name: str, dtype: int, value: float) -> NodeDef:
     return node
 
 
-def _fill_defaults(node: NodeDef) -> None:
-    op_def = op_def_registry.get(node.op)
-    for attr in op_def.attr:
-        if attr.name not in node.attr and attr.HasField("default_value"):
-            node.attr[attr.name].CopyFrom(attr.default_value)
-
-
 def rewrite_update(view: GraphView, m: UpdateMatch) -> NodeDef:
     """Replace one matched update by its kernel; returns the fused node."""
     spec = m.spec
     assert spec.kernel is not None
     name = f"{m.anchor}/{spec.kernel}"
-    fused = NodeDef(name=name, op=spec.kernel)
+    inputs: list[str] = []
     for item in spec.inputs:
         if item.startswith("="):
             const = _const(f"{name}/{item[1:]}", m.dtype, m.found.values[item[1:]])
             view.add(const)
-            fused.input.append(const.name)
+            inputs.append(const.name)
         else:
-            fused.input.append(m.found.refs[item])
+            inputs.append(m.found.refs[item])
     removed = set(m.remove)
-    controls = sorted({
+    inputs += sorted({
         ref for n in m.stateful for ref in view.node(n).input
         if ref.startswith("^") and ref[1:] not in removed
     })
-    fused.input.extend(controls)
-    fused.attr["T"].type = m.dtype
-    fused.attr["use_locking"].b = False
-    for key, value in spec.attrs:
-        fused.attr[key].b = value
-    _fill_defaults(fused)
+    anchor = view.node(m.anchor)  # its device: the replica the variable lives on
+    fused = fused_node(anchor, spec.kernel, NodeDef(name=name), inputs, {
+        "T": AttrValue(type=m.dtype), "use_locking": False, **dict(spec.attrs)})
     view.add(fused)
     for n in m.stateful:
         view.redirect_control_edges(n, name)
