@@ -26,13 +26,17 @@ from helpers import ops_that_ran
 import tfmx
 from fusion.graph import GraphView, op_histogram
 from fusion.patterns.optimizer_update import find_updates
+from tfmx import backends
 from tfmx.backends import get_backend
 
 STEPS = 20
 
 
 @pytest.fixture(autouse=True)
-def _tfmx_off():
+def _tfmx_off(monkeypatch):
+    # These models are small; fuse every update so each test exercises the kernels (the cpu
+    # size threshold has its own test below).
+    monkeypatch.setattr(backends, "CPU_OPTIMIZER_MIN_ELEMENTS", 0)
     tfmx.disable()
     yield
     tfmx.disable()
@@ -330,3 +334,17 @@ def test_custom_training_loop_through_tfmx_function():
     for concrete in step.concrete_functions():
         ops |= set(op_histogram(concrete.graph.as_graph_def()))
     assert "ResourceApplyAdam" in ops
+
+
+def test_cpu_keeps_the_composite_for_small_variables(monkeypatch):
+    monkeypatch.setattr(backends, "CPU_OPTIMIZER_MIN_ELEMENTS", 4096)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64), keras.layers.Dense(2)])
+    model.compile(keras.optimizers.Adam(), "mse")
+    step = tf.function(model.train_step).get_concrete_function(
+        (tf.TensorSpec([8, 64]), tf.TensorSpec([8, 2])))
+    view = GraphView(step.graph.as_graph_def(add_shapes=True).node)
+    matches, declined = find_updates(view, get_backend("cpu"))
+    assert len(matches) == 1  # the 64x64 kernel; the 64 and 2 biases and the 64x2 kernel stay
+    assert len(declined) == 3 and all("costs more than the composite" in d for d in declined)
+    assert len(find_updates(view, get_backend("cuda"))[0]) == 4

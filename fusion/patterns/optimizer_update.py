@@ -21,7 +21,7 @@ Example:
     >>> model.compile(keras.optimizers.Adam(), "mse")
     >>> step = tf.function(model.train_step).get_concrete_function(
     ...     (tf.TensorSpec([4, 3]), tf.TensorSpec([4, 2])))
-    >>> result = rewrite(step.graph.as_graph_def(add_shapes=True), get_backend("cpu"),
+    >>> result = rewrite(step.graph.as_graph_def(add_shapes=True), get_backend("cuda"),
     ...                  ["optimizer_update"],
     ...                  control_outputs=[op.name for op in step.graph.control_outputs])
     >>> result.stats["optimizer_update"].fused_kinds
@@ -354,6 +354,12 @@ def _why_not(view: GraphView, spec: Spec, found: Match, target: Target, dtype: i
         return f"{spec.optimizer}: backend {target.name} has no {spec.kernel} kernel"
     if tf.dtypes.as_dtype(dtype) not in (tf.float16, tf.bfloat16, tf.float32, tf.float64):
         return f"{spec.optimizer}: {spec.kernel} does not take {tf.dtypes.as_dtype(dtype).name}"
+    least = getattr(target, "optimizer_min_elements", 0)
+    grad = view.node(found.refs["grad"])
+    shape = output_shape(grad, parse_input(found.refs["grad"])[1]) if grad is not None else None
+    if least and shape is not None and None not in shape and int(np.prod(shape)) < least:
+        return (f"{spec.optimizer}: variable of {int(np.prod(shape))} elements, under "
+                f"{least}: on {target.name} the kernel costs more than the composite there")
     wide = tf.dtypes.as_dtype(dtype) in (tf.float32, tf.float64)
     for name, expected in spec.checks:
         have, want = found.values[name], expected(found.values)
