@@ -34,6 +34,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 PARALLEL_ITERATIONS = 32  # as keras.ops.rnn
+CHUNKS = 5  # LSTM: loops per sequence, so big MatMuls overlap the recurrence (_lstm_core)
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -133,52 +134,79 @@ def _lstm_cell(rk, saving):
     return cell
 
 
-def _lstm_core(xp, h0, c0, rk, mask, sequence=True, training=True):
-    """Recurrence over ``xp`` [T, B, 4H] (input projection + bias already added).
+def _lstm_core(xps, h0, c0, rk, masks, sequence=True, training=True):
+    """Recurrence over the chunks ``xps`` ([T_j, B, 4H] each, input projection + bias added).
 
-    Returns ``(hs, h_T, c_T)`` (``hs`` the states, [T, B, H]), or ``(h_T, c_T)``.
+    Returns ``(hs, h_T, c_T)`` (``hs`` the states, [T, B, H]), or ``(h_T, c_T)``. Each chunk of
+    timesteps is its own loop, so the big MatMuls of one chunk (its input projection before,
+    its weight gradients after) can run beside the next chunk's recurrence.
     """
+    k = len(xps)
     if not training:
-        _, (h_t, c_t), hs, _ = _forward(xp, (h0, c0), mask, _lstm_cell(rk, False), sequence, 0)
-        return (hs, h_t, c_t) if sequence else (h_t, c_t)
+        h, c, hs = h0, c0, []
+        for j in range(k):
+            _, (h, c), hs_j, _ = _forward(xps[j], (h, c), masks[j], _lstm_cell(rk, False),
+                                          sequence, 0)
+            hs.append(hs_j)
+        return (tf.concat(hs, 0), h, c) if sequence else (h, c)
 
     @tf.custom_gradient
-    def core(xp, h0, c0, rk):
+    def core(*args):
+        xps, (h0, c0, rk) = args[:k], args[k:]
+        h, c, chunks = h0, c0, []
+        for j in range(k):
+            n, (h, c), hs_j, (rec,) = _forward(xps[j], (h, c), masks[j], _lstm_cell(rk, True),
+                                               True, 1)
+            chunks.append((n, hs_j, rec))
+        h_t, c_t = h, c
+        hs = tf.concat([hs_j for _, hs_j, _ in chunks], 0)
         units = tf.shape(h0)[-1]
-        n, (h_t, c_t), hs, (rec,) = _forward(xp, (h0, c0), mask, _lstm_cell(rk, True), True, 1)
 
         def grad(*d_out):
             d_hs, d_ht, d_ct = d_out if sequence else (None, *d_out)
-            d_ht, d_ct = _or_zeros(d_ht, h_t), _or_zeros(d_ct, c_t)
-            dseq = None if d_hs is None else _seq(d_hs)
-            mf = _masks(mask, xp.dtype)
+            dh, dc = _or_zeros(d_ht, h_t), _or_zeros(d_ct, c_t)
+            d_seqs = [None] * k if d_hs is None else tf.split(
+                d_hs, [tf.shape(x)[0] for x in xps], axis=0)
             rk_t = tf.transpose(rk)  # MatMul with transpose_b is ~1.6x slower here
-
-            def back(t, dh, dc, dzs):
-                s = n - 1 - t
-                if dseq is not None:
-                    dh = dh + dseq.read(s)
-                p1, f, fac = tf.split(rec.read(s), [units, units, 4 * units], axis=1)
-                dhn, dcn = dh, dc
-                if mf is not None:
-                    m = mf.read(s)
-                    dhn, dcn = dh * m, dc * m
-                dcn = dcn + dhn * p1
-                dz = tf.concat([dcn, dcn, dcn, dhn], axis=1) * fac
-                dh_prev = tf.matmul(dz, rk_t)
-                dc_prev = dcn * f
-                if mf is not None:
-                    dh_prev, dc_prev = dh_prev + dh * (1.0 - m), dc_prev + dc * (1.0 - m)
-                return t + 1, dh_prev, dc_prev, dzs.write(s, dz)
-
-            dh0, dc0, dzs = _loop(n, back, (d_ht, d_ct, _ta(xp.dtype, n)))
-            dxp = dzs.stack()
-            drk = tf.matmul(_flat(_shifted(h0, hs)), _flat(dxp), transpose_a=True)
-            return dxp, dh0, dc0, drk
+            dxps, drks = [None] * k, []
+            for j in reversed(range(k)):
+                n, hs_j, rec = chunks[j]
+                h_first = h0 if j == 0 else chunks[j - 1][1][-1]
+                dh, dc, dxps[j] = _lstm_backward(n, rec, d_seqs[j], masks[j], xps[j].dtype,
+                                                 units, rk_t, dh, dc)
+                drks.append(tf.matmul(_flat(_shifted(h_first, hs_j)), _flat(dxps[j]),
+                                      transpose_a=True))
+            return (*dxps, dh, dc, tf.add_n(drks))
 
         return ((hs, h_t, c_t) if sequence else (h_t, c_t)), grad
 
-    return core(xp, h0, c0, rk)
+    return core(*xps, h0, c0, rk)
+
+
+def _lstm_backward(n, rec, d_hs, mask, dtype, units, rk_t, d_ht, d_ct):
+    """The reverse loop over one chunk: (dh, dc) before it and d(projection) of its steps."""
+    dseq = None if d_hs is None else _seq(d_hs)
+    mf = _masks(mask, dtype)
+
+    def back(t, dh, dc, dzs):
+        s = n - 1 - t
+        if dseq is not None:
+            dh = dh + dseq.read(s)
+        p1, f, fac = tf.split(rec.read(s), [units, units, 4 * units], axis=1)
+        dhn, dcn = dh, dc
+        if mf is not None:
+            m = mf.read(s)
+            dhn, dcn = dh * m, dc * m
+        dcn = dcn + dhn * p1
+        dz = tf.concat([dcn, dcn, dcn, dhn], axis=1) * fac
+        dh_prev = tf.matmul(dz, rk_t)
+        dc_prev = dcn * f
+        if mf is not None:
+            dh_prev, dc_prev = dh_prev + dh * (1.0 - m), dc_prev + dc * (1.0 - m)
+        return t + 1, dh_prev, dc_prev, dzs.write(s, dz)
+
+    dh0, dc0, dzs = _loop(n, back, (d_ht, d_ct, _ta(dtype, n)))
+    return dh0, dc0, dzs.stack()
 
 
 # -- GRU -------------------------------------------------------------------------------------
@@ -324,6 +352,14 @@ def _time_major(sequences, mask, go_backwards):
     return x, m
 
 
+def _chunks(steps: int | None) -> list[tuple[int | None, int | None]]:
+    """Timestep spans, one loop each (:data:`CHUNKS` of them when the length is static)."""
+    if steps is None or CHUNKS < 2 or steps < 2 * CHUNKS:
+        return [(None, None)]
+    edges = [round(i * steps / CHUNKS) for i in range(CHUNKS + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
 def _project(x, kernel, bias):
     """The hoisted input projection: every timestep in one MatMul (+ BiasAdd)."""
     shape = tf.shape(x)
@@ -357,8 +393,10 @@ def lstm_sequence(sequences, h0, c0, mask, kernel, recurrent_kernel, bias,
     ``training=False`` builds an inference loop (nothing saved for a backward pass).
     """
     x, m = _time_major(sequences, mask, go_backwards)
-    xp = _project(x, kernel, bias)
-    out = _lstm_core(xp, h0, c0, recurrent_kernel, m, return_sequences, training)
+    spans = _chunks(x.shape[0])
+    xps = [_project(x[a:b], kernel, bias) for a, b in spans]
+    masks = [None if m is None else m[a:b] for a, b in spans]
+    out = _lstm_core(xps, h0, c0, recurrent_kernel, masks, return_sequences, training)
     hs, h_t, c_t = out if return_sequences else (None, *out)
     last, outputs = _outputs(hs, h_t, m, return_sequences, zero_output_for_mask)
     return last, outputs, [h_t, c_t]
