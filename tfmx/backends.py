@@ -153,9 +153,10 @@ _ACTS_BASIC = ("Relu", "Relu6", "Elu", "LeakyRelu")
 
 
 # Measured (TF 2.21, 2 cores, 16 Adam updates in a tf.function, fused / composite step time):
-# 64 elements 1.22, 64x64 0.95, 256x256 0.48, 512x512 0.18. Under ~4k elements the CPU kernel's
-# thread-pool dispatch costs more than the composite's small elementwise ops run inline.
-CPU_OPTIMIZER_MIN_ELEMENTS = 4096
+# 64 elements 1.22, 64x64 0.95, 256x256 0.48, 512x512 0.18; and in a whole training step of 31
+# Dense(64) layers, fusing the 64x64 kernels made the step 1.25x slower. Small variables: the
+# CPU kernel's thread-pool dispatch costs more than the composite's small ops run inline.
+CPU_OPTIMIZER_MIN_ELEMENTS = 16384
 
 
 def _cpu(onednn: bool) -> Backend:
