@@ -166,6 +166,22 @@ class GraphView:
         consumer.input[index] = new_ref
         self._consumers[parse_input(new_ref)[0]].append((consumer.name, index))
 
+    def _drop_control_input(self, consumer: NodeDef, index: int) -> None:
+        """Delete control input ``index`` of ``consumer``: the last input takes its place.
+
+        Control inputs come after the data inputs and their order means nothing, so a swap
+        keeps the node's meaning and costs two bookkeeping edits, not a re-index of a node
+        that may have thousands of control inputs (a train step's final NoOp).
+        """
+        last = len(consumer.input) - 1
+        self._consumers[parse_input(consumer.input[index])[0]].remove((consumer.name, index))
+        if index != last:
+            moved = consumer.input[last]
+            edges = self._consumers[parse_input(moved)[0]]
+            edges[edges.index((consumer.name, last))] = (consumer.name, index)
+            consumer.input[index] = moved
+        del consumer.input[last]
+
     def redirect_control_edges(self, old: str, new: str) -> None:
         """Make every control consumer of ``old`` depend on ``new`` instead (no duplicates)."""
         for consumer, index, _, control in sorted(
@@ -174,9 +190,7 @@ class GraphView:
             if not control:
                 continue
             if f"^{new}" in consumer.input or consumer.name == new:
-                self.remove(consumer.name)
-                del consumer.input[index]
-                self.add(consumer)
+                self._drop_control_input(consumer, index)
             else:
                 self.replace_input(consumer, index, f"^{new}")
 
@@ -224,9 +238,11 @@ class GraphView:
 
     def cycle(self) -> list[str]:
         """Names of nodes on or behind a cycle (empty for a DAG; v1 loops count as cycles)."""
-        pending = {name: len(node.input) for name, node in self._nodes.items()}
-        for name, node in self._nodes.items():
-            pending[name] = sum(parse_input(ref)[0] in self._nodes for ref in node.input)
+        pending = dict.fromkeys(self._nodes, 0)
+        for producer, edges in self._consumers.items():
+            if producer in self._nodes:
+                for consumer, _ in edges:
+                    pending[consumer] += 1
         ready = [name for name, count in pending.items() if count == 0]
         while ready:
             name = ready.pop()
@@ -240,10 +256,10 @@ class GraphView:
         """Input references whose producer is neither a node nor an ``external`` name."""
         known = set(external)
         return [
-            f"{n.name} <- {ref}"
-            for n in self._nodes.values()
-            for ref in n.input
-            if parse_input(ref)[0] not in self._nodes and parse_input(ref)[0] not in known
+            f"{consumer} <- {self._nodes[consumer].input[index]}"
+            for producer, edges in self._consumers.items()
+            if edges and producer not in self._nodes and producer not in known
+            for consumer, index in edges
         ]
 
     def nodes(self) -> list[NodeDef]:
