@@ -10,9 +10,11 @@ import textwrap
 import pytest
 import tensorflow as tf
 
+import fusion
 from fusion.graph import GraphView
 from fusion.patterns.contraction import find_contractions
-from tfmx.backends import onednn_enabled
+from tfmx.backends import get_backend, onednn_enabled
+from tfmx.rebuild import protected_names
 
 F32 = tf.float32
 X4 = tf.TensorSpec([1, 5, 5, 2], F32)  # NHWC image
@@ -268,6 +270,66 @@ def test_gelu_left_apart_without_onednn(trace, fuse, cpu, rng, assert_same_numbe
     assert_same_numbers(cf, res, *_args(rng, XM, WM, B4))
 
 
+def _gelu_tanh(x, w, b):
+    return tf.nn.gelu(tf.nn.bias_add(tf.matmul(x, w), b), approximate=True)
+
+
+def test_gelu_approximate_with_onednn_tables(trace, fuse, onednn_cpu):
+    cf, g = trace(_gelu_tanh, XM, WM, B4)
+    assert {"Pow", "Tanh"} <= {n.op for n in g.node}
+    res = fuse(cf, g, onednn_cpu)
+    node = _only_fused(res.graph_def)
+    assert node.op == "_FusedMatMul" and _fused_ops(node) == ("BiasAdd", "GeluApproximate")
+    identity = next(n for n in res.graph_def.node if n.name == "Identity")
+    assert list(identity.input) == [node.name]
+    # The formula's nodes and its constants are gone.
+    assert {n.op for n in res.graph_def.node} == {"Placeholder", "_FusedMatMul", "Identity"}
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
+def test_gelu_approximate_16bit_for_cuda(trace, fuse, dtype):
+    """16-bit graphs hold the constants rounded (and cast 0.044715 from float32)."""
+    specs = [tf.TensorSpec(s.shape, dtype) for s in (XM, WM, B4)]
+    cf, g = trace(_gelu_tanh, *specs)
+    assert "Cast" in {n.op for n in g.node}
+    res = fuse(cf, g, get_backend("cuda"))
+    node = _only_fused(res.graph_def)
+    assert _fused_ops(node) == ("BiasAdd", "GeluApproximate")
+
+
+def test_gelu_approximate_other_constant_left_alone(trace, fuse, onednn_cpu):
+    """A formula with a different cubic coefficient is not GELU: only BiasAdd fuses."""
+    def not_gelu(x, w, b):
+        y = tf.nn.bias_add(tf.matmul(x, w), b)
+        return 0.5 * y * (1.0 + tf.tanh(0.7978845608028654 * (y + 0.05 * tf.pow(y, 3.0))))
+    cf, g = trace(not_gelu, XM, WM, B4)
+    res = fuse(cf, g, onednn_cpu)
+    assert _fused_ops(_only_fused(res.graph_def)) == ("BiasAdd",)
+    assert "Tanh" in {n.op for n in res.graph_def.node}
+
+
+@pytest.mark.parametrize("approximate", [True, False])
+def test_gelu_in_training_stays_apart(onednn_cpu, approximate):
+    """Its gradient reads the pre-activation, so MatMul+BiasAdd fuse and the report says why."""
+    w = tf.Variable(tf.random.normal([3, 4], seed=1))
+    b = tf.Variable(tf.zeros([4]))
+
+    @tf.function(autograph=False)
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum((_gelu_tanh if approximate else _gelu)(x, w, b))
+        return tape.gradient(loss, [w, b])
+
+    cf = step.get_concrete_function(XM)
+    res = fusion.rewrite(cf.graph.as_graph_def(add_shapes=True), onednn_cpu,
+                         protected=protected_names(cf))
+    fused = [n for n in res.graph_def.node if n.op == "_FusedMatMul"]
+    assert [_fused_ops(n) for n in fused] == [("BiasAdd",)]
+    (why,) = dict(res.stats["contraction"].partial)
+    form = "GeluApproximate" if approximate else "GeluExact"
+    assert why.startswith(f"{form} left apart: ")
+
+
 # One subprocess with oneDNN on runs every oneDNN-only variant through rewrite + rebuild.
 _ONEDNN_SCRIPT = textwrap.dedent(
     """
@@ -289,6 +351,8 @@ _ONEDNN_SCRIPT = textwrap.dedent(
             [[1, 5, 5, 2], [3, 3, 2, 2], [4]]),
         "matmul_gelu": (lambda x, w, b: tf.nn.gelu(tf.nn.bias_add(tf.matmul(x, w), b), False),
                         [[2, 3], [3, 4], [4]]),
+        "matmul_gelu_tanh": (lambda x, w, b: tf.nn.gelu(tf.nn.bias_add(tf.matmul(x, w), b),
+                                                        True), [[2, 3], [3, 4], [4]]),
         "matmul_add": (lambda x, w, b, r: tf.nn.bias_add(tf.matmul(x, w), b) + r,
                        [[2, 3], [3, 4], [4], [2, 4]]),
     }
@@ -330,6 +394,7 @@ def test_onednn_variants_numerically_in_subprocess():
         "conv_add_leakyrelu": [("_FusedConv2D", ["BiasAdd", "Add", "LeakyRelu"])],
         "depthwise_relu6": [("_FusedDepthwiseConv2dNative", ["BiasAdd", "Relu6"])],
         "matmul_gelu": [("_FusedMatMul", ["BiasAdd", "GeluExact"])],
+        "matmul_gelu_tanh": [("_FusedMatMul", ["BiasAdd", "GeluApproximate"])],
         "matmul_add": [("_FusedMatMul", ["BiasAdd", "Add"])],
     }
     for name, want in expected.items():

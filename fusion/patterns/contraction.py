@@ -17,7 +17,7 @@ Rules (the same as Grappler's, plus one relaxation):
 In a training graph, ReluGrad / EluGrad / TanhGrad / SigmoidGrad read the activation's output, so
 the chain fuses whole; Relu6Grad, LeakyReluGrad and GELU's gradient read the pre-activation, so
 there the activation stays apart (recorded) and Conv/MatMul+BiasAdd still fuse. Inference graphs
-fuse whole chains, composite GELU included.
+fuse whole chains, composite GELU (exact and tanh-approximate) included.
 
 Example:
     >>> import tensorflow as tf
@@ -44,10 +44,10 @@ from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, output_shape, parse
 from fusion.match import (
     AttrLike,
     blocker,
+    const_value,
     consumer,
     dtype_name,
     fused_node,
-    is_scalar_const,
     other_input,
     same_shape,
     sole_consumer,
@@ -96,27 +96,89 @@ class ContractionMatch:
         return self.nodes[-1]
 
 
+# tf.nn.gelu(approximate=True): 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3))).
+_SQRT_2_OVER_PI = 0.7978845608028654
+_GELU_CUBIC = 0.044715
+# How far a constant may sit from the formula's: what its dtype can hold (0.797884... is
+# 0.796875 in bfloat16). Anything further is someone else's formula, left alone.
+_CONST_RTOL = {"float32": 1e-6, "float64": 1e-12, "float16": 2**-10, "bfloat16": 2**-7}
+
+
+def _scalar(view: GraphView, ref: str) -> float | None:
+    """The value of a one-element Const at ``ref``, looking through a Cast of one."""
+    node = view.node(ref)
+    if node is not None and node.op == "Cast":
+        ref = node.input[0]
+    value = const_value(view, ref)
+    return float(value.reshape(())) if value is not None and value.size == 1 else None
+
+
+def _near(value: float | None, want: float, rtol: float) -> bool:
+    return value is not None and abs(value - want) <= rtol * abs(want)
+
+
+def _scaled_by(view: GraphView, node: NodeDef, op: str, want: float,
+               rtol: float) -> NodeDef | None:
+    """The one ``op`` consumer of ``node`` whose other input is the scalar ``want``."""
+    found = [
+        c for c in view.consumers(node.name)
+        if c.op == op and _near(_scalar(view, other_input(view, c, node) or ""), want, rtol)
+    ]
+    return found[0] if len(found) == 1 else None
+
+
 def _match_gelu_exact(view: GraphView, x: NodeDef) -> tuple[NodeDef, ...] | None:
     """tf.nn.gelu(approximate=False): 0.5 * x * erfc(-x * 0.70710678), found by structure.
 
     Extra consumers of the interior nodes (a gradient) do not stop the match; they are what
     keeps it from being fused, and the caller says so.
     """
-    neg, half = consumer(view, x, "Neg"), consumer(view, x, "Mul")
-    if neg is None or half is None:
-        return None
-    const = other_input(view, half, x)
-    if const is None or not is_scalar_const(view, const, 0.5):
-        return None
-    scale = consumer(view, neg, "Mul")
-    const = None if scale is None else other_input(view, scale, neg)
-    if const is None or not is_scalar_const(view, const, 0.7071067811865476):
-        return None
-    erfc = consumer(view, scale, "Erfc")
-    out = None if erfc is None else consumer(view, erfc, "Mul")
-    if out is None or {parse_input(i)[0] for i in view.data_inputs(out)} != {half.name, erfc.name}:
+    rtol = _CONST_RTOL.get(dtype_name(x), 0.0) if "T" in x.attr else 1e-6
+    neg, half = consumer(view, x, "Neg"), _scaled_by(view, x, "Mul", 0.5, rtol)
+    scale = None if neg is None else _scaled_by(view, neg, "Mul", 0.7071067811865476, rtol)
+    erfc = None if scale is None else consumer(view, scale, "Erfc")
+    out = None if erfc is None or half is None else _joining(view, erfc, half, "Mul")
+    if out is None:
         return None
     return (neg, scale, erfc, half, out)
+
+
+def _match_gelu_approximate(view: GraphView, x: NodeDef) -> tuple[NodeDef, ...] | None:
+    """tf.nn.gelu(approximate=True) as TensorFlow writes it out, found by structure.
+
+    ``0.5 * x * (1 + tanh(0.7978845608 * (x + 0.044715 * pow(x, 3))))``: Mul, Pow, Mul, AddV2,
+    Mul, Tanh, AddV2, Mul, with each constant the formula's within what its dtype holds (a
+    16-bit graph casts 0.044715 from float32). As for the exact form, extra consumers of the
+    interior nodes do not stop the match; the caller says why they keep it apart.
+    """
+    rtol = _CONST_RTOL.get(dtype_name(x), 0.0) if "T" in x.attr else 1e-6
+    half = _scaled_by(view, x, "Mul", 0.5, rtol)
+    cube = next((c for c in view.consumers(x.name) if c.op == "Pow"
+                 and _near(_scalar(view, c.input[1]), 3.0, 0.0)
+                 and parse_input(c.input[0])[0] == x.name), None)
+    if half is None or cube is None:
+        return None
+    scaled_cube = _scaled_by(view, cube, "Mul", _GELU_CUBIC, rtol)
+    inner = None if scaled_cube is None else _joining(view, scaled_cube, x, "AddV2")
+    scaled = None if inner is None else _scaled_by(view, inner, "Mul", _SQRT_2_OVER_PI, rtol)
+    tanh = None if scaled is None else consumer(view, scaled, "Tanh")
+    one_plus = None if tanh is None else _scaled_by(view, tanh, "AddV2", 1.0, 0.0)
+    out = None if one_plus is None else _joining(view, one_plus, half, "Mul")
+    if out is None:
+        return None
+    return (half, cube, scaled_cube, inner, scaled, tanh, one_plus, out)
+
+
+def _joining(view: GraphView, a: NodeDef, b: NodeDef, op: str) -> NodeDef | None:
+    """The one binary ``op`` node whose two data inputs are ``a`` and ``b`` (port 0).
+
+    In a training graph the gradient reads the same nodes (``grad * half`` beside
+    ``half * one_plus``), so the consumer is picked by both inputs, not by op type alone.
+    """
+    want = sorted((a.name, b.name))
+    found = [c for c in view.consumers(a.name)
+             if c.op == op and sorted(view.data_inputs(c)) == want]
+    return found[0] if len(found) == 1 else None
 
 
 def _activation_after(
@@ -129,6 +191,9 @@ def _activation_after(
     gelu = _match_gelu_exact(view, tail)
     if gelu is not None:
         return "GeluExact", gelu
+    gelu = _match_gelu_approximate(view, tail)
+    if gelu is not None:
+        return "GeluApproximate", gelu
     # A simple activation beside other consumers (e.g. its gradient reading the input).
     acts = [c for c in consumers if c.op in SIMPLE_ACTIVATIONS]
     if len(acts) == 1:
@@ -269,9 +334,11 @@ def rewrite_contraction(view: GraphView, match: ContractionMatch) -> NodeDef:
         for reader, index, _, control in view.consumer_edges(node.name):
             if not control and reader.op in SHAPE_ONLY_OPS:
                 view.replace_input(reader, index, tail.name)
+    fed = {parse_input(ref)[0] for node in inner for ref in node.input}
     for node in inner:
         view.remove(node.name)
     view.replace(tail.name, fused)
+    view.prune(fed)  # an activation's constants (GELU's 0.5, 3, ...) now feed nothing
     return fused
 
 
