@@ -27,7 +27,8 @@ class Target(Protocol):
     """What a pattern needs to know of the backend it rewrites for (see ``tfmx.backends``)."""
 
     name: str
-    optimizer_min_elements: int  # variables smaller than this keep the composite update
+    # element counts (inclusive) whose optimizer updates keep the composite; None: fuse all
+    optimizer_composite_band: tuple[int, int] | None
 
     def contraction_support(self, op: str, dtype: str, fused_ops: tuple[str, ...]) -> bool:
         """True if the backend runs ``_Fused<op>`` with ``fused_ops`` in ``dtype``."""

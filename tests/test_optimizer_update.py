@@ -24,7 +24,7 @@ import tensorflow as tf
 from helpers import ops_that_ran
 
 import tfmx
-from fusion.graph import GraphView, op_histogram
+from fusion.graph import GraphView, op_histogram, output_shape, parse_input
 from fusion.patterns.optimizer_update import find_updates
 from tfmx import backends
 from tfmx.backends import get_backend
@@ -35,8 +35,8 @@ STEPS = 20
 @pytest.fixture(autouse=True)
 def _tfmx_off(monkeypatch):
     # These models are small; fuse every update so each test exercises the kernels (the cpu
-    # size threshold has its own test below).
-    monkeypatch.setattr(backends, "CPU_OPTIMIZER_MIN_ELEMENTS", 0)
+    # size band has its own test below).
+    monkeypatch.setattr(backends, "CPU_OPTIMIZER_COMPOSITE_BAND", None)
     tfmx.disable()
     yield
     tfmx.disable()
@@ -336,15 +336,24 @@ def test_custom_training_loop_through_tfmx_function():
     assert "ResourceApplyAdam" in ops
 
 
-def test_cpu_keeps_the_composite_for_small_variables(monkeypatch):
-    monkeypatch.setattr(backends, "CPU_OPTIMIZER_MIN_ELEMENTS", 4096)
+def test_cpu_keeps_the_composite_for_mid_sized_variables(monkeypatch):
+    monkeypatch.setattr(backends, "CPU_OPTIMIZER_COMPOSITE_BAND", (257, 16384))
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64), keras.layers.Dense(2)])
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64), keras.layers.Dense(2),
+                              keras.layers.Dense(128, use_bias=False),
+                              keras.layers.Dense(256, use_bias=False)])
     model.compile(keras.optimizers.Adam(), "mse")
     step = tf.function(model.train_step).get_concrete_function(
-        (tf.TensorSpec([8, 64]), tf.TensorSpec([8, 2])))
+        (tf.TensorSpec([8, 64]), tf.TensorSpec([8, 256])))
     view = GraphView(step.graph.as_graph_def(add_shapes=True).node)
     matches, declined = find_updates(view, get_backend("cpu"))
-    assert len(matches) == 1  # the 64x64 kernel; the 64 and 2 biases and the 64x2 kernel stay
-    assert len(declined) == 3 and all("costs more than the composite" in d for d in declined)
-    assert len(find_updates(view, get_backend("cuda"))[0]) == 4
+
+    def size(ref):
+        return int(np.prod(output_shape(view.node(ref), parse_input(ref)[1])))
+    sizes = sorted(size(m.found.refs["grad"]) for m in matches)
+    # Fused: the 64 and 2 biases, the 64x2 and 2x128 kernels (inline sizes) and the 128x256
+    # kernel (32,768: the split over threads pays); kept: the 64x64 kernel.
+    assert sizes == [2, 64, 128, 256, 32768]
+    assert declined == ["Adam: variable of 4096 elements, in 257-16384: on cpu the kernel is no "
+                        "faster than the composite there"]
+    assert len(find_updates(view, get_backend("cuda"))[0]) == 6

@@ -99,7 +99,9 @@ class Backend:
     kernels: frozenset[str] | None = None  # None: every registered TensorFlow op
     notes: tuple[str, ...] = ()
     batch_norm: BatchNormKernels | None = None
-    optimizer_min_elements: int = 0  # smaller variables keep Keras's composite update
+    # Variable sizes (element counts, both ends inclusive) whose updates keep Keras's
+    # composite: where the fused kernel measured no faster. None: fuse every size.
+    optimizer_composite_band: tuple[int, int] | None = None
 
     def contraction_support(self, op: str, dtype: str, fused_ops: tuple[str, ...]) -> bool:
         """True if ``_Fused<op>`` with ``fused_ops`` runs here in ``dtype``."""
@@ -152,11 +154,14 @@ class Backend:
 _ACTS_BASIC = ("Relu", "Relu6", "Elu", "LeakyRelu")
 
 
-# Measured (TF 2.21, 2 cores, 16 Adam updates in a tf.function, fused / composite step time):
-# 64 elements 1.22, 64x64 0.95, 256x256 0.48, 512x512 0.18; and in a whole training step of 31
-# Dense(64) layers, fusing the 64x64 kernels made the step 1.25x slower. Small variables: the
-# CPU kernel's thread-pool dispatch costs more than the composite's small ops run inline.
-CPU_OPTIMIZER_MIN_ELEMENTS = 16384
+# The CPU ResourceApply* kernels (ApplyAdamNonCuda & co.) split their loop over the intra-op
+# thread pool by Eigen's cost model. Up to 256 elements they run inline and cost 0.4-0.5x
+# Keras's composite; from 512 elements to 128x128 the split's thread hand-off costs as much as
+# the work or more (0.85-1.25x; with one intra-op thread the same 64x64 update costs 0.31x);
+# above that the split pays (0.81x at 128x256, 0.49x at 256x256, 0.18x at 512x512). Measured
+# TF 2.21, 2 cores, 62 Adam updates in a tf.function (BENCHMARKS.md, issue 3). In this band
+# the composite stays.
+CPU_OPTIMIZER_COMPOSITE_BAND = (257, 16384)
 
 
 def _cpu(onednn: bool) -> Backend:
@@ -185,7 +190,7 @@ def _cpu(onednn: bool) -> Backend:
             "float32": _chains(*_with_acts(("BiasAdd",), ("Relu", "Relu6", "Elu")))
         }
     return Backend(
-        optimizer_min_elements=CPU_OPTIMIZER_MIN_ELEMENTS,
+        optimizer_composite_band=CPU_OPTIMIZER_COMPOSITE_BAND,
         name="cpu",
         description=f"TensorFlow CPU kernels, oneDNN {'on' if onednn else 'off'}",
         device_type="CPU",

@@ -364,12 +364,6 @@ def _why_not(view: GraphView, spec: Spec, found: Match, target: Target, dtype: i
         return f"{spec.optimizer}: backend {target.name} has no {spec.kernel} kernel"
     if tf.dtypes.as_dtype(dtype) not in (tf.float16, tf.bfloat16, tf.float32, tf.float64):
         return f"{spec.optimizer}: {spec.kernel} does not take {tf.dtypes.as_dtype(dtype).name}"
-    least = getattr(target, "optimizer_min_elements", 0)
-    grad = view.node(found.refs["grad"])
-    shape = output_shape(grad, parse_input(found.refs["grad"])[1]) if grad is not None else None
-    if least and shape is not None and None not in shape and int(np.prod(shape)) < least:
-        return (f"{spec.optimizer}: variable of {int(np.prod(shape))} elements, under "
-                f"{least}: on {target.name} the kernel costs more than the composite there")
     wide = tf.dtypes.as_dtype(dtype) in (tf.float32, tf.float64)
     for name, expected in spec.checks:
         have, want = found.values[name], expected(found.values)
@@ -380,6 +374,26 @@ def _why_not(view: GraphView, spec: Spec, found: Match, target: Target, dtype: i
     handles = [found.refs[i] for i in spec.inputs if i in {w.slot for w in spec.writes}]
     if len(set(handles)) != len(handles):
         return f"{spec.optimizer}: the same variable holds two slots"
+    return None
+
+
+def variable_shape(view: GraphView, found: Match) -> tuple[int, ...] | None:
+    """The static shape of the updated variable (its gradient's), None if not fully known."""
+    grad = view.node(found.refs["grad"])
+    shape = output_shape(grad, parse_input(found.refs["grad"])[1]) if grad is not None else None
+    return None if shape is None or None in shape else tuple(int(d) for d in shape)
+
+
+def _band_reason(view: GraphView, spec: Spec, found: Match, target: Target) -> str | None:
+    """Why the kernel is not worth it for this variable's size on ``target``, or None."""
+    band = getattr(target, "optimizer_composite_band", None)
+    shape = variable_shape(view, found)
+    if not band or shape is None:
+        return None
+    size = int(np.prod(shape))
+    if band[0] <= size <= band[1]:
+        return (f"{spec.optimizer}: variable of {size} elements, in {band[0]}-{band[1]}: on "
+                f"{target.name} the kernel is no faster than the composite there")
     return None
 
 
@@ -411,7 +425,8 @@ def find_updates(view: GraphView, target: Target) -> tuple[list[UpdateMatch], li
                     declined.append(f"{spec.optimizer}: {spec.why}")
                 break
             dtype = anchor.attr["dtype"].type
-            reason = _why_not(view, spec, found, target, dtype)
+            reason = _why_not(view, spec, found, target, dtype) or _band_reason(
+                view, spec, found, target)
             remove: list[str] = []
             if reason is None:
                 remove, reason = _removable(view, covered)
