@@ -53,10 +53,25 @@ def const_value(view: GraphView, ref: str) -> np.ndarray | None:
     return tf.make_ndarray(node.attr["value"].tensor)
 
 
-def is_scalar_const(view: GraphView, ref: str, value: float, tol: float = 1e-6) -> bool:
-    """True if ``ref`` is a one-element Const equal to ``value`` within ``tol``."""
-    arr = const_value(view, ref)
-    return arr is not None and arr.size == 1 and abs(float(arr.reshape(())) - value) <= tol
+def scalar_value(view: GraphView, ref: str) -> float | None:
+    """The value of a one-element Const at ``ref`` (or of a Cast of one), else None.
+
+    A 16-bit graph often holds a float32 constant behind a Cast (``math_ops.cast(0.044715,
+    x.dtype)``); the value read is the float32 one.
+
+    >>> from fusion.graph import GraphView
+    >>> import tensorflow as tf
+    >>> c = NodeDef(name="c", op="Const")
+    >>> c.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(0.5))
+    >>> view = GraphView([c, NodeDef(name="h", op="Cast", input=["c"])])
+    >>> scalar_value(view, "h"), scalar_value(view, "missing")
+    (0.5, None)
+    """
+    node = view.node(ref)
+    if node is not None and node.op == "Cast":
+        ref = node.input[0]
+    value = const_value(view, ref)
+    return float(value.reshape(())) if value is not None and value.size == 1 else None
 
 
 def split_scalar_const(view: GraphView, node: NodeDef) -> tuple[str | None, float | None]:
@@ -114,6 +129,34 @@ def other_input(view: GraphView, node: NodeDef, known: NodeDef) -> str | None:
     """The input of binary ``node`` that is not produced by ``known``."""
     other = [i for i in view.data_inputs(node) if parse_input(i)[0] != known.name]
     return other[0] if len(other) == 1 else None
+
+
+def scaled_consumer(view: GraphView, node: NodeDef, op: str, want: float,
+                    rtol: float) -> NodeDef | None:
+    """The one binary ``op`` consumer of ``node`` whose other input is the scalar ``want``
+    (within ``rtol``, relative), or None: ``0.5 * x`` is ``scaled_consumer(view, x, "Mul",
+    0.5, 0)``."""
+    found = [
+        c for c in view.consumers(node.name)
+        if c.op == op and _near(scalar_value(view, other_input(view, c, node) or ""), want, rtol)
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def joining_consumer(view: GraphView, a: NodeDef, b: NodeDef, op: str) -> NodeDef | None:
+    """The one binary ``op`` node whose two data inputs are ``a`` and ``b``, or None.
+
+    Picked by both inputs, not by op type alone: in a training graph the gradient reads the
+    same nodes (``grad * half`` beside ``half * one_plus``).
+    """
+    want = sorted((a.name, b.name))
+    found = [c for c in view.consumers(a.name)
+             if c.op == op and sorted(view.data_inputs(c)) == want]
+    return found[0] if len(found) == 1 else None
+
+
+def _near(value: float | None, want: float, rtol: float) -> bool:
+    return value is not None and abs(value - want) <= rtol * abs(want)
 
 
 def same_shape(a: tuple | None, b: tuple | None) -> bool:

@@ -44,12 +44,13 @@ from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, output_shape, parse
 from fusion.match import (
     AttrLike,
     blocker,
-    const_value,
     consumer,
     dtype_name,
     fused_node,
-    other_input,
+    joining_consumer,
     same_shape,
+    scalar_value,
+    scaled_consumer,
     sole_consumer,
 )
 from fusion.pattern import RewriteContext, Target, apply_matches, register
@@ -104,27 +105,8 @@ _GELU_CUBIC = 0.044715
 _CONST_RTOL = {"float32": 1e-6, "float64": 1e-12, "float16": 2**-10, "bfloat16": 2**-7}
 
 
-def _scalar(view: GraphView, ref: str) -> float | None:
-    """The value of a one-element Const at ``ref``, looking through a Cast of one."""
-    node = view.node(ref)
-    if node is not None and node.op == "Cast":
-        ref = node.input[0]
-    value = const_value(view, ref)
-    return float(value.reshape(())) if value is not None and value.size == 1 else None
-
-
-def _near(value: float | None, want: float, rtol: float) -> bool:
-    return value is not None and abs(value - want) <= rtol * abs(want)
-
-
-def _scaled_by(view: GraphView, node: NodeDef, op: str, want: float,
-               rtol: float) -> NodeDef | None:
-    """The one ``op`` consumer of ``node`` whose other input is the scalar ``want``."""
-    found = [
-        c for c in view.consumers(node.name)
-        if c.op == op and _near(_scalar(view, other_input(view, c, node) or ""), want, rtol)
-    ]
-    return found[0] if len(found) == 1 else None
+def _const_rtol(x: NodeDef) -> float:
+    return _CONST_RTOL.get(dtype_name(x), 0.0) if "T" in x.attr else 1e-6
 
 
 def _match_gelu_exact(view: GraphView, x: NodeDef) -> tuple[NodeDef, ...] | None:
@@ -133,11 +115,11 @@ def _match_gelu_exact(view: GraphView, x: NodeDef) -> tuple[NodeDef, ...] | None
     Extra consumers of the interior nodes (a gradient) do not stop the match; they are what
     keeps it from being fused, and the caller says so.
     """
-    rtol = _CONST_RTOL.get(dtype_name(x), 0.0) if "T" in x.attr else 1e-6
-    neg, half = consumer(view, x, "Neg"), _scaled_by(view, x, "Mul", 0.5, rtol)
-    scale = None if neg is None else _scaled_by(view, neg, "Mul", 0.7071067811865476, rtol)
+    rtol = _const_rtol(x)
+    neg, half = consumer(view, x, "Neg"), scaled_consumer(view, x, "Mul", 0.5, rtol)
+    scale = None if neg is None else scaled_consumer(view, neg, "Mul", 0.7071067811865476, rtol)
     erfc = None if scale is None else consumer(view, scale, "Erfc")
-    out = None if erfc is None or half is None else _joining(view, erfc, half, "Mul")
+    out = None if erfc is None or half is None else joining_consumer(view, erfc, half, "Mul")
     if out is None:
         return None
     return (neg, scale, erfc, half, out)
@@ -151,34 +133,22 @@ def _match_gelu_approximate(view: GraphView, x: NodeDef) -> tuple[NodeDef, ...] 
     16-bit graph casts 0.044715 from float32). As for the exact form, extra consumers of the
     interior nodes do not stop the match; the caller says why they keep it apart.
     """
-    rtol = _CONST_RTOL.get(dtype_name(x), 0.0) if "T" in x.attr else 1e-6
-    half = _scaled_by(view, x, "Mul", 0.5, rtol)
+    rtol = _const_rtol(x)
+    half = scaled_consumer(view, x, "Mul", 0.5, rtol)
     cube = next((c for c in view.consumers(x.name) if c.op == "Pow"
-                 and _near(_scalar(view, c.input[1]), 3.0, 0.0)
+                 and scalar_value(view, c.input[1]) == 3.0
                  and parse_input(c.input[0])[0] == x.name), None)
     if half is None or cube is None:
         return None
-    scaled_cube = _scaled_by(view, cube, "Mul", _GELU_CUBIC, rtol)
-    inner = None if scaled_cube is None else _joining(view, scaled_cube, x, "AddV2")
-    scaled = None if inner is None else _scaled_by(view, inner, "Mul", _SQRT_2_OVER_PI, rtol)
+    scaled_cube = scaled_consumer(view, cube, "Mul", _GELU_CUBIC, rtol)
+    inner = None if scaled_cube is None else joining_consumer(view, scaled_cube, x, "AddV2")
+    scaled = None if inner is None else scaled_consumer(view, inner, "Mul", _SQRT_2_OVER_PI, rtol)
     tanh = None if scaled is None else consumer(view, scaled, "Tanh")
-    one_plus = None if tanh is None else _scaled_by(view, tanh, "AddV2", 1.0, 0.0)
-    out = None if one_plus is None else _joining(view, one_plus, half, "Mul")
+    one_plus = None if tanh is None else scaled_consumer(view, tanh, "AddV2", 1.0, 0.0)
+    out = None if one_plus is None else joining_consumer(view, one_plus, half, "Mul")
     if out is None:
         return None
     return (half, cube, scaled_cube, inner, scaled, tanh, one_plus, out)
-
-
-def _joining(view: GraphView, a: NodeDef, b: NodeDef, op: str) -> NodeDef | None:
-    """The one binary ``op`` node whose two data inputs are ``a`` and ``b`` (port 0).
-
-    In a training graph the gradient reads the same nodes (``grad * half`` beside
-    ``half * one_plus``), so the consumer is picked by both inputs, not by op type alone.
-    """
-    want = sorted((a.name, b.name))
-    found = [c for c in view.consumers(a.name)
-             if c.op == op and sorted(view.data_inputs(c)) == want]
-    return found[0] if len(found) == 1 else None
 
 
 def _activation_after(

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import re
 from collections.abc import Callable
 
@@ -263,22 +264,13 @@ def _match_scalar(view: GraphView, ref: str, name: str, found: Match) -> Match |
     return match(view, ref, Any(name), found)
 
 
-_RESOLVED: dict[int, tuple[Pattern, Pattern]] = {}
-
-
+@functools.cache  # patterns are frozen: each spec's trees are resolved once
 def _resolve_scalars(pattern: Pattern) -> Pattern:
     """Scalar pieces become Any (the shape check runs after matching, on the bound refs)."""
-    hit = _RESOLVED.get(id(pattern))
-    if hit is None or hit[0] is not pattern:  # keyed by id, the pattern kept alive beside it
-        hit = _RESOLVED[id(pattern)] = (pattern, _resolve_uncached(pattern))
-    return hit[1]
-
-
-def _resolve_uncached(pattern: Pattern) -> Pattern:
     if isinstance(pattern, Scalar):
         return Any(pattern.name)
     if isinstance(pattern, Op):
-        return Op(pattern.ops, *(_resolve_uncached(a) for a in pattern.args), bind=pattern.bind)
+        return Op(pattern.ops, *(_resolve_scalars(a) for a in pattern.args), bind=pattern.bind)
     return pattern
 
 
