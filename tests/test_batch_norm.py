@@ -18,6 +18,7 @@ import tensorflow as tf
 import fusion
 import tfmx
 from fusion.graph import GraphView, op_histogram
+from fusion.patterns import batch_norm
 from fusion.patterns.batch_norm import find_batch_norm
 from tfmx import forward
 from tfmx.backends import get_backend, metal_kernels
@@ -240,6 +241,33 @@ def test_a_failing_forward_stage_falls_back_to_stock(monkeypatch):
     assert_parity(stock, fused)
     assert fused["ops"]["FusedBatchNormV3"] == 0 and fused["ops"]["SquaredDifference"] >= 1
     assert any("forward stage exploded" in e for e in fused["report"]["errors"])
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_verify_checks_the_forward_stage_against_keras(monkeypatch, wrong):
+    """verify=True compares with Keras's own composite, not with the batch-norm forward stage
+    (only batch_norm runs: the graph rewrite itself changes nothing here)."""
+    original = batch_norm.rewrite_batch_norm
+
+    def off_epsilon(view, match):
+        fused = original(view, match)
+        fused.attr["epsilon"].f *= 1000.0
+        return fused
+
+    if wrong:
+        monkeypatch.setattr(batch_norm, "rewrite_batch_norm", off_epsilon)
+    tfmx.enable(backend="cpu", patterns=["batch_norm"], verify=True)
+    model = build("conv", residual=False)
+    model.optimizer.build(model.trainable_variables)
+    before = [v.numpy() for v in model.weights]
+    x, y = data("conv")
+    if not wrong:
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+        assert train_ops(model)["FusedBatchNormV3"] >= 1
+        return
+    with pytest.raises(tfmx.VerificationError, match="largest difference"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.weights))
 
 
 def test_patterns_without_batch_norm_leave_it_alone():

@@ -44,11 +44,14 @@ from tfmx.verify import verified_call
 
 @dataclasses.dataclass
 class _Entry:
-    stock: Any  # the traced ConcreteFunction
+    stock: Any  # the traced ConcreteFunction (with the pre-differentiation stages)
     fused: Any  # the rewritten ConcreteFunction, or the stock one when not rewritten
     plan_only: bool = False
     record: TraceRecord | None = None
     verify_flag: tf.Variable | None = None
+    # verify=True: the function traced with no tfmx stage at all, what the fused step is
+    # checked against (the forward stages fuse batch norms and LSTM/GRU before ``stock``).
+    reference: Any = None
 
 
 class FusedFunction:
@@ -115,7 +118,9 @@ class FusedFunction:
                 "tfmx.report() / tfmx.report().export_graphs(logdir), or call "
                 "tfmx.enable() without backend= to train on this machine."
             )
-        if opts.verify and entry.fused is not entry.stock:
+        if opts.verify:
+            if entry.reference is None:
+                entry.reference = self._stock.get_concrete_function(*args, **kwargs)
             return verified_call(entry, args, kwargs, opts, self.name)
         return entry.fused(*args, **kwargs)
 

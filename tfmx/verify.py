@@ -1,12 +1,15 @@
 """``enable(verify=True)``: run the first step both ways from the same variable values.
 
-The check is built into the graph, so it works the same when Keras calls the step inside its
-own ``tf.function`` and when a custom loop calls ``tfmx.function`` eagerly. On the first call
-of each traced signature: read every variable the step touches, run the stock step, read them
-again, restore them, run the fused step, read them again, compare variables and outputs. If the
-largest difference is beyond tolerance, the variables are restored to their values before the
-step and the call fails with the name of the worst variable and the difference
-(:class:`tfmx.errors.VerificationError` from Keras and eager calls). Later calls run the fused
+"Stock" is the function traced with no tfmx stage at all: Keras's own composite batch norms
+and LSTM/GRU loops, which tfmx's pre-differentiation stages replace before the graph rewrite,
+are checked as well as the rewrite itself. The check is built into the graph, so it works the
+same when Keras calls the step inside its own ``tf.function`` and when a custom loop calls
+``tfmx.function`` eagerly. On the first call of each traced signature: read every variable the
+step touches, run the stock step, read them again, restore them, run the fused step, read them
+again, compare variables and outputs. If the largest difference is beyond tolerance, the
+variables are restored to their values before the step and the call fails with the name of the
+worst variable and the difference (:class:`tfmx.errors.VerificationError` from Keras and eager
+calls). Later calls run the fused
 step alone.
 
 Example (a step whose fused form agrees):
@@ -58,16 +61,18 @@ def _comparable(t: Any) -> bool:
 
 
 def verified_call(entry: Any, args: tuple, kwargs: dict, opts: Any, name: str) -> Any:
-    """Call ``entry.fused`` after checking it once against ``entry.stock`` (see module doc)."""
+    """Call ``entry.fused`` after checking it once against ``entry.reference`` (the function
+    traced without tfmx; see module doc)."""
     if entry.verify_flag is None:
         with tf.init_scope():
             entry.verify_flag = tf.Variable(False, trainable=False, name="tfmx_verified")
-    variables = step_variables(entry.stock)
+    reference = entry.reference
+    variables = step_variables(reference)
     flag = entry.verify_flag
 
     def first() -> Any:
         before = [tf.identity(v.read_value()) for v in variables]
-        stock_out = entry.stock(*args, **kwargs)
+        stock_out = reference(*args, **kwargs)
         stock_flat = tf.nest.flatten(stock_out, expand_composites=True)
         with tf.control_dependencies([t for t in stock_flat if isinstance(t, tf.Tensor)]):
             stock_after = [tf.identity(v.read_value()) for v in variables]
