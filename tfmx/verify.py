@@ -9,8 +9,7 @@ step touches, run the stock step, read them again, restore them, run the fused s
 again, compare variables and outputs. If the largest difference is beyond tolerance, the
 variables are restored to their values before the step and the call fails with the name of the
 worst variable and the difference (:class:`tfmx.errors.VerificationError` from Keras and eager
-calls). Later calls run the fused
-step alone.
+calls). Later calls run the fused step alone.
 
 Example (a step whose fused form agrees):
     >>> import tensorflow as tf, tfmx
