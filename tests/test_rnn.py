@@ -97,12 +97,13 @@ def test_kernels_match_keras_loop(kind, reset_after, go_backwards, masked, zero_
         assert float(np.max(np.abs(e.numpy() - g.numpy()))) / scale < 1e-5
 
 
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
 @pytest.mark.parametrize("go_backwards,masked,zero_output,return_sequences", FLAG_CASES[:3])
-def test_lstm_in_several_chunk_loops_matches_keras_loop(monkeypatch, go_backwards, masked,
-                                                        zero_output, return_sequences):
+def test_several_chunk_loops_match_keras_loop(monkeypatch, kind, go_backwards, masked,
+                                              zero_output, return_sequences):
     monkeypatch.setattr(rnn_kernels, "CHUNKS", 3)  # T=7: loops over steps 0-1, 2-4, 5-6
     assert len(rnn_kernels._chunks(T)) == 3
-    expected, got = _kernel_case("lstm", True, go_backwards, masked, zero_output,
+    expected, got = _kernel_case(kind, True, go_backwards, masked, zero_output,
                                  return_sequences)
     for e, g in zip(expected, got):
         scale = float(np.max(np.abs(e.numpy()))) + 1e-12

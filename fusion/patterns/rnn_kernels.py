@@ -34,7 +34,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 PARALLEL_ITERATIONS = 32  # as keras.ops.rnn
-CHUNKS = 5  # LSTM: loops per sequence, so big MatMuls overlap the recurrence (_lstm_core)
+CHUNKS = 5  # loops per sequence, so big MatMuls overlap the recurrence (_lstm_core)
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -229,48 +229,74 @@ def _gru_after_cell(rk, brec, saving):
     return cell
 
 
-def _gru_core_after(xp, h0, rk, brec, mask, sequence=True, training=True):
-    """GRU(reset_after=True) recurrence; ``xp`` = x @ kernel + input bias, [T, B, 3H]."""
+def _gru_core_after(xps, h0, rk, brec, masks, sequence=True, training=True):
+    """GRU(reset_after=True) recurrence over the chunks ``xps`` (x @ kernel + input bias,
+    [T_j, B, 3H] each), one loop per chunk as :func:`_lstm_core`."""
+    k = len(xps)
     if not training:
-        _, (h_t,), hs, _ = _forward(xp, (h0,), mask, _gru_after_cell(rk, brec, False),
-                                    sequence, 0)
-        return (hs, h_t) if sequence else h_t
+        h, hs = h0, []
+        for j in range(k):
+            _, (h,), hs_j, _ = _forward(xps[j], (h,), masks[j],
+                                        _gru_after_cell(rk, brec, False), sequence, 0)
+            hs.append(hs_j)
+        return (tf.concat(hs, 0), h) if sequence else h
 
     @tf.custom_gradient
-    def core(xp, h0, rk, brec):
+    def core(*args):
+        xps, (h0, rk, brec) = args[:k], args[k:]
+        h, chunks = h0, []
+        for j in range(k):
+            n, (h,), hs_j, (rec,) = _forward(xps[j], (h,), masks[j],
+                                             _gru_after_cell(rk, brec, True), True, 1)
+            chunks.append((n, hs_j, rec))
+        h_t = h
+        hs = tf.concat([hs_j for _, hs_j, _ in chunks], 0)
         units = tf.shape(h0)[-1]
-        n, (h_t,), hs, (rec,) = _forward(xp, (h0,), mask, _gru_after_cell(rk, brec, True),
-                                         True, 1)
 
         def grad(*d_out):
             d_hs, d_ht = d_out if sequence else (None, *d_out)
-            d_ht = _or_zeros(d_ht, h_t)
-            dseq = None if d_hs is None else _seq(d_hs)
-            mf = _masks(mask, xp.dtype)
+            dh = _or_zeros(d_ht, h_t)
+            d_seqs = [None] * k if d_hs is None else tf.split(
+                d_hs, [tf.shape(x)[0] for x in xps], axis=0)
             rk_t = tf.transpose(rk)
-
-            def back(t, dh, dis, dahs):
-                s = n - 1 - t
-                if dseq is not None:
-                    dh = dh + dseq.read(s)
-                fac, z, pz = tf.split(rec.read(s), [3 * units, units, units], axis=1)
-                dhn = dh if mf is None else dh * mf.read(s)
-                dinner = tf.tile(dhn, [1, 3]) * fac
-                dh_prev = dhn * z + tf.matmul(dinner, rk_t)
-                if mf is not None:
-                    dh_prev = dh_prev + (dh - dhn)
-                return t + 1, dh_prev, dis.write(s, dinner), dahs.write(s, dhn * pz)
-
-            dh0, dis, dahs = _loop(n, back, (d_ht, _ta(xp.dtype, n), _ta(xp.dtype, n)))
-            dinner = dis.stack()
-            dxp = tf.concat([dinner[..., : 2 * units], dahs.stack()], axis=2)
-            dinner = _flat(dinner)
-            drk = tf.matmul(_flat(_shifted(h0, hs)), dinner, transpose_a=True)
-            return dxp, dh0, drk, tf.reduce_sum(dinner, axis=0)
+            dxps, drks, dbrecs = [None] * k, [], []
+            for j in reversed(range(k)):
+                n, hs_j, rec = chunks[j]
+                h_first = h0 if j == 0 else chunks[j - 1][1][-1]
+                dh, dxps[j], dinner = _gru_after_backward(n, rec, d_seqs[j], masks[j],
+                                                          xps[j].dtype, units, rk_t, dh)
+                drks.append(tf.matmul(_flat(_shifted(h_first, hs_j)), dinner,
+                                      transpose_a=True))
+                dbrecs.append(tf.reduce_sum(dinner, axis=0))
+            return (*dxps, dh, tf.add_n(drks), tf.add_n(dbrecs))
 
         return ((hs, h_t) if sequence else h_t), grad
 
-    return core(xp, h0, rk, brec)
+    return core(*xps, h0, rk, brec)
+
+
+def _gru_after_backward(n, rec, d_hs, mask, dtype, units, rk_t, d_ht):
+    """The reverse loop over one chunk: dh before it, d(projection) of its steps and
+    d(recurrent pre-activations) flattened to [T_j * B, 3H]."""
+    dseq = None if d_hs is None else _seq(d_hs)
+    mf = _masks(mask, dtype)
+
+    def back(t, dh, dis, dahs):
+        s = n - 1 - t
+        if dseq is not None:
+            dh = dh + dseq.read(s)
+        fac, z, pz = tf.split(rec.read(s), [3 * units, units, units], axis=1)
+        dhn = dh if mf is None else dh * mf.read(s)
+        dinner = tf.tile(dhn, [1, 3]) * fac
+        dh_prev = dhn * z + tf.matmul(dinner, rk_t)
+        if mf is not None:
+            dh_prev = dh_prev + (dh - dhn)
+        return t + 1, dh_prev, dis.write(s, dinner), dahs.write(s, dhn * pz)
+
+    dh0, dis, dahs = _loop(n, back, (d_ht, _ta(dtype, n), _ta(dtype, n)))
+    dinner = dis.stack()
+    dxp = tf.concat([dinner[..., : 2 * units], dahs.stack()], axis=2)
+    return dh0, dxp, _flat(dinner)
 
 
 def _gru_before_cell(rk_zr, rk_h, saving):
@@ -413,8 +439,11 @@ def gru_sequence(sequences, h0, mask, kernel, recurrent_kernel, bias, reset_afte
             in_bias, rec_bias = None, tf.zeros([3 * units], kernel.dtype)
         else:
             in_bias, rec_bias = bias[0], bias[1]
-        out = _gru_core_after(_project(x, kernel, in_bias), h0, recurrent_kernel, rec_bias,
-                              m, return_sequences, training)
+        spans = _chunks(x.shape[0])
+        out = _gru_core_after([_project(x[a:b], kernel, in_bias) for a, b in spans], h0,
+                              recurrent_kernel, rec_bias,
+                              [None if m is None else m[a:b] for a, b in spans],
+                              return_sequences, training)
     else:
         out = _gru_core_before(_project(x, kernel, bias), h0, recurrent_kernel, m,
                                return_sequences, training)
