@@ -155,7 +155,8 @@ _ACTS_BASIC = ("Relu", "Relu6", "Elu", "LeakyRelu")
 
 
 # The CPU ResourceApply* kernels (ApplyAdamNonCuda & co.) split their loop over the intra-op
-# thread pool by Eigen's cost model. Up to 256 elements they run inline and cost 0.4-0.5x
+# thread pool by Eigen's cost model, handed the whole variable's cost as the cost of one unit
+# (training_ops.cc), so they split early. Up to 256 elements they run inline and cost 0.4-0.5x
 # Keras's composite; from 512 elements to 128x128 the split's thread hand-off costs as much as
 # the work or more (0.85-1.25x; with one intra-op thread the same 64x64 update costs 0.31x);
 # above that the split pays (0.81x at 128x256, 0.49x at 256x256, 0.18x at 512x512). Measured
