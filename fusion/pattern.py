@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from fusion.graph import GraphView
@@ -27,8 +27,8 @@ class Target(Protocol):
     """What a pattern needs to know of the backend it rewrites for (see ``tfmx.backends``)."""
 
     name: str
-    # element counts (inclusive) whose optimizer updates keep the composite; None: fuse all
-    optimizer_composite_band: tuple[int, int] | None
+    # per ResourceApply* kernel: element counts (inclusive) whose updates keep the composite
+    optimizer_composite_bands: Mapping[str, tuple[int, int]]
 
     def contraction_support(self, op: str, dtype: str, fused_ops: tuple[str, ...]) -> bool:
         """True if the backend runs ``_Fused<op>`` with ``fused_ops`` in ``dtype``."""

@@ -36,7 +36,7 @@ STEPS = 20
 def _tfmx_off(monkeypatch):
     # These models are small; fuse every update so each test exercises the kernels (the cpu
     # size band has its own test below).
-    monkeypatch.setattr(backends, "CPU_OPTIMIZER_COMPOSITE_BAND", None)
+    monkeypatch.setattr(backends, "CPU_ADAM_COMPOSITE_BAND", None)
     tfmx.disable()
     yield
     tfmx.disable()
@@ -337,7 +337,7 @@ def test_custom_training_loop_through_tfmx_function():
 
 
 def test_cpu_keeps_the_composite_for_mid_sized_variables(monkeypatch):
-    monkeypatch.setattr(backends, "CPU_OPTIMIZER_COMPOSITE_BAND", (257, 16384))
+    monkeypatch.setattr(backends, "CPU_ADAM_COMPOSITE_BAND", (257, 16384))
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64), keras.layers.Dense(2),
                               keras.layers.Dense(128, use_bias=False),
@@ -357,3 +357,9 @@ def test_cpu_keeps_the_composite_for_mid_sized_variables(monkeypatch):
     assert declined == ["Adam: variable of 4096 elements, in 257-16384: on cpu the kernel is no "
                         "faster than the composite there"]
     assert len(find_updates(view, get_backend("cuda"))[0]) == 6
+    # The band is Adam's kernel's: momentum SGD's kernel is cheaper at every size.
+    model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")
+    step = tf.function(model.train_step).get_concrete_function(
+        (tf.TensorSpec([8, 64]), tf.TensorSpec([8, 256])))
+    view = GraphView(step.graph.as_graph_def(add_shapes=True).node)
+    assert [len(found) for found in find_updates(view, get_backend("cpu"))] == [6, 0]

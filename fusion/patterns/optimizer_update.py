@@ -378,7 +378,7 @@ def variable_shape(view: GraphView, found: Match) -> tuple[int, ...] | None:
 
 def _band_reason(view: GraphView, spec: Spec, found: Match, target: Target) -> str | None:
     """Why the kernel is not worth it for this variable's size on ``target``, or None."""
-    band = getattr(target, "optimizer_composite_band", None)
+    band = getattr(target, "optimizer_composite_bands", {}).get(spec.kernel)
     shape = variable_shape(view, found)
     if not band or shape is None:
         return None

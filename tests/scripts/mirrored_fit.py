@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 import tfmx  # noqa: E402
 import tfmx.backends  # noqa: E402
 
-tfmx.backends.CPU_OPTIMIZER_COMPOSITE_BAND = None  # small test model: fuse every update
+tfmx.backends.CPU_ADAM_COMPOSITE_BAND = None  # small test model: fuse every update
 from fusion.graph import op_histogram  # noqa: E402
 
 OPTIMIZER = sys.argv[1] if len(sys.argv) > 1 else "adam"
