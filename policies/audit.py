@@ -198,9 +198,10 @@ def audit(model: Any, sample_batch: Any = None, batch_size: int = 8) -> Audit:
     """Per layer: policy, compute and variable dtype, output dtype, and the casts it adds.
 
     Args:
-        model: a Functional or Sequential model (built).
+        model: a built Keras model. A subclassed one needs ``sample_batch``: each layer's
+            input is recorded as it arrives on one forward pass.
         sample_batch: inputs (or an ``(x, y)`` batch); default a random batch of
-            ``batch_size`` shaped like the model's inputs.
+            ``batch_size`` shaped like the model's inputs (Functional and Sequential only).
 
     A layer that fails under its policy is listed with a note naming the error (use
     :func:`policies.check` to raise it). Nothing in the model changes.
@@ -215,15 +216,28 @@ def audit(model: Any, sample_batch: Any = None, batch_size: int = 8) -> Audit:
     import tensorflow as tf
 
     from policies.global_policy import current, stale_layers
-    from policies.tune import inputs_of, probe_layers, producers, sample_inputs
+    from policies.tune import (
+        has_graph,
+        inputs_of,
+        probe_layers,
+        producers,
+        record_calls,
+        sample_inputs,
+    )
 
     x = inputs_of(sample_batch) if sample_batch is not None else sample_inputs(model, batch_size)
     top = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
-    single = [layer for layer in top if len(getattr(layer, "_inbound_nodes", [])) == 1
+    graph = has_graph(model)
+    single = [layer for layer in top
+              if (len(getattr(layer, "_inbound_nodes", [])) == 1 or not graph)
               and not isinstance(layer, keras.Model)]
-    ins, _ = probe_layers(model, single, x)
-    values = {id(layer): v for layer, v in zip(single, ins)}
-    outputs = output_layers(model)
+    if graph:
+        ins, _ = probe_layers(model, single, x)
+        values = {id(layer): v for layer, v in zip(single, ins)}
+        outputs = output_layers(model)
+    else:  # subclassed: each layer's input as it arrived, in its producer's dtype
+        recorded, outputs = record_calls(model, single, x, as_float32=False)
+        values = {key: inp for key, (inp, _) in recorded.items()}
     stale = {id(layer) for layer, _ in stale_layers(model)}
     rows = []
     notes: list[str] = []
@@ -239,12 +253,14 @@ def audit(model: Any, sample_batch: Any = None, batch_size: int = 8) -> Audit:
         kinds: dict[str, int] = {}
         out_dtype = None
         if id(layer) in values:
-            feeders = producers(layer)
             value = values[id(layer)]
-            flat = tf.nest.flatten(value)
-            dtypes = [_producer_dtype(p, t) for p, t in zip(_expand(feeders, flat), flat)]
-            typed = tf.nest.pack_sequence_as(
-                value, [tf.cast(t, d) if t.dtype.is_floating else t for t, d in zip(flat, dtypes)])
+            typed = value
+            if graph:
+                flat = tf.nest.flatten(value)
+                dtypes = [_producer_dtype(p, t)
+                          for p, t in zip(_expand(producers(layer), flat), flat)]
+                typed = tf.nest.pack_sequence_as(value, [
+                    tf.cast(t, d) if t.dtype.is_floating else t for t, d in zip(flat, dtypes)])
             state = [v.numpy() for v in layer.non_trainable_variables]
             try:
                 graph_def, out_dtype = _layer_graph(layer, typed)

@@ -255,6 +255,68 @@ def probe_layers(model: Any, layers: list[Any], x: Any) -> tuple[list[Any], list
     return list(ins), list(outs)
 
 
+def has_graph(model: Any) -> bool:
+    """True for Functional and Sequential models (their layers' inputs are known)."""
+    try:
+        return bool(model.inputs)
+    except (AttributeError, ValueError, TypeError):
+        return False
+
+
+def record_calls(model: Any, layers: list[Any], x: Any,
+                 as_float32: bool = True) -> tuple[dict[int, tuple], list[Any]]:
+    """Run ``model`` on ``x`` and record what each of ``layers`` was called with.
+
+    For subclassed models, whose ``call`` is Python code: returns ``{id(layer): (input,
+    output)}`` for the layers called exactly once (a layer called twice is shared) and the
+    layers whose output is the model's output (the output layers). Every layer computes in
+    float32 while recording unless ``as_float32=False`` (then each input arrives in the dtype
+    its producer hands it). Layer classes are patched only while the model runs.
+    """
+    import tensorflow as tf
+
+    wanted = {id(layer) for layer in layers}
+    seen: dict[int, list[tuple]] = {}
+    originals: dict[type, Any] = {}
+
+    def recording(original: Any) -> Any:
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+            out = original(self, *args, **kwargs)
+            if id(self) in wanted:  # the input as handed over, before Keras casts it
+                seen.setdefault(id(self), []).append(
+                    (args[0] if args else kwargs.get("inputs"), out))
+            return out
+
+        return __call__
+
+    saved = {id(layer): layer.dtype_policy for layer in model._flatten_layers(include_self=False)}
+    try:
+        for layer in layers:
+            cls = type(layer)
+            if cls not in originals:
+                originals[cls] = cls.__dict__.get("__call__")
+                cls.__call__ = recording(cls.__call__)
+        if as_float32:
+            for layer in model._flatten_layers(include_self=False):
+                layer.dtype_policy = "float32"
+        result = model(x, training=False)
+    finally:
+        for cls, original in originals.items():
+            if original is None:
+                del cls.__call__
+            else:
+                cls.__call__ = original
+        for layer in model._flatten_layers(include_self=False):
+            if id(layer) in saved:
+                layer._dtype_policy = saved[id(layer)]
+    once = {key: calls[0] for key, calls in seen.items() if len(calls) == 1}
+    final = tf.nest.flatten(result)
+    outputs = [layer for layer in layers if id(layer) in once and any(
+        np.array_equal(np.asarray(o), np.asarray(f))
+        for o in tf.nest.flatten(once[id(layer)][1]) for f in final)]
+    return once, outputs
+
+
 def _default_candidate() -> str:
     from policies.global_policy import hardware
     from policies.hardware import choose
@@ -278,9 +340,11 @@ def tune(
     """Choose float32 or ``policy`` for each layer of ``model`` by measuring on this backend.
 
     Args:
-        model: a built Functional or Sequential model (its top-level layers are chosen).
+        model: a built Keras model (its top-level layers are chosen). For a subclassed model
+            pass ``sample_batch``: the layers' inputs are recorded on one float32 forward; a
+            layer called more than once, or without weights, keeps its policy.
         sample_batch: inputs (or an ``(x, y)`` batch) to time on; default: a random batch of
-            ``batch_size`` shaped like the model's inputs.
+            ``batch_size`` shaped like the model's inputs (Functional and Sequential only).
         policy: the 16-bit candidate ("mixed_bfloat16" or "mixed_float16"); default: what
             "auto" picks for this hardware, or "mixed_bfloat16".
         timer: ``timer(layer, policy, run) -> seconds``; default :func:`measure` (median of
@@ -312,9 +376,13 @@ def tune(
     import keras
 
     top = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    graph = has_graph(model)
     candidates = [layer for layer in top
-                  if len(getattr(layer, "_inbound_nodes", [])) == 1
+                  if (len(getattr(layer, "_inbound_nodes", [])) == 1 or not graph)
                   and not isinstance(layer, keras.Model)]
+    if not graph and sample_batch is None:
+        raise ValueError(f"model {model.name!r} is subclassed: its inputs are not known, so "
+                         "tune needs sample_batch= (a batch of real inputs)")
     x = inputs_of(sample_batch) if sample_batch is not None else sample_inputs(model, batch_size)
     with quiet_tf_logs():
         return _tune(model, x, top, candidates, policy, timer, tolerance, margin, apply,
@@ -373,9 +441,12 @@ def _tune(model: Any, x: Any, top: list[Any], candidates: list[Any], policy: str
           check_model: bool) -> TuneResult:
     import keras
 
-    ins, outs = probe_layers(model, candidates, x)
-    values = {id(layer): (i, o) for layer, i, o in zip(candidates, ins, outs)}
-    outputs = output_layers(model)
+    if has_graph(model):
+        ins, outs = probe_layers(model, candidates, x)
+        values = {id(layer): (i, o) for layer, i, o in zip(candidates, ins, outs)}
+        outputs = output_layers(model)
+    else:  # subclassed: what each layer was called with, recorded on one float32 forward
+        values, outputs = record_calls(model, candidates, x)
     decided: dict[int, str] = {}
     choices = []
     for layer in top:
@@ -390,6 +461,12 @@ def _tune(model: Any, x: Any, top: list[Any], candidates: list[Any], policy: str
         if safety:
             decided[id(layer)] = "float32"
             choices.append(LayerChoice(layer.name, cls, "float32", "safety", safety))
+            continue
+        if (not weighted(layer) or cls in NORMALIZATION_WITH_UPCAST) and not has_graph(model):
+            decided[id(layer)] = policy_name(layer)
+            choices.append(LayerChoice(layer.name, cls, policy_name(layer), "kept",
+                                       "not tuned: no weights, and a subclassed model has no "
+                                       "graph to say what feeds it"))
             continue
         if not weighted(layer) or cls in NORMALIZATION_WITH_UPCAST:
             feeders = [decided.get(id(p), "float32") for p in producers(layer)]

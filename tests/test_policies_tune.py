@@ -187,3 +187,61 @@ def test_round_trips_are_counted():
 
     g = f.get_concrete_function(tf.TensorSpec([2], tf.bfloat16), tf.TensorSpec([2]))
     assert count_round_trips(g.graph.as_graph_def()) == 1
+
+
+class _Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__(name="sub")
+        self.fast = keras.layers.Dense(16, name="fast")
+        self.act = keras.layers.ReLU(name="act")
+        self.twice = keras.layers.Dense(16, name="twice")
+        self.head = keras.layers.Dense(4, name="head")
+
+    def call(self, x):
+        x = self.act(self.fast(x))
+        return self.head(self.twice(self.twice(x)))
+
+
+def test_tune_a_subclassed_model_from_its_recorded_calls():
+    model = _Subclassed()
+    x = np.random.default_rng(0).standard_normal((8, 16)).astype("float32")
+    model(x)
+    with pytest.raises(ValueError, match="subclassed.*sample_batch"):
+        policies.tune(model, policy=BF16)
+    table = {("fast", "float32"): 2e-3, ("fast", BF16): 1e-3,
+             ("sub", "float32"): 4e-3, ("sub", "tuned"): 3e-3}
+    timer, calls = injected(table)
+    result = policies.tune(model, x, policy=BF16, timer=timer)
+    kinds = {c.layer: (c.kind, c.policy) for c in result.layers}
+    assert kinds == {"fast": ("tuned", BF16), "act": ("kept", "float32"),
+                     "twice": ("kept", "float32"), "head": ("safety", "float32")}
+    assert "shared" in next(c.reason for c in result.layers if c.layer == "twice")
+    assert set(calls) == set(table)
+    assert model.fast.compute_dtype == "bfloat16" and model.head.compute_dtype == "float32"
+    # The layer classes are as they were, and the model trains.
+    assert "__call__" not in vars(keras.layers.Dense) and "__call__" not in vars(keras.layers.ReLU)
+    model.compile(optimizer="adam", loss="mse")
+    logs = model.train_on_batch(x, np.zeros((8, 4), "float32"), return_dict=True)
+    assert np.isfinite(logs["loss"])
+
+
+def test_audit_of_a_subclassed_model_matches_its_functional_twin():
+    class Twin(keras.Model):
+        def __init__(self):
+            super().__init__(name="twin")
+            self.a = keras.layers.Dense(16, name="a", dtype=BF16)
+            self.b = keras.layers.Dense(4, name="b")
+
+        def call(self, x):
+            return self.b(self.a(x))
+
+    x = np.ones((4, 8), "float32")
+    sub = Twin()
+    sub(x)
+    inp = keras.Input((8,))
+    out = keras.layers.Dense(4, name="b")(keras.layers.Dense(16, name="a", dtype=BF16)(inp))
+    functional = keras.Model(inp, out)
+    got, want = policies.audit(sub, x), policies.audit(functional, x)
+    assert [(r.layer, r.casts_forward, r.casts_backward, r.note) for r in got.layers] == [
+        (r.layer, r.casts_forward, r.casts_backward, r.note) for r in want.layers]
+    assert got.layer("b").casts_forward == 1 and got.model_casts == want.model_casts
