@@ -29,6 +29,8 @@ class Target(Protocol):
     name: str
     # per ResourceApply* kernel: element counts (inclusive) whose updates keep the composite
     optimizer_composite_bands: Mapping[str, tuple[int, int]]
+    # TensorFlow op -> the oneDNN op (label MklNameChangeOp) to run it on; empty: none
+    onednn_ops: Mapping[str, str]
 
     def contraction_support(self, op: str, dtype: str, fused_ops: tuple[str, ...]) -> bool:
         """True if the backend runs ``_Fused<op>`` with ``fused_ops`` in ``dtype``."""

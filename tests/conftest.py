@@ -7,6 +7,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from helpers import exact_patterns  # noqa: E402
 
 import fusion  # noqa: E402
 from tfmx.backends import _cpu, get_backend  # noqa: E402
@@ -44,7 +45,7 @@ def fuse():
         if protected is None:
             protected = protected_names(concrete)
         return fusion.rewrite(
-            graph_def, backend, protected=protected,
+            graph_def, backend, exact_patterns(), protected=protected,
             control_outputs=control_output_names(concrete),
         )
 

@@ -16,3 +16,12 @@ def ops_that_ran(fn) -> set[str]:
                 for f in g.library.function:
                     ops.update(n.op for n in f.node_def)
     return ops
+
+
+def exact_patterns() -> list[str]:
+    """Every registered family but ``onednn``, which runs convolutions on oneDNN's kernels and
+    so changes float32 summation order (tests/test_onednn.py holds it to its own tolerance).
+    What these give must equal stock elementwise."""
+    from fusion.pattern import registered
+
+    return [name for name in registered() if name != "onednn"]

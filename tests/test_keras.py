@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import ops_that_ran
+from helpers import exact_patterns, ops_that_ran
 
 import fusion.patterns.contraction as contraction
 import tfmx
@@ -57,7 +57,7 @@ def weights(model: keras.Model) -> list[np.ndarray]:
 
 def train(enable: bool, **fit_kwargs):
     if enable:
-        tfmx.enable(backend="cpu")
+        tfmx.enable(backend="cpu", patterns=exact_patterns())
     else:
         tfmx.disable()
     model = build_model()
@@ -96,7 +96,7 @@ def test_tf_data_steps_per_execution_validation_and_callbacks(tmp_path):
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
     results = {}
     for enable in (False, True):
-        tfmx.enable(backend="cpu") if enable else tfmx.disable()
+        tfmx.enable(backend="cpu", patterns=exact_patterns()) if enable else tfmx.disable()
         model = build_model(compile_kwargs={"steps_per_execution": 3})
         ckpt = tmp_path / f"best_{enable}.weights.h5"
         model.fit(

@@ -103,6 +103,8 @@ class Backend:
     # updates keep Keras's composite: where that kernel measured no faster.
     optimizer_composite_bands: Mapping[str, tuple[int, int]] = dataclasses.field(
         default_factory=dict)
+    # TensorFlow op -> the oneDNN op it runs on (fusion.patterns.onednn); empty: none.
+    onednn_ops: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def contraction_support(self, op: str, dtype: str, fused_ops: tuple[str, ...]) -> bool:
         """True if ``_Fused<op>`` with ``fused_ops`` runs here in ``dtype``."""
@@ -168,7 +170,27 @@ _ACTS_BASIC = ("Relu", "Relu6", "Elu", "LeakyRelu")
 CPU_ADAM_COMPOSITE_BAND = (257, 16384)
 
 
+@functools.cache
+def onednn_kernels_registered() -> bool:
+    """True if this TensorFlow has oneDNN's renamed CPU kernels (the Linux x86-64 wheels do),
+    whether or not oneDNN's graph pass is on."""
+    from tensorflow.python.framework import kernels
+
+    from fusion.patterns.onednn import CONVOLUTIONS, KERNEL_LABEL
+
+    for op in CONVOLUTIONS.values():
+        try:
+            found = kernels.get_registered_kernels_for_op(op).kernel
+        except Exception:  # noqa: BLE001 - an op this build does not know
+            return False
+        if not any(k.device_type == "CPU" and k.label == KERNEL_LABEL for k in found):
+            return False
+    return True
+
+
 def _cpu(onednn: bool) -> Backend:
+    from fusion.patterns.onednn import CONVOLUTIONS
+
     # Read off the kernels (TF 2.21, x86-64) by running every fused_ops list in every dtype
     # against the composite ops; tests/test_backends.py runs each entry again.
     conv = _chains(
@@ -196,6 +218,8 @@ def _cpu(onednn: bool) -> Backend:
     return Backend(
         optimizer_composite_bands={"ResourceApplyAdam": CPU_ADAM_COMPOSITE_BAND}
         if CPU_ADAM_COMPOSITE_BAND else {},
+        # With oneDNN on, TensorFlow's own pass retargets them.
+        onednn_ops=dict(CONVOLUTIONS) if not onednn and onednn_kernels_registered() else {},
         name="cpu",
         description=f"TensorFlow CPU kernels, oneDNN {'on' if onednn else 'off'}",
         device_type="CPU",

@@ -19,4 +19,7 @@ from fusion.patterns import (
 from fusion.patterns import batch_norm  # noqa: F401  (registers "batch_norm")
 from fusion.patterns import casts  # noqa: F401  (registers "casts"; runs after the others)
 
+# Last: what is still a plain convolution goes to oneDNN's kernel where the backend says so.
+from fusion.patterns import onednn  # noqa: F401  (registers "onednn")
+
 # isort: on

@@ -1,0 +1,115 @@
+"""oneDNN kernels without oneDNN's graph pass: CPU convolutions and their gradients.
+
+TensorFlow's Linux x86-64 wheel carries oneDNN's kernels (``_MklNativeConv2D`` and its two
+gradients among them), registered under the kernel label ``MklNameChangeOp``. A node runs one
+only if it asks for that label in its ``_kernel`` attr, which TensorFlow's own oneDNN graph pass
+sets when oneDNN is on (``TF_ENABLE_ONEDNN_OPTS=1``; the 2.21 wheel leaves it off on CPUs
+without AVX-512, AMD's included). This family does that one step for the convolutions of a
+training graph, where the Eigen kernels are slow (the forward, and above all
+``Conv2DBackpropFilter`` / ``Conv2DBackpropInput``), and nothing else: same inputs, same
+outputs, same node names, no layout change (the "Native" ops take TensorFlow's NHWC tensors).
+
+Where oneDNN is on, TensorFlow's pass already does this and the backend lists nothing to
+retarget; where the kernels are not registered (other platforms), likewise. Results differ
+from Eigen's by float32 summation order only (a few 1e-6, relative; the tests check).
+
+One shape, as in every family: :class:`OneDnnMatch` records a node, :func:`find_onednn` fills
+records (and says why a convolution stays on Eigen), :func:`rewrite_onednn` retargets.
+
+Example:
+    >>> import tensorflow as tf
+    >>> from fusion.graph import GraphView
+    >>> from fusion.patterns.onednn import find_onednn
+    >>> @tf.function
+    ... def f(x, w):
+    ...     return tf.nn.conv2d(x, w, 1, "SAME")
+    >>> g = f.get_concrete_function(tf.TensorSpec([1, 4, 4, 2]),
+    ...                             tf.TensorSpec([3, 3, 2, 2])).graph.as_graph_def()
+    >>> class Target:  # a cpu backend whose oneDNN kernels are registered, oneDNN itself off
+    ...     onednn_ops = {"Conv2D": "_MklNativeConv2D"}
+    >>> [m.op for m in find_onednn(GraphView(g.node), Target())[0]]
+    ['_MklNativeConv2D']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fusion.graph import GraphView, NodeDef
+from fusion.match import dtype_name
+from fusion.pattern import RewriteContext, Target, apply_matches, register
+
+KERNEL_LABEL = "MklNameChangeOp"
+"""The kernel label TensorFlow registers oneDNN's renamed ("Native") kernels under."""
+
+CONVOLUTIONS = {
+    "Conv2D": "_MklNativeConv2D",
+    "Conv2DBackpropInput": "_MklNativeConv2DBackpropInput",
+    "Conv2DBackpropFilter": "_MklNativeConv2DBackpropFilter",
+}
+"""TensorFlow op -> the oneDNN op computing the same, with the same inputs and attrs."""
+
+
+@dataclasses.dataclass
+class OneDnnMatch:
+    """A node to run on its oneDNN kernel."""
+
+    node: NodeDef
+    op: str  # the oneDNN op
+
+
+def _why_not(node: NodeDef) -> str | None:
+    dtype = dtype_name(node)
+    if dtype != "float32":
+        return f"{node.op} in {dtype}: only float32 goes to oneDNN (measured there)"
+    data_format = node.attr["data_format"].s.decode() if "data_format" in node.attr else "NHWC"
+    if data_format != "NHWC":
+        return f"{node.op} in {data_format}: only NHWC goes to oneDNN"
+    if node.attr["padding"].s == b"EXPLICIT":
+        return f"{node.op} with explicit padding: left on Eigen"
+    if node.device and "CPU" not in node.device.upper():
+        return f"{node.op} placed on {node.device}"
+    return None
+
+
+def find_onednn(view: GraphView, target: Target) -> tuple[list[OneDnnMatch], list[str]]:
+    """Every node ``target`` runs on a oneDNN kernel; reasons for the ones left on Eigen."""
+    ops = getattr(target, "onednn_ops", {})
+    matches: list[OneDnnMatch] = []
+    declined: list[str] = []
+    if not ops:
+        return matches, declined
+    for node in view:
+        new = ops.get(node.op)
+        if new is None or "_kernel" in node.attr:  # absent, or already labelled for a kernel
+            continue
+        why = _why_not(node)
+        if why is None:
+            matches.append(OneDnnMatch(node, new))
+        else:
+            declined.append(why)
+    return matches, declined
+
+
+def rewrite_onednn(view: GraphView, match: OneDnnMatch) -> NodeDef:
+    """Run ``match.node`` on its oneDNN kernel: same name, inputs and attrs, new op and label."""
+    node = NodeDef()
+    node.CopyFrom(match.node)
+    node.op = match.op
+    node.attr["_kernel"].s = KERNEL_LABEL.encode()
+    view.replace(match.node.name, node)
+    return node
+
+
+@register(
+    "onednn",
+    "cpu with oneDNN off: Conv2D and its gradients -> TensorFlow's bundled oneDNN kernels "
+    "(_MklNativeConv2D*)",
+)
+def onednn_pass(view: GraphView, ctx: RewriteContext) -> None:
+    """Retarget every convolution ``ctx.target`` runs faster on oneDNN."""
+    apply_matches(
+        view, ctx, find_onednn(view, ctx.target),
+        lambda v, m: rewrite_onednn(v, m),
+        lambda m: f"{m.node.op} -> {m.op}",
+    )
