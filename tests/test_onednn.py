@@ -11,10 +11,11 @@ from helpers import ops_that_ran
 import fusion
 import tfmx
 from fusion.graph import GraphView
-from fusion.patterns.onednn import CONVOLUTIONS, KERNEL_LABEL, find_onednn
+from fusion.patterns.onednn import KERNEL_LABEL, RETARGETS, find_onednn
 from tfmx.backends import get_backend, onednn_enabled, onednn_kernels_registered
 from tfmx.rebuild import protected_names, rebuild
 
+CONVOLUTIONS = {op: new for op, new in RETARGETS.items() if op.startswith("Conv2D")}
 RUNS_HERE = pytest.mark.skipif(
     onednn_enabled() or not onednn_kernels_registered(),
     reason="needs oneDNN's kernels registered and oneDNN's own graph pass off",
@@ -25,7 +26,7 @@ class _Target:
     """A backend that retargets every convolution (the matcher does not need a real one)."""
 
     name = "test"
-    onednn_ops = dict(CONVOLUTIONS)
+    onednn_ops = dict(RETARGETS)
 
 
 @pytest.fixture(autouse=True)
@@ -96,9 +97,32 @@ def test_rewritten_step_runs_on_onednn_and_matches_eigen():
     assert len(retargeted) == 3
     assert all(n.attr["_kernel"].s.decode() == KERNEL_LABEL for n in retargeted)
     before = {n.name: n.op for n in g.node if n.op in CONVOLUTIONS}
-    assert {n.name: CONVOLUTIONS[before[n.name]] for n in retargeted} == {
+    assert {n.name: RETARGETS[before[n.name]] for n in retargeted} == {
         n.name: n.op for n in retargeted}  # same node names: consumers need no rewiring
     x = tf.random.normal([2, 6, 6, 3], seed=2)
+    for want, got in zip(cf(x), rebuild(cf, res.graph_def)(x)):
+        want, got = want.numpy(), got.numpy()
+        assert np.max(np.abs(want - got)) <= 1e-5 * np.max(np.abs(want))
+
+
+@RUNS_HERE
+def test_matmul_and_its_gradients_run_on_onednn_and_match_eigen():
+    w = tf.Variable(tf.random.normal([8, 16], seed=3))
+    _ALIVE.append(w)
+
+    @tf.function(autograph=False)
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(tf.tanh(tf.matmul(x, w)) ** 2)
+        return tape.gradient(loss, [x, w])
+
+    cf = step.get_concrete_function(tf.TensorSpec([4, 8]))
+    res = fusion.rewrite(cf.graph.as_graph_def(add_shapes=True), get_backend("cpu"), ["onednn"],
+                         protected_names(cf))
+    ops = [n.op for n in res.graph_def.node]
+    assert ops.count("_MklMatMul") == 3 and "MatMul" not in ops  # forward and both gradients
+    x = tf.random.normal([4, 8], seed=4)
     for want, got in zip(cf(x), rebuild(cf, res.graph_def)(x)):
         want, got = want.numpy(), got.numpy()
         assert np.max(np.abs(want - got)) <= 1e-5 * np.max(np.abs(want))
@@ -127,7 +151,7 @@ def test_keras_cnn_trains_like_stock_with_onednn_convolutions():
     stock, _, _ = train(False)
     fused, ran, report = train(True)
     assert {"_MklNativeConv2D", "_MklNativeConv2DBackpropFilter",
-            "_MklNativeConv2DBackpropInput"} <= ran
+            "_MklNativeConv2DBackpropInput", "_MklMatMul"} <= ran
     assert report["fused_kinds"]["Conv2DBackpropFilter -> _MklNativeConv2DBackpropFilter"] == 2
     for a, b in zip(stock, fused):
         assert np.max(np.abs(a - b)) <= 1e-5 * max(np.max(np.abs(a)), 1e-6)

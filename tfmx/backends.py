@@ -176,9 +176,9 @@ def onednn_kernels_registered() -> bool:
     whether or not oneDNN's graph pass is on."""
     from tensorflow.python.framework import kernels
 
-    from fusion.patterns.onednn import CONVOLUTIONS, KERNEL_LABEL
+    from fusion.patterns.onednn import KERNEL_LABEL, RETARGETS
 
-    for op in CONVOLUTIONS.values():
+    for op in RETARGETS.values():
         try:
             found = kernels.get_registered_kernels_for_op(op).kernel
         except Exception:  # noqa: BLE001 - an op this build does not know
@@ -189,7 +189,7 @@ def onednn_kernels_registered() -> bool:
 
 
 def _cpu(onednn: bool) -> Backend:
-    from fusion.patterns.onednn import CONVOLUTIONS
+    from fusion.patterns.onednn import RETARGETS
 
     # Read off the kernels (TF 2.21, x86-64) by running every fused_ops list in every dtype
     # against the composite ops; tests/test_backends.py runs each entry again.
@@ -219,7 +219,7 @@ def _cpu(onednn: bool) -> Backend:
         optimizer_composite_bands={"ResourceApplyAdam": CPU_ADAM_COMPOSITE_BAND}
         if CPU_ADAM_COMPOSITE_BAND else {},
         # With oneDNN on, TensorFlow's own pass retargets them.
-        onednn_ops=dict(CONVOLUTIONS) if not onednn and onednn_kernels_registered() else {},
+        onednn_ops=dict(RETARGETS) if not onednn and onednn_kernels_registered() else {},
         name="cpu",
         description=f"TensorFlow CPU kernels, oneDNN {'on' if onednn else 'off'}",
         device_type="CPU",

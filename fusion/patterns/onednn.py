@@ -1,4 +1,4 @@
-"""oneDNN kernels without oneDNN's graph pass: CPU convolutions and their gradients.
+"""oneDNN kernels without oneDNN's graph pass: CPU convolutions, their gradients, MatMul.
 
 TensorFlow's Linux x86-64 wheel carries oneDNN's kernels (``_MklNativeConv2D`` and its two
 gradients among them), registered under the kernel label ``MklNameChangeOp``. A node runs one
@@ -6,8 +6,13 @@ only if it asks for that label in its ``_kernel`` attr, which TensorFlow's own o
 sets when oneDNN is on (``TF_ENABLE_ONEDNN_OPTS=1``; the 2.21 wheel leaves it off on CPUs
 without AVX-512, AMD's included). This family does that one step for the convolutions of a
 training graph, where the Eigen kernels are slow (the forward, and above all
-``Conv2DBackpropFilter`` / ``Conv2DBackpropInput``), and nothing else: same inputs, same
-outputs, same node names, no layout change (the "Native" ops take TensorFlow's NHWC tensors).
+``Conv2DBackpropFilter`` / ``Conv2DBackpropInput``), and for ``MatMul`` (forward, gradients, the
+recurrent MatMul of an LSTM loop), and nothing else: same inputs, same outputs, same node
+names, no layout change (the "Native" ops take TensorFlow's NHWC tensors).
+
+Measured on this project's 2-core AMD EPYC (TF 2.21, oneDNN off), oneDNN / Eigen: a
+conv training step (3 convolutions, batch 128, 32x32) 0.76; MatMul [64,128]x[128,512] chained
+0.52, [32,64]x[64,64] 0.93, [3200,128]x[128,512] 1.0.
 
 Where oneDNN is on, TensorFlow's pass already does this and the backend lists nothing to
 retarget; where the kernels are not registered (other platforms), likewise. Results differ
@@ -42,10 +47,11 @@ from fusion.pattern import RewriteContext, Target, apply_matches, register
 KERNEL_LABEL = "MklNameChangeOp"
 """The kernel label TensorFlow registers oneDNN's renamed ("Native") kernels under."""
 
-CONVOLUTIONS = {
+RETARGETS = {
     "Conv2D": "_MklNativeConv2D",
     "Conv2DBackpropInput": "_MklNativeConv2DBackpropInput",
     "Conv2DBackpropFilter": "_MklNativeConv2DBackpropFilter",
+    "MatMul": "_MklMatMul",
 }
 """TensorFlow op -> the oneDNN op computing the same, with the same inputs and attrs."""
 
@@ -65,7 +71,7 @@ def _why_not(node: NodeDef) -> str | None:
     data_format = node.attr["data_format"].s.decode() if "data_format" in node.attr else "NHWC"
     if data_format != "NHWC":
         return f"{node.op} in {data_format}: only NHWC goes to oneDNN"
-    if node.attr["padding"].s == b"EXPLICIT":
+    if "padding" in node.attr and node.attr["padding"].s == b"EXPLICIT":
         return f"{node.op} with explicit padding: left on Eigen"
     if node.device and "CPU" not in node.device.upper():
         return f"{node.op} placed on {node.device}"
@@ -103,11 +109,11 @@ def rewrite_onednn(view: GraphView, match: OneDnnMatch) -> NodeDef:
 
 @register(
     "onednn",
-    "cpu with oneDNN off: Conv2D and its gradients -> TensorFlow's bundled oneDNN kernels "
-    "(_MklNativeConv2D*)",
+    "cpu with oneDNN off: Conv2D, its gradients and MatMul -> TensorFlow's bundled oneDNN "
+    "kernels (_MklNativeConv2D*, _MklMatMul)",
 )
 def onednn_pass(view: GraphView, ctx: RewriteContext) -> None:
-    """Retarget every convolution ``ctx.target`` runs faster on oneDNN."""
+    """Retarget every convolution and MatMul ``ctx.target`` runs faster on oneDNN."""
     apply_matches(
         view, ctx, find_onednn(view, ctx.target),
         lambda v, m: rewrite_onednn(v, m),
