@@ -155,3 +155,16 @@ def test_keras_cnn_trains_like_stock_with_onednn_convolutions():
     assert report["fused_kinds"]["Conv2DBackpropFilter -> _MklNativeConv2DBackpropFilter"] == 2
     for a, b in zip(stock, fused):
         assert np.max(np.abs(a - b)) <= 1e-5 * max(np.max(np.abs(a)), 1e-6)
+
+
+def test_only_x86_64_cpus_retarget(monkeypatch):
+    from tfmx import backends
+
+    monkeypatch.setattr(backends.platform, "machine", lambda: "aarch64")
+    backends.onednn_kernels_registered.cache_clear()
+    try:
+        assert not onednn_kernels_registered()
+        assert get_backend("cpu").onednn_ops == {}
+    finally:
+        monkeypatch.undo()
+        backends.onednn_kernels_registered.cache_clear()
