@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import exact_patterns
 
 import fusion
 import tfmx
@@ -92,7 +93,7 @@ def train_ops(model: keras.Model) -> collections.Counter:
 
 def run(enable: bool, kind: str, **kwargs) -> dict:
     if enable:
-        tfmx.enable(backend="cpu")
+        tfmx.enable(backend="cpu", patterns=exact_patterns())
     model = build(kind, **kwargs)
     x, y = data(kind)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
@@ -180,7 +181,7 @@ def test_half_kernels_equal_keras_float32_composite_to_one_ulp(dtype, training):
 
 def test_moving_statistics_are_keras_biased_ones():
     """momentum=0: after one step the moving statistics are that batch's own (biased) moments."""
-    tfmx.enable(backend="cpu")
+    tfmx.enable(backend="cpu", patterns=exact_patterns())
     model = build("dense", bn=dict(momentum=0.0))
     x, y = data("dense", n=8)
     dense, bn = model.layers[1], model.layers[2]
@@ -195,7 +196,7 @@ def test_predict_and_evaluate_use_the_inference_kernel():
     model = build("dense")
     x, y = data("dense")
     stock = model.predict(x, verbose=0), model.evaluate(x, y, verbose=0)
-    tfmx.enable(backend="cpu")
+    tfmx.enable(backend="cpu", patterns=exact_patterns())
     fused = model.predict(x, verbose=0), model.evaluate(x, y, verbose=0)
     np.testing.assert_allclose(fused[0], stock[0], rtol=1e-5, atol=1e-5)
     assert abs(fused[1] - stock[1]) <= 1e-5 * max(1.0, abs(stock[1]))
@@ -221,7 +222,7 @@ def test_declines_keep_training_stock(kind, bn, reason):
 
 def test_virtual_batch_size_is_declined():
     """Keras 3 has no ghost batch norm; a layer that carries tf.keras's attribute is declined."""
-    tfmx.enable(backend="cpu")
+    tfmx.enable(backend="cpu", patterns=exact_patterns())
     model = build("dense")
     model.layers[2].virtual_batch_size = 4
     model.fit(*data("dense"), batch_size=8, epochs=1, verbose=0)
@@ -290,7 +291,7 @@ def test_custom_training_loop_with_tfmx_function():
         opt.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
-    tfmx.enable(backend="cpu")
+    tfmx.enable(backend="cpu", patterns=exact_patterns())
     step(x, y)
     ops = set(op_histogram(step.get_concrete_function(x, y).graph.as_graph_def()))
     assert "FusedBatchNormGradV3" in ops and "SquaredDifference" not in ops
@@ -304,7 +305,7 @@ def test_tfmx_function_under_an_outer_tape_gets_the_forward_stage():
         stock_loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
     stock_grads = tape.gradient(stock_loss, model.trainable_variables)
     # (gradients in training mode do not depend on the moving statistics just updated)
-    tfmx.enable(backend="cpu")
+    tfmx.enable(backend="cpu", patterns=exact_patterns())
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean((forward_fn(x) - y) ** 2)
     grads = tape.gradient(loss, model.trainable_variables)

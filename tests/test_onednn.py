@@ -146,12 +146,16 @@ def test_keras_cnn_trains_like_stock_with_onednn_convolutions():
         y_data = rng.random((40, 3), dtype=np.float32)
         model.fit(x_data, y_data, batch_size=8, epochs=1, shuffle=False, verbose=0)
         report = tfmx.report().to_dict()["patterns"]["onednn"] if fused else None
-        return [v.numpy() for v in model.weights], ops_that_ran(model.train_function), report
+        predictions = model.predict(x_data, verbose=0)
+        return ([v.numpy() for v in model.weights] + [predictions],
+                ops_that_ran(model.train_function), report)
 
     stock, _, _ = train(False)
     fused, ran, report = train(True)
     assert {"_MklNativeConv2D", "_MklNativeConv2DBackpropFilter",
-            "_MklNativeConv2DBackpropInput", "_MklMatMul"} <= ran
+            "_MklNativeConv2DBackpropInput", "_MklMatMul", "_MklNativeFusedBatchNormV3",
+            "_MklNativeFusedBatchNormGradV3"} <= ran
+    assert not {"FusedBatchNormV3", "FusedBatchNormGradV3", "Conv2DBackpropFilter"} & ran
     assert report["fused_kinds"]["Conv2DBackpropFilter -> _MklNativeConv2DBackpropFilter"] == 2
     for a, b in zip(stock, fused):
         assert np.max(np.abs(a - b)) <= 1e-5 * max(np.max(np.abs(a)), 1e-6)
@@ -168,3 +172,27 @@ def test_only_x86_64_cpus_retarget(monkeypatch):
     finally:
         monkeypatch.undo()
         backends.onednn_kernels_registered.cache_clear()
+
+
+def test_batch_norm_goes_to_onednn_only_with_its_gradient():
+    """The gradient reads the forward's reserve spaces: a pair moves together or stays."""
+    scale, offset = tf.ones([3]), tf.zeros([3])
+
+    @tf.function(autograph=False)
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y, *_ = tf.compat.v1.nn.fused_batch_norm(x, scale, offset, is_training=True)
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, x)
+
+    cf = step.get_concrete_function(tf.TensorSpec([2, 4, 4, 3]))
+    view = GraphView(cf.graph.as_graph_def(add_shapes=True).node)
+    pair = {"FusedBatchNormV3": "_MklNativeFusedBatchNormV3",
+            "FusedBatchNormGradV3": "_MklNativeFusedBatchNormGradV3"}
+    matches, declined = find_onednn(view, type("T", (), {"onednn_ops": pair})())
+    assert sorted(m.op for m in matches) == sorted(pair.values()) and declined == []
+    alone = {"FusedBatchNormV3": "_MklNativeFusedBatchNormV3"}  # no gradient kernel
+    matches, declined = find_onednn(view, type("T", (), {"onednn_ops": alone})())
+    assert matches == []
+    assert declined == ["FusedBatchNormV3: its forward/gradient partner stays on Eigen"]

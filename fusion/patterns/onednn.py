@@ -1,4 +1,4 @@
-"""oneDNN kernels without oneDNN's graph pass: CPU convolutions, their gradients, MatMul.
+"""oneDNN kernels without oneDNN's graph pass: CPU convolutions, MatMul, batch norm.
 
 TensorFlow's Linux x86-64 wheel carries oneDNN's kernels (``_MklNativeConv2D`` and its two
 gradients among them), registered under the kernel label ``MklNameChangeOp``. A node runs one
@@ -6,9 +6,11 @@ only if it asks for that label in its ``_kernel`` attr, which TensorFlow's own o
 sets when oneDNN is on (``TF_ENABLE_ONEDNN_OPTS=1``; the 2.21 wheel leaves it off on CPUs
 without AVX-512, AMD's included). This family does that one step for the convolutions of a
 training graph, where the Eigen kernels are slow (the forward, and above all
-``Conv2DBackpropFilter`` / ``Conv2DBackpropInput``), and for ``MatMul`` (forward, gradients, the
-recurrent MatMul of an LSTM loop), and nothing else: same inputs, same outputs, same node
-names, no layout change (the "Native" ops take TensorFlow's NHWC tensors).
+``Conv2DBackpropFilter`` / ``Conv2DBackpropInput``), for ``MatMul`` (forward, gradients, the
+recurrent MatMul of an LSTM loop) and for ``FusedBatchNormV3`` with its gradient (as a pair
+only: the gradient reads the forward's reserve spaces, whose layout is the kernel's own), and
+nothing else: same inputs, same outputs, same node names, no layout change (the "Native" ops
+take TensorFlow's NHWC tensors).
 
 Measured on this project's 2-core AMD EPYC (TF 2.21, oneDNN off), oneDNN / Eigen: a
 conv training step (3 convolutions, batch 128, 32x32) 0.76; MatMul [64,128]x[128,512] chained
@@ -40,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fusion.graph import GraphView, NodeDef
+from fusion.graph import GraphView, NodeDef, parse_input
 from fusion.match import dtype_name
 from fusion.pattern import RewriteContext, Target, apply_matches, register
 
@@ -52,6 +54,8 @@ RETARGETS = {
     "Conv2DBackpropInput": "_MklNativeConv2DBackpropInput",
     "Conv2DBackpropFilter": "_MklNativeConv2DBackpropFilter",
     "MatMul": "_MklMatMul",
+    "FusedBatchNormV3": "_MklNativeFusedBatchNormV3",
+    "FusedBatchNormGradV3": "_MklNativeFusedBatchNormGradV3",
 }
 """TensorFlow op -> the oneDNN op computing the same, with the same inputs and attrs."""
 
@@ -85,16 +89,45 @@ def find_onednn(view: GraphView, target: Target) -> tuple[list[OneDnnMatch], lis
     declined: list[str] = []
     if not ops:
         return matches, declined
+    candidates: dict[str, OneDnnMatch] = {}
     for node in view:
         new = ops.get(node.op)
         if new is None or "_kernel" in node.attr:  # absent, or already labelled for a kernel
             continue
         why = _why_not(node)
         if why is None:
-            matches.append(OneDnnMatch(node, new))
+            candidates[node.name] = OneDnnMatch(node, new)
         else:
             declined.append(why)
+    declined += _unpaired_batch_norms(view, candidates)
+    matches.extend(candidates.values())
     return matches, declined
+
+
+def _unpaired_batch_norms(view: GraphView, candidates: dict[str, OneDnnMatch]) -> list[str]:
+    """Drop from ``candidates`` every batch norm whose forward/gradient partner stays on Eigen
+    (the gradient reads the forward's reserve spaces); the reasons."""
+    reasons = []
+    changed = True
+    while changed:
+        changed = False
+        for name, m in list(candidates.items()):
+            if m.node.op == "FusedBatchNormGradV3":
+                forward = parse_input(m.node.input[3])[0]
+                paired = forward in candidates
+            elif m.node.op == "FusedBatchNormV3":
+                # The tape's ZerosLike of an unused output reads no values: not a reader.
+                readers = [c for c, _, port, ctl in view.consumer_edges(name)
+                           if not ctl and port >= 3 and c.op != "ZerosLike"]
+                paired = all(c.name in candidates and c.op == "FusedBatchNormGradV3"
+                             for c in readers)
+            else:
+                continue
+            if not paired:
+                del candidates[name]
+                reasons.append(f"{m.node.op}: its forward/gradient partner stays on Eigen")
+                changed = True
+    return reasons
 
 
 def rewrite_onednn(view: GraphView, match: OneDnnMatch) -> NodeDef:
@@ -109,11 +142,12 @@ def rewrite_onednn(view: GraphView, match: OneDnnMatch) -> NodeDef:
 
 @register(
     "onednn",
-    "cpu with oneDNN off: Conv2D, its gradients and MatMul -> TensorFlow's bundled oneDNN "
-    "kernels (_MklNativeConv2D*, _MklMatMul)",
+    "cpu with oneDNN off: Conv2D, its gradients, MatMul, FusedBatchNormV3 and its gradient -> "
+    "TensorFlow's bundled oneDNN kernels (_MklNativeConv2D*, _MklMatMul, "
+    "_MklNativeFusedBatchNorm*)",
 )
 def onednn_pass(view: GraphView, ctx: RewriteContext) -> None:
-    """Retarget every convolution and MatMul ``ctx.target`` runs faster on oneDNN."""
+    """Retarget every convolution, MatMul and batch norm ``ctx.target`` runs on oneDNN."""
     apply_matches(
         view, ctx, find_onednn(view, ctx.target),
         lambda v, m: rewrite_onednn(v, m),
