@@ -222,15 +222,14 @@ def audit(model: Any, sample_batch: Any = None, batch_size: int = 8) -> Audit:
         probe_layers,
         producers,
         record_calls,
+        runnable_alone,
         sample_inputs,
     )
 
     x = inputs_of(sample_batch) if sample_batch is not None else sample_inputs(model, batch_size)
     top = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
     graph = has_graph(model)
-    single = [layer for layer in top
-              if (len(getattr(layer, "_inbound_nodes", [])) == 1 or not graph)
-              and not isinstance(layer, keras.Model)]
+    single = runnable_alone(top, graph)
     if graph:
         ins, _ = probe_layers(model, single, x)
         values = {id(layer): v for layer, v in zip(single, ins)}

@@ -263,6 +263,17 @@ def has_graph(model: Any) -> bool:
         return False
 
 
+def runnable_alone(top: list[Any], graph: bool) -> list[Any]:
+    """The layers of ``top`` that can be run on their own recorded input: not nested models,
+    and in a Functional/Sequential ``graph`` called once (a subclassed model's shared layers
+    show up when its calls are recorded)."""
+    import keras
+
+    return [layer for layer in top
+            if (len(getattr(layer, "_inbound_nodes", [])) == 1 or not graph)
+            and not isinstance(layer, keras.Model)]
+
+
 def record_calls(model: Any, layers: list[Any], x: Any,
                  as_float32: bool = True) -> tuple[dict[int, tuple], list[Any]]:
     """Run ``model`` on ``x`` and record what each of ``layers`` was called with.
@@ -377,9 +388,7 @@ def tune(
 
     top = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
     graph = has_graph(model)
-    candidates = [layer for layer in top
-                  if (len(getattr(layer, "_inbound_nodes", [])) == 1 or not graph)
-                  and not isinstance(layer, keras.Model)]
+    candidates = runnable_alone(top, graph)
     if not graph and sample_batch is None:
         raise ValueError(f"model {model.name!r} is subclassed: its inputs are not known, so "
                          "tune needs sample_batch= (a batch of real inputs)")
@@ -441,7 +450,8 @@ def _tune(model: Any, x: Any, top: list[Any], candidates: list[Any], policy: str
           check_model: bool) -> TuneResult:
     import keras
 
-    if has_graph(model):
+    graph = has_graph(model)
+    if graph:
         ins, outs = probe_layers(model, candidates, x)
         values = {id(layer): (i, o) for layer, i, o in zip(candidates, ins, outs)}
         outputs = output_layers(model)
@@ -462,7 +472,7 @@ def _tune(model: Any, x: Any, top: list[Any], candidates: list[Any], policy: str
             decided[id(layer)] = "float32"
             choices.append(LayerChoice(layer.name, cls, "float32", "safety", safety))
             continue
-        if (not weighted(layer) or cls in NORMALIZATION_WITH_UPCAST) and not has_graph(model):
+        if (not weighted(layer) or cls in NORMALIZATION_WITH_UPCAST) and not graph:
             decided[id(layer)] = policy_name(layer)
             choices.append(LayerChoice(layer.name, cls, policy_name(layer), "kept",
                                        "not tuned: no weights, and a subclassed model has no "

@@ -21,7 +21,7 @@ retarget; where the kernels are not registered (other platforms), likewise. Resu
 from Eigen's by float32 summation order only (a few 1e-6, relative; the tests check).
 
 One shape, as in every family: :class:`OneDnnMatch` records a node, :func:`find_onednn` fills
-records (and says why a convolution stays on Eigen), :func:`rewrite_onednn` retargets.
+records (and says why a node stays on Eigen), :func:`rewrite_onednn` retargets.
 
 Example:
     >>> import tensorflow as tf
@@ -85,11 +85,10 @@ def _why_not(node: NodeDef) -> str | None:
 def find_onednn(view: GraphView, target: Target) -> tuple[list[OneDnnMatch], list[str]]:
     """Every node ``target`` runs on a oneDNN kernel; reasons for the ones left on Eigen."""
     ops = getattr(target, "onednn_ops", {})
-    matches: list[OneDnnMatch] = []
     declined: list[str] = []
-    if not ops:
-        return matches, declined
     candidates: dict[str, OneDnnMatch] = {}
+    if not ops:  # cuda, metal, cpu with oneDNN on: no walk over the graph
+        return [], declined
     for node in view:
         new = ops.get(node.op)
         if new is None or "_kernel" in node.attr:  # absent, or already labelled for a kernel
@@ -100,8 +99,7 @@ def find_onednn(view: GraphView, target: Target) -> tuple[list[OneDnnMatch], lis
         else:
             declined.append(why)
     declined += _unpaired_batch_norms(view, candidates)
-    matches.extend(candidates.values())
-    return matches, declined
+    return list(candidates.values()), declined
 
 
 def _unpaired_batch_norms(view: GraphView, candidates: dict[str, OneDnnMatch]) -> list[str]:
