@@ -93,6 +93,7 @@ class GraphView:
         self._pinned: frozenset[str] = frozenset(protected)
         self.protected: set[str] = set(protected) | self.control_outputs
         self.control_renames: dict[str, str] = {}
+        self._retired_into: dict[str, list[str]] = collections.defaultdict(list)
         for node in nodes:
             self.add(node)
 
@@ -102,6 +103,8 @@ class GraphView:
         self._pinned = other._pinned
         self.control_outputs = set(other.control_outputs)
         self.control_renames = dict(other.control_renames)
+        self._retired_into = collections.defaultdict(
+            list, {k: list(v) for k, v in other._retired_into.items()})
 
     # -- reading -------------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -135,6 +138,13 @@ class GraphView:
         if any(i.startswith("^") for i in node.input):
             return True
         return any(ctl for _, _, _, ctl in self.consumer_edges(node.name))
+
+    def retirable(self, name: str) -> bool:
+        """True if node ``name`` may be removed: not protected, or a control output that is
+        not also fetched (it can be retired into a node doing its work)."""
+        if name not in self.protected:
+            return True
+        return name in self.control_outputs and name not in self._pinned
 
     def data_inputs(self, node: NodeDef) -> list[str]:
         return [i for i in node.input if not i.startswith("^")]
@@ -210,10 +220,11 @@ class GraphView:
         self.control_outputs.add(new)
         self.protected.discard(old)
         self.protected.add(new)
-        for key, value in self.control_renames.items():
-            if value == old:
-                self.control_renames[key] = new
+        moved = self._retired_into.pop(old, [])
+        for key in moved:
+            self.control_renames[key] = new
         self.control_renames[old] = new
+        self._retired_into[new].extend([*moved, old])
 
     def prune(self, candidates: Iterable[str]) -> list[str]:
         """Remove the ``candidates`` nothing consumes, then their inputs likewise.
@@ -236,21 +247,36 @@ class GraphView:
             work.extend(parse_input(ref)[0] for ref in node.input)
         return removed
 
-    def cycle(self) -> list[str]:
-        """Names of nodes on or behind a cycle (empty for a DAG; v1 loops count as cycles)."""
+    def topological_order(self) -> list[str]:
+        """Node names, each after every node it reads (data or control); nodes on or behind
+        a cycle are left out.
+
+        >>> from tensorflow.core.framework.node_def_pb2 import NodeDef
+        >>> GraphView([NodeDef(name="b", op="Neg", input=["a"]), NodeDef(name="a", op="Const")]
+        ...           ).topological_order()
+        ['a', 'b']
+        """
         pending = dict.fromkeys(self._nodes, 0)
         for producer, edges in self._consumers.items():
             if producer in self._nodes:
                 for consumer, _ in edges:
                     pending[consumer] += 1
         ready = [name for name, count in pending.items() if count == 0]
+        ready.reverse()
+        order = []
         while ready:
             name = ready.pop()
+            order.append(name)
             for consumer, _ in self._consumers.get(name, ()):
                 pending[consumer] -= 1
                 if pending[consumer] == 0:
                     ready.append(consumer)
-        return sorted(name for name, count in pending.items() if count > 0)
+        return order
+
+    def cycle(self) -> list[str]:
+        """Names of nodes on or behind a cycle (empty for a DAG; v1 loops count as cycles)."""
+        ordered = set(self.topological_order())
+        return sorted(name for name in self._nodes if name not in ordered)
 
     def dangling_inputs(self, external: Iterable[str] = ()) -> list[str]:
         """Input references whose producer is neither a node nor an ``external`` name."""

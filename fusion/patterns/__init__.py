@@ -19,6 +19,10 @@ from fusion.patterns import (
 from fusion.patterns import batch_norm  # noqa: F401  (registers "batch_norm")
 from fusion.patterns import casts  # noqa: F401  (registers "casts"; runs after the others)
 
+# Then: what the fused graph still computes twice (reads of a variable, Keras's per-variable
+# optimizer scalars) is computed once.
+from fusion.patterns import dedupe  # noqa: F401  (registers "dedupe")
+
 # Last: what is still a plain convolution goes to oneDNN's kernel where the backend says so.
 from fusion.patterns import onednn  # noqa: F401  (registers "onednn")
 
