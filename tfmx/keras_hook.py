@@ -23,6 +23,7 @@ import functools
 from typing import Any
 
 from tfmx import state
+from tfmx.dispatch import IteratorDispatch
 from tfmx.function import FusedFunction
 from tfmx.verify import as_verification_error
 
@@ -83,11 +84,13 @@ def _guard(fn: Any) -> Any:
 # (``strategy.run`` and the cross-replica reduction inside it), and predict's outer functions.
 _STEP_FUNCTIONS = frozenset({"one_step_on_data", "one_step_on_data_distributed",
                              "multi_step_on_data"})
+_ITERATOR_LOOP = "multi_step_on_iterator"  # train/test: one call per step with the iterator
 
 
 class _TfWithFusedFunction:
     """``tensorflow`` as Keras's trainer module sees it while tfmx builds a step function:
-    ``tf.function`` of a Keras step returns a FusedFunction, everything else is TensorFlow's."""
+    ``tf.function`` of a Keras step returns a FusedFunction, of Keras's per-iterator loop an
+    :class:`~tfmx.dispatch.IteratorDispatch`; everything else is TensorFlow's."""
 
     def __init__(self, tf: Any, name: str) -> None:
         self._tf = tf
@@ -97,6 +100,12 @@ class _TfWithFusedFunction:
         return getattr(self._tf, attr)
 
     def function(self, fn: Any = None, **kwargs: Any) -> Any:
+        if getattr(fn, "__name__", "") == _ITERATOR_LOOP and not kwargs.get("jit_compile"):
+            state.report().note(
+                "Keras's step loop (multi_step_on_iterator) is called through its traced "
+                "function: tf.function's per-call lookup runs once per iterator type "
+                "(tfmx.dispatch)")
+            return IteratorDispatch(self._tf.function(fn, **kwargs))
         if fn is None or getattr(fn, "__name__", "") not in _STEP_FUNCTIONS:
             return self._tf.function(fn, **kwargs) if fn is not None else self._tf.function(
                 **kwargs)

@@ -1,0 +1,99 @@
+"""tfmx.dispatch: Keras's per-iterator step loop looked up once per iterator type."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmx
+from tfmx.dispatch import IteratorDispatch
+
+
+@pytest.fixture(autouse=True)
+def _tfmx_off():
+    tfmx.disable()
+    yield
+    tfmx.disable()
+    tf.config.run_functions_eagerly(False)
+
+
+class Counting:
+    """A tf.function whose Python-level calls are counted."""
+
+    def __init__(self, function):
+        self.function, self.calls = function, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.function(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.function, name)
+
+
+def _loop():
+    total = tf.Variable(0.0)
+
+    @tf.function
+    def step(iterator):
+        return total.assign_add(tf.reduce_sum(iterator.get_next()))
+
+    return total, step
+
+
+def test_one_lookup_per_iterator_type_same_results():
+    total, step = _loop()
+    counting = Counting(step)
+    fast = IteratorDispatch(counting)
+    ds = tf.data.Dataset.range(12).map(lambda i: tf.cast(i, tf.float32))
+    got = [float(fast(it)) for it in (iter(ds), iter(ds)) for _ in range(4)]
+    assert got == [0.0, 1.0, 3.0, 6.0, 6.0, 7.0, 9.0, 12.0]
+    assert counting.calls == 1 and step.experimental_get_tracing_count() == 1
+    # Another element shape is another iterator type: TensorFlow's function decides (retraces).
+    fast(iter(ds.batch(2)))
+    assert counting.calls == 2 and step.experimental_get_tracing_count() == 2
+    fast(iter(ds.batch(2)))
+    assert counting.calls == 2 and float(total.numpy()) == 14.0
+
+
+def test_steps_aside_when_functions_run_eagerly_or_for_other_arguments():
+    total, step = _loop()
+    counting = Counting(step)
+    fast = IteratorDispatch(counting)
+    ds = tf.data.Dataset.from_tensors(2.0).repeat()
+    fast(iter(ds))
+    tf.config.run_functions_eagerly(True)
+    fast(iter(ds))
+    tf.config.run_functions_eagerly(False)
+    with pytest.raises(AttributeError, match="get_next"):
+        fast([1.0])  # not an iterator: the tf.function's own error
+    assert counting.calls == 3 and float(total.numpy()) == 4.0
+
+
+def _fit(enable: bool):
+    if enable:
+        tfmx.enable(backend="cpu")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(2)])
+    model.compile(keras.optimizers.SGD(0.1), "mse", steps_per_execution=2)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 4)).astype("float32"), rng.normal(size=(32, 2))
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    history = model.fit(ds, epochs=3, verbose=0, validation_data=ds)
+    return model, history.history
+
+
+def test_keras_fit_goes_through_the_dispatch_and_trains_like_stock():
+    stock, h_stock = _fit(False)
+    fused, h_fused = _fit(True)
+    for key in ("loss", "val_loss"):
+        np.testing.assert_allclose(h_fused[key], h_stock[key], rtol=1e-6)
+    for kind in ("train_function", "test_function"):
+        fn = getattr(fused, kind).__wrapped__
+        loops = [c.cell_contents for c in fn.__closure__
+                 if isinstance(c.cell_contents, IteratorDispatch)]
+        assert len(loops) == 1 and len(loops[0]._concrete) == 1, kind
+    assert any("tfmx.dispatch" in note for note in tfmx.report().notes)
