@@ -105,6 +105,24 @@ def test_rewritten_step_runs_on_onednn_and_matches_eigen():
         assert np.max(np.abs(want - got)) <= 1e-5 * np.max(np.abs(want))
 
 
+@pytest.mark.parametrize(("m", "k", "n", "transpose_b", "to_onednn"), [
+    (256, 256, 256, False, True),  # 2^24 multiply-adds: oneDNN measured faster up to here
+    (256, 512, 512, False, False),  # 2^26, every dimension >= 128: Eigen measured faster
+    (256, 512, 512, True, True),  # transpose_b: oneDNN faster at every size measured
+    (3200, 32, 512, False, True),  # tall and thin: oneDNN faster
+    (None, 1024, 1024, False, True),  # an unknown batch counts as 32: thin
+    (128, 1024, 1024, False, False),
+])
+def test_large_matmuls_without_transpose_b_stay_on_eigen(m, k, n, transpose_b, to_onednn):
+    b_shape = [n, k] if transpose_b else [k, n]
+    g = tf.function(lambda a, b: tf.matmul(a, b, transpose_b=transpose_b)).get_concrete_function(
+        tf.TensorSpec([m, k]), tf.TensorSpec(b_shape)).graph.as_graph_def(add_shapes=True)
+    matches, declined = find_onednn(GraphView(g.node), _Target())
+    assert bool(matches) == to_onednn
+    if not to_onednn:
+        assert declined and "Eigen measured faster" in declined[0]
+
+
 @RUNS_HERE
 def test_matmul_and_its_gradients_run_on_onednn_and_match_eigen():
     w = tf.Variable(tf.random.normal([8, 16], seed=3))

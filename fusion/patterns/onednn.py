@@ -14,7 +14,12 @@ take TensorFlow's NHWC tensors).
 
 Measured on this project's 2-core AMD EPYC (TF 2.21, oneDNN off), oneDNN / Eigen: a
 conv training step (3 convolutions, batch 128, 32x32) 0.76; MatMul [64,128]x[128,512] chained
-0.52, [32,64]x[64,64] 0.93, [3200,128]x[128,512] 1.0.
+0.52, [32,64]x[64,64] 0.93, [3200,128]x[128,512] 1.0. A sweep of MatMul shapes (M in 32-512,
+K = N in 64-1024, and the LSTM's tall ones; BENCHMARKS.md) found oneDNN faster for every
+``transpose_b`` MatMul (0.29-0.96), for any MatMul up to 2^24 multiply-adds (mostly 0.5-0.99)
+and for tall or thin ones ([3200,32]x[32,512] 0.79, [32,3200]x[3200,512] 0.94), but slower
+for large ones whose three dimensions are all >= 128 (1.08-1.47: 256x512x512, 128x1024x1024,
+[128,3200]x[3200,512]). Those stay on Eigen, with that reason (:func:`eigen_is_faster`).
 
 Where oneDNN is on, TensorFlow's pass already does this and the backend lists nothing to
 retarget; where the kernels are not registered (other platforms), likewise. Results differ
@@ -42,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fusion.graph import GraphView, NodeDef, parse_input
+from fusion.graph import GraphView, NodeDef, output_shape, parse_input
 from fusion.match import dtype_name
 from fusion.pattern import RewriteContext, Target, apply_matches, register
 
@@ -60,6 +65,17 @@ RETARGETS = {
 """TensorFlow op -> the oneDNN op computing the same, with the same inputs and attrs."""
 
 
+MATMUL_ONEDNN_MAX = 1 << 24
+"""Multiply-adds (M * K * N) up to which every MatMul goes to oneDNN."""
+
+MATMUL_EIGEN_MIN_DIM = 128
+"""Above MATMUL_ONEDNN_MAX, a MatMul without ``transpose_b`` whose M, K and N are all at least
+this stays on Eigen."""
+
+UNKNOWN_DIM = 32
+"""What an unknown MatMul dimension (the batch, usually) counts as: Keras's default batch size."""
+
+
 @dataclasses.dataclass
 class OneDnnMatch:
     """A node to run on its oneDNN kernel."""
@@ -68,7 +84,34 @@ class OneDnnMatch:
     op: str  # the oneDNN op
 
 
-def _why_not(node: NodeDef) -> str | None:
+def _dim(shape: tuple[int | None, ...] | None, index: int) -> int:
+    if shape is None or len(shape) != 2 or shape[index] is None:
+        return UNKNOWN_DIM
+    return int(shape[index])
+
+
+def eigen_is_faster(m: int, k: int, n: int, transpose_b: bool) -> bool:
+    """True for the MatMul shapes Eigen ran faster than oneDNN on this project's CPU.
+
+    >>> eigen_is_faster(256, 512, 512, False), eigen_is_faster(256, 512, 512, True)
+    (True, False)
+    >>> eigen_is_faster(3200, 32, 512, False), eigen_is_faster(128, 128, 128, False)
+    (False, False)
+    """
+    return (not transpose_b and m * k * n > MATMUL_ONEDNN_MAX
+            and min(m, k, n) >= MATMUL_EIGEN_MIN_DIM)
+
+
+def _matmul_dims(view: GraphView, node: NodeDef) -> tuple[int, int, int]:
+    """M, K, N of a MatMul, unknown dimensions counted as :data:`UNKNOWN_DIM`."""
+    out = output_shape(node)
+    a = view.node(node.input[0])
+    a_shape = None if a is None else output_shape(a, parse_input(node.input[0])[1])
+    k = _dim(a_shape, 0 if node.attr["transpose_a"].b else 1)
+    return _dim(out, 0), k, _dim(out, 1)
+
+
+def _why_not(node: NodeDef, view: GraphView) -> str | None:
     dtype = dtype_name(node)
     if dtype != "float32":
         return f"{node.op} in {dtype}: only float32 goes to oneDNN (measured there)"
@@ -79,6 +122,11 @@ def _why_not(node: NodeDef) -> str | None:
         return f"{node.op} with explicit padding: left on Eigen"
     if node.device and "CPU" not in node.device.upper():
         return f"{node.op} placed on {node.device}"
+    if node.op == "MatMul":
+        m, k, n = _matmul_dims(view, node)
+        if eigen_is_faster(m, k, n, node.attr["transpose_b"].b):
+            return (f"MatMul {m}x{k}x{n} without transpose_b: Eigen measured faster for large "
+                    "MatMuls with every dimension >= 128")
     return None
 
 
@@ -93,7 +141,7 @@ def find_onednn(view: GraphView, target: Target) -> tuple[list[OneDnnMatch], lis
         new = ops.get(node.op)
         if new is None or "_kernel" in node.attr:  # absent, or already labelled for a kernel
             continue
-        why = _why_not(node)
+        why = _why_not(node, view)
         if why is None:
             candidates[node.name] = OneDnnMatch(node, new)
         else:
