@@ -60,6 +60,11 @@ class BatchNormKernels:
     ex_channel_multiple: int = 1
     ex_reason: str = ""
     min_epsilon: float = 0.0
+    # training _FusedBatchNormEx (+ _FusedBatchNormGradEx): its own layout conditions, and an
+    # environment variable the kernel requires set at run time ("" for none)
+    ex_training_data_formats: frozenset[str] = frozenset({"NHWC"})
+    ex_training_channel_multiple: int = 1
+    ex_training_env: str = ""
 
     def blocker(self, op: str, dtype: str, data_format: str, is_training: bool = True,
                 channels: int | None = None, epsilon: float | None = None) -> str | None:
@@ -79,11 +84,17 @@ class BatchNormKernels:
                                                        if self.ex_reason else "")
         if dtype not in dtypes:
             return f"_FusedBatchNormEx in {mode} takes {'/'.join(sorted(dtypes))}, not {dtype}"
-        if data_format not in self.ex_data_formats:
-            return f"_FusedBatchNormEx takes {'/'.join(sorted(self.ex_data_formats))}"
-        if self.ex_channel_multiple > 1 and (channels is None
-                                             or channels % self.ex_channel_multiple):
-            return f"_FusedBatchNormEx needs channels % {self.ex_channel_multiple} == 0"
+        formats = self.ex_training_data_formats if is_training else self.ex_data_formats
+        multiple = self.ex_training_channel_multiple if is_training else self.ex_channel_multiple
+        if data_format not in formats:
+            return f"_FusedBatchNormEx in {mode} takes {'/'.join(sorted(formats))}"
+        if multiple > 1 and (channels is None or channels % multiple):
+            return f"_FusedBatchNormEx in {mode} needs channels % {multiple} == 0"
+        env = self.ex_training_env if is_training else ""
+        if env and os.environ.get(env, "").lower() not in ("1", "true"):
+            return (f"_FusedBatchNormEx in training runs only with {env}=1 (cuDNN's persistent "
+                    "batch norm, which TensorFlow leaves off: it may overflow for some input "
+                    "ranges); set it to fuse")
         return None
 
 
@@ -272,7 +283,12 @@ def _cuda() -> Backend:
             data_formats=frozenset({"NHWC", "NCHW", "NDHWC", "NCDHW"}),
             ex_inference_dtypes=frozenset({"float32", "float16"}),
             ex_data_formats=frozenset({"NHWC", "NCHW"}),
-            ex_reason="training needs the backward as _FusedBatchNormGradEx (not emitted)",
+            # The kernel's own checks (fused_batch_norm_op.cc): with an activation or a side
+            # input in training, half only, NHWC only, cuDNN's persistent mode on; the remapper
+            # adds channels % 4.
+            ex_training_dtypes=frozenset({"float16"}),
+            ex_training_channel_multiple=4,
+            ex_training_env="TF_USE_CUDNN_BATCHNORM_SPATIAL_PERSISTENT",
             min_epsilon=1.001e-5,
         ),
     )
