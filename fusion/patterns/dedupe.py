@@ -96,7 +96,7 @@ def find_duplicates(view: GraphView) -> tuple[list[DuplicateMatch], list[str]]:
     if v1:
         return [], [f"graph with TensorFlow 1 control flow ({', '.join(v1)}): left as it is"]
     canonical: dict[str, str] = {}
-    seen: dict[tuple, list[tuple[NodeDef, bytes | None]]] = {}
+    seen: dict[tuple, str] = {}
     matches: list[DuplicateMatch] = []
     for name in view.topological_order():
         node = view.node(name)
@@ -110,22 +110,11 @@ def find_duplicates(view: GraphView) -> tuple[list[DuplicateMatch], list[str]]:
                 control.add(producer)
             else:
                 data.append(tensor_ref(producer, port))
-        key = (node.op, node.device, tuple(data), frozenset(control), len(node.attr))
-        bucket = seen.setdefault(key, [])
-        attrs = None
-        for index, (other, other_attrs) in enumerate(bucket):
-            if other_attrs is None:
-                other_attrs = _attrs(other)
-                bucket[index] = (other, other_attrs)
-            attrs = _attrs(node) if attrs is None else attrs
-            if attrs == other_attrs:
-                if not view.retirable(name):
-                    break  # a fetched output keeps its own node
-                canonical[name] = other.name
-                matches.append(DuplicateMatch(node, other.name))
-                break
-        else:
-            bucket.append((node, attrs))
+        key = (node.op, node.device, tuple(data), frozenset(control), _attrs(node))
+        keep = seen.setdefault(key, name)
+        if keep != name and view.retirable(name):  # a fetched output keeps its own node
+            canonical[name] = keep
+            matches.append(DuplicateMatch(node, keep))
     return matches, []
 
 
