@@ -4,6 +4,9 @@ The data needs no network: 10 classes of 32x32x3 images, each class a stripe ori
 a colour tint with a blob, random phase/position and Gaussian noise (fixed numpy seed), so
 accuracy rises clearly above chance (10%) within a couple of epochs. The model has what tfmx
 fuses on CPU: Conv2D+bias+relu, a residual Add block, Dense+bias+relu, and Adam updates.
+The default 5 epochs train both runs to convergence: at 3, held-out accuracy is still on the
+steep part of its curve, where float32 rounding differences (between tfmx and stock, or two
+stock runs) move it by points (0.95 against 0.99 in one run; both 0.9989 after 5).
 
 Run it::
 
@@ -124,7 +127,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Train a small CNN on synthetic images stock and with tfmx; compare.",
     )
     p.add_argument("--epochs", type=int, default=None,
-                   help="epochs per run (default 3; 2 with --quick)")
+                   help="epochs per run (default 5, where both runs have converged; 2 with "
+                        "--quick)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="batch size (default 64; 32 with --quick)")
     p.add_argument("--samples", type=int, default=None,
@@ -201,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
         check_name(args.policy)  # a bad name fails now, not after the stock run
     quick = args.quick
-    epochs = args.epochs or (2 if quick else 3)
+    epochs = args.epochs or (2 if quick else 5)
     batch_size = args.batch_size or (32 if quick else 64)
     samples = args.samples or (1024 if quick else 6000)
     noise = args.noise if args.noise is not None else (1.0 if quick else 2.5)
