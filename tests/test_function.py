@@ -104,3 +104,35 @@ def test_verify_in_a_custom_loop():
     _, losses, _, _ = run(tfmx.function, steps=3)
     _, stock_losses, _, _ = run(tf.function, steps=3)
     np.testing.assert_allclose(stock_losses, losses, rtol=1e-6)
+
+
+def test_repeated_calls_skip_the_lookup_and_new_signatures_still_trace(monkeypatch):
+    tfmx.enable(backend="cpu")
+    w = tf.Variable(tf.ones([3, 2]))
+
+    @tfmx.function
+    def f(x, scale):
+        return tf.nn.relu(tf.matmul(x, w)) * scale
+
+    lookups = []
+    real = f._staged.get_concrete_function
+
+    def counting(*args, **kwargs):
+        lookups.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(f._staged, "get_concrete_function", counting)
+    for _ in range(3):
+        assert f(tf.ones([1, 3]), 2.0).numpy().tolist() == [[6.0, 6.0]]
+    assert len(lookups) == 1  # one lookup, then the call key finds the entry
+    assert f(tf.ones([1, 3]), 3.0).numpy().tolist() == [[9.0, 9.0]]  # a Python value: traced
+    assert f(tf.ones([2, 3]), 2.0).shape == (2, 2)  # another shape: looked up
+    assert len(lookups) == 3
+    assert float(f(tf.ones([1, 3]), tf.constant(1.0))[0, 0]) == 3.0
+    assert f(tf.Variable(tf.ones([1, 3])), 2.0).shape == (1, 2)  # a variable: no call key
+    assert len(lookups) == 5
+    f(tf.Variable(tf.ones([1, 3])), 2.0)
+    assert len(lookups) == 6
+    tfmx.enable(backend="cpu", patterns=["contraction"])  # a new generation: entries rebuilt
+    assert f(tf.ones([1, 3]), 2.0).numpy().tolist() == [[6.0, 6.0]]
+    assert len(lookups) == 7

@@ -4,7 +4,10 @@ Each input signature is traced by an ordinary ``tf.function`` (same caching, sam
 rules); the traced graph is rewritten once by :func:`fusion.rewrite` and rebuilt into a
 ConcreteFunction with the same signature, captures and control outputs. Calls then go to the
 rewritten function. When tfmx is disabled, when a gradient tape watches the call (fused ops
-have no gradient), or when the rewrite fails, the stock traced function runs.
+have no gradient), or when the rewrite fails, the stock traced function runs. A call whose
+arguments are eager tensors and Python scalars (:func:`call_key`) finds its rewritten function
+by their dtypes, shapes and values, without tf.function's per-call lookup, which hashes every
+captured tensor; the first call of each key, and every other call, goes through that lookup.
 
 Example:
     >>> import tensorflow as tf, tfmx
@@ -31,7 +34,8 @@ from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.python.eager import record
+from tensorflow.python.eager import context, record
+from tensorflow.python.framework.ops import EagerTensor
 
 from fusion.graph import op_histogram
 from fusion.pipeline import rewrite
@@ -40,6 +44,47 @@ from tfmx.errors import BackendUnavailableError
 from tfmx.rebuild import control_output_names, protected_names, rebuild
 from tfmx.report import TraceRecord
 from tfmx.verify import verified_call
+
+_SIMPLE = (bool, int, float, str, type(None))
+_FAST_CACHE_SIZE = 64
+
+
+class _Unkeyed(Exception):
+    """An argument only tf.function's own lookup can key."""
+
+
+def _signature(value: Any) -> Any:
+    if type(value) is EagerTensor:
+        return (value.dtype, tuple(value.shape))
+    if type(value) in _SIMPLE:
+        return (type(value), value)
+    if type(value) in (tuple, list):
+        return (type(value), tuple(_signature(v) for v in value))
+    if type(value) is dict and all(type(k) is str for k in value):
+        return (dict, tuple((k, _signature(value[k])) for k in sorted(value)))
+    raise _Unkeyed
+
+
+def call_key(args: tuple, kwargs: dict) -> tuple | None:
+    """A cheap key for a call whose arguments are eager tensors (by dtype and shape), Python
+    scalars and strings (by value) in tuples, lists and dicts; None for anything else (a
+    variable, a composite tensor, an object, a call inside a graph or a distribution
+    strategy), which tf.function's own lookup then keys.
+
+    >>> import tensorflow as tf
+    >>> call_key((tf.ones([2, 3]), 1), {}) == call_key((tf.zeros([2, 3]), 1), {})
+    True
+    >>> call_key((tf.ones([2, 3]), 2), {}) == call_key((tf.ones([2, 3]), 1), {})
+    False
+    >>> call_key((tf.Variable(1.0),), {}) is None
+    True
+    """
+    if not tf.executing_eagerly() or tf.distribute.has_strategy():
+        return None
+    try:
+        return (context.context().device_name, _signature(args), _signature(kwargs))
+    except _Unkeyed:
+        return None
 
 
 @dataclasses.dataclass
@@ -86,6 +131,9 @@ class FusedFunction:
         )
         self._jit = bool(jit_compile)
         self._entries: dict[tuple[int, int], _Entry] = {}
+        # call_key -> entry: skips tf.function's per-call lookup, which hashes every captured
+        # tensor (about a millisecond per call for a model with a few hundred variables).
+        self._fast: dict[tuple, _Entry] | None = {}
         functools.update_wrapper(self, python_function)
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
@@ -97,6 +145,7 @@ class FusedFunction:
         bound._stock = self._stock.__get__(instance, owner)
         bound._staged = self._staged.__get__(instance, owner)
         bound._entries = self._entries
+        bound._fast = None  # the bound object is new per attribute access: no fast path
         return bound
 
     # -- public ------------------------------------------------------------------------------
@@ -110,7 +159,16 @@ class FusedFunction:
                 # fused ops have registered gradients.
                 return self._staged(*args, **kwargs)
             return self._stock(*args, **kwargs)
-        entry = self._entry(opts, args, kwargs)
+        key = None if self._fast is None else call_key(args, kwargs)
+        if key is not None:
+            key = (state.generation(), *key)
+        entry = self._fast.get(key) if key is not None else None
+        if entry is None:
+            entry = self._entry(opts, args, kwargs)
+            if key is not None:
+                if len(self._fast) >= _FAST_CACHE_SIZE:
+                    self._fast.clear()
+                self._fast[key] = entry
         if entry.plan_only:
             raise BackendUnavailableError(
                 f"tfmx rewrote {self.name!r} for backend {opts.backend.name!r}, which this "
