@@ -214,3 +214,37 @@ def test_batch_norm_goes_to_onednn_only_with_its_gradient():
     matches, declined = find_onednn(view, type("T", (), {"onednn_ops": alone})())
     assert matches == []
     assert declined == ["FusedBatchNormV3: its forward/gradient partner stays on Eigen"]
+
+
+def _conv_bias_relu(shape):
+    w = tf.Variable(tf.random.normal([3, 3, shape[-1], 8], seed=5, stddev=0.2))
+    b = tf.Variable(tf.random.normal([8], seed=6))
+    _ALIVE.extend([w, b])
+
+    @tf.function(autograph=False)
+    def f(x):
+        return tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(x, w, 1, "SAME"), b))
+
+    cf = f.get_concrete_function(tf.TensorSpec(shape))
+    res = fusion.rewrite(cf.graph.as_graph_def(add_shapes=True), get_backend("cpu"),
+                         ["contraction", "onednn"], protected_names(cf))
+    return cf, res
+
+
+@RUNS_HERE
+@pytest.mark.parametrize(("shape", "to_onednn"), [
+    ([16, 32, 32, 4], True),  # 16,384 output pixels: oneDNN measured faster
+    ([None, 16, 16, 4], True),  # an unknown batch counts as 32: 8,192
+    ([2, 8, 8, 4], False),  # 128: Eigen measured faster
+])
+def test_forward_fused_convolution_goes_to_onednn_where_it_pays(shape, to_onednn):
+    cf, res = _conv_bias_relu(shape)
+    ops = [n.op for n in res.graph_def.node]
+    if not to_onednn:
+        assert "_FusedConv2D" in ops
+        assert any("output pixels" in why for why in res.stats["onednn"].declined)
+        return
+    assert "_MklNativeFusedConv2D" in ops and "_FusedConv2D" not in ops
+    x = tf.random.normal([shape[0] or 4, *shape[1:]], seed=7)
+    want, got = cf(x).numpy(), rebuild(cf, res.graph_def)(x).numpy()
+    assert np.max(np.abs(want - got)) <= 1e-5 * np.max(np.abs(want))

@@ -7,10 +7,11 @@ sets when oneDNN is on (``TF_ENABLE_ONEDNN_OPTS=1``; the 2.21 wheel leaves it of
 without AVX-512, AMD's included). This family does that one step for the convolutions of a
 training graph, where the Eigen kernels are slow (the forward, and above all
 ``Conv2DBackpropFilter`` / ``Conv2DBackpropInput``), for ``MatMul`` (forward, gradients, the
-recurrent MatMul of an LSTM loop) and for ``FusedBatchNormV3`` with its gradient (as a pair
-only: the gradient reads the forward's reserve spaces, whose layout is the kernel's own), and
-nothing else: same inputs, same outputs, same node names, no layout change (the "Native" ops
-take TensorFlow's NHWC tensors).
+recurrent MatMul of an LSTM loop), for the forward ``_FusedConv2D`` (Conv2D + BiasAdd [+
+activation], as the contraction family leaves it) where it is large enough to pay, and for
+``FusedBatchNormV3`` with its gradient (as a pair only: the gradient reads the forward's
+reserve spaces, whose layout is the kernel's own), and nothing else: same inputs, same
+outputs, same node names, no layout change (the "Native" ops take TensorFlow's NHWC tensors).
 
 Measured on this project's 2-core AMD EPYC (TF 2.21, oneDNN off), oneDNN / Eigen: a
 conv training step (3 convolutions, batch 128, 32x32) 0.76; MatMul [64,128]x[128,512] chained
@@ -20,6 +21,9 @@ K = N in 64-1024, and the LSTM's tall ones; BENCHMARKS.md) found oneDNN faster f
 and for tall or thin ones ([3200,32]x[32,512] 0.79, [32,3200]x[3200,512] 0.94), but slower
 for large ones whose three dimensions are all >= 128 (1.08-1.47: 256x512x512, 128x1024x1024,
 [128,3200]x[3200,512]). Those stay on Eigen, with that reason (:func:`eigen_is_faster`).
+The forward ``_FusedConv2D`` on ``_MklNativeFusedConv2D`` measured 0.81-0.93 of Eigen's time
+from 8,192 output pixels (N x H x W) up and 1.04-1.10 below 2,048 (batch 8 at 4x4-16x16):
+it moves from :data:`FUSED_CONV_ONEDNN_MIN_PIXELS` (an unknown batch counts as 32).
 
 Where oneDNN is on, TensorFlow's pass already does this and the backend lists nothing to
 retarget; where the kernels are not registered (other platforms), likewise. Results differ
@@ -61,9 +65,20 @@ RETARGETS = {
     "MatMul": "_MklMatMul",
     "FusedBatchNormV3": "_MklNativeFusedBatchNormV3",
     "FusedBatchNormGradV3": "_MklNativeFusedBatchNormGradV3",
+    "_FusedConv2D": "_MklNativeFusedConv2D",
 }
 """TensorFlow op -> the oneDNN op computing the same, with the same inputs and attrs."""
 
+
+FUSED_CONV_ONEDNN_MIN_PIXELS = 8192
+"""Output pixels (N * H * W) from which a forward ``_FusedConv2D`` goes to oneDNN: measured
+0.81-0.93 of Eigen's time from 8,192 up, 1.04-1.10 at 128-2,048 (BENCHMARKS.md)."""
+
+FUSED_CONV_ONEDNN_CHAINS = frozenset({
+    ("BiasAdd",), ("BiasAdd", "Relu"), ("BiasAdd", "Relu6"), ("BiasAdd", "Elu"),
+    ("BiasAdd", "LeakyRelu"),
+})
+"""The ``fused_ops`` of ``_FusedConv2D`` retargeted (the ones measured against Eigen)."""
 
 MATMUL_ONEDNN_MAX = 1 << 24
 """Multiply-adds (M * K * N) up to which every MatMul goes to oneDNN."""
@@ -111,6 +126,20 @@ def _matmul_dims(view: GraphView, node: NodeDef) -> tuple[int, int, int]:
     return _dim(out, 0), k, _dim(out, 1)
 
 
+def _fused_conv_blocker(node: NodeDef) -> str | None:
+    chain = tuple(op.decode() for op in node.attr["fused_ops"].list.s)
+    if chain not in FUSED_CONV_ONEDNN_CHAINS:
+        return f"_FusedConv2D({', '.join(chain)}): only BiasAdd chains go to oneDNN"
+    shape = output_shape(node)
+    if shape is None or len(shape) != 4 or shape[1] is None or shape[2] is None:
+        return "_FusedConv2D of unknown output size: left on Eigen"
+    pixels = (shape[0] or UNKNOWN_DIM) * shape[1] * shape[2]
+    if pixels < FUSED_CONV_ONEDNN_MIN_PIXELS:
+        return (f"_FusedConv2D with {pixels} output pixels: Eigen measured faster below "
+                f"{FUSED_CONV_ONEDNN_MIN_PIXELS}")
+    return None
+
+
 def _why_not(node: NodeDef, view: GraphView) -> str | None:
     dtype = dtype_name(node)
     if dtype != "float32":
@@ -127,6 +156,8 @@ def _why_not(node: NodeDef, view: GraphView) -> str | None:
         if eigen_is_faster(m, k, n, node.attr["transpose_b"].b):
             return (f"MatMul {m}x{k}x{n} without transpose_b: Eigen measured faster for large "
                     "MatMuls with every dimension >= 128")
+    if node.op == "_FusedConv2D":
+        return _fused_conv_blocker(node)
     return None
 
 
@@ -188,9 +219,9 @@ def rewrite_onednn(view: GraphView, match: OneDnnMatch) -> NodeDef:
 
 @register(
     "onednn",
-    "cpu with oneDNN off: Conv2D, its gradients, MatMul, FusedBatchNormV3 and its gradient -> "
-    "TensorFlow's bundled oneDNN kernels (_MklNativeConv2D*, _MklMatMul, "
-    "_MklNativeFusedBatchNorm*)",
+    "cpu with oneDNN off: Conv2D, its gradients, MatMul, large _FusedConv2D, FusedBatchNormV3 "
+    "and its gradient -> TensorFlow's bundled oneDNN kernels (_MklNativeConv2D*, _MklMatMul, "
+    "_MklNativeFusedConv2D, _MklNativeFusedBatchNorm*)",
 )
 def onednn_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Retarget every convolution, MatMul and batch norm ``ctx.target`` runs on oneDNN."""
