@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from policies_fixtures import restore_global_policy  # noqa: F401 (autouse: keras's policy back)
 from tensorflow.core.framework.node_def_pb2 import NodeDef
 
 import fusion
@@ -27,11 +28,10 @@ ENV = "TF_USE_CUDNN_BATCHNORM_SPATIAL_PERSISTENT"
 
 
 @pytest.fixture(autouse=True)
-def _clean():
+def _tfmx_off():
     tfmx.disable()
     yield
     tfmx.disable()
-    keras.mixed_precision.set_global_policy("float32")
 
 
 def _step(channels: int = 8):

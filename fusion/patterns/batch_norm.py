@@ -652,8 +652,8 @@ def _ex_node(name: str, fused: NodeDef, side_input: str) -> NodeDef:
 
 
 def _identity(name: str, ref: str, like: NodeDef, control: list[str] = ()) -> NodeDef:
-    node = NodeDef(name=name, op="Identity", device=like.device, input=[ref, *control])
-    node.attr["T"].CopyFrom(like.attr["T"])
+    node = _attr_node(name, "Identity", [ref, *control], like.device,
+                      T=tf.as_dtype(like.attr["T"].type))
     if "_output_shapes" in like.attr:
         node.attr["_output_shapes"].list.shape.add().CopyFrom(
             like.attr["_output_shapes"].list.shape[0])
