@@ -27,8 +27,6 @@ class Target(Protocol):
     """What a pattern needs to know of the backend it rewrites for (see ``tfmx.backends``)."""
 
     name: str
-    # per ResourceApply* kernel: element counts (inclusive) whose updates keep the composite
-    optimizer_composite_bands: Mapping[str, tuple[int, int]]
     # TensorFlow op -> the oneDNN op (label MklNameChangeOp) to run it on; empty: none
     onednn_ops: Mapping[str, str]
 
@@ -49,6 +47,50 @@ class Target(Protocol):
                            epsilon: float | None = None) -> str | None:
         """Why the backend cannot run ``op`` (FusedBatchNormV3, _FusedBatchNormEx), or None."""
         ...
+
+
+class Choice(Protocol):
+    """What a chooser returns: the chosen form, and why (for a decline reason)."""
+
+    choice: str
+
+    def why(self) -> str: ...
+
+
+class Chooser(Protocol):
+    """Decides between correct forms of one match (``tfmx.tuner.Tuner`` measures them).
+
+    ``candidates`` maps each form's name to a factory of a runnable of it; ``conservative``
+    names the form stock TensorFlow runs.
+    """
+
+    def choose(self, family: str, signature: str, candidates: Mapping[str, Callable | None],
+               conservative: str) -> Choice: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chosen:
+    choice: str
+    family: str = ""
+    signature: str = ""
+
+    def why(self) -> str:
+        return "no tuner: the rewritten form"
+
+
+class RewriteAlways:
+    """The chooser of a bare ``fusion.rewrite()`` call: every decision takes the first
+    candidate that is not the conservative one (the family's rewritten form), so the
+    patterns' own tests see every rewrite. ``tfmx`` passes its tuner instead.
+
+    >>> RewriteAlways().choose("f", "s", {"stock": None, "fused": None}, "stock").choice
+    'fused'
+    """
+
+    def choose(self, family: str, signature: str, candidates: Mapping[str, Callable | None],
+               conservative: str) -> Choice:
+        other = [name for name in candidates if name != conservative]
+        return _Chosen(other[0] if other else conservative, family, signature)
 
 
 @dataclasses.dataclass
@@ -96,6 +138,7 @@ class RewriteContext:
 
     target: Target
     stats: PatternStats
+    tuner: Chooser = dataclasses.field(default_factory=RewriteAlways)
 
 
 PassFn = Callable[[GraphView, RewriteContext], None]

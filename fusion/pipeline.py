@@ -31,7 +31,15 @@ from collections.abc import Iterable
 from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2, node_def_pb2
 
 from fusion.graph import FunctionBody, GraphView
-from fusion.pattern import Pattern, PatternStats, RewriteContext, Target, resolve
+from fusion.pattern import (
+    Chooser,
+    Pattern,
+    PatternStats,
+    RewriteAlways,
+    RewriteContext,
+    Target,
+    resolve,
+)
 
 _RENAME_COUNTER = itertools.count(1)
 
@@ -63,13 +71,14 @@ def _run_pattern(
     external: set[str],
     total: PatternStats,
     where: str,
+    tuner: Chooser,
 ) -> GraphView:
     """Run one pattern on one body as a transaction; return the view to go on with."""
     snapshot = [n.SerializeToString() for n in view.nodes()]
     bookkeeping = GraphView(())
     bookkeeping.copy_bookkeeping(view)
     had_cycle = any(n.op in ("NextIteration", "RefNextIteration") for n in view)
-    ctx = RewriteContext(target=target, stats=PatternStats())
+    ctx = RewriteContext(target=target, stats=PatternStats(), tuner=tuner)
     try:
         pattern.run(view, ctx)
         dangling = view.dangling_inputs(external)
@@ -93,11 +102,12 @@ def _run_patterns(
     external: set[str],
     stats: dict[str, PatternStats],
     where: str,
+    tuner: Chooser,
 ) -> tuple[GraphView, bool]:
     changed = False
     for pattern in patterns:
         before = stats[pattern.name].fused
-        view = _run_pattern(pattern, view, target, external, stats[pattern.name], where)
+        view = _run_pattern(pattern, view, target, external, stats[pattern.name], where, tuner)
         changed |= stats[pattern.name].fused > before
     return view, changed
 
@@ -132,8 +142,13 @@ def rewrite(
     patterns: list[str] | None = None,
     protected: Iterable[str] = (),
     control_outputs: Iterable[str] = (),
+    tuner: Chooser | None = None,
 ) -> RewriteResult:
     """Run the patterns named (all by default) over ``graph_def`` for ``target``.
+
+    ``tuner`` decides where a family has more than one correct form (``tfmx.tuner.Tuner``
+    measures them on this machine); without one every decision takes the rewritten form
+    (:class:`fusion.pattern.RewriteAlways`).
 
     ``protected`` names main-graph nodes that must keep their name and outputs (the traced
     function's inputs and fetched outputs); ``control_outputs`` names nodes that must run. A
@@ -141,13 +156,14 @@ def rewrite(
     ``control_renames`` says which. The input GraphDef is not modified.
     """
     start = time.perf_counter()
+    tuner = tuner if tuner is not None else RewriteAlways()
     selected = resolve(patterns)
     stats = {p.name: PatternStats() for p in selected}
     out = graph_pb2.GraphDef()
     out.CopyFrom(graph_def)
 
     view = GraphView(out.node, protected=protected, control_outputs=control_outputs)
-    view, _ = _run_patterns(selected, view, target, set(), stats, "main graph")
+    view, _ = _run_patterns(selected, view, target, set(), stats, "main graph", tuner)
     # Always take the view's nodes: a pass that failed after editing a node in place was
     # undone in the view (restored from its snapshot), not in ``out``.
     rebuilt = graph_pb2.GraphDef()
@@ -169,7 +185,8 @@ def rewrite(
         fview = GraphView(
             body.nodes, protected=body.protected, control_outputs=body.control_outputs
         )
-        fview, changed = _run_patterns(selected, fview, target, body.args, stats, name)
+        fview, changed = _run_patterns(selected, fview, target, body.args, stats, name,
+                                       tuner)
         if changed:
             try:
                 new_bodies[name] = body.to_function_def(

@@ -72,6 +72,8 @@ def enable(
     backend: str | None = None,
     patterns: Sequence[str] | None = None,
     verify: bool = False,
+    tune: str | None = None,
+    guard: bool | None = None,
 ) -> None:
     """Switch the rewrite on for every Keras model's fit/evaluate/predict and tfmx.function.
 
@@ -82,6 +84,13 @@ def enable(
             ``fusion.available_patterns()``.
         verify: run the first step of each traced function both stock and fused from the same
             variable values and raise :class:`VerificationError` if they disagree.
+        tune: how choices between correct forms are made (:mod:`tfmx.tuner`): ``"auto"``
+            measures on this machine and caches the result, ``"cached"`` only reads the
+            cache, ``"off"`` takes the form stock TensorFlow runs. None: ``$TFMX_TUNE`` or
+            ``"auto"``.
+        guard: time the fused step against the stock step on the first real steps and keep
+            stock unless the fused one is faster (:mod:`tfmx.guard`). None: ``$TFMX_GUARD``
+            (default on).
 
     Global and idempotent: calling it again replaces the settings; models compiled before
     rebuild their step functions on next use. Bad names raise ValueError listing the choices.
@@ -95,6 +104,8 @@ def enable(
     from fusion.pattern import resolve
     from tfmx import keras_hook, state
     from tfmx.backends import get_backend
+    from tfmx.guard import enabled_by_env
+    from tfmx.tuner import resolve_mode
 
     target = get_backend(backend)
     if patterns is not None:
@@ -102,7 +113,11 @@ def enable(
         resolve(list(patterns))
     if not isinstance(verify, bool):
         raise ValueError(f"verify must be True or False, got {verify!r}")
-    new = state.Options(backend=target, patterns=patterns, verify=verify)
+    if guard is not None and not isinstance(guard, bool):
+        raise ValueError(f"guard must be True, False or None, got {guard!r}")
+    new = state.Options(backend=target, patterns=patterns, verify=verify,
+                        tune=resolve_mode(tune),
+                        guard=enabled_by_env() if guard is None else guard)
     if state.options() == new:
         return
     keras_hook.install()

@@ -110,10 +110,6 @@ class Backend:
     kernels: frozenset[str] | None = None  # None: every registered TensorFlow op
     notes: tuple[str, ...] = ()
     batch_norm: BatchNormKernels | None = None
-    # Per optimizer kernel, the variable sizes (element counts, both ends inclusive) whose
-    # updates keep Keras's composite: where that kernel measured no faster.
-    optimizer_composite_bands: Mapping[str, tuple[int, int]] = dataclasses.field(
-        default_factory=dict)
     # TensorFlow op -> the oneDNN op it runs on (fusion.patterns.onednn); empty: none.
     onednn_ops: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
@@ -168,17 +164,6 @@ class Backend:
 _ACTS_BASIC = ("Relu", "Relu6", "Elu", "LeakyRelu")
 
 
-# The CPU ResourceApplyAdam kernel (ApplyAdamNonCuda; AdamW runs it too) splits its loop over
-# the intra-op thread pool by Eigen's cost model, handed the whole variable's cost as the cost
-# of one unit (training_ops.cc), so it splits early. Up to 256 elements it runs inline and
-# costs 0.4-0.5x Keras's composite; from 512 elements to 128x128 the split's thread hand-off
-# costs as much as the work or more (0.85-1.25x; with one intra-op thread the same 64x64
-# update costs 0.31x); above that the split pays (0.81x at 128x256, 0.49x at 256x256, 0.18x
-# at 512x512). In this band Adam keeps the composite. The other CPU optimizer kernels are
-# Eigen expressions and beat the composite at every size measured (ResourceApplyKerasMomentum:
-# 0.61x at 64, 0.55x at 64x64, 0.52x at 128x128). Measured TF 2.21, 2 cores, 62 updates in a
-# tf.function (BENCHMARKS.md, issue 3).
-CPU_ADAM_COMPOSITE_BAND = (257, 16384)
 
 
 @functools.cache
@@ -231,8 +216,6 @@ def _cpu(onednn: bool) -> Backend:
             "float32": _chains(*_with_acts(("BiasAdd",), ("Relu", "Relu6", "Elu")))
         }
     return Backend(
-        optimizer_composite_bands={"ResourceApplyAdam": CPU_ADAM_COMPOSITE_BAND}
-        if CPU_ADAM_COMPOSITE_BAND else {},
         # With oneDNN on, TensorFlow's own pass retargets them.
         onednn_ops=dict(RETARGETS) if not onednn and onednn_kernels_registered() else {},
         name="cpu",

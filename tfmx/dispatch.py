@@ -12,6 +12,12 @@ steps aside (calls the ``tf.function``) for anything but an eager call with one 
 iterator: distributed iterators, extra arguments, ``tf.config.run_functions_eagerly(True)``,
 calls inside a graph.
 
+It is also where the whole-step guard (:mod:`tfmx.guard`) runs for ``fit`` and ``evaluate``:
+when the traced loop embeds a step tfmx changed, the same loop is traced a second time with
+tfmx's step functions in their stock form (``stock``, a factory for that twin ``tf.function``),
+and the two ConcreteFunctions alternate on the first real steps until the guard keeps one.
+With ``steps_per_execution`` > 1 each call runs that many steps: the guard compares calls.
+
 Example:
     >>> import tensorflow as tf
     >>> from tfmx.dispatch import IteratorDispatch
@@ -29,19 +35,36 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
 from tensorflow.python.data.ops import iterator_ops
+
+from tfmx import guard
+
+
+@dataclasses.dataclass
+class _Slot:
+    """One iterator type: its traced loop, and the guard's stock twin."""
+
+    concrete: Any
+    guard: guard.StepGuard | None = None
+    stock: Any = None
 
 
 class IteratorDispatch:
     """``function(iterator)`` for a ``tf.function`` of one ``tf.data`` iterator, looked up once
     per iterator type (see the module doc). Other attributes are the wrapped function's."""
 
-    def __init__(self, function: Any) -> None:
+    def __init__(self, function: Any, stock: Callable[[], Any] | None = None,
+                 make_guard: Callable[[], guard.StepGuard | None] | None = None) -> None:
         self._function = function
-        self._concrete: dict[Any, Any] = {}
+        self._stock_factory = stock
+        self._make_guard = make_guard
+        self._stock_function: Any = None
+        self._slots: dict[Any, _Slot] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._function, name)
@@ -51,12 +74,31 @@ class IteratorDispatch:
                 or not tf.executing_eagerly() or tf.config.functions_run_eagerly()):
             return self._function(iterator, *args, **kwargs)
         spec = iterator._type_spec
-        concrete = self._concrete.get(spec)
-        if concrete is None:
-            outputs = self._function(iterator)  # traces (or retraces) as TensorFlow decides
-            self._concrete[spec] = self._function.get_concrete_function(iterator)
+        slot = self._slots.get(spec)
+        if slot is None:
+            with guard.collecting() as embedded:
+                outputs = self._function(iterator)  # traces (or retraces) as TensorFlow decides
+            slot = _Slot(self._function.get_concrete_function(iterator))
+            if any(embedded) and self._stock_factory is not None and self._make_guard:
+                slot.guard = self._make_guard()
+            self._slots[spec] = slot
             return outputs
-        return concrete(iterator)
+        if slot.guard is None:
+            return slot.concrete(iterator)
+        if slot.stock is None and slot.guard.next_form() == "stock":
+            return self._trace_stock(slot, iterator)
+        return slot.guard.run(lambda: slot.concrete(iterator), lambda: slot.stock(iterator))
+
+    def _trace_stock(self, slot: _Slot, iterator: Any) -> Any:
+        """Trace and run the loop with tfmx's steps in their stock form (the guard's first,
+        untimed, stock call)."""
+        if self._stock_function is None:
+            self._stock_function = self._stock_factory()
+        with guard.forcing_stock():
+            outputs = self._stock_function(iterator)
+            slot.stock = self._stock_function.get_concrete_function(iterator)
+        slot.guard.record("stock", 0.0)
+        return outputs
 
 
 __all__ = ["IteratorDispatch"]

@@ -39,7 +39,7 @@ from tensorflow.python.framework.ops import EagerTensor
 
 from fusion.graph import op_histogram
 from fusion.pipeline import rewrite
-from tfmx import forward, forward_rnn, state
+from tfmx import forward, forward_rnn, guard, state
 from tfmx.errors import BackendUnavailableError
 from tfmx.rebuild import control_output_names, protected_names, rebuild
 from tfmx.report import TraceRecord
@@ -96,7 +96,15 @@ class _Entry:
     verify_flag: tf.Variable | None = None
     # verify=True: the function traced with no tfmx stage at all, what the fused step is
     # checked against (the forward stages fuse batch norms and LSTM/GRU before ``stock``).
+    # The whole-step guard times the fused step against it.
     reference: Any = None
+    staged: bool = False  # a pre-differentiation stage fused something in ``stock``
+    guard: guard.StepGuard | None = None  # eager calls: fused vs reference on the first steps
+
+    @property
+    def changed(self) -> bool:
+        """True if what runs differs from what TensorFlow alone would run."""
+        return self.staged or self.fused is not self.stock
 
 
 class FusedFunction:
@@ -151,6 +159,8 @@ class FusedFunction:
     # -- public ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         opts = state.options()
+        if guard.stock_forced():  # a whole-step guard traces Keras's loop in its stock form
+            return self._stock(*args, **kwargs)
         if opts is None or self._jit or record.could_possibly_record():
             if opts is not None and self._jit:
                 state.report().note(f"{self.name}: jit_compile=True, left to XLA")
@@ -177,10 +187,23 @@ class FusedFunction:
                 "tfmx.enable() without backend= to train on this machine."
             )
         if opts.verify:
-            if entry.reference is None:
-                entry.reference = self._stock.get_concrete_function(*args, **kwargs)
-            return verified_call(entry, args, kwargs, opts, self.name)
+            return verified_call(entry, args, kwargs, opts, self.name,
+                                 self._reference(entry, args, kwargs))
+        if opts.guard and entry.changed and tf.executing_eagerly():
+            if entry.guard is None:  # called eagerly (a custom loop, predict): a trial
+                entry.guard = guard.StepGuard(self.name)
+                state.report().add_guard(entry.guard)
+            return entry.guard.run(
+                lambda: entry.fused(*args, **kwargs),
+                lambda: self._reference(entry, args, kwargs)(*args, **kwargs))
+        guard.embedded(entry.changed)
         return entry.fused(*args, **kwargs)
+
+    def _reference(self, entry: _Entry, args: tuple, kwargs: dict) -> Any:
+        """The function traced with no tfmx stage and no rewrite (traced on first need)."""
+        if entry.reference is None:
+            entry.reference = self._stock.get_concrete_function(*args, **kwargs)
+        return entry.reference
 
     def get_concrete_function(self, *args: Any, **kwargs: Any) -> Any:
         """The ConcreteFunction that runs for these arguments (rewritten when tfmx is on)."""
@@ -205,12 +228,15 @@ class FusedFunction:
 
     # -- internals ---------------------------------------------------------------------------
     def _entry(self, opts: state.Options, args: tuple, kwargs: dict) -> _Entry:
+        fused_before = state.report().fused()
         with forward_rnn.tracing(opts):  # the rnn family's stage before differentiation
             concrete = self._staged.get_concrete_function(*args, **kwargs)
+        staged = state.report().fused() > fused_before
         key = (id(concrete), state.generation())
         entry = self._entries.get(key)
         if entry is None or entry.stock is not concrete:
             entry = build_entry(concrete, opts, self.name)
+            entry.staged = staged
             self._entries = {k: v for k, v in self._entries.items() if k[1] == key[1]}
             self._entries[key] = entry
         return entry
@@ -232,6 +258,8 @@ def build_entry(concrete: Any, opts: state.Options, name: str) -> _Entry:
             opts.patterns,
             protected_names(concrete),
             control_output_names(concrete),
+            # a plan for a backend this machine lacks cannot be measured: every rewrite shown
+            tuner=state.tuner() if opts.backend.available else None,
         )
         stats = result.stats
         rec.errors.extend(result.errors)

@@ -25,6 +25,7 @@ from typing import Any
 from tfmx import state
 from tfmx.dispatch import IteratorDispatch
 from tfmx.function import FusedFunction
+from tfmx.guard import StepGuard
 from tfmx.verify import as_verification_error
 
 _STAMP = "_tfmx_stamp"
@@ -99,13 +100,23 @@ class _TfWithFusedFunction:
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._tf, attr)
 
+    def _make_guard(self) -> Any:
+        opts = state.options()
+        if opts is None or not opts.guard:
+            return None
+        made = StepGuard(self._name)
+        state.report().add_guard(made)
+        return made
+
     def function(self, fn: Any = None, **kwargs: Any) -> Any:
         if getattr(fn, "__name__", "") == _ITERATOR_LOOP and not kwargs.get("jit_compile"):
             state.report().note(
                 "Keras's step loop (multi_step_on_iterator) is called through its traced "
                 "function: tf.function's per-call lookup runs once per iterator type "
                 "(tfmx.dispatch)")
-            return IteratorDispatch(self._tf.function(fn, **kwargs))
+            return IteratorDispatch(self._tf.function(fn, **kwargs),
+                                    stock=lambda: self._tf.function(fn, **kwargs),
+                                    make_guard=self._make_guard)
         if fn is None or getattr(fn, "__name__", "") not in _STEP_FUNCTIONS:
             return self._tf.function(fn, **kwargs) if fn is not None else self._tf.function(
                 **kwargs)

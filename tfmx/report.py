@@ -66,6 +66,9 @@ class Report:
     traces: list[TraceRecord] = dataclasses.field(default_factory=list)
     patterns: dict[str, PatternStats] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
+    # tfmx.tuner.Decision and tfmx.guard.StepGuard, in the order they were made
+    decisions: list = dataclasses.field(default_factory=list)
+    guards: list = dataclasses.field(default_factory=list)
 
     # -- recording -------------------------------------------------------------------------
     def add_trace(self, record: TraceRecord, stats: dict[str, PatternStats] | None = None) -> None:
@@ -75,6 +78,15 @@ class Report:
         kept = [t for t in self.traces if t.graph_before is not None]
         for old in kept[:-MAX_KEPT_GRAPHS]:
             old.graph_before = old.graph_after = None
+
+    def add_decision(self, decision: object) -> None:
+        """Record one tuner decision (:class:`tfmx.tuner.Decision`)."""
+        self.decisions.append(decision)
+
+    def add_guard(self, guard: object) -> None:
+        """Follow a whole-step guard (:class:`tfmx.guard.StepGuard`): the report shows its
+        trial as it stands when printed."""
+        self.guards.append(guard)
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -104,6 +116,8 @@ class Report:
                 op: {"before": before[op], "after": after[op]}
                 for op in sorted(set(before) | set(after))
             },
+            "decisions": [d.as_dict() for d in self.decisions],
+            "guards": [dataclasses.asdict(g.summary()) for g in self.guards],
             "notes": list(self.notes),
         }
 
@@ -138,6 +152,16 @@ class Report:
             lines.append(f"{'op':<32} {'before':>7} {'after':>7}")
             for op in changed:
                 lines.append(f"{op:<32} {before[op]:>7} {after[op]:>7}")
+        if self.decisions:
+            lines.append("")
+            lines.append("tuned (choice, how it was decided, median time of each candidate):")
+            for d in self.decisions:
+                lines.append(f"  {d.describe()}")
+        if self.guards:
+            lines.append("")
+            lines.append("whole-step guard (fused vs stock on the first real steps):")
+            for g in self.guards:
+                lines.append(f"  {g.summary().describe()}")
         for t in self.traces:
             for err in t.errors:
                 lines.append(f"note: {t.function}: {err}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import warnings
+from typing import Any
 
 from tfmx.backends import Backend
 from tfmx.errors import TfmxWarning
@@ -28,6 +29,8 @@ class Options:
     verify: bool
     rtol: float = 1e-4
     atol: float = 1e-5
+    tune: str = "auto"  # tfmx.tuner.MODES
+    guard: bool = True  # the whole-step guard (tfmx.guard)
 
 
 _lock = threading.Lock()
@@ -35,6 +38,7 @@ _options: Options | None = None
 _generation = 0
 _report = Report()
 _warned: set[str] = set()
+_tuners: dict[tuple[int, str], Any] = {}
 
 
 def options() -> Options | None:
@@ -53,6 +57,24 @@ def set_options(opts: Options | None) -> None:
         _generation += 1
         if opts is not None:
             _report = Report(backend=opts.backend.name)
+
+
+def tuner() -> Any:
+    """The :class:`tfmx.tuner.Tuner` of the active options (one per enable(), so a decision
+    is measured once per process and recorded in the report once); None when disabled."""
+    opts = _options
+    if opts is None:
+        return None
+    key = (_generation, opts.backend.name)
+    found = _tuners.get(key)
+    if found is None:
+        from tfmx.tuner import Tuner, TuningCache
+
+        cache = None if opts.tune == "off" else TuningCache.for_backend(opts.backend.name)
+        found = Tuner(opts.tune, cache, on_decision=lambda d: _report.add_decision(d))
+        _tuners.clear()
+        _tuners[key] = found
+    return found
 
 
 def report() -> Report:

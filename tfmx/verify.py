@@ -59,13 +59,13 @@ def _comparable(t: Any) -> bool:
     return isinstance(t, tf.Tensor) and (t.dtype.is_floating or t.dtype.is_integer)
 
 
-def verified_call(entry: Any, args: tuple, kwargs: dict, opts: Any, name: str) -> Any:
-    """Call ``entry.fused`` after checking it once against ``entry.reference`` (the function
-    traced without tfmx; see module doc)."""
+def verified_call(entry: Any, args: tuple, kwargs: dict, opts: Any, name: str,
+                  reference: Any) -> Any:
+    """Call ``entry.fused`` after checking it once against ``reference`` (the function traced
+    without tfmx; see module doc)."""
     if entry.verify_flag is None:
         with tf.init_scope():
             entry.verify_flag = tf.Variable(False, trainable=False, name="tfmx_verified")
-    reference = entry.reference
     variables = step_variables(reference)
     flag = entry.verify_flag
 

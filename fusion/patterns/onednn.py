@@ -13,17 +13,14 @@ activation], as the contraction family leaves it) where it is large enough to pa
 reserve spaces, whose layout is the kernel's own), and nothing else: same inputs, same
 outputs, same node names, no layout change (the "Native" ops take TensorFlow's NHWC tensors).
 
-Measured on this project's 2-core AMD EPYC (TF 2.21, oneDNN off), oneDNN / Eigen: a
-conv training step (3 convolutions, batch 128, 32x32) 0.76; MatMul [64,128]x[128,512] chained
-0.52, [32,64]x[64,64] 0.93, [3200,128]x[128,512] 1.0. A sweep of MatMul shapes (M in 32-512,
-K = N in 64-1024, and the LSTM's tall ones; BENCHMARKS.md) found oneDNN faster for every
-``transpose_b`` MatMul (0.29-0.96), for any MatMul up to 2^24 multiply-adds (mostly 0.5-0.99)
-and for tall or thin ones ([3200,32]x[32,512] 0.79, [32,3200]x[3200,512] 0.94), but slower
-for large ones whose three dimensions are all >= 128 (1.08-1.47: 256x512x512, 128x1024x1024,
-[128,3200]x[3200,512]). Those stay on Eigen, with that reason (:func:`eigen_is_faster`).
-The forward ``_FusedConv2D`` on ``_MklNativeFusedConv2D`` measured 0.81-0.93 of Eigen's time
-from 8,192 output pixels (N x H x W) up and 1.04-1.10 below 2,048 (batch 8 at 4x4-16x16):
-it moves from :data:`FUSED_CONV_ONEDNN_MIN_PIXELS` (an unknown batch counts as 32).
+Whether oneDNN or Eigen is faster depends on the processor and the shapes: on one 2-core AMD
+EPYC (Zen 3) oneDNN ran MatMul 0.29-0.96 of Eigen's time for most shapes but 1.08-1.47 for
+large ones with every dimension >= 128, and the forward ``_FusedConv2D`` 0.81-0.93 from 8,192
+output pixels but 1.04-1.10 below 2,048 (BENCHMARKS.md). Such figures are facts about that
+machine, so every convolution and MatMul is a tuner decision (``tfmx.tuner``): the node alone,
+at its own shapes (an unknown batch counts as 32), timed on Eigen and on oneDNN here, and the
+faster kept; the report lists each decision with both times. The batch-norm pair is
+retargeted as a pair, untimed; the whole-step guard (``tfmx.guard``) judges it with the step.
 
 Where oneDNN is on, TensorFlow's pass already does this and the backend lists nothing to
 retarget; where the kernels are not registered (other platforms), likewise. Results differ
@@ -51,9 +48,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from fusion.fragment import choose_rewrite
 from fusion.graph import GraphView, NodeDef, output_shape, parse_input
 from fusion.match import dtype_name
-from fusion.pattern import RewriteContext, Target, apply_matches, register
+from fusion.pattern import Chooser, RewriteContext, Target, apply_matches, register
 
 KERNEL_LABEL = "MklNameChangeOp"
 """The kernel label TensorFlow registers oneDNN's renamed ("Native") kernels under."""
@@ -70,25 +68,11 @@ RETARGETS = {
 """TensorFlow op -> the oneDNN op computing the same, with the same inputs and attrs."""
 
 
-FUSED_CONV_ONEDNN_MIN_PIXELS = 8192
-"""Output pixels (N * H * W) from which a forward ``_FusedConv2D`` goes to oneDNN: measured
-0.81-0.93 of Eigen's time from 8,192 up, 1.04-1.10 at 128-2,048 (BENCHMARKS.md)."""
-
 FUSED_CONV_ONEDNN_CHAINS = frozenset({
     ("BiasAdd",), ("BiasAdd", "Relu"), ("BiasAdd", "Relu6"), ("BiasAdd", "Elu"),
     ("BiasAdd", "LeakyRelu"),
 })
 """The ``fused_ops`` of ``_FusedConv2D`` retargeted (the ones measured against Eigen)."""
-
-MATMUL_ONEDNN_MAX = 1 << 24
-"""Multiply-adds (M * K * N) up to which every MatMul goes to oneDNN."""
-
-MATMUL_EIGEN_MIN_DIM = 128
-"""Above MATMUL_ONEDNN_MAX, a MatMul without ``transpose_b`` whose M, K and N are all at least
-this stays on Eigen."""
-
-UNKNOWN_DIM = 32
-"""What an unknown MatMul dimension (the batch, usually) counts as: Keras's default batch size."""
 
 
 @dataclasses.dataclass
@@ -99,45 +83,40 @@ class OneDnnMatch:
     op: str  # the oneDNN op
 
 
-def _dim(shape: tuple[int | None, ...] | None, index: int) -> int:
-    if shape is None or len(shape) != 2 or shape[index] is None:
-        return UNKNOWN_DIM
-    return int(shape[index])
-
-
-def eigen_is_faster(m: int, k: int, n: int, transpose_b: bool) -> bool:
-    """True for the MatMul shapes Eigen ran faster than oneDNN on this project's CPU.
-
-    >>> eigen_is_faster(256, 512, 512, False), eigen_is_faster(256, 512, 512, True)
-    (True, False)
-    >>> eigen_is_faster(3200, 32, 512, False), eigen_is_faster(128, 128, 128, False)
-    (False, False)
-    """
-    return (not transpose_b and m * k * n > MATMUL_ONEDNN_MAX
-            and min(m, k, n) >= MATMUL_EIGEN_MIN_DIM)
-
-
-def _matmul_dims(view: GraphView, node: NodeDef) -> tuple[int, int, int]:
-    """M, K, N of a MatMul, unknown dimensions counted as :data:`UNKNOWN_DIM`."""
-    out = output_shape(node)
-    a = view.node(node.input[0])
-    a_shape = None if a is None else output_shape(a, parse_input(node.input[0])[1])
-    k = _dim(a_shape, 0 if node.attr["transpose_a"].b else 1)
-    return _dim(out, 0), k, _dim(out, 1)
-
-
 def _fused_conv_blocker(node: NodeDef) -> str | None:
     chain = tuple(op.decode() for op in node.attr["fused_ops"].list.s)
     if chain not in FUSED_CONV_ONEDNN_CHAINS:
         return f"_FusedConv2D({', '.join(chain)}): only BiasAdd chains go to oneDNN"
-    shape = output_shape(node)
-    if shape is None or len(shape) != 4 or shape[1] is None or shape[2] is None:
-        return "_FusedConv2D of unknown output size: left on Eigen"
-    pixels = (shape[0] or UNKNOWN_DIM) * shape[1] * shape[2]
-    if pixels < FUSED_CONV_ONEDNN_MIN_PIXELS:
-        return (f"_FusedConv2D with {pixels} output pixels: Eigen measured faster below "
-                f"{FUSED_CONV_ONEDNN_MIN_PIXELS}")
     return None
+
+
+def signature(view: GraphView, node: NodeDef) -> str:
+    """What the oneDNN-or-Eigen decision for ``node`` depends on: op, input shapes, attrs.
+
+    >>> from fusion.graph import GraphView
+    >>> node = NodeDef(name="m", op="MatMul", input=["a", "b"])
+    >>> node.attr["transpose_b"].b = True
+    >>> signature(GraphView([NodeDef(name="a", op="Placeholder"),
+    ...                      NodeDef(name="b", op="Placeholder"), node]), node)
+    'MatMul ? ? transpose_b=True'
+    """
+    shapes = []
+    for ref in node.input:
+        name, port, control = parse_input(ref)
+        src = view.node(name)
+        if control or src is None:
+            continue
+        shape = output_shape(src, port)
+        shapes.append("?" if shape is None else "x".join("?" if d is None else str(d)
+                                                        for d in shape))
+    attrs = [f"{k}={node.attr[k].b}" for k in ("transpose_a", "transpose_b") if k in node.attr]
+    if "strides" in node.attr:
+        attrs.append("strides=" + ",".join(str(i) for i in node.attr["strides"].list.i))
+    if "padding" in node.attr:
+        attrs.append("padding=" + node.attr["padding"].s.decode())
+    if "fused_ops" in node.attr:
+        attrs.append("+".join(op.decode() for op in node.attr["fused_ops"].list.s))
+    return " ".join([node.op, *shapes, *attrs])
 
 
 def _why_not(node: NodeDef, view: GraphView) -> str | None:
@@ -151,18 +130,21 @@ def _why_not(node: NodeDef, view: GraphView) -> str | None:
         return f"{node.op} with explicit padding: left on Eigen"
     if node.device and "CPU" not in node.device.upper():
         return f"{node.op} placed on {node.device}"
-    if node.op == "MatMul":
-        m, k, n = _matmul_dims(view, node)
-        if eigen_is_faster(m, k, n, node.attr["transpose_b"].b):
-            return (f"MatMul {m}x{k}x{n} without transpose_b: Eigen measured faster for large "
-                    "MatMuls with every dimension >= 128")
     if node.op == "_FusedConv2D":
         return _fused_conv_blocker(node)
     return None
 
 
-def find_onednn(view: GraphView, target: Target) -> tuple[list[OneDnnMatch], list[str]]:
-    """Every node ``target`` runs on a oneDNN kernel; reasons for the ones left on Eigen."""
+# Measured as a pair (the gradient reads the forward's reserve spaces): left to the guard.
+_UNTUNED = frozenset({"FusedBatchNormV3", "FusedBatchNormGradV3"})
+
+
+def find_onednn(view: GraphView, target: Target, tuner: Chooser | None = None,
+                ) -> tuple[list[OneDnnMatch], list[str]]:
+    """Every node ``target`` runs on a oneDNN kernel; reasons for the ones left on Eigen.
+
+    Convolutions and MatMuls go to oneDNN where ``tuner`` measures it faster than Eigen at
+    the node's own shapes (None: always)."""
     ops = getattr(target, "onednn_ops", {})
     declined: list[str] = []
     candidates: dict[str, OneDnnMatch] = {}
@@ -173,8 +155,16 @@ def find_onednn(view: GraphView, target: Target) -> tuple[list[OneDnnMatch], lis
         if new is None or "_kernel" in node.attr:  # absent, or already labelled for a kernel
             continue
         why = _why_not(node, view)
+        match = OneDnnMatch(node, new)
+        if why is None and tuner is not None and node.op not in _UNTUNED:
+            sig = signature(view, node)
+            choice = choose_rewrite(tuner, "onednn", sig, view, [node.name],
+                                    lambda v, m=match: rewrite_onednn(v, m),
+                                    stock="eigen", fused="onednn")
+            if choice.choice == "eigen":
+                why = f"{sig}: left on Eigen: {choice.why()}"
         if why is None:
-            candidates[node.name] = OneDnnMatch(node, new)
+            candidates[node.name] = match
         else:
             declined.append(why)
     declined += _unpaired_batch_norms(view, candidates)
@@ -226,7 +216,7 @@ def rewrite_onednn(view: GraphView, match: OneDnnMatch) -> NodeDef:
 def onednn_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Retarget every convolution, MatMul and batch norm ``ctx.target`` runs on oneDNN."""
     apply_matches(
-        view, ctx, find_onednn(view, ctx.target),
+        view, ctx, find_onednn(view, ctx.target, ctx.tuner),
         lambda v, m: rewrite_onednn(v, m),
         lambda m: f"{m.node.op} -> {m.op}",
     )

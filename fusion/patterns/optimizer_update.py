@@ -43,9 +43,10 @@ from tensorflow.core.framework.node_def_pb2 import NodeDef
 from tensorflow.python.framework import op_def_registry
 
 from fusion.expr import Any, Const, Match, Op, Pattern, Read, match, norm_ref
+from fusion.fragment import choose_rewrite
 from fusion.graph import GraphView, output_shape, parse_input
 from fusion.match import fused_node
-from fusion.pattern import RewriteContext, Target, apply_matches, register
+from fusion.pattern import Chooser, RewriteContext, Target, apply_matches, register
 
 WRITE_OPS = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"})
 RTOL = 1e-6  # how closely a baked-in constant must equal what the kernel computes
@@ -376,21 +377,24 @@ def variable_shape(view: GraphView, found: Match) -> tuple[int, ...] | None:
     return None if shape is None or None in shape else tuple(int(d) for d in shape)
 
 
-def _band_reason(view: GraphView, spec: Spec, found: Match, target: Target) -> str | None:
-    """Why the kernel is not worth it for this variable's size on ``target``, or None."""
-    band = getattr(target, "optimizer_composite_bands", {}).get(spec.kernel)
-    shape = variable_shape(view, found)
-    if not band or shape is None:
-        return None
-    size = int(np.prod(shape))
-    if band[0] <= size <= band[1]:
-        return (f"{spec.optimizer}: variable of {size} elements, in {band[0]}-{band[1]}: on "
-                f"{target.name} the kernel is no faster than the composite there")
+def _tuned_reason(view: GraphView, spec: Spec, m: UpdateMatch, tuner: Chooser) -> str | None:
+    """Why this update keeps the composite (the tuner measured it faster here), or None."""
+    shape = variable_shape(view, m.found)
+    signature = (f"{spec.kernel} {tf.dtypes.as_dtype(m.dtype).name} "
+                 f"{list(shape) if shape is not None else '?'}")
+    choice = choose_rewrite(tuner, "optimizer_update", signature, view, m.remove,
+                            lambda v: rewrite_update(v, m), stock="composite", fused="kernel")
+    if choice.choice == "composite":
+        return f"{spec.optimizer}: {signature} keeps Keras's composite: {choice.why()}"
     return None
 
 
-def find_updates(view: GraphView, target: Target) -> tuple[list[UpdateMatch], list[str]]:
-    """Every variable update a Spec matches, and reasons for those declined."""
+def find_updates(view: GraphView, target: Target, tuner: Chooser | None = None,
+                 ) -> tuple[list[UpdateMatch], list[str]]:
+    """Every variable update a Spec matches, and reasons for those declined.
+
+    Where the kernel and Keras's composite are both correct, ``tuner`` decides which runs
+    (measured on this machine by ``tfmx.tuner``; None: the kernel)."""
     writers: dict[str, list[NodeDef]] = collections.defaultdict(list)
     for node in view:
         if node.op in WRITE_OPS:
@@ -417,17 +421,21 @@ def find_updates(view: GraphView, target: Target) -> tuple[list[UpdateMatch], li
                     declined.append(f"{spec.optimizer}: {spec.why}")
                 break
             dtype = anchor.attr["dtype"].type
-            reason = _why_not(view, spec, found, target, dtype) or _band_reason(
-                view, spec, found, target)
+            reason = _why_not(view, spec, found, target, dtype)
             remove: list[str] = []
             if reason is None:
                 remove, reason = _removable(view, covered)
+            match = None
+            if reason is None:
+                stateful = [n for n in remove if _is_stateful(view.node(n))]
+                match = UpdateMatch(spec, found, anchor.name, dtype, remove, stateful)
+                if tuner is not None:
+                    reason = _tuned_reason(view, spec, match, tuner)
             if reason is not None:
                 declined.append(reason if reason.startswith(spec.optimizer)
                                 else f"{spec.optimizer}: {reason}")
                 break
-            stateful = [n for n in remove if _is_stateful(view.node(n))]
-            matches.append(UpdateMatch(spec, found, anchor.name, dtype, remove, stateful))
+            matches.append(match)
             break
     declined.extend(_unfused_by_name(view, claimed))
     return matches, declined
@@ -514,6 +522,6 @@ def rewrite_update(view: GraphView, m: UpdateMatch) -> NodeDef:
 def optimizer_update_pass(view: GraphView, ctx: RewriteContext) -> None:
     """The optimizer-update family's pass: find every update, fuse what the target runs."""
     apply_matches(
-        view, ctx, find_updates(view, ctx.target),
+        view, ctx, find_updates(view, ctx.target, ctx.tuner),
         lambda v, m: rewrite_update(v, m), lambda m: m.spec.optimizer,
     )

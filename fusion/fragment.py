@@ -1,0 +1,275 @@
+"""Fragments: a few nodes cut out of a step graph, to time a pattern's forms at the graph's shapes.
+
+The tuner (``tfmx.tuner``) decides between correct forms by timing them where tfmx runs. A
+family hands it a fragment of the real graph (the nodes it matched, in the stock form) and the
+same fragment after its rewrite: :func:`cut` copies the nodes and stands in for everything
+they read from outside (each outside producer becomes an ``IdentityN`` of the same name, fed by
+placeholders, so the family's match records and rewrite functions work on the fragment
+unchanged); :func:`variant` applies a rewrite to a copy; :func:`runner` builds the fragment
+``copies`` times side by side in one function, feeds random inputs (fresh variables for
+resource handles) and returns a callable that runs it once. Unknown dimensions (Keras's batch)
+take ``unknown_dim``.
+
+Example:
+    >>> import tensorflow as tf
+    >>> from fusion.fragment import cut, runner
+    >>> from fusion.graph import GraphView
+    >>> @tf.function
+    ... def f(x, w):
+    ...     return tf.nn.relu(tf.matmul(x, w))
+    >>> g = f.get_concrete_function(tf.TensorSpec([None, 8]),
+    ...                             tf.TensorSpec([8, 4])).graph.as_graph_def(add_shapes=True)
+    >>> piece = cut(GraphView(g.node), ["MatMul", "Relu"])
+    >>> sorted(n.op for n in piece.graph_def.node)
+    ['IdentityN', 'IdentityN', 'MatMul', 'Placeholder', 'Placeholder', 'Relu']
+    >>> runner(piece, copies=2)()  # runs both copies once
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import numpy as np
+from tensorflow.core.framework import graph_pb2, types_pb2
+from tensorflow.python.framework import op_def_registry
+from tensorflow.python.framework.tensor_util import make_tensor_proto
+
+from fusion.graph import GraphView, NodeDef, output_shape, parse_input
+from fusion.pattern import Choice, Chooser
+
+UNKNOWN_DIM = 32
+"""What an unknown dimension counts as when nothing better is known: Keras's default batch."""
+
+MAX_COPIES = 8
+TARGET_ELEMENTS = 1 << 18
+"""Copies of a fragment are added until its outputs hold about this many elements (at most
+:data:`MAX_COPIES`): a tiny fragment alone times the call overhead, not the kernels."""
+
+
+class FragmentError(ValueError):
+    """The nodes cannot be cut out and run alone (the tuner then takes the stock form)."""
+
+
+@dataclasses.dataclass
+class Fragment:
+    """Nodes cut out of a graph, with stand-ins for what they read from outside."""
+
+    graph_def: graph_pb2.GraphDef
+    feeds: dict[str, tuple[int, tuple[int, ...]]]  # placeholder -> (DataType enum, shape)
+    resources: dict[str, tuple[int, tuple[int, ...]]]  # placeholder -> variable dtype, shape
+    targets: list[str]  # nodes to run: the ones nothing in the fragment reads
+
+    def view(self) -> GraphView:
+        """A GraphView over a copy of the fragment's nodes."""
+        copy = graph_pb2.GraphDef()
+        copy.CopyFrom(self.graph_def)
+        return GraphView(copy.node)
+
+
+def output_dtype(node: NodeDef, port: int) -> int | None:
+    """The DataType enum of ``node``'s output ``port`` (None if the op is not known)."""
+    op_def = op_def_registry.get(node.op)
+    if op_def is None:
+        return None
+    for arg in op_def.output_arg:
+        if arg.type_list_attr:
+            types = list(node.attr[arg.type_list_attr].list.type)
+        else:
+            one = arg.type if arg.type else node.attr[arg.type_attr].type
+            types = [one] * (node.attr[arg.number_attr].i if arg.number_attr else 1)
+        if port < len(types):
+            return types[port]
+        port -= len(types)
+    return None
+
+
+def _concrete(shape: tuple[int | None, ...] | None, unknown_dim: int) -> tuple[int, ...] | None:
+    if shape is None:
+        return None
+    return tuple(unknown_dim if d is None else int(d) for d in shape)
+
+
+def _variable_spec(view: GraphView, ref: str, unknown_dim: int) -> tuple[int, tuple[int, ...]]:
+    """dtype and shape of the variable behind the handle ``ref``, from a read of it."""
+    name, port, _ = parse_input(ref)
+    for consumer in view.consumers(name):
+        if consumer.op == "ReadVariableOp" and parse_input(consumer.input[0])[:2] == (name, port):
+            shape = _concrete(output_shape(consumer), unknown_dim)
+            if shape is not None:
+                return consumer.attr["dtype"].type, shape
+    raise FragmentError(f"no read of the variable {ref!r} says its shape")
+
+
+def _shape_value(view: GraphView, src: NodeDef, port: int, unknown_dim: int) -> list[int]:
+    """The value of a Shape / ShapeN output: the static shape of what it reads."""
+    ref = src.input[port if src.op == "ShapeN" else 0]
+    reads = view.node(parse_input(ref)[0])
+    shape = None if reads is None else _concrete(output_shape(reads, parse_input(ref)[1]),
+                                                 unknown_dim)
+    if shape is None:
+        raise FragmentError(f"{src.name} reads a tensor of unknown rank")
+    return list(shape)
+
+
+def cut(view: GraphView, names: Iterable[str], unknown_dim: int = UNKNOWN_DIM) -> Fragment:
+    """The nodes ``names`` of ``view`` (Const producers pulled in) with stand-ins for the rest.
+
+    Outside shapes (``Shape``/``ShapeN`` outputs, as a convolution's gradient reads) become
+    constants of the static shape. Raises :class:`FragmentError` for what cannot be made up:
+    other integer or string inputs (indices), outputs of unknown dtype or shape.
+    """
+    inside = {n for n in names if view.node(n) is not None}
+    for name in list(inside):
+        for ref in view.node(name).input:
+            src = view.node(parse_input(ref)[0])
+            if src is not None and src.op == "Const" and not parse_input(ref)[2]:
+                inside.add(src.name)
+    out = graph_pb2.GraphDef()
+    feeds: dict[str, tuple[int, tuple[int, ...]]] = {}
+    resources: dict[str, tuple[int, tuple[int, ...]]] = {}
+    consts: dict[str, tuple[int, list[int]]] = {}  # stand-ins for shapes: known values
+    standins: dict[str, dict[int, str]] = {}  # outside node -> port -> placeholder
+    read_inside: set[str] = set()
+    for name in sorted(inside):
+        node = out.node.add()
+        node.CopyFrom(view.node(name))
+        kept = []
+        for ref in node.input:
+            src_name, port, control = parse_input(ref)
+            if control:
+                if src_name in inside:
+                    kept.append(ref)
+                continue
+            kept.append(ref)
+            if src_name in inside:
+                read_inside.add(src_name)
+                continue
+            src = view.node(src_name)
+            if src is None:
+                raise FragmentError(f"{name} reads {ref!r}, which is not in the graph")
+            dtype = output_dtype(src, port)
+            placeholder = f"tfmx_fragment_in/{src_name}/{port}"
+            standins.setdefault(src_name, {})[port] = placeholder
+            if dtype == types_pb2.DT_RESOURCE:
+                resources[placeholder] = _variable_spec(view, ref, unknown_dim)
+            elif dtype in (types_pb2.DT_FLOAT, types_pb2.DT_HALF, types_pb2.DT_BFLOAT16,
+                           types_pb2.DT_DOUBLE):
+                shape = _concrete(output_shape(src, port), unknown_dim)
+                if shape is None:
+                    raise FragmentError(f"{name} reads {ref!r} of unknown shape")
+                feeds[placeholder] = (dtype, shape)
+            elif dtype in (types_pb2.DT_INT32, types_pb2.DT_INT64) and src.op in ("Shape",
+                                                                                  "ShapeN"):
+                consts[placeholder] = (dtype, _shape_value(view, src, port, unknown_dim))
+            else:
+                raise FragmentError(f"{name} reads {ref!r} ({dtype=}): not a float, a "
+                                    "variable or a known shape, cannot be made up")
+        del node.input[:]
+        node.input.extend(kept)
+    for src_name, ports in standins.items():
+        types = []
+        for port in range(max(ports) + 1):
+            placeholder = ports.get(port) or f"tfmx_fragment_in/{src_name}/{port}"
+            if placeholder not in ports.values():
+                feeds[placeholder] = (types_pb2.DT_FLOAT, ())
+            if placeholder in consts:
+                dtype, value = consts[placeholder]
+                ph = out.node.add(name=placeholder, op="Const")
+                ph.attr["value"].tensor.CopyFrom(
+                    make_tensor_proto(np.array(value, types_pb2.DataType.Name(dtype)[3:]
+                                               .lower())))
+            else:
+                spec = resources.get(placeholder)
+                dtype = types_pb2.DT_RESOURCE if spec else feeds[placeholder][0]
+                ph = out.node.add(name=placeholder, op="Placeholder")
+            ph.attr["dtype"].type = dtype
+            types.append(dtype)
+        stand = out.node.add(name=src_name, op="IdentityN")
+        stand.input.extend(f"tfmx_fragment_in/{src_name}/{p}" for p in range(len(types)))
+        stand.attr["T"].list.type.extend(types)
+    targets = [n for n in sorted(inside) if n not in read_inside]
+    return Fragment(out, feeds, resources, targets)
+
+
+def variant(fragment: Fragment, rewrite: Callable[[GraphView], object]) -> Fragment:
+    """``fragment`` after ``rewrite`` (a family's rewrite of its match, run on a copy)."""
+    view = fragment.view()
+    rewrite(view)
+    out = graph_pb2.GraphDef()
+    out.node.extend(view.nodes())
+    present = {n.name for n in out.node}
+    consumed = {parse_input(i)[0] for n in out.node for i in n.input}
+    stand_ins = {n.name for n in out.node if n.op in ("IdentityN", "Placeholder")}
+    targets = [n for n in sorted(present - consumed - stand_ins)]
+    return Fragment(out, dict(fragment.feeds), dict(fragment.resources), targets)
+
+
+def _copies(fragment: Fragment) -> int:
+    elements = 0
+    for node in fragment.graph_def.node:
+        shape = output_shape(node)
+        if shape is not None and None not in shape:
+            elements += int(np.prod(shape)) if shape else 1
+    return int(max(1, min(MAX_COPIES, TARGET_ELEMENTS // max(elements, 1))))
+
+
+def runner(fragment: Fragment, copies: int | None = None, seed: int = 0) -> Callable[[], None]:
+    """Build ``copies`` of ``fragment`` side by side in one function (fresh variables and
+    random inputs each) and return a callable that runs them once and waits for them."""
+    import tensorflow as tf
+
+    copies = _copies(fragment) if copies is None else copies
+    rng = np.random.default_rng(seed)
+    # Inputs are variables too, read in the graph: constants would be folded away.
+    variables: list[tuple[int, str, bool, tf.Variable]] = []
+    for i in range(copies):
+        for is_handle, specs in ((True, fragment.resources), (False, fragment.feeds)):
+            for name, (dtype, shape) in specs.items():
+                value = rng.uniform(0.5, 1.0, shape).astype(np.float32)
+                variables.append((i, name, is_handle,
+                                  tf.Variable(tf.cast(value, tf.as_dtype(dtype)))))
+
+    def build() -> None:
+        for i in range(copies):
+            input_map = {f"{name}:0": tf.identity(v.handle) if is_handle else v.read_value()
+                         for j, name, is_handle, v in variables if j == i}
+            tf.graph_util.import_graph_def(fragment.graph_def, input_map=input_map,
+                                           name=f"copy{i}")
+
+    wrapped = tf.compat.v1.wrap_function(build, [])
+    ops = [wrapped.graph.get_operation_by_name(f"copy{i}/{t}") for i in range(copies)
+           for t in fragment.targets]
+    with wrapped.graph.as_default():
+        done = tf.group(*ops)
+    fn = wrapped.prune([], [done])
+    fn._tfmx_keep = variables  # the variables live as long as the runner
+
+    def run() -> None:
+        fn()
+
+    return run
+
+
+def choose_rewrite(tuner: Chooser, family: str, signature: str, view: GraphView,
+                   nodes: Iterable[str], rewrite: Callable[[GraphView], object],
+                   stock: str = "stock", fused: str = "fused",
+                   unknown_dim: int = UNKNOWN_DIM) -> Choice:
+    """Ask ``tuner`` whether ``nodes`` of ``view`` run faster as they are (``stock``) or after
+    ``rewrite`` (``fused``): each candidate is the fragment of those nodes (:func:`cut`), built
+    and timed only if the tuner measures."""
+    names = list(nodes)
+
+    def factory(rewritten: bool) -> Callable[[], Callable[[], None]]:
+        def make() -> Callable[[], None]:
+            piece = cut(view, names, unknown_dim)
+            return runner(variant(piece, rewrite) if rewritten else piece)
+
+        return make
+
+    return tuner.choose(family, signature, {stock: factory(False), fused: factory(True)},
+                        conservative=stock)
+
+
+__all__ = ["Fragment", "FragmentError", "choose_rewrite", "cut", "output_dtype", "runner",
+           "variant"]
