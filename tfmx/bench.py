@@ -1,4 +1,4 @@
-"""``tfmx bench``: stock vs tfmx vs XLA training step time, interleaved in one process.
+"""``tfmx bench``: stock vs tfmx vs XLA training step time, interleaved, per oneDNN state.
 
 How it measures (DESIGN.md: "Measure, do not guess"):
 
@@ -11,6 +11,38 @@ How it measures (DESIGN.md: "Measure, do not guess"):
 3. Interleave: for each round, for each mode (order rotated every round), time ``steps`` calls
    and synchronise on the returned logs. Report the median ms/step over rounds, the spread, and
    the ratios to stock. No assertions: this module only measures.
+4. oneDNN (``run_benchmarks(..., onednn="on"|"off"|"both")``, ``tfmx bench --onednn``):
+   TensorFlow reads ``TF_ENABLE_ONEDNN_OPTS`` once, when it is imported, so each oneDNN state
+   runs in a new process (``python -m tfmx.bench``, :func:`child_command`) with the variable
+   set to ``1`` or ``0``; the child checks the state took effect and hands its results back as
+   JSON. States run one after the other; the modes within a state are interleaved as above.
+   Without ``onednn`` everything runs in this process, in its current state.
+
+The output (:func:`format_markdown`):
+
+- A machine line: date, CPU model name (vendor, family, model number), cores, the CPU flags of
+  :data:`tfmx.machine.RELEVANT_FLAGS` present (avx2, avx512f, avx512_bf16, avx512_vnni,
+  amx_bf16, amx_tile, avx_vnni), TensorFlow, Keras and Python versions, platform, GPUs.
+- A oneDNN line: each state measured and how its process got it (``TF_ENABLE_ONEDNN_OPTS=1``
+  or ``=0`` in a process of its own, or the calling process's state).
+- The summary table, one row per workload (model, optimizer, batch, policy), median ms/step:
+
+  - ``stock (on)``, ``stock (off)``: Keras's own step with oneDNN on / off;
+  - ``XLA (on)``, ``XLA (off)``: ``jit_compile=True`` in the process of that state;
+  - ``tfmx (on)``, ``tfmx (off)``: the rewritten step in that state;
+  - ``best alternative``: the fastest of the stock and XLA columns, named (``9.00 stock
+    (off)``): what a user who does not use tfmx could get by choosing the state and XLA;
+  - ``tfmx (on) / best``, ``tfmx (off) / best``: tfmx's median over the best alternative
+    (below 1: tfmx is faster than anything else measured);
+  - ``best tfmx / best`` (two states only): tfmx's faster state over the best alternative,
+    the state named.
+
+  Only the modes and states measured get columns; results without a recorded state get
+  columns without "(on)"/"(off)".
+- Per workload, a table per oneDNN state and mode: median, p25-p75, min, ``vs stock`` and
+  ``vs XLA`` (the ratios within one process: tfmx/stock, tfmx/xla, xla/stock), first call
+  (trace, rewrite or compile) seconds; then each traced function's rewrite, and how many
+  chains/updates tfmx fused, per state.
 
 Keras's step function is an outer ``tf.function`` that calls tfmx's rewritten step, so the
 rewrite is baked in when it is traced; tfmx is kept enabled while timing anyway, so that a
@@ -18,18 +50,24 @@ retrace (which would rewrite again) also sees the right switch. The stock and XL
 functions were built without the hook's rewrite and do not look at the switch.
 
 Example:
-    >>> from tfmx.bench import run_benchmark, format_markdown
+    >>> from tfmx.bench import format_markdown, run_benchmark, run_benchmarks
     >>> results = run_benchmark("mlp", rounds=3, steps=5)  # doctest: +SKIP
     >>> print(format_markdown(results))  # doctest: +SKIP
+    >>> both = run_benchmarks(["mlp"], onednn="both", rounds=3, steps=5)  # doctest: +SKIP
+    >>> print(format_markdown(both))  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -273,31 +311,38 @@ def _build(workload: Workload, mode: str, seed: int, weights: list | None,
 
 
 def environment() -> dict[str, Any]:
-    """Date, versions and machine description that go with every table.
+    """Date, versions, machine and oneDNN state that go with every table.
 
-    >>> sorted(environment())[:3]
-    ['cpu', 'cpu_count', 'date']
+    The CPU comes from :func:`tfmx.machine.fingerprint`: ``cpu`` (model name), ``cpu_vendor``,
+    ``cpu_family``, ``cpu_model`` (number) and ``cpu_flags`` (:data:`tfmx.machine.RELEVANT_FLAGS`
+    present). ``onednn`` is this process's state and ``onednn_env`` the value of
+    ``TF_ENABLE_ONEDNN_OPTS`` it was imported with (None: unset, TensorFlow's default).
+
+    >>> env = environment()
+    >>> sorted(env)[:6]
+    ['cpu', 'cpu_count', 'cpu_family', 'cpu_flags', 'cpu_model', 'cpu_vendor']
+    >>> env["onednn"] in (True, False)
+    True
     """
-    import keras
     import tensorflow as tf
 
-    from tfmx.backends import onednn_enabled
+    from tfmx.machine import fingerprint
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    fp = fingerprint()
     return {
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-        "tensorflow": tf.__version__,
-        "keras": keras.__version__,
+        "tensorflow": fp["tensorflow"],
+        "keras": fp["keras"],
         "python": platform.python_version(),
         "platform": platform.platform(terse=True),
-        "cpu": cpu,
+        "cpu": fp["model"],
+        "cpu_vendor": fp["vendor"],
+        "cpu_family": fp["family"],
+        "cpu_model": fp["model_number"],
+        "cpu_flags": fp["flags"],
         "cpu_count": os.cpu_count(),
-        "onednn": onednn_enabled(),
+        "onednn": fp["onednn"],
+        "onednn_env": os.environ.get(ONEDNN_ENV),
         "gpus": len(tf.config.list_physical_devices("GPU")),
     }
 
@@ -329,7 +374,8 @@ def run_benchmark(
             ``policy_choice`` (what it resolved to and why) and, for "auto", ``tuned``.
 
     Returns a dict with ``model``, ``batch_size``, ``rounds``, ``steps``, ``modes`` (per-mode
-    timing from :func:`time_step_functions`), ``ratios`` (``"tfmx/stock"``, ``"xla/stock"``),
+    timing from :func:`time_step_functions`), ``ratios`` (``"tfmx/stock"``, ``"xla/stock"``,
+    ``"tfmx/xla"``, those whose modes ran),
     ``rewrite`` (one entry per traced function from ``tfmx.report()``: status, nodes, seconds),
     ``fused`` and ``env``. tfmx's enabled state is restored afterwards.
 
@@ -395,6 +441,8 @@ def run_benchmark(
         f"{m}/stock": timing[m]["median_ms"] / timing["stock"]["median_ms"]
         for m in timing if m != "stock" and "stock" in timing
     }
+    if "tfmx" in timing and "xla" in timing:
+        ratios["tfmx/xla"] = timing["tfmx"]["median_ms"] / timing["xla"]["median_ms"]
     return {
         "model": model_name,
         "description": workload.description,
@@ -423,83 +471,441 @@ def _layer_policies(model: Any) -> dict[str, int]:
     return dict(counts)
 
 
+# -- one process per oneDNN state ------------------------------------------------------------
+ONEDNN_ENV = "TF_ENABLE_ONEDNN_OPTS"
+ONEDNN_CHOICES = ("on", "off", "both")
+STATES = ("on", "off")
+
+
+def onednn_states(choice: str) -> tuple[str, ...]:
+    """The oneDNN states ``--onednn choice`` measures, each in its own process.
+
+    >>> onednn_states("both"), onednn_states("off")
+    (('on', 'off'), ('off',))
+    """
+    if choice not in ONEDNN_CHOICES:
+        raise ValueError(f"unknown oneDNN choice {choice!r}; choose from {ONEDNN_CHOICES}")
+    return STATES if choice == "both" else (choice,)
+
+
+def child_command(state: str, models: Sequence[str], options: Mapping[str, Any],
+                  result_path: str) -> tuple[list[str], dict[str, str]]:
+    """Command line and environment of the process that benchmarks ``models`` in ``state``.
+
+    The child runs ``python -m tfmx.bench SPEC RESULT_PATH``: :func:`run_benchmark` for each
+    model with ``options`` (its keyword arguments), results written as JSON to ``result_path``.
+    ``TF_ENABLE_ONEDNN_OPTS`` is ``1`` (``state`` "on") or ``0`` ("off") in its environment, so
+    TensorFlow reads it when the child imports it; the child checks that it took effect.
+
+    >>> argv, env = child_command("off", ["mlp"], {"rounds": 2}, "/tmp/r.json")
+    >>> argv[1:3], argv[4], env["TF_ENABLE_ONEDNN_OPTS"]
+    (['-m', 'tfmx.bench'], '/tmp/r.json', '0')
+    >>> json.loads(argv[3])
+    {'onednn': 'off', 'models': ['mlp'], 'options': {'rounds': 2}}
+    """
+    if state not in STATES:
+        raise ValueError(f"unknown oneDNN state {state!r}; choose from {STATES}")
+    spec = {"onednn": state, "models": list(models), "options": dict(options)}
+    env = dict(os.environ)
+    env[ONEDNN_ENV] = "1" if state == "on" else "0"
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return [sys.executable, "-m", "tfmx.bench", json.dumps(spec), result_path], env
+
+
+def _child_main(argv: Sequence[str]) -> int:
+    """The process :func:`child_command` starts: check oneDNN's state, benchmark, write JSON."""
+    from tfmx.backends import onednn_enabled
+
+    spec_text, result_path = argv
+    spec = json.loads(spec_text)
+    state = "on" if onednn_enabled() else "off"
+    if state != spec["onednn"]:
+        print(f"tfmx bench: {ONEDNN_ENV}={os.environ.get(ONEDNN_ENV)} left oneDNN {state}: this "
+              f"TensorFlow build cannot run with oneDNN {spec['onednn']}", file=sys.stderr)
+        return 3
+    results = run_benchmarks(spec["models"], **spec["options"])
+    with open(result_path, "w") as f:
+        json.dump(results, f, default=str)
+    return 0
+
+
+def _run_child(state: str, models: Sequence[str], options: Mapping[str, Any]) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="tfmx-bench-") as tmp:
+        path = os.path.join(tmp, "results.json")
+        argv, env = child_command(state, models, options, path)
+        print(f"oneDNN {state}: a new process with {ONEDNN_ENV}={env[ONEDNN_ENV]}",
+              file=sys.stderr, flush=True)
+        # The child's progress goes to stderr as it runs; its stdout too (stdout is the table).
+        proc = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True)
+        if proc.stdout:
+            sys.stderr.write(proc.stdout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"tfmx bench: the oneDNN {state} process exited with status "
+                               f"{proc.returncode} (its messages are above)")
+        with open(path) as f:
+            results = json.load(f)
+    for r in results:
+        r["isolated"] = True
+    return results
+
+
+def run_benchmarks(models: Sequence[str], onednn: str | None = None,
+                   **options: Any) -> list[dict[str, Any]]:
+    """:func:`run_benchmark` for each of ``models``, here or once per oneDNN state.
+
+    Args:
+        models: workload names (``WORKLOADS``).
+        onednn: None runs in this process, in its oneDNN state. ``"on"``, ``"off"`` or
+            ``"both"``: one new process per state (:func:`child_command`), one after the
+            other (never two at once: they would share the cores); their results are tagged
+            ``"isolated": True``.
+        options: keyword arguments of :func:`run_benchmark` (``rounds``, ``modes``, ...).
+
+    Returns one :func:`run_benchmark` result per state and model (state "on" first); each
+    records its state in ``env["onednn"]`` (see :func:`onednn_state`).
+
+    >>> results = run_benchmarks(["mlp"], onednn="both", rounds=2, steps=3)  # doctest: +SKIP
+    >>> [(r["model"], onednn_state(r)) for r in results]  # doctest: +SKIP
+    [('mlp', 'on'), ('mlp', 'off')]
+    """
+    unknown = [m for m in models if m not in WORKLOADS]
+    if unknown:
+        raise ValueError(f"unknown model(s) {unknown}; choose from {tuple(WORKLOADS)}")
+    if onednn is not None:
+        return [r for state in onednn_states(onednn) for r in _run_child(state, models, options)]
+    results = []
+    for name in models:
+        print(f"benchmarking {name} ({', '.join(options.get('modes', MODES))}) ...",
+              file=sys.stderr, flush=True)
+        results.append(run_benchmark(name, **options))
+    return results
+
+
+# -- comparison ------------------------------------------------------------------------------
+MODE_LABELS = {"stock": "stock", "tfmx": "tfmx", "xla": "XLA"}
+ALTERNATIVES = ("stock", "xla")
+
+
+def onednn_state(result: Mapping[str, Any]) -> str:
+    """``"on"`` or ``"off"``: the oneDNN state ``result`` was measured in; ``"?"`` if unknown.
+
+    >>> onednn_state({"env": {"onednn": False}}), onednn_state({})
+    ('off', '?')
+    """
+    env = result.get("env") or {}
+    if "onednn" not in env:
+        return "?"
+    return "on" if env["onednn"] else "off"
+
+
+def _by_workload(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Mapping[str, Any]]]:
+    """Results grouped per workload (model, optimizer, policy, batch): state -> result."""
+    groups: list[tuple[tuple, dict[str, Mapping[str, Any]]]] = []
+    for r in results:
+        key = (r["model"], r.get("optimizer", "adam"), r.get("policy"), r.get("batch_size"))
+        state = onednn_state(r)
+        for k, by_state in groups:
+            if k == key and state not in by_state:
+                by_state[state] = r
+                break
+        else:
+            groups.append((key, {state: r}))
+    order = ("on", "off", "?")
+    return [dict(sorted(g.items(), key=lambda item: order.index(item[0]))) for _, g in groups]
+
+
+def compare(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per workload: median ms per mode and oneDNN state, the best alternative, tfmx against it.
+
+    The best alternative is the fastest measured of stock and XLA in every oneDNN state; the
+    ratios are tfmx's median over it, per state, and for tfmx's fastest state (``tfmx_best``).
+
+    >>> def run(state, **ms):
+    ...     return {"model": "mlp", "env": {"onednn": state == "on"},
+    ...             "modes": {m: {"median_ms": v} for m, v in ms.items()}}
+    >>> row, = compare([run("on", stock=10.0, xla=12.0, tfmx=8.0),
+    ...                 run("off", stock=9.0, xla=11.0, tfmx=8.5)])
+    >>> row["ms"]["stock"], row["best_alternative"]
+    ({'on': 10.0, 'off': 9.0}, {'ms': 9.0, 'mode': 'stock', 'onednn': 'off'})
+    >>> {s: round(v, 3) for s, v in row["tfmx_vs_best_alternative"].items()}
+    {'on': 0.889, 'off': 0.944}
+    >>> row["tfmx_best"]["onednn"], round(row["tfmx_best"]["vs_best_alternative"], 3)
+    ('on', 0.889)
+    """
+    rows = []
+    for by_state in _by_workload(results):
+        first = next(iter(by_state.values()))
+        ms = {mode: {s: r["modes"][mode]["median_ms"] for s, r in by_state.items()
+                     if mode in r["modes"]} for mode in MODES}
+        ms = {mode: v for mode, v in ms.items() if v}
+        measured = [(v, mode, s) for mode in ALTERNATIVES for s, v in ms.get(mode, {}).items()]
+        best = min(measured) if measured else None
+        tfmx_ms = ms.get("tfmx", {})
+        vs_best = {s: v / best[0] for s, v in tfmx_ms.items()} if best else {}
+        tfmx_state = min(tfmx_ms, key=tfmx_ms.__getitem__) if tfmx_ms else None
+        rows.append({
+            "model": first["model"],
+            "optimizer": first.get("optimizer", "adam"),
+            "policy": first.get("policy"),
+            "batch_size": first.get("batch_size"),
+            "ms": ms,
+            "best_alternative": ({"ms": best[0], "mode": best[1], "onednn": best[2]}
+                                 if best else None),
+            "tfmx_vs_best_alternative": vs_best,
+            "tfmx_best": ({"onednn": tfmx_state, "ms": tfmx_ms[tfmx_state],
+                           "vs_best_alternative": vs_best.get(tfmx_state)}
+                          if tfmx_state else None),
+        })
+    return rows
+
+
+def results_document(results: Sequence[Mapping[str, Any]],
+                     onednn: str | None = None) -> dict[str, Any]:
+    """What ``tfmx bench --json`` writes: the choice, every result and :func:`compare`'s rows.
+
+    >>> sorted(results_document([], "both"))
+    ['comparison', 'onednn', 'results']
+    """
+    return {"onednn": onednn or "process", "results": list(results),
+            "comparison": compare(results)}
+
+
 # -- output ----------------------------------------------------------------------------------
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _state_suffix(state: str) -> str:
+    return "" if state == "?" else f" ({state})"
+
+
 def format_environment(env: Mapping[str, Any]) -> str:
-    """One markdown line describing when and where a benchmark ran."""
-    return (f"_{env['date']}; TensorFlow {env['tensorflow']}, Keras {env['keras']}, "
-            f"Python {env['python']}; {env['platform']}; {env['cpu']}, {env['cpu_count']} "
-            f"cores; oneDNN {'on' if env['onednn'] else 'off'}; GPUs: {env['gpus']}_")
+    """One markdown line: when, which processor (and its flags), versions.
+
+    The oneDNN state is per result: :func:`format_onednn`.
+
+    >>> print(format_environment({"date": "2026-01-02 10:00", "tensorflow": "2.21.0",
+    ...     "keras": "3.15.1", "python": "3.12.1", "platform": "Linux-6.8", "cpu": "AMD EPYC",
+    ...     "cpu_vendor": "AuthenticAMD", "cpu_family": "25", "cpu_model": "17",
+    ...     "cpu_flags": ["avx2", "avx512f"], "cpu_count": 2, "gpus": 0}))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    _2026-01-02 10:00; AMD EPYC (AuthenticAMD, family 25, model 17), 2 cores,
+    flags: avx2 avx512f; TensorFlow 2.21.0, Keras 3.15.1, Python 3.12.1; Linux-6.8; GPUs: 0_
+    """
+    ids = [env.get("cpu_vendor")]
+    ids += [f"{name} {env[key]}" for name, key in (("family", "cpu_family"),
+                                                  ("model", "cpu_model")) if env.get(key)]
+    ids_s = ", ".join(i for i in ids if i)
+    cpu = f"{env['cpu']} ({ids_s})" if ids_s else env["cpu"]
+    flags = " ".join(env.get("cpu_flags") or []) or "none of " + " ".join(_relevant_flags())
+    return (f"_{env['date']}; {cpu}, {env['cpu_count']} cores, flags: {flags}; "
+            f"TensorFlow {env['tensorflow']}, Keras {env['keras']}, Python {env['python']}; "
+            f"{env['platform']}; GPUs: {env['gpus']}_")
+
+
+def _relevant_flags() -> tuple[str, ...]:
+    from tfmx.machine import RELEVANT_FLAGS
+
+    return RELEVANT_FLAGS
+
+
+def format_onednn(results: Iterable[Mapping[str, Any]]) -> str:
+    """One markdown line: each oneDNN state measured, and how the process got it.
+
+    >>> print(format_onednn([
+    ...     {"env": {"onednn": True, "onednn_env": "1"}, "isolated": True},
+    ...     {"env": {"onednn": False, "onednn_env": None}}]))  # doctest: +NORMALIZE_WHITESPACE
+    _oneDNN on: TF_ENABLE_ONEDNN_OPTS=1, a process of its own; oneDNN off:
+    TF_ENABLE_ONEDNN_OPTS unset (TensorFlow's default), the calling process_
+    """
+    seen: dict[str, str] = {}
+    for r in results:
+        state = onednn_state(r)
+        if state == "?" or state in seen:
+            continue
+        value = r["env"].get("onednn_env")
+        how = (f"{ONEDNN_ENV}={value}" if value is not None
+               else f"{ONEDNN_ENV} unset (TensorFlow's default)")
+        where = "a process of its own" if r.get("isolated") else "the calling process"
+        seen[state] = f"oneDNN {state}: {how}, {where}"
+    return f"_{'; '.join(seen.values())}_" if seen else ""
+
+
+def format_comparison(results: Iterable[Mapping[str, Any]]) -> str:
+    """The summary table: one row per workload, every mode in every oneDNN state measured.
+
+    Columns: the median ms/step of stock, XLA and tfmx in each state measured (the state in
+    parentheses), the best alternative (fastest of stock and XLA, any state), tfmx / best
+    alternative per state, and with two states "best tfmx / best" (tfmx's faster state).
+
+    >>> def run(state, **ms):
+    ...     return {"model": "mlp", "batch_size": 32, "env": {"onednn": state == "on"},
+    ...             "modes": {m: {"median_ms": v} for m, v in ms.items()}}
+    >>> print(format_comparison([run("on", stock=10.0, xla=12.0, tfmx=8.0),
+    ...                          run("off", stock=9.0, xla=11.0, tfmx=8.5)]))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    | workload | stock (on) | stock (off) | XLA (on) | XLA (off) | tfmx (on) | tfmx (off) |
+      best alternative | tfmx (on) / best | tfmx (off) / best | best tfmx / best |
+    |---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|
+    | mlp (adam, batch 32) | 10.00 | 9.00 | 12.00 | 11.00 | 8.00 | 8.50 |
+      9.00 stock (off) | 0.889 | 0.944 | 0.889 (on) |
+    """
+    rows = compare(results)
+    states = [s for s in ("on", "off", "?")
+              if any(s in by_state for row in rows for by_state in row["ms"].values())]
+    columns = [(mode, s) for mode in ("stock", "xla", "tfmx") for s in states
+               if any(s in row["ms"].get(mode, {}) for row in rows)]
+    tfmx_states = [s for m, s in columns if m == "tfmx"]
+    header = ["workload"] + [f"{MODE_LABELS[m]}{_state_suffix(s)}" for m, s in columns]
+    header += ["best alternative"] + [f"tfmx{_state_suffix(s)} / best" for s in tfmx_states]
+    if len(tfmx_states) > 1:
+        header.append("best tfmx / best")
+    align = ["---"] + ["---:"] * len(columns) + ["---"] + ["---:"] * (len(header) - len(columns)
+                                                                      - 2)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    for row in rows:
+        what = [row["optimizer"]]
+        what += [f"batch {row['batch_size']}"] if row["batch_size"] else []
+        what += [f"policy {row['policy']}"] if row["policy"] else []
+        cells = [f"{row['model']} ({', '.join(what)})"]
+        cells += [_ms(row["ms"].get(m, {}).get(s)) for m, s in columns]
+        best = row["best_alternative"]
+        cells.append(f"{_ms(best['ms'])} {MODE_LABELS[best['mode']]}{_state_suffix(best['onednn'])}"
+                     if best else "-")
+        cells += [_ratio(row["tfmx_vs_best_alternative"].get(s)) for s in tfmx_states]
+        if len(tfmx_states) > 1:
+            top = row["tfmx_best"]
+            cells.append(f"{_ratio(top['vs_best_alternative'])}{_state_suffix(top['onednn'])}"
+                         if top and top["vs_best_alternative"] is not None else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _format_workload(by_state: Mapping[str, Mapping[str, Any]]) -> str:
+    """One workload's section: per state and mode, the timing and the in-process ratios."""
+    r = next(iter(by_state.values()))
+    lines = [
+        f"### {r['model']} ({r.get('optimizer', 'adam')}): batch {r['batch_size']}, "
+        f"{r['rounds']} interleaved rounds x "
+        f"{r['steps']} steps (warm-up {r['warmup']} excluded)",
+        "",
+    ]
+    if r.get("description"):
+        lines += [r["description"], ""]
+    if r.get("policy"):
+        per_mode = "; ".join(
+            f"{mode}: " + ", ".join(f"{n} x{c}" for n, c in sorted(counts.items()))
+            for mode, counts in r.get("layer_policies", {}).items())
+        lines += [f"Non-stock modes built under policy {r['policy']!r} "
+                  f"({r.get('policy_choice')}). Layers with weights per policy: "
+                  f"{per_mode}.", ""]
+    lines += [
+        "| oneDNN | mode | median ms/step | p25-p75 ms | min ms | vs stock | vs XLA | "
+        "first call s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for state, result in by_state.items():
+        modes = result["modes"]
+        for mode, t in modes.items():
+            vs = [t["median_ms"] / modes[base]["median_ms"] if base in modes else None
+                  for base in ("stock", "xla")]
+            lines.append(
+                f"| {state if state != '?' else '-'} | {mode} | {t['median_ms']:.2f} | "
+                f"{t['p25_ms']:.2f}-{t['p75_ms']:.2f} | {t['min_ms']:.2f} | {_ratio(vs[0])} | "
+                f"{_ratio(vs[1])} | {t['first_call_s']:.1f} |")
+    traces = [(s, t) for s, result in by_state.items() for t in result.get("rewrite") or []]
+    if traces:
+        lines += ["", "| oneDNN | traced function | status | nodes | rewrite s |",
+                  "|---|---|---|---|---:|"]
+        for state, t in traces:
+            lines.append(f"| {state if state != '?' else '-'} | {t['function']} | "
+                         f"{t['status']} | {t['nodes_before']}->{t['nodes_after']} | "
+                         f"{t['rewrite_seconds']:.3f} |")
+    fused = [(s, result["fused"]) for s, result in by_state.items()
+             if result.get("fused") is not None]
+    if len(fused) == 1:
+        state, n = fused[0]
+        lines += ["", f"tfmx fused {n} chain(s)/update(s)"
+                      f"{'' if state == '?' else f' (oneDNN {state})'}."]
+    elif fused:
+        lines += ["", "tfmx fused chain(s)/update(s): "
+                      + ", ".join(f"{n} with oneDNN {s}" for s, n in fused) + "."]
+    return "\n".join(lines)
 
 
 def format_markdown(results: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> str:
-    """Markdown for one :func:`run_benchmark` result or a list of them.
+    """Markdown for one :func:`run_benchmark` result or a list of them (any oneDNN states).
+
+    Layout: the machine line (:func:`format_environment`) and the oneDNN line
+    (:func:`format_onednn`) if the results record them; the summary table
+    (:func:`format_comparison`); then per workload its per-state, per-mode table (median,
+    spread, min, ratios to stock and to XLA of the same process, first call), its traced
+    functions and how many chains tfmx fused.
 
     >>> fake = {"model": "mlp", "description": "d", "batch_size": 32, "rounds": 3, "steps": 5,
     ...         "warmup": 2, "ratios": {"tfmx/stock": 0.9}, "rewrite": [], "fused": 3,
     ...         "modes": {m: {"median_ms": v, "p25_ms": v, "p75_ms": v, "min_ms": v,
     ...                       "first_call_s": 1.0} for m, v in (("stock", 10.0), ("tfmx", 9.0))}}
     >>> print(format_markdown(fake))  # doctest: +NORMALIZE_WHITESPACE
+    Median ms per training step. Best alternative: the fastest of stock and XLA measured;
+    tfmx / best below 1: tfmx is faster.
+    <BLANKLINE>
+    | workload | stock | tfmx | best alternative | tfmx / best |
+    |---|---:|---:|---|---:|
+    | mlp (adam, batch 32) | 10.00 | 9.00 | 10.00 stock | 0.900 |
+    <BLANKLINE>
     ### mlp (adam): batch 32, 3 interleaved rounds x 5 steps (warm-up 2 excluded)
     <BLANKLINE>
     d
     <BLANKLINE>
-    | mode | median ms/step | p25-p75 ms | min ms | vs stock | first call s |
-    |---|---:|---:|---:|---:|---:|
-    | stock | 10.00 | 10.00-10.00 | 10.00 | 1.000 | 1.0 |
-    | tfmx | 9.00 | 9.00-9.00 | 9.00 | 0.900 | 1.0 |
+    | oneDNN | mode | median ms/step | p25-p75 ms | min ms | vs stock | vs XLA | first call s |
+    |---|---|---:|---:|---:|---:|---:|---:|
+    | - | stock | 10.00 | 10.00-10.00 | 10.00 | 1.000 | - | 1.0 |
+    | - | tfmx | 9.00 | 9.00-9.00 | 9.00 | 0.900 | - | 1.0 |
     <BLANKLINE>
     tfmx fused 3 chain(s)/update(s).
     """
-    if isinstance(results, Mapping):
-        results = [results]
-    blocks = []
-    for r in results:
-        lines = [
-            f"### {r['model']} ({r.get('optimizer', 'adam')}): batch {r['batch_size']}, "
-            f"{r['rounds']} interleaved rounds x "
-            f"{r['steps']} steps (warm-up {r['warmup']} excluded)",
-            "",
-        ]
-        if r.get("env"):
-            lines += [format_environment(r["env"]), ""]
-        if r.get("description"):
-            lines += [r["description"], ""]
-        if r.get("policy"):
-            per_mode = "; ".join(
-                f"{mode}: " + ", ".join(f"{n} x{c}" for n, c in sorted(counts.items()))
-                for mode, counts in r.get("layer_policies", {}).items())
-            lines += [f"Non-stock modes built under policy {r['policy']!r} "
-                      f"({r.get('policy_choice')}). Layers with weights per policy: "
-                      f"{per_mode}.", ""]
-        lines += [
-            "| mode | median ms/step | p25-p75 ms | min ms | vs stock | first call s |",
-            "|---|---:|---:|---:|---:|---:|",
-        ]
-        for mode, t in r["modes"].items():
-            ratio = 1.0 if mode == "stock" else r["ratios"].get(f"{mode}/stock")
-            ratio_s = f"{ratio:.3f}" if ratio is not None else "-"
-            lines.append(
-                f"| {mode} | {t['median_ms']:.2f} | {t['p25_ms']:.2f}-{t['p75_ms']:.2f} | "
-                f"{t['min_ms']:.2f} | {ratio_s} | {t['first_call_s']:.1f} |"
-            )
-        if r.get("rewrite"):
-            lines += ["", "| traced function | status | nodes | rewrite s |", "|---|---|---|---:|"]
-            for t in r["rewrite"]:
-                lines.append(f"| {t['function']} | {t['status']} | {t['nodes_before']}->"
-                             f"{t['nodes_after']} | {t['rewrite_seconds']:.3f} |")
-        if r.get("fused") is not None:
-            lines += ["", f"tfmx fused {r['fused']} chain(s)/update(s)."]
-        blocks.append("\n".join(lines))
+    results = [results] if isinstance(results, Mapping) else list(results)
+    if not results:
+        return "\n"
+    head = []
+    env = next((r["env"] for r in results if r.get("env")), None)
+    if env:
+        head.append(format_environment(env))
+    if format_onednn(results):
+        head.append(format_onednn(results))
+    head += ["Median ms per training step. Best alternative: the fastest of stock and XLA "
+             "measured" + (", in any oneDNN state" if len(
+                 {onednn_state(r) for r in results}) > 1 else "") + "; tfmx / best below 1: "
+             "tfmx is faster.", format_comparison(results)]
+    blocks = ["\n\n".join(head)] + [_format_workload(g) for g in _by_workload(results)]
     return "\n\n".join(blocks) + "\n"
 
 
 __all__ = [
     "MODES",
+    "ONEDNN_CHOICES",
     "WORKLOADS",
     "Workload",
+    "child_command",
+    "compare",
     "environment",
+    "format_comparison",
     "format_environment",
     "format_markdown",
+    "format_onednn",
+    "onednn_state",
+    "onednn_states",
+    "results_document",
     "run_benchmark",
+    "run_benchmarks",
     "time_step_functions",
 ]
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1:]))

@@ -3,7 +3,8 @@
 Subcommands::
 
     tfmx bench [--model M [M ...]] [--rounds N] [--steps N] [--batch-size B]
-               [--modes stock tfmx xla] [--policy NAME] [--output FILE.md]
+               [--modes stock tfmx xla] [--policy NAME] [--onednn on|off|both]
+               [--output FILE.md] [--json [FILE.json]]
     tfmx recipe NAME [recipe args...]      # e.g. tfmx recipe small_cnn --quick
     tfmx backends [--json]                 # what each backend fuses
 
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 
 
 def _parser() -> argparse.ArgumentParser:
-    from tfmx.bench import MODES, WORKLOADS
+    from tfmx.bench import MODES, ONEDNN_CHOICES, WORKLOADS
 
     parser = argparse.ArgumentParser(
         prog="tfmx", description="tfmx: graph-rewrite fusion for Keras 3 on TensorFlow."
@@ -39,7 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", help="time stock vs tfmx vs XLA training steps, interleaved",
         description="Time one training step stock, with tfmx and with XLA (jit_compile=True), "
-                    "interleaved in one process, warm-up excluded; print a markdown table.",
+                    "interleaved in one process (with --onednn: one process per oneDNN "
+                    "state), warm-up excluded; print a markdown table with the fastest "
+                    "alternative to tfmx.",
     )
     bench.add_argument("--model", nargs="+", default=["small_cnn"], choices=sorted(WORKLOADS),
                        metavar="M", help=f"workload(s): {', '.join(WORKLOADS)} "
@@ -60,9 +63,16 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--policy", default=None,
                        help="build the non-stock modes under this policies name (float32, "
                             "mixed_float16, mixed_bfloat16, auto); stock stays float32")
+    bench.add_argument("--onednn", default=None, choices=ONEDNN_CHOICES,
+                       help="run each oneDNN state in a process of its own with "
+                            "TF_ENABLE_ONEDNN_OPTS=1 (on) or =0 (off), or both, and compare "
+                            "against the fastest of stock and XLA in any state (default: "
+                            "this process, in its current state)")
     bench.add_argument("--output", metavar="FILE.md", default=None,
                        help="also append the table to this markdown file (created if missing)")
-    bench.add_argument("--json", action="store_true", help="print the raw numbers as JSON too")
+    bench.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE.json",
+                       help="save the raw results and the comparison as JSON to FILE.json "
+                            "(without FILE: print them after the table)")
 
     recipe = sub.add_parser(
         "recipe", help="run a training recipe: tfmx recipe NAME [args...]",
@@ -77,21 +87,26 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from tfmx.bench import format_markdown, run_benchmark
+    from tfmx.bench import format_markdown, results_document, run_benchmarks
 
-    results = []
-    for name in args.model:
-        print(f"benchmarking {name} ({', '.join(args.modes)}) ...", file=sys.stderr, flush=True)
-        results.append(run_benchmark(
-            name, rounds=args.rounds, steps=args.steps, modes=tuple(args.modes),
-            batch_size=args.batch_size, warmup=args.warmup, backend=args.backend,
-            optimizer=args.optimizer,
-            policy=args.policy,
-        ))
+    try:
+        results = run_benchmarks(
+            args.model, onednn=args.onednn, rounds=args.rounds, steps=args.steps,
+            modes=list(args.modes), batch_size=args.batch_size, warmup=args.warmup,
+            backend=args.backend, optimizer=args.optimizer, policy=args.policy,
+        )
+    except RuntimeError as err:  # a oneDNN state's process failed; it printed why
+        raise SystemExit(str(err)) from None
     table = format_markdown(results)
     print(table)
     if args.json:
-        print(json.dumps(results, indent=2, default=str))
+        document = json.dumps(results_document(results, args.onednn), indent=2, default=str)
+        if args.json == "-":
+            print(document)
+        else:
+            with open(args.json, "w") as f:
+                f.write(document + "\n")
+            print(f"wrote {args.json}", file=sys.stderr)
     if args.output:
         existing = os.path.exists(args.output) and os.path.getsize(args.output) > 0
         with open(args.output, "a") as f:
