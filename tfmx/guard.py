@@ -48,7 +48,7 @@ P_FINAL = 0.05
 """At :data:`MAX_PAIRS`, the fused step is kept only at this significance."""
 
 _local = threading.local()
-_test_delay = 0.0
+_test_delay = {"fused": 0.0, "stock": 0.0}
 
 
 def enabled_by_env() -> bool:
@@ -65,15 +65,10 @@ def enabled_by_env() -> bool:
     raise ValueError(f"${ENV} must be 1 or 0 (on/off), got {value!r}")
 
 
-def slow_fused_step_for_tests(seconds: float) -> None:
-    """Test hook: every fused step the guard runs sleeps ``seconds`` more (0 turns it off)."""
-    global _test_delay
-    _test_delay = float(seconds)
-
-
-def fused_delay() -> float:
-    """What :func:`slow_fused_step_for_tests` set (0 normally)."""
-    return _test_delay
+def set_test_delay(fused: float = 0.0, stock: float = 0.0) -> None:
+    """Test hook: every step of that form the guard runs sleeps so many seconds more (the
+    default, 0, turns it off)."""
+    _test_delay.update(fused=float(fused), stock=float(stock))
 
 
 @contextlib.contextmanager
@@ -214,12 +209,12 @@ class StepGuard:
         form = self.next_form()
         call = fused if form == "fused" else stock
         if self.kept is not None:
-            if form == "fused" and _test_delay:
-                time.sleep(_test_delay)
+            if _test_delay[form]:
+                time.sleep(_test_delay[form])
             return call()
         start = time.perf_counter()
-        if form == "fused" and _test_delay:
-            time.sleep(_test_delay)
+        if _test_delay[form]:
+            time.sleep(_test_delay[form])
         out = call()
         _sync(out)
         self.record(form, time.perf_counter() - start)
@@ -239,4 +234,4 @@ def _sync(outputs: Any) -> None:
 
 
 __all__ = ["GuardRecord", "StepGuard", "collecting", "embedded", "forcing_stock",
-           "slow_fused_step_for_tests", "stock_forced"]
+           "set_test_delay", "stock_forced"]

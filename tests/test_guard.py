@@ -1,0 +1,123 @@
+"""The whole-step guard: keeps stock when the fused step is slower, fused when it is faster."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmx
+from tfmx import guard
+from tfmx.guard import StepGuard
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    tfmx.disable()
+    monkeypatch.setenv("TFMX_TUNE", "off")
+    yield
+    guard.set_test_delay()
+    tfmx.disable()
+
+
+def test_decisions_from_timings():
+    for fused, stock, kept in ((1.0, 2.0, "fused"), (2.0, 1.0, "stock"), (1.0, 1.0, "stock")):
+        g = StepGuard("t")
+        steps = 0
+        while not g.decided:
+            form = g.next_form()
+            g.record(form, fused if form == "fused" else stock)
+            steps += 1
+        assert g.kept == kept
+        assert steps <= 2 * guard.MAX_PAIRS + 2
+        assert g.next_form() == kept
+
+
+def test_noise_without_a_difference_keeps_stock():
+    rng = np.random.default_rng(0)
+    g = StepGuard("t")
+    while not g.decided:
+        form = g.next_form()
+        g.record(form, 1.0 + rng.normal(0, 0.05))
+    assert g.kept == "stock"
+
+
+def _model(seed=0):
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((16,))
+    h = keras.layers.Dense(32, activation="relu")(inp)
+    h = keras.layers.Dense(32, activation="relu")(h)
+    model = keras.Model(inp, keras.layers.Dense(4)(h))
+    return model
+
+
+def _fit(enable, delay=None, steps_per_execution=1, epochs=2):
+    model = _model()
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=steps_per_execution)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(640, 16)).astype("float32")
+    y = rng.integers(0, 4, 640)
+    if enable:
+        tfmx.enable(backend="cpu", guard=True, tune="off")
+        if delay:
+            guard.set_test_delay(**delay)
+    model.fit(x, y, batch_size=16, epochs=epochs, verbose=0, shuffle=False,
+              validation_data=(x[:64], y[:64]))
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)  # a second fit
+    return model
+
+
+@pytest.mark.parametrize("slow,kept", [("fused", "stock"), ("stock", "fused")])
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_fit_keeps_the_faster_step_and_trains_like_stock(slow, kept, steps_per_execution):
+    stock = _fit(False, steps_per_execution=steps_per_execution)
+    fused = _fit(True, {slow: 0.004}, steps_per_execution)
+    report = tfmx.report()
+    train = [g.summary() for g in report.guards if g.function.endswith("train_step")]
+    assert [g.kept for g in train] == [kept], [g.describe() for g in train]
+    assert train[0].pairs >= guard.MIN_PAIRS
+    assert "whole-step guard" in str(report) and f"kept {kept}" in str(report)
+    assert report.to_dict()["guards"][0]["kept"] == kept
+    # Stock and fused steps alternated, then one form ran: the weights are stock's, within
+    # float32 rounding of the fused kernels (sums of at most 32 terms, a few hundred steps).
+    for s, f in zip(stock.get_weights(), fused.get_weights()):
+        np.testing.assert_allclose(f, s, rtol=1e-4, atol=1e-5)
+
+
+def test_guard_off_runs_fused_and_never_traces_stock():
+    model = _model()
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    tfmx.enable(backend="cpu", guard=False, tune="off")
+    x = np.ones((64, 16), "float32")
+    model.fit(x, np.zeros(64, "int32"), batch_size=16, epochs=2, verbose=0)
+    assert tfmx.report().guards == []
+
+
+def test_a_tfmx_function_loop_is_guarded_too():
+    w = tf.Variable(tf.random.normal([16, 16], seed=3))
+    b = tf.Variable(tf.zeros([16]))
+
+    @tfmx.function
+    def step(x):
+        y = tf.nn.relu(tf.nn.bias_add(tf.matmul(x, w), b))
+        w.assign_sub(0.01 * tf.matmul(x, y, transpose_a=True))
+        return tf.reduce_sum(y)
+
+    tfmx.enable(backend="cpu", guard=True, tune="off")
+    guard.set_test_delay(fused=0.004)
+    x = tf.random.normal([8, 16], seed=4)
+    for _ in range(2 * guard.MAX_PAIRS + 4):
+        step(x)
+    (g,) = tfmx.report().guards
+    assert g.kept == "stock"
+    with pytest.raises(ValueError, match="TFMX_GUARD"):
+        import os
+
+        os.environ["TFMX_GUARD"] = "maybe"
+        try:
+            guard.enabled_by_env()
+        finally:
+            del os.environ["TFMX_GUARD"]

@@ -1,0 +1,219 @@
+"""The tuner: decisions from injected timings, modes, the per-machine cache, fragments."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import tensorflow as tf
+
+import fusion
+import tfmx
+from fusion.fragment import FragmentError, cut, runner, variant
+from fusion.graph import GraphView, op_histogram
+from tfmx import tuner as tuner_mod
+from tfmx.backends import get_backend
+from tfmx.tuner import Tuner, TuningCache
+
+
+def _timer(times):
+    calls = []
+
+    def timer(candidates, seconds):
+        calls.append(sorted(candidates))
+        return {name: times[name] for name in candidates}
+
+    timer.calls = calls
+    return timer
+
+
+def _fail(candidates, seconds):
+    raise AssertionError("the tuner measured although it should not")
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFMX_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_picks_the_faster_form_from_injected_timings():
+    for times, expected in (({"stock": 2.0, "fused": 1.0}, "fused"),
+                            ({"stock": 1.0, "fused": 2.0}, "stock"),
+                            ({"stock": 1.0, "fused": 1.0}, "stock")):  # a tie: conservative
+        d = Tuner("auto", None, _timer(times)).choose("f", "s", {"stock": None, "fused": None},
+                                                      conservative="stock")
+        assert d.choice == expected and d.source == "measured"
+        assert d.times_ms == {k: v * 1e3 for k, v in times.items()}
+
+
+def test_one_measurement_per_decision_and_each_recorded():
+    seen = []
+    timer = _timer({"a": 1.0, "b": 0.5})
+    t = Tuner("auto", None, timer, on_decision=seen.append)
+    for _ in range(3):
+        assert t.choose("f", "s", {"a": None, "b": None}, conservative="a").choice == "b"
+    assert len(timer.calls) == 1 and len(seen) == 1
+
+
+def test_off_and_cached_modes_never_measure(cache_dir):
+    cache = TuningCache.for_backend("cpu")
+    for mode in ("off", "cached"):
+        d = Tuner(mode, cache, _fail).choose("f", "s", {"a": None, "b": None}, conservative="a")
+        assert d.choice == "a" and d.source.startswith("conservative")
+
+
+def test_a_failing_candidate_or_a_spent_budget_takes_the_conservative_form():
+    def broken(candidates, seconds):
+        raise RuntimeError("no kernel")
+
+    d = Tuner("auto", None, broken).choose("f", "s", {"a": None, "b": None}, conservative="a")
+    assert d.choice == "a" and "measuring failed" in d.source
+    d = Tuner("auto", None, _fail, budget=0).choose("f", "s", {"a": None, "b": None}, "a")
+    assert d.choice == "a" and "budget" in d.source
+    with pytest.raises(ValueError, match="not a candidate"):
+        Tuner("auto", None, _fail).choose("f", "s", {"a": None}, conservative="z")
+
+
+def test_mode_and_budget_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TFMX_TUNE", "cached")
+    assert Tuner().mode == "cached"
+    monkeypatch.setenv("TFMX_TUNE", "sometimes")
+    with pytest.raises(ValueError, match=r"\$TFMX_TUNE must be one of"):
+        Tuner()
+    with pytest.raises(ValueError, match="tune must be one of"):
+        tfmx.enable(tune="fast")
+    monkeypatch.setenv("TFMX_TUNE", "auto")
+    monkeypatch.setenv("TFMX_TUNE_BUDGET", "lots")
+    with pytest.raises(ValueError, match="number of seconds"):
+        Tuner()
+
+
+_CHILD = textwrap.dedent("""
+    import json, sys
+    from tfmx.tuner import Tuner, TuningCache
+    mode = sys.argv[1]
+    def timer(candidates, seconds):
+        if mode == "forbid":
+            raise SystemExit("measured in the second process")
+        return {"eigen": 0.002, "onednn": 0.001}
+    t = Tuner("auto", TuningCache.for_backend("cpu"), timer)
+    d = t.choose("onednn", "MatMul 32x64 64x64", {"eigen": None, "onednn": None}, "eigen")
+    print(json.dumps([d.choice, d.source]))
+""")
+
+
+def test_the_cache_is_reused_by_a_second_process(cache_dir):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    outs = []
+    for mode in ("measure", "forbid"):
+        done = subprocess.run([sys.executable, "-c", _CHILD, mode], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        outs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert outs == [["onednn", "measured"], ["onednn", "cached"]]
+    (written,) = list(cache_dir.glob("tuning-cpu-*.json"))
+    assert json.loads(written.read_text())["fingerprint"] == tuner_mod.fingerprint("cpu")
+
+
+@pytest.mark.parametrize("field,value", [("tensorflow", "2.99.0"), ("onednn", "flipped"),
+                                         ("cpu", {"model": "another CPU"})])
+def test_the_cache_is_invalidated_by_another_tensorflow_onednn_state_or_cpu(
+        cache_dir, monkeypatch, field, value):
+    Tuner("auto", TuningCache.for_backend("cpu"), _timer({"a": 2.0, "b": 1.0})).choose(
+        "f", "s", {"a": None, "b": None}, "a")
+    real = tuner_mod.fingerprint
+
+    def changed(backend):
+        fp = real(backend)
+        fp[field] = value
+        return fp
+
+    monkeypatch.setattr(tuner_mod, "fingerprint", changed)
+    timer = _timer({"a": 1.0, "b": 2.0})
+    d = Tuner("auto", TuningCache.for_backend("cpu"), timer).choose(
+        "f", "s", {"a": None, "b": None}, "a")
+    assert (d.choice, d.source, len(timer.calls)) == ("a", "measured", 1)
+
+
+def test_export_and_import_preseed_another_machine(cache_dir, tmp_path, monkeypatch):
+    Tuner("auto", TuningCache.for_backend("cpu"), _timer({"a": 2.0, "b": 1.0})).choose(
+        "f", "s", {"a": None, "b": None}, "a")
+    exported = tuner_mod.export_cache(tmp_path / "fleet.json")
+    monkeypatch.setenv("TFMX_CACHE_DIR", str(tmp_path / "fresh"))
+    assert tuner_mod.import_cache(exported) == 1
+    d = Tuner("auto", TuningCache.for_backend("cpu"), _fail).choose(
+        "f", "s", {"a": None, "b": None}, "a")
+    assert (d.choice, d.source) == ("b", "cached")
+    foreign = json.loads(exported.read_text())
+    foreign["fingerprint"]["tensorflow"] = "1.0"
+    (tmp_path / "foreign.json").write_text(json.dumps(foreign))
+    with pytest.raises(ValueError, match="another machine.*tensorflow"):
+        tuner_mod.import_cache(tmp_path / "foreign.json")
+    assert tuner_mod.import_cache(tmp_path / "foreign.json", force=True) == 0
+
+
+def _adam_step():
+    v = tf.Variable(tf.ones([64, 64]))
+    opt = tf.keras.optimizers.Adam(0.01) if hasattr(tf, "keras") else None
+    import keras
+
+    opt = keras.optimizers.Adam(0.01)
+    opt.build([v])
+
+    @tf.function(autograph=False)
+    def step(g):
+        opt.apply([g], [v])
+        return v.read_value()
+
+    return v, opt, step.get_concrete_function(tf.TensorSpec([64, 64]))
+
+
+def test_the_optimizer_family_asks_the_tuner_and_says_why():
+    v, opt, concrete = _adam_step()
+    graph_def = concrete.graph.as_graph_def(add_shapes=True)
+    backend = get_backend("cpu")
+    for times, fused in (({"composite": 1.0, "kernel": 2.0}, 0),
+                         ({"composite": 2.0, "kernel": 1.0}, 1)):
+        timer = _timer(times)
+        result = fusion.rewrite(graph_def, backend, ["optimizer_update"],
+                                tuner=Tuner("auto", None, timer))
+        assert result.stats["optimizer_update"].fused == fused
+        assert timer.calls == [["composite", "kernel"]]
+        assert op_histogram(result.graph_def)["ResourceApplyAdam"] == fused
+    (reason,) = fusion.rewrite(graph_def, backend, ["optimizer_update"], tuner=Tuner(
+        "auto", None, _timer({"composite": 1.0, "kernel": 2.0}))).stats[
+        "optimizer_update"].declined
+    assert "ResourceApplyAdam float32 [64, 64] keeps Keras's composite: measured faster" in reason
+
+
+def test_fragments_of_a_real_update_run_in_both_forms():
+    """The real timer: the composite fragment and its rewritten variant both build and run."""
+    from fusion.patterns.optimizer_update import find_updates, rewrite_update
+
+    v, opt, concrete = _adam_step()
+    view = GraphView(concrete.graph.as_graph_def(add_shapes=True).node)
+    (match,), _ = find_updates(view, get_backend("cpu"))
+    piece = cut(view, match.remove)
+    fused = variant(piece, lambda w: rewrite_update(w, match))
+    assert "ResourceApplyAdam" in {n.op for n in fused.graph_def.node}
+    assert "ResourceApplyAdam" not in {n.op for n in piece.graph_def.node}
+    times = tuner_mod.measure({"composite": lambda: runner(piece),
+                               "kernel": lambda: runner(fused)}, 0.01)
+    assert set(times) == {"composite", "kernel"} and min(times.values()) > 0
+
+
+def test_a_fragment_that_cannot_be_made_up_is_refused():
+    @tf.function(autograph=False)
+    def f(x, i):
+        return tf.gather(x, i)
+
+    g = f.get_concrete_function(tf.TensorSpec([4, 3]), tf.TensorSpec([2], tf.int32))
+    view = GraphView(g.graph.as_graph_def(add_shapes=True).node)
+    gather = next(n.name for n in view if n.op.startswith("Gather"))
+    with pytest.raises(FragmentError, match="cannot be made up"):
+        cut(view, [gather])
