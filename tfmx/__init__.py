@@ -71,7 +71,7 @@ sys.modules[__name__].__class__ = _Package
 def enable(
     backend: str | None = None,
     patterns: Sequence[str] | None = None,
-    verify: bool = False,
+    verify: bool | str | None = None,
     tune: str | None = None,
     guard: bool | None = None,
 ) -> None:
@@ -83,7 +83,9 @@ def enable(
         patterns: names of the pattern families to run (default: all); see
             ``fusion.available_patterns()``.
         verify: run the first step of each traced function both stock and fused from the same
-            variable values and raise :class:`VerificationError` if they disagree.
+            variable values and raise :class:`VerificationError` if they disagree (True), or
+            warn and run stock from then on (``"first-step"``); False: no check. None (the
+            default): ``"first-step"`` on cuda and metal, which no CI runs, False on cpu.
         tune: how choices between correct forms are made (:mod:`tfmx.tuner`): ``"auto"``
             measures on this machine and caches the result, ``"cached"`` only reads the
             cache, ``"off"`` takes the form stock TensorFlow runs. None: ``$TFMX_TUNE`` or
@@ -111,8 +113,10 @@ def enable(
     if patterns is not None:
         patterns = tuple([patterns] if isinstance(patterns, str) else patterns)
         resolve(list(patterns))
-    if not isinstance(verify, bool):
-        raise ValueError(f"verify must be True or False, got {verify!r}")
+    if verify is None:
+        verify = "first-step" if target.name in ("cuda", "metal") and target.available else False
+    if not isinstance(verify, bool) and verify != "first-step":
+        raise ValueError(f"verify must be True, False, 'first-step' or None, got {verify!r}")
     if guard is not None and not isinstance(guard, bool):
         raise ValueError(f"guard must be True, False or None, got {guard!r}")
     new = state.Options(backend=target, patterns=patterns, verify=verify,

@@ -43,7 +43,7 @@ from tfmx import forward, forward_rnn, guard, state
 from tfmx.errors import BackendUnavailableError
 from tfmx.rebuild import control_output_names, protected_names, rebuild
 from tfmx.report import TraceRecord
-from tfmx.verify import verified_call
+from tfmx.verify import FALLBACK, disagreed, verified_call
 
 _SIMPLE = (bool, int, float, str, type(None))
 _FAST_CACHE_SIZE = 64
@@ -187,8 +187,13 @@ class FusedFunction:
                 "tfmx.enable() without backend= to train on this machine."
             )
         if opts.verify:
-            return verified_call(entry, args, kwargs, opts, self.name,
-                                 self._reference(entry, args, kwargs))
+            out = verified_call(entry, args, kwargs, opts, self.name,
+                                self._reference(entry, args, kwargs))
+            if opts.verify == FALLBACK and tf.executing_eagerly() and disagreed(entry):
+                state.warn_once(f"verify:{self.name}", f"tfmx: the fused {self.name!r} "
+                                "disagreed with the stock step on its first call; it runs "
+                                "stock from now on")
+            return out
         if opts.guard and entry.changed and tf.executing_eagerly():
             if entry.guard is None:  # called eagerly (a custom loop, predict): a trial
                 entry.guard = guard.StepGuard(self.name)

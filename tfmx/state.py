@@ -26,7 +26,7 @@ class Options:
 
     backend: Backend
     patterns: tuple[str, ...] | None
-    verify: bool
+    verify: bool | str  # True, False or "first-step" (tfmx.verify.FALLBACK)
     rtol: float = 1e-4
     atol: float = 1e-5
     tune: str = "auto"  # tfmx.tuner.MODES

@@ -27,6 +27,7 @@ Example (a step whose fused form agrees):
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import tensorflow as tf
@@ -34,6 +35,9 @@ import tensorflow as tf
 from tfmx.errors import VerificationError
 
 MARKER = "tfmx verify failed"
+FALLBACK = "first-step"
+"""``verify`` mode of cuda and metal by default: check the first step, warn and run stock if it
+disagrees (no exception mid-fit)."""
 
 
 def step_variables(concrete: Any) -> list[tf.Variable]:
@@ -63,9 +67,11 @@ def verified_call(entry: Any, args: tuple, kwargs: dict, opts: Any, name: str,
                   reference: Any) -> Any:
     """Call ``entry.fused`` after checking it once against ``reference`` (the function traced
     without tfmx; see module doc)."""
+    fallback = opts.verify == FALLBACK
     if entry.verify_flag is None:
         with tf.init_scope():
-            entry.verify_flag = tf.Variable(False, trainable=False, name="tfmx_verified")
+            # 0: not yet checked, 1: checked and equal, 2: disagreed (fallback: run stock)
+            entry.verify_flag = tf.Variable(0, trainable=False, name="tfmx_verified")
     variables = step_variables(reference)
     flag = entry.verify_flag
 
@@ -92,11 +98,15 @@ def verified_call(entry: Any, args: tuple, kwargs: dict, opts: Any, name: str,
                 ratios.append(ratio)
                 diffs.append(diff)
         if not ratios:
-            flag.assign(True)
+            flag.assign(1)
             return fused_out
         ratios_t, diffs_t = tf.stack(ratios), tf.stack(diffs)
         worst = tf.argmax(ratios_t)
         ok = tf.reduce_max(ratios_t) <= 1.0
+        if fallback:
+            return _settle_fallback(ok, fused_out, stock_out, variables, stock_after, flag,
+                                    name, tf.gather(tf.constant(labels), worst),
+                                    tf.gather(diffs_t, worst))
 
         def restore() -> tf.Tensor:
             ops = [v.assign(b) for v, b in zip(variables, before)]
@@ -117,7 +127,7 @@ def verified_call(entry: Any, args: tuple, kwargs: dict, opts: Any, name: str,
                 summarize=8,
             )
         with tf.control_dependencies([check]):
-            done = flag.assign(True)
+            done = flag.assign(1)
         with tf.control_dependencies([done]):
             return tf.nest.map_structure(
                 lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t,
@@ -126,9 +136,43 @@ def verified_call(entry: Any, args: tuple, kwargs: dict, opts: Any, name: str,
             )
 
     try:
-        return tf.cond(flag, lambda: entry.fused(*args, **kwargs), first)
+        return tf.switch_case(flag.read_value(), [
+            first, lambda: entry.fused(*args, **kwargs), lambda: reference(*args, **kwargs)])
     except tf.errors.InvalidArgumentError as exc:
         raise as_verification_error(exc) from None
+
+
+def _settle_fallback(ok: tf.Tensor, fused_out: Any, stock_out: Any, variables: list,
+                     stock_after: list, flag: tf.Variable, name: str, label: tf.Tensor,
+                     diff: tf.Tensor) -> Any:
+    """verify="first-step": keep the fused step if it agreed; otherwise put stock's results in
+    the variables, say so on stderr, and mark the function to run stock from now on."""
+
+    def agreed() -> Any:
+        with tf.control_dependencies([flag.assign(1)]):
+            return _identity(fused_out)
+
+    def disagreed() -> Any:
+        restores = [v.assign(a) for v, a in zip(variables, stock_after)]
+        printed = tf.print(
+            f"tfmx WARNING: the fused {name!r} disagreed with the stock step on its first "
+            "call (largest difference in", label, "abs", diff, "); it runs stock from now on. "
+            "Please report it with tfmx.report().", output_stream=sys.stderr)
+        with tf.control_dependencies([*restores, printed, flag.assign(2)]):
+            return _identity(stock_out)
+
+    return tf.cond(ok, agreed, disagreed)
+
+
+def _identity(structure: Any) -> Any:
+    return tf.nest.map_structure(lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t,
+                                 structure, expand_composites=True)
+
+
+def disagreed(entry: Any) -> bool:
+    """True once a first-step check of ``entry`` found the fused step wrong (it runs stock)."""
+    flag = getattr(entry, "verify_flag", None)
+    return flag is not None and int(flag.numpy()) == 2
 
 
 def as_verification_error(exc: BaseException) -> BaseException:
