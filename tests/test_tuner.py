@@ -217,3 +217,21 @@ def test_a_fragment_that_cannot_be_made_up_is_refused():
     gather = next(n.name for n in view if n.op.startswith("Gather"))
     with pytest.raises(FragmentError, match="cannot be made up"):
         cut(view, [gather])
+
+
+def test_the_tune_command_shows_exports_imports_and_clears(cache_dir, tmp_path, capsys,
+                                                           monkeypatch):
+    from tfmx.cli import main
+
+    Tuner("auto", TuningCache.for_backend("cpu"), _timer({"a": 2.0, "b": 1.0})).choose(
+        "f", "s", {"a": None, "b": None}, "a")
+    assert main(["tune"]) == 0
+    assert "f|s: b" in capsys.readouterr().out
+    assert main(["tune", "--export", str(tmp_path / "e.json")]) == 0
+    monkeypatch.setenv("TFMX_CACHE_DIR", str(tmp_path / "other"))
+    assert main(["tune", "--import", str(tmp_path / "e.json")]) == 0
+    assert "imported 1 decision" in capsys.readouterr().out
+    assert main(["tune", "--clear"]) == 0
+    assert "removed" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="tfmx tune"):
+        main(["tune", "--import", str(tmp_path / "missing.json")])

@@ -7,6 +7,7 @@ Subcommands::
                [--output FILE.md] [--json [FILE.json]]
     tfmx recipe NAME [recipe args...]      # e.g. tfmx recipe small_cnn --quick
     tfmx backends [--json]                 # what each backend fuses
+    tfmx tune [--export F | --import F [--force] | --clear]   # this machine's tuning cache
 
 Only the subcommands import TensorFlow, so ``tfmx --help`` answers at once.
 
@@ -83,7 +84,48 @@ def _parser() -> argparse.ArgumentParser:
 
     backends = sub.add_parser("backends", help="what each backend fuses")
     backends.add_argument("--json", action="store_true", help="print as JSON")
+
+    tune = sub.add_parser(
+        "tune", help="this machine's tuning cache: show, export, import, clear",
+        description="tfmx times correct alternatives on each machine and caches the choices "
+                    "per machine (CPU, TensorFlow, oneDNN state, backend). Without an option: "
+                    "show where the cache is and what it holds.")
+    tune.add_argument("--backend", default="cpu", choices=("cpu", "cuda", "metal"),
+                      help="whose cache (default cpu)")
+    action = tune.add_mutually_exclusive_group()
+    action.add_argument("--export", metavar="FILE", help="write this machine's cache to FILE")
+    action.add_argument("--import", dest="import_", metavar="FILE",
+                        help="merge FILE (exported on an identical machine) into the cache")
+    action.add_argument("--clear", action="store_true", help="delete this machine's cache")
+    tune.add_argument("--force", action="store_true",
+                      help="with --import: accept a file measured on another machine")
     return parser
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from tfmx import tuner
+
+    cache = tuner.TuningCache.for_backend(args.backend)
+    if args.export:
+        print(f"wrote {tuner.export_cache(args.export, args.backend)}")
+    elif args.import_:
+        try:
+            added = tuner.import_cache(args.import_, force=args.force)
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"tfmx tune: {err}") from None
+        print(f"imported {added} decision(s) into {cache.path}")
+    elif args.clear:
+        existed = cache.path.exists()
+        cache.path.unlink(missing_ok=True)
+        print(f"{'removed' if existed else 'no cache at'} {cache.path}")
+    else:
+        contents = cache.contents()
+        print(f"cache: {cache.path} ({'present' if cache.path.exists() else 'empty'})")
+        print(f"machine: {json.dumps(contents['fingerprint'], sort_keys=True)}")
+        for key, d in sorted(contents["decisions"].items()):
+            times = ", ".join(f"{n} {t:.3f} ms" for n, t in d.get("times_ms", {}).items())
+            print(f"  {key}: {d.get('choice')}  ({times})")
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -165,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    handler = {"bench": _bench, "recipe": _recipe, "backends": _backends}[args.command]
+    handler = {"bench": _bench, "recipe": _recipe, "backends": _backends,
+               "tune": _tune}[args.command]
     return handler(args)
 
 
