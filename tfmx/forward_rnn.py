@@ -31,6 +31,11 @@ def active_target() -> Any:
     return getattr(_local, "target", None)
 
 
+def active_tuner() -> Any:
+    """The tuner of the current trace (``tfmx.tuner``), None outside one or for a plan."""
+    return getattr(_local, "tuner", None)
+
+
 @contextlib.contextmanager
 def tracing(opts: Any) -> Iterator[None]:
     """Route Keras LSTM/GRU layers traced inside this block through the ``rnn`` family."""
@@ -38,12 +43,15 @@ def tracing(opts: Any) -> Iterator[None]:
         yield
         return
     install()
-    previous = active_target()
+    from tfmx import state
+
+    previous = active_target(), active_tuner()
     _local.target = opts.backend
+    _local.tuner = state.tuner() if opts.backend.available else None
     try:
         yield
     finally:
-        _local.target = previous
+        _local.target, _local.tuner = previous
 
 
 def _patched(original: Any) -> Any:
@@ -54,7 +62,8 @@ def _patched(original: Any) -> Any:
             return original(self, sequences, initial_state, mask, training=training)
         from fusion.patterns.rnn import forward_stage
 
-        return forward_stage(self, original, target, sequences, initial_state, mask, training)
+        return forward_stage(self, original, target, sequences, initial_state, mask, training,
+                             tuner=active_tuner())
 
     inner_loop.__wrapped__ = original
     return inner_loop

@@ -36,6 +36,7 @@ Example (injected timings: the tuner keeps the faster form and says so):
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -343,9 +344,8 @@ class Tuner:
             return fallback(f"tuning budget of {self.budget:g} s spent; measured on a later run")
         start = time.perf_counter()
         try:
-            with _eager():  # a rewrite runs while TensorFlow traces: time outside that graph
-                seconds = self.timer(candidates, min(DECISION_SECONDS,
-                                                     max(self.budget - self.spent, 0.0)))
+            seconds = _outside_trace(self.timer, candidates,
+                                     min(DECISION_SECONDS, max(self.budget - self.spent, 0.0)))
             times = {n: float(seconds[n]) * 1e3 for n in names}
         except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is not chosen
             return fallback(f"measuring failed: {type(exc).__name__}: {exc}"[:200])
@@ -359,10 +359,13 @@ class Tuner:
         return decision
 
 
-def _eager() -> Any:
-    import tensorflow as tf
-
-    return tf.init_scope()
+def _outside_trace(timer: Timer, candidates: Mapping[str, RunFactory],
+                   seconds: float) -> Mapping[str, float]:
+    """Run ``timer`` on a thread of its own: a rewrite runs while TensorFlow traces a step
+    (inside a graph, under Keras's gradient tape), and the candidates must be built and timed
+    eagerly with no tape recording; TensorFlow keeps both per thread."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(timer, candidates, seconds).result()
 
 
 def export_cache(path: str | os.PathLike, backend: str = "cpu") -> Path:

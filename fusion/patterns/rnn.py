@@ -48,6 +48,8 @@ GRADIENT_SCOPES = ("gradient_tape/", "gradients/")
 # Why a layer keeps Keras's own loop, by the code that goes into its name scope.
 DECLINE_REASONS = {
     "unroll": "unroll=True: Keras unrolls the loop in Python, nothing to fuse",
+    "tuned": "Keras's own loop measured faster than the hoisted one on this machine "
+             "(tfmx.report(): tuned)",
     "stateful": "stateful=True is not fused (states live in variables across batches)",
     "recurrent_dropout": "recurrent_dropout > 0 needs a fresh mask inside every step",
     "activation": "activation / recurrent_activation other than tanh / sigmoid",
@@ -143,8 +145,11 @@ def find_rnn_layer(layer: Any, target: Target) -> tuple[RnnMatch | None, str | N
                     swap_zr=target.name == "cuda"), None
 
 
-def rewrite_rnn_layer(match: RnnMatch, sequences, initial_state, mask, training=False):
-    """Emit ``match``'s form of the layer's inner loop; Keras's ``(last, outputs, states)``."""
+def rewrite_rnn_layer(match: RnnMatch, sequences, initial_state, mask, training=False,
+                      chunks=None):
+    """Emit ``match``'s form of the layer's inner loop; Keras's ``(last, outputs, states)``.
+
+    ``chunks``: loops per sequence of the cpu form (default ``rnn_kernels.CHUNKS``)."""
     import tensorflow as tf
 
     from fusion.patterns import rnn_kernels as k
@@ -173,20 +178,102 @@ def rewrite_rnn_layer(match: RnnMatch, sequences, initial_state, mask, training=
         flags["training"] = training if isinstance(training, bool) else training is not None
         if match.kind == "lstm":
             return k.lstm_sequence(sequences, states[0], states[1], mask, kernel, recurrent,
-                                   bias, **flags)
+                                   bias, chunks=chunks, **flags)
         return k.gru_sequence(sequences, states[0], mask, kernel, recurrent, bias,
-                              reset_after=match.kind == "gru", **flags)
+                              reset_after=match.kind == "gru", chunks=chunks, **flags)
+
+
+TUNED_CHUNKS = (1, 5)
+"""Loops per sequence the tuner times for the cpu form (besides Keras's own loop)."""
+
+
+def _layer_candidates(match: RnnMatch, original, sequences, initial_state, training,
+                      input_gradient=True):
+    """The forms of one layer call, each a factory of a runnable forward (+ backward when
+    ``training``) at the call's shapes (unknown batch 32): Keras's loop and the hoisted loop in
+    a few chunkings. ``input_gradient``: whether the backward computes the gradient of the
+    sequences too (not for a layer reading the model's inputs)."""
+    import tensorflow as tf
+
+    layer = match.layer
+    shape = [32 if d is None else int(d) for d in sequences.shape]
+    states = list(initial_state) if isinstance(initial_state, (list, tuple)) else [
+        initial_state]
+    units = int(states[0].shape[-1])
+    steps = shape[1]
+
+    def factory(chunks):
+        def make():
+            @tf.function(autograph=False)
+            def step(x):
+                with tf.GradientTape() as tape:
+                    if input_gradient:
+                        tape.watch(x)
+                    init = [tf.zeros([shape[0], units], x.dtype) for _ in states]
+                    if chunks is None:
+                        _, outputs, _ = original(layer, x, init, None, training=training)
+                    else:
+                        _, outputs, _ = rewrite_rnn_layer(match, x, init, None, training,
+                                                          chunks=chunks)
+                    loss = tf.reduce_sum(outputs * outputs)
+                if not training:  # inference: the forward alone
+                    return [loss]
+                return tape.gradient(loss, [*layer.trainable_variables,
+                                            *([x] if input_gradient else [])])
+
+            x = tf.random.normal(shape, dtype=sequences.dtype, seed=1)
+
+            def run():
+                step(x)[0].numpy()
+
+            return run
+
+        return make
+
+    candidates = {"keras": factory(None)}
+    for chunks in TUNED_CHUNKS:
+        if chunks == 1 or (steps is not None and steps >= 2 * chunks):
+            candidates[f"hoisted x{chunks}"] = factory(chunks)
+    return candidates
+
+
+def _tuned_chunks(match: RnnMatch, original, sequences, initial_state, mask, training,
+                  tuner) -> tuple[int | None, str | None]:
+    """(chunks, None) for the hoisted form, or (None, reason) when Keras's loop is faster."""
+    from tensorflow.python.eager import record
+
+    shape = "x".join("?" if d is None else str(d) for d in sequences.shape)
+    input_gradient = bool(training) and record.should_record_backprop([sequences])
+    signature = (f"{match.kind} input {shape} units {match.layer.cell.units} "
+                 f"sequences={match.layer.return_sequences} mask={mask is not None} "
+                 f"training={bool(training)} input_gradient={input_gradient}")
+    choice = tuner.choose("rnn", signature, _layer_candidates(
+        match, original, sequences, initial_state, training, input_gradient),
+        conservative="keras")
+    if choice.choice == "keras":
+        return None, f"{match.kind} {signature}: Keras's own loop kept: {choice.why()}"
+    return int(choice.choice.split("x")[-1]), None
 
 
 def forward_stage(layer, original, target: Target, sequences, initial_state, mask,
-                  training=False):
-    """A Keras LSTM/GRU ``inner_loop`` call while tfmx traces: fused, or Keras's, declined."""
+                  training=False, tuner=None):
+    """A Keras LSTM/GRU ``inner_loop`` call while tfmx traces: fused, or Keras's, declined.
+
+    On cpu ``tuner`` (``tfmx.tuner``) decides between Keras's loop and the hoisted one, and its
+    loops per sequence, by timing them at the call's shapes; None: the hoisted form."""
     import tensorflow as tf
 
     match, why = find_rnn_layer(layer, target)
+    chunks = None
+    if match is not None and match.form == "hoisted" and tuner is not None:
+        train = training if isinstance(training, bool) else training is not None
+        chunks, reason = _tuned_chunks(match, original, sequences, initial_state, mask,
+                                       train, tuner)
+        if reason is not None:
+            match, why = None, "tuned"
     if match is not None:
         try:
-            return rewrite_rnn_layer(match, sequences, initial_state, mask, training)
+            return rewrite_rnn_layer(match, sequences, initial_state, mask, training, chunks)
         except Exception as exc:  # noqa: BLE001 - never break training: Keras's loop runs
             why = "error"
             warnings.warn(f"tfmx rnn: {layer.name}: {type(exc).__name__}: {exc}; "

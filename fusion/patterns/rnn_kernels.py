@@ -34,7 +34,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 PARALLEL_ITERATIONS = 32  # as keras.ops.rnn
-CHUNKS = 5  # loops per sequence, so big MatMuls overlap the recurrence (_lstm_core)
+CHUNKS = 5  # default loops per sequence, so big MatMuls overlap the recurrence (_lstm_core)
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -378,11 +378,13 @@ def _time_major(sequences, mask, go_backwards):
     return x, m
 
 
-def _chunks(steps: int | None) -> list[tuple[int | None, int | None]]:
-    """Timestep spans, one loop each (:data:`CHUNKS` of them when the length is static)."""
-    if steps is None or CHUNKS < 2 or steps < 2 * CHUNKS:
+def _chunks(steps: int | None, chunks: int | None = None) -> list[tuple[int | None, int | None]]:
+    """Timestep spans, one loop each (``chunks``, default :data:`CHUNKS`, of them when the
+    length is static)."""
+    chunks = CHUNKS if chunks is None else chunks
+    if steps is None or chunks < 2 or steps < 2 * chunks:
         return [(None, None)]
-    edges = [round(i * steps / CHUNKS) for i in range(CHUNKS + 1)]
+    edges = [round(i * steps / chunks) for i in range(chunks + 1)]
     return list(zip(edges[:-1], edges[1:]))
 
 
@@ -413,24 +415,26 @@ def _outputs(hs, h_t, m, return_sequences, zero_output_for_mask):
 
 def lstm_sequence(sequences, h0, c0, mask, kernel, recurrent_kernel, bias,
                   go_backwards=False, return_sequences=False, zero_output_for_mask=False,
-                  training=True):
+                  training=True, chunks=None):
     """Keras ``LSTM.inner_loop`` semantics, hoisted: ``(last_output, outputs, [h, c])``.
 
     ``training=False`` builds an inference loop (nothing saved for a backward pass).
     """
     x, m = _time_major(sequences, mask, go_backwards)
-    spans = _chunks(x.shape[0])
+    spans = _chunks(x.shape[0], chunks)
     xps = [_project(x[a:b], kernel, bias) for a, b in spans]
     masks = [None if m is None else m[a:b] for a, b in spans]
     out = _lstm_core(xps, h0, c0, recurrent_kernel, masks, return_sequences, training)
     hs, h_t, c_t = out if return_sequences else (None, *out)
     last, outputs = _outputs(hs, h_t, m, return_sequences, zero_output_for_mask)
+    if return_sequences:  # the loops' stacks lose the static length; the next layer needs it
+        outputs.set_shape(sequences.shape[:2].concatenate(outputs.shape[2:]))
     return last, outputs, [h_t, c_t]
 
 
 def gru_sequence(sequences, h0, mask, kernel, recurrent_kernel, bias, reset_after=True,
                  go_backwards=False, return_sequences=False, zero_output_for_mask=False,
-                 training=True):
+                 training=True, chunks=None):
     """Keras ``GRU.inner_loop`` semantics, hoisted: ``(last_output, outputs, [h])``."""
     x, m = _time_major(sequences, mask, go_backwards)
     if reset_after:
@@ -439,7 +443,7 @@ def gru_sequence(sequences, h0, mask, kernel, recurrent_kernel, bias, reset_afte
             in_bias, rec_bias = None, tf.zeros([3 * units], kernel.dtype)
         else:
             in_bias, rec_bias = bias[0], bias[1]
-        spans = _chunks(x.shape[0])
+        spans = _chunks(x.shape[0], chunks)
         out = _gru_core_after([_project(x[a:b], kernel, in_bias) for a, b in spans], h0,
                               recurrent_kernel, rec_bias,
                               [None if m is None else m[a:b] for a, b in spans],
@@ -449,6 +453,8 @@ def gru_sequence(sequences, h0, mask, kernel, recurrent_kernel, bias, reset_afte
                                return_sequences, training)
     hs, h_t = out if return_sequences else (None, out)
     last, outputs = _outputs(hs, h_t, m, return_sequences, zero_output_for_mask)
+    if return_sequences:  # the loops' stacks lose the static length; the next layer needs it
+        outputs.set_shape(sequences.shape[:2].concatenate(outputs.shape[2:]))
     return last, outputs, [h_t]
 
 
