@@ -199,10 +199,9 @@ def _cpu(onednn: bool) -> Backend:
     matmul = _chains(*_with_acts(("BiasAdd",), (*_ACTS_BASIC, "Tanh", "Sigmoid")))
     contractions = {
         "Conv2D": {"float32": conv},
-        # bfloat16 has a kernel, but _FusedMatMul in bfloat16 ran 25x slower than MatMul +
-        # BiasAdd + Relu (256x512x512, AMD EPYC, oneDNN on and off; BENCHMARKS.md, policies):
-        # not fused until it is measured faster somewhere (AMX with oneDNN is the candidate).
-        "MatMul": {"float32": matmul, "float16": matmul},
+        # 16-bit chains are tuner decisions (fusion.patterns.contraction): the bfloat16
+        # _FusedMatMul ran 25x slower than MatMul + BiasAdd + Relu on a Zen 3 (256x512x512).
+        "MatMul": {"float32": matmul, "float16": matmul, "bfloat16": matmul},
     }
     if onednn:
         contractions["Conv2D"]["float32"] = conv | _chains(
@@ -228,8 +227,8 @@ def _cpu(onednn: bool) -> Backend:
             "residual Add, GELU and depthwise fuse only with oneDNN on "
             "(TF_ENABLE_ONEDNN_OPTS=1; off by default in the TF 2.21 Linux wheel)",
         )) + ("_FusedBatchNormEx has no working CPU kernel (probed, oneDNN on and off)",
-               "MatMul in bfloat16 is left unfused: TensorFlow's bfloat16 _FusedMatMul CPU kernel "
-               "measured 25x slower than MatMul + BiasAdd"),
+               "16-bit _FusedMatMul only where the tuner measures it faster than MatMul + "
+               "BiasAdd here (it ran 25x slower in bfloat16 on one CPU)"),
         # Probed (TF 2.21, x86-64): FusedBatchNormV3 and its gradient run in float32,
         # bfloat16 and float16, NHWC and NCHW. _FusedBatchNormEx is registered on CPU but its
         # kernel produces no output ("Missing 0-th output"), oneDNN on or off.

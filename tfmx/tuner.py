@@ -55,7 +55,7 @@ ENV_DIR = "TFMX_CACHE_DIR"
 ENV_BUDGET = "TFMX_TUNE_BUDGET"
 CACHE_FORMAT = 1
 
-DEFAULT_BUDGET_S = 10.0
+DEFAULT_BUDGET_S = 8.0
 """Seconds one rewrite may spend measuring (``TFMX_TUNE_BUDGET``); what is left unmeasured
 takes the conservative form and is measured on a later run."""
 

@@ -40,6 +40,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from fusion.fragment import choose_rewrite
 from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, output_shape, parse_input
 from fusion.match import (
     AttrLike,
@@ -53,7 +54,7 @@ from fusion.match import (
     scaled_consumer,
     sole_consumer,
 )
-from fusion.pattern import RewriteContext, Target, apply_matches, register
+from fusion.pattern import Chooser, RewriteContext, Target, apply_matches, register
 
 FUSED_OP = {
     "Conv2D": "_FusedConv2D",
@@ -176,9 +177,14 @@ def _support(target: Target, op: str, dtype: str, fused_ops: tuple[str, ...]) ->
 
 
 def find_contractions(
-    view: GraphView, target: Target
+    view: GraphView, target: Target, tuner: Chooser | None = None,
 ) -> tuple[list[ContractionMatch], list[str]]:
-    """Every fusable contraction chain in ``view``, and a reason for each declined one."""
+    """Every fusable contraction chain in ``view``, and a reason for each declined one.
+
+    A chain in a 16-bit dtype is fused only where ``tuner`` measures the fused kernel faster
+    than the ops apart at the chain's shapes (16-bit fused kernels run unevenly across
+    processors: TensorFlow's bfloat16 ``_FusedMatMul`` ran 25x slower than MatMul + BiasAdd on
+    one CPU); float32 chains, which Grappler fuses itself where it can, are not timed."""
     matches: list[ContractionMatch] = []
     declined: list[str] = []
     claimed: set[str] = set()
@@ -206,9 +212,35 @@ def find_contractions(
             continue
         match = ContractionMatch(contraction=node, bias_add=bias)
         _extend(view, match, target, op, dtype)
+        if tuner is not None and dtype != "float32":
+            why = _tuned_blocker(view, match, dtype, tuner)
+            if why is not None:
+                declined.append(why)
+                continue
         claimed.update(n.name for n in match.nodes)
         matches.append(match)
     return matches, declined
+
+
+def _tuned_blocker(view: GraphView, match: ContractionMatch, dtype: str,
+                   tuner: Chooser) -> str | None:
+    """Why ``match`` stays apart (the ops measured faster unfused here), or None."""
+    c = match.contraction
+    shapes = []
+    for ref in c.input[:2]:
+        src = view.node(parse_input(ref)[0])
+        shape = None if src is None else output_shape(src, parse_input(ref)[1])
+        shapes.append("?" if shape is None else "x".join("?" if d is None else str(d)
+                                                        for d in shape))
+    kind = f"{FUSED_OP[c.op]}({', '.join(match.fused_ops)})"
+    signature = f"{kind} {dtype} {' '.join(shapes)}"
+    choice = choose_rewrite(tuner, "contraction", signature, view,
+                            [n.name for n in match.nodes],
+                            lambda v: rewrite_contraction(v, match),
+                            stock="unfused", fused="fused")
+    if choice.choice == "unfused":
+        return f"{signature}: left unfused: {choice.why()}"
+    return None
 
 
 def _contraction_blocker(
@@ -320,7 +352,7 @@ def rewrite_contraction(view: GraphView, match: ContractionMatch) -> NodeDef:
 def contraction_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Find every contraction chain in ``view`` and fuse it for ``ctx.target``."""
     apply_matches(
-        view, ctx, find_contractions(view, ctx.target),
+        view, ctx, find_contractions(view, ctx.target, ctx.tuner),
         lambda v, m: rewrite_contraction(v, m),
         lambda m: f"{FUSED_OP[m.contraction.op]}({', '.join(m.fused_ops)})",
         lambda m: m.partial,
