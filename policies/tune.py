@@ -12,8 +12,10 @@ its 16-bit output with the float32 one, and keep 16 bit only where it is faster 
 - **float32 by safety**: output layer, softmax, non-upcasting normalization
   (:mod:`policies.safety`).
 
-Each layer's two variants are timed interleaved (``rounds`` alternations, medians), because the
-machine may be shared and noisy. Then the whole model's forward + gradient is timed with the
+Each layer's two variants are timed interleaved by ``tfmx.tuner`` (medians; the machine may be
+shared and noisy), which caches the times per machine: the next process, and ``"auto"`` at the
+next compile, reuse them (``TFMX_TUNE=off`` measures nothing and keeps float32). Then the
+whole model's forward + gradient is timed with the
 per-layer choice against all-float32 (``check_model``): if the choice is not faster as a whole
 (a layer alone can be faster in 16 bit while the casts and the rest of the step eat the gain),
 every layer goes back to float32. Timing is injectable (``timer=``, called with the model and
@@ -38,6 +40,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -358,9 +362,10 @@ def tune(
             ``batch_size`` shaped like the model's inputs (Functional and Sequential only).
         policy: the 16-bit candidate ("mixed_bfloat16" or "mixed_float16"); default: what
             "auto" picks for this hardware, or "mixed_bfloat16".
-        timer: ``timer(layer, policy, run) -> seconds``; default :func:`measure` (median of
-            repeated calls of ``run``, one forward + gradient of the layer). Called ``rounds``
-            times per variant, alternating; the medians decide.
+        timer: ``timer(layer, policy, run) -> seconds``, called ``rounds`` times per variant,
+            alternating; the medians decide. Default: ``tfmx.tuner`` times the layers (one
+            forward + gradient per run) and caches the times per machine; the whole-model
+            check uses :func:`measure`.
         tolerance: largest relative L2 error of the layer's 16-bit output against float32.
         margin: 16 bit must be at least this fraction faster to be kept.
         apply: set the chosen policies on the layers (and drop the model's traced step
@@ -383,7 +388,6 @@ def tune(
     if check_name(policy) not in ("mixed_float16", "mixed_bfloat16"):
         raise ValueError(f"tune compares float32 with a 16-bit policy; got {policy!r}: pass "
                          "'mixed_bfloat16' or 'mixed_float16'")
-    timer = timer or default_timer
     import keras
 
     top = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
@@ -489,7 +493,15 @@ def _tune(model: Any, x: Any, top: list[Any], candidates: list[Any], policy: str
         run32, _ = make_runner(layer, "float32", inputs)
         run16, out16 = make_runner(layer, policy, inputs)
         error = _rel_error(out16, ref)
-        times = _interleaved(timer, layer, {"float32": run32, policy: run16}, rounds)
+        if timer is not None:
+            times = _interleaved(timer, layer, {"float32": run32, policy: run16}, rounds)
+        else:
+            times, unmeasured = _tuner_times(layer, inputs, policy, run32, run16, rounds)
+            if unmeasured:
+                decided[id(layer)] = "float32"
+                choices.append(LayerChoice(layer.name, cls, "float32", "tuned", unmeasured,
+                                           error=error))
+                continue
         t32, t16 = times["float32"], times[policy]
         if error > tolerance:
             chosen, why = "float32", f"16-bit error {error:.2g} > tolerance {tolerance:g}"
@@ -501,7 +513,8 @@ def _tune(model: Any, x: Any, top: list[Any], candidates: list[Any], policy: str
         choices.append(LayerChoice(layer.name, cls, chosen, "tuned", why, t32, t16, error))
     result = TuneResult(policy, choices, tolerance, margin, applied=apply)
     if check_model and any(is_16bit(c.policy) for c in choices if c.kind != "kept"):
-        _check_whole_model(model, top, decided, x, timer, margin, rounds, result)
+        _check_whole_model(model, top, decided, x, timer or default_timer, margin, rounds,
+                           result)
     if apply:
         by_name = {layer.name: layer for layer in top}
         for c in choices:
@@ -509,6 +522,38 @@ def _tune(model: Any, x: Any, top: list[Any], candidates: list[Any], policy: str
                 set_policy(by_name[c.layer], c.policy)
         reset_step_functions(model)
     return result
+
+
+def _tuner_times(layer: Any, inputs: Any, policy: str, run32: Callable[[], Any],
+                 run16: Callable[[], Any], rounds: int) -> tuple[dict[str, float], str | None]:
+    """The layer's float32 and 16-bit times (ms) through ``tfmx.tuner``: measured here once
+    (:func:`default_timer`, ``rounds`` alternations) and cached per machine, so the next
+    process tunes nothing; (times, None), or ({}, why) when the tuner measures nothing
+    (``TFMX_TUNE=off``, a cache miss under ``cached``)."""
+    import tensorflow as tf
+
+    from tfmx.backends import detect
+    from tfmx.tuner import Tuner, TuningCache, resolve_mode
+
+    backend = detect()
+    mode = resolve_mode(None)
+    def timer(candidates: dict, seconds: float) -> dict[str, float]:
+        runs = {name: factory() for name, factory in candidates.items()}
+        return {name: ms / 1e3 for name, ms in
+                _interleaved(default_timer, layer, runs, rounds).items()}
+
+    tuner = Tuner(mode, None if mode == "off" else TuningCache.for_backend(backend), timer)
+    shapes = " ".join(f"{t.dtype.name}{list(t.shape)}" for t in tf.nest.flatten(inputs)
+                      if hasattr(t, "shape"))
+    config = json.dumps(layer.get_config(), sort_keys=True, default=str)
+    digest = hashlib.sha1(config.encode()).hexdigest()[:10]
+    signature = f"{type(layer).__name__} config {digest} inputs {shapes} {policy}"
+    decision = tuner.choose("policies", signature, {"float32": lambda: run32,
+                                                    policy: lambda: run16},
+                            conservative="float32")
+    if not decision.times_ms:
+        return {}, f"not measured: {decision.why()}"
+    return dict(decision.times_ms), None
 
 
 def _check_whole_model(model: Any, top: list[Any], decided: dict[int, str], x: Any,
