@@ -5,14 +5,14 @@ family hands it a fragment of the real graph (the nodes it matched, in the stock
 same fragment after its rewrite: :func:`cut` copies the nodes and stands in for everything
 they read from outside (each outside producer becomes an ``IdentityN`` of the same name, fed by
 placeholders, so the family's match records and rewrite functions work on the fragment
-unchanged); :func:`variant` applies a rewrite to a copy; :func:`runner` builds the fragment
-``copies`` times side by side in one function, feeds random inputs (fresh variables for
-resource handles) and returns a callable that runs it once. Unknown dimensions (Keras's batch)
-take ``unknown_dim``.
+unchanged); :func:`variant` applies a rewrite to a copy; :func:`make_inputs` makes random
+inputs (variables, for values and for resource handles) for a few copies; :func:`runner`
+builds the copies side by side in one function and returns a callable that runs them once.
+Unknown dimensions (Keras's batch) take ``unknown_dim``.
 
 Example:
     >>> import tensorflow as tf
-    >>> from fusion.fragment import cut, runner
+    >>> from fusion.fragment import cut, make_inputs, runner
     >>> from fusion.graph import GraphView
     >>> @tf.function
     ... def f(x, w):
@@ -22,13 +22,14 @@ Example:
     >>> piece = cut(GraphView(g.node), ["MatMul", "Relu"])
     >>> sorted(n.op for n in piece.graph_def.node)
     ['IdentityN', 'IdentityN', 'MatMul', 'Placeholder', 'Placeholder', 'Relu']
-    >>> runner(piece, copies=2)()  # runs both copies once
+    >>> runner(piece, make_inputs(piece, copies=2))()  # runs both copies once
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 from tensorflow.core.framework import graph_pb2, types_pb2
@@ -41,13 +42,13 @@ from fusion.pattern import Choice, Chooser
 UNKNOWN_DIM = 32
 """What an unknown dimension counts as when nothing better is known: Keras's default batch."""
 
-MIN_COPIES, MAX_COPIES = 4, 8
+MIN_COPIES, MAX_COPIES = 2, 8
 TARGET_ELEMENTS = 1 << 20
 """Copies of a fragment are added until its outputs hold about this many elements (at least
 :data:`MIN_COPIES`, at most :data:`MAX_COPIES`): a tiny fragment alone times the call
 overhead, not the kernels, and a kernel alone may split itself over the thread pool where in
 a real step it runs beside others (TensorFlow's CPU Adam kernel: 3x slower alone than beside
-seven others at 512x512)."""
+others at 512x512)."""
 
 
 class FragmentError(ValueError):
@@ -217,39 +218,51 @@ def _copies(fragment: Fragment) -> int:
     return int(max(MIN_COPIES, min(MAX_COPIES, TARGET_ELEMENTS // max(elements, 1))))
 
 
-def runner(fragment: Fragment, copies: int | None = None, seed: int = 0) -> Callable[[], None]:
-    """Build ``copies`` of ``fragment`` side by side in one function (fresh variables and
-    random inputs each) and return a callable that runs them once and waits for them."""
+Inputs = list[dict[str, Any]]
+"""Per copy, each stand-in's variable (inputs are variables read in the graph: constants would
+be folded away)."""
+
+
+def make_inputs(fragment: Fragment, copies: int | None = None, seed: int = 0) -> Inputs:
+    """Variables with random values in [0.5, 1) for ``copies`` of ``fragment`` (default: as
+    many as :data:`TARGET_ELEMENTS` asks); a fragment and its :func:`variant` share them."""
     import tensorflow as tf
 
     copies = _copies(fragment) if copies is None else copies
-    rng = np.random.default_rng(seed)
-    # Inputs are variables too, read in the graph: constants would be folded away.
-    variables: list[tuple[int, str, bool, tf.Variable]] = []
+    inputs: Inputs = []
     for i in range(copies):
-        for is_handle, specs in ((True, fragment.resources), (False, fragment.feeds)):
-            for name, (dtype, shape) in specs.items():
-                value = rng.uniform(0.5, 1.0, shape).astype(np.float32)
-                variables.append((i, name, is_handle,
-                                  tf.Variable(tf.cast(value, tf.as_dtype(dtype)))))
+        made = {}
+        for name, (dtype, shape) in {**fragment.resources, **fragment.feeds}.items():
+            value = tf.random.stateless_uniform(shape, (seed, i), 0.5, 1.0)
+            made[name] = tf.Variable(tf.cast(value, tf.as_dtype(dtype)))
+        inputs.append(made)
+    return inputs
 
-    def build() -> None:
-        for i in range(copies):
-            input_map = {f"{name}:0": tf.identity(v.handle) if is_handle else v.read_value()
-                         for j, name, is_handle, v in variables if j == i}
+
+def runner(fragment: Fragment, inputs: Inputs | None = None) -> Callable[[], None]:
+    """Build one copy of ``fragment`` per entry of ``inputs`` (default :func:`make_inputs`)
+    side by side in one function; return a callable that runs them all once and waits."""
+    import tensorflow as tf
+
+    inputs = make_inputs(fragment) if inputs is None else inputs
+
+    @tf.function(autograph=False)
+    def run_all() -> Any:
+        ops = []
+        for i, made in enumerate(inputs):
+            input_map = {f"{name}:0": tf.identity(v.handle) if name in fragment.resources
+                         else v.read_value() for name, v in made.items()}
             tf.graph_util.import_graph_def(fragment.graph_def, input_map=input_map,
                                            name=f"copy{i}")
+            graph = tf.compat.v1.get_default_graph()
+            ops += [graph.get_operation_by_name(f"copy{i}/{t}") for t in fragment.targets]
+        with tf.control_dependencies(ops):
+            return tf.constant(0)
 
-    wrapped = tf.compat.v1.wrap_function(build, [])
-    ops = [wrapped.graph.get_operation_by_name(f"copy{i}/{t}") for i in range(copies)
-           for t in fragment.targets]
-    with wrapped.graph.as_default():
-        done = tf.group(*ops)
-    fn = wrapped.prune([], [done])
-    fn._tfmx_keep = variables  # the variables live as long as the runner
+    concrete = run_all.get_concrete_function()
 
     def run() -> None:
-        fn()
+        concrete().numpy()
 
     return run
 
@@ -263,10 +276,15 @@ def choose_rewrite(tuner: Chooser, family: str, signature: str, view: GraphView,
     and timed only if the tuner measures."""
     names = list(nodes)
 
+    shared: dict[str, Any] = {}
+
     def factory(rewritten: bool) -> Callable[[], Callable[[], None]]:
         def make() -> Callable[[], None]:
-            piece = cut(view, names, unknown_dim)
-            return runner(variant(piece, rewrite) if rewritten else piece)
+            if "piece" not in shared:
+                shared["piece"] = cut(view, names, unknown_dim)
+                shared["inputs"] = make_inputs(shared["piece"])
+            piece = shared["piece"]
+            return runner(variant(piece, rewrite) if rewritten else piece, shared["inputs"])
 
         return make
 
@@ -274,5 +292,5 @@ def choose_rewrite(tuner: Chooser, family: str, signature: str, view: GraphView,
                         conservative=stock)
 
 
-__all__ = ["Fragment", "FragmentError", "choose_rewrite", "cut", "output_dtype", "runner",
-           "variant"]
+__all__ = ["Fragment", "FragmentError", "choose_rewrite", "cut", "make_inputs", "output_dtype",
+           "runner", "variant"]

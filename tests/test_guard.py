@@ -121,3 +121,39 @@ def test_a_tfmx_function_loop_is_guarded_too():
             guard.enabled_by_env()
         finally:
             del os.environ["TFMX_GUARD"]
+
+
+def test_the_stock_side_of_an_rnn_step_is_keras_own_loop():
+    """The rnn stage rewrites while tracing: the guard's stock step must be traced without it."""
+    from fusion.patterns.rnn import SCOPE
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6, 3)), keras.layers.LSTM(4), keras.layers.Dense(1)])
+    opt = keras.optimizers.SGD(0.01)
+
+    @tfmx.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(model(x, training=True) ** 2)
+        opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        return loss
+
+    from fusion.pattern import RewriteAlways
+
+    tfmx.enable(backend="cpu", guard=True, tune="off")
+    # every decision takes the hoisted form (tune="off" would keep Keras's loop)
+    from tfmx import state
+
+    original = state.tuner
+    state.tuner = RewriteAlways
+    try:
+        x = tf.random.normal([8, 6, 3], seed=5)
+        for _ in range(4):
+            step(x)
+    finally:
+        state.tuner = original
+    (entry,) = step._entries.values()
+    fused_names = [n.name for n in entry.stock.graph.as_graph_def().node]
+    stock_names = [n.name for n in entry.reference.graph.as_graph_def().node]
+    assert entry.staged and any(SCOPE in n for n in fused_names)
+    assert not any(SCOPE in n for n in stock_names)

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import fusion
 import tfmx
-from fusion.fragment import FragmentError, cut, runner, variant
+from fusion.fragment import FragmentError, cut, make_inputs, runner, variant
 from fusion.graph import GraphView, op_histogram
 from tfmx import tuner as tuner_mod
 from tfmx.backends import get_backend
@@ -202,8 +202,9 @@ def test_fragments_of_a_real_update_run_in_both_forms():
     fused = variant(piece, lambda w: rewrite_update(w, match))
     assert "ResourceApplyAdam" in {n.op for n in fused.graph_def.node}
     assert "ResourceApplyAdam" not in {n.op for n in piece.graph_def.node}
-    times = tuner_mod.measure({"composite": lambda: runner(piece),
-                               "kernel": lambda: runner(fused)}, 0.01)
+    inputs = make_inputs(piece)
+    times = tuner_mod.measure({"composite": lambda: runner(piece, inputs),
+                               "kernel": lambda: runner(fused, inputs)}, 0.01)
     assert set(times) == {"composite", "kernel"} and min(times.values()) > 0
 
 

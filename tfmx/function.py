@@ -160,7 +160,10 @@ class FusedFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         opts = state.options()
         if guard.stock_forced():  # a whole-step guard traces Keras's loop in its stock form
-            return self._stock(*args, **kwargs)
+            if opts is None or self._jit:
+                return self._stock(*args, **kwargs)
+            entry = self._entry(opts, args, kwargs)
+            return self._reference(entry, args, kwargs)(*args, **kwargs)
         if opts is None or self._jit or record.could_possibly_record():
             if opts is not None and self._jit:
                 state.report().note(f"{self.name}: jit_compile=True, left to XLA")
@@ -205,9 +208,11 @@ class FusedFunction:
         return entry.fused(*args, **kwargs)
 
     def _reference(self, entry: _Entry, args: tuple, kwargs: dict) -> Any:
-        """The function traced with no tfmx stage and no rewrite (traced on first need)."""
+        """The function traced with no tfmx stage and no rewrite: the staged trace itself when
+        no stage changed it, else traced on first need."""
         if entry.reference is None:
-            entry.reference = self._stock.get_concrete_function(*args, **kwargs)
+            entry.reference = (entry.stock if not entry.staged
+                               else self._stock.get_concrete_function(*args, **kwargs))
         return entry.reference
 
     def get_concrete_function(self, *args: Any, **kwargs: Any) -> Any:
@@ -241,7 +246,7 @@ class FusedFunction:
         entry = self._entries.get(key)
         if entry is None or entry.stock is not concrete:
             entry = build_entry(concrete, opts, self.name)
-            entry.staged = staged
+            entry.staged |= staged  # the batch-norm stage records as it traces
             self._entries = {k: v for k, v in self._entries.items() if k[1] == key[1]}
             self._entries[key] = entry
         return entry
@@ -267,6 +272,8 @@ def build_entry(concrete: Any, opts: state.Options, name: str) -> _Entry:
             tuner=state.tuner() if opts.backend.available else None,
         )
         stats = result.stats
+        # the rnn pass reports what the rnn stage fused while tracing
+        entry.staged = bool("rnn" in stats and stats["rnn"].fused)
         rec.errors.extend(result.errors)
         for fname, why in result.skipped_functions.items():
             rec.errors.append(f"function {fname} left as it was: {why}")

@@ -55,14 +55,14 @@ ENV_DIR = "TFMX_CACHE_DIR"
 ENV_BUDGET = "TFMX_TUNE_BUDGET"
 CACHE_FORMAT = 1
 
-DEFAULT_BUDGET_S = 8.0
+DEFAULT_BUDGET_S = 6.0
 """Seconds one rewrite may spend measuring (``TFMX_TUNE_BUDGET``); what is left unmeasured
 takes the conservative form and is measured on a later run."""
 
 DECISION_SECONDS = 0.1
-"""Seconds of interleaved rounds per decision (after two warm-up calls of each candidate)."""
+"""Seconds of interleaved rounds per decision (after one warm-up call of each candidate)."""
 
-MIN_ROUNDS, MAX_ROUNDS = 5, 30
+MIN_ROUNDS, MAX_ROUNDS = 3, 30
 
 RunFactory = Callable[[], Callable[[], Any]]
 """Builds one candidate (graphs, inputs) and returns a callable that runs it once, synchronously."""
@@ -254,7 +254,7 @@ class TuningCache:
 
 
 def measure(candidates: Mapping[str, RunFactory], seconds: float) -> dict[str, float]:
-    """Median seconds per candidate: each is built, run twice untimed (graph optimization,
+    """Median seconds per candidate: each is built, run once untimed (graph optimization,
     first-run allocation), then the candidates run interleaved (order rotated every round) for
     ``seconds``, at least :data:`MIN_ROUNDS` and at most :data:`MAX_ROUNDS` rounds.
 
@@ -266,7 +266,6 @@ def measure(candidates: Mapping[str, RunFactory], seconds: float) -> dict[str, f
     """
     runs = {name: factory() for name, factory in candidates.items()}
     for run in runs.values():
-        run()
         run()
     samples: dict[str, list[float]] = {name: [] for name in runs}
     order = list(runs)
