@@ -1,22 +1,69 @@
 """Shared fixtures: backends, tracing a tiny tf.function, rewriting it, running the result."""
 
+import atexit
 import os
+import shutil
+import tempfile
+
+from helpers import CHILD_ENV  # imports nothing of TensorFlow or tfmx
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# Set before anything imports tfmx. The whole-step guard (it alternates the fused and the stock
+# step on the first steps and keeps the faster) would make what ran and what a fit computes
+# depend on timings: off here (TFMX_GUARD=0); the tuner writes its measurements to a directory
+# of this session's own, never to the user's ~/.cache (TFMX_CACHE_DIR). The guard and the tuner
+# have their own tests (tests/test_guard.py, tests/test_tuner.py); TFMX_TUNE is left as it is.
+os.environ.setdefault("TFMX_GUARD", "0")
+if not (os.environ.get(CHILD_ENV) and os.environ.get("TFMX_CACHE_DIR")):
+    # (a child of tests/test_onednn_settings.py shares its parent's)
+    _CACHE = tempfile.mkdtemp(prefix="tfmx-test-cache-")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+    os.environ["TFMX_CACHE_DIR"] = _CACHE
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from helpers import exact_patterns  # noqa: E402
+from helpers import (  # noqa: E402
+    ONEDNN_MARKERS,
+    assert_within_rounding,
+    exact_patterns,
+    graph_roundings,
+    onednn_state,
+)
 
 import fusion  # noqa: E402
 from tfmx.backends import _cpu, get_backend  # noqa: E402
 from tfmx.rebuild import control_output_names, protected_names, rebuild  # noqa: E402
 
 
+def pytest_configure(config):
+    for state, why in (("on", "needs oneDNN on"), ("off", "needs oneDNN off"),
+                       ("either", "checks what differs with oneDNN's state")):
+        config.addinivalue_line(
+            "markers", f"{ONEDNN_MARKERS[state]}: {why} (helpers.needs_onednn; the other "
+                       "state runs in tests/test_onednn_settings.py's child)")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if os.environ.get(CHILD_ENV):  # what tests/test_onednn_settings.py reads back
+        terminalreporter.write_line(f"tfmx tests: oneDNN {onednn_state()}")
+
+
+@pytest.fixture
+def every_rewrite(monkeypatch):
+    """tfmx.enable() rewrites every match, as a bare fusion.rewrite() does: the tuner's
+    choices between correct forms (kernel or composite, oneDNN or Eigen) are timings of this
+    machine, and a test that checks which kernels ran or compares numbers must not depend on
+    them. Modules use it with ``pytestmark = pytest.mark.usefixtures("every_rewrite")``."""
+    from fusion.pattern import RewriteAlways
+    from tfmx import state
+
+    monkeypatch.setattr(state, "tuner", RewriteAlways)
+
+
 @pytest.fixture(scope="session")
 def cpu():
-    """The live cpu backend (oneDNN off on this machine unless TF_ENABLE_ONEDNN_OPTS=1)."""
+    """The live cpu backend (its tables follow this process's oneDNN state)."""
     return get_backend("cpu")
 
 
@@ -54,15 +101,21 @@ def fuse():
 
 @pytest.fixture(scope="session")
 def assert_same_numbers():
-    """Rebuild the rewritten graph and compare its outputs with the original function's."""
+    """Rebuild the rewritten graph and compare its outputs with the original function's: a
+    rewrite may round differently (another kernel, another order), by no more than the
+    original's own roundings allow (helpers.float_tolerance)."""
 
-    def _check(concrete, result, *args, rtol=1e-5, atol=1e-6):
+    def _check(concrete, result, *args, terms=None):
+        """Each output within the rounding of ``terms`` operations (default: every rounding
+        in ``concrete``, helpers.graph_roundings; 0: bitwise) of its largest value."""
+        if terms is None:
+            terms = graph_roundings(concrete)
         new = rebuild(concrete, result.graph_def, result.control_renames)
         expected = tf.nest.flatten(concrete(*args))
         got = tf.nest.flatten(new(*args))
         assert len(got) == len(expected)
-        for e, g in zip(expected, got):
-            np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=rtol, atol=atol)
+        for i, (e, g) in enumerate(zip(expected, got)):
+            assert_within_rounding(g.numpy(), e.numpy(), terms, e.dtype, what=f"output {i}")
         return new
 
     return _check

@@ -21,7 +21,150 @@ def ops_that_ran(fn) -> set[str]:
 def exact_patterns() -> list[str]:
     """Every registered family but ``onednn``, which runs convolutions on oneDNN's kernels and
     so changes float32 summation order (tests/test_onednn.py holds it to its own tolerance).
-    What these give must equal stock elementwise."""
+    What these give equals stock but for the rounding of a fused kernel's own activation
+    (Tanh, Sigmoid, Elu): bitwise for Relu chains, the kernels Grappler gives stock too."""
     from fusion.pattern import registered
 
     return [name for name in registered() if name != "onednn"]
+
+
+# -- tolerances from rounding --------------------------------------------------------------------
+# Unit roundoff u of each dtype: one correctly rounded operation moves its result by at most
+# u * |result| (u = 2**-p for a p-bit significand).
+UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11,
+                 "bfloat16": 2.0**-8}
+
+
+def unit_roundoff(dtype) -> float:
+    """u of a dtype name, numpy dtype or tf.DType; 0 for integers and bool (exact)."""
+    name = str(getattr(dtype, "name", dtype))
+    if name.startswith(("int", "uint", "bool")):
+        return 0.0
+    return UNIT_ROUNDOFF[name]
+
+
+def float_tolerance(dtype, terms: int, scale: float) -> float:
+    """The largest difference two correct computations of one quantity may show.
+
+    A result that goes through ``terms`` roundings in ``dtype`` (an n-term sum or dot product:
+    n; a chain of elementwise ops: one each; a training run: steps x roundings per step), on
+    values no larger than ``scale``, is within ``terms * u * scale`` of the exact value (first
+    order; Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., sec. 3.1). Two
+    computations that round differently (another kernel, another summation order, another but
+    equal formula) are each within that bound, so they differ by at most
+    ``2 * terms * u * scale``; u = 2**-24 (float32), 2**-11 (float16), 2**-8 (bfloat16).
+
+    ``scale`` is the largest magnitude involved (the tensor's max |value|, or its inputs'),
+    never the element itself: a sum that cancels is small while its rounding errors are not.
+    ``terms=0`` means bitwise equality.
+    """
+    if not terms:
+        return 0.0
+    return 2.0 * terms * unit_roundoff(dtype) * float(scale)
+
+
+def assert_within_rounding(got, want, terms: int, dtype="float32", scale=None,
+                           what="") -> None:
+    """max |got - want| <= float_tolerance(dtype, terms, scale); scale defaults to max |want|."""
+    import numpy as np
+
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    if scale is None:
+        scale = float(np.max(np.abs(want))) if want.size else 0.0
+    diff = float(np.max(np.abs(got - want))) if want.size else 0.0
+    tol = float_tolerance(dtype, terms, scale)
+    assert diff <= tol, (f"{what}: max difference {diff:.3g} > {tol:.3g} = 2 x {terms} "
+                         f"roundings x u({dtype}) x scale {scale:.3g}")
+
+
+# Roundings one elementwise op may add, for counting ``terms``: +, -, *, / and sqrt are
+# correctly rounded (1); Eigen's and oneDNN's exp, tanh, erf(c), rsqrt and pow are accurate to
+# a few ulps, not to the last bit: counted as 4. Relu, Relu6, max, abs, neg and select are exact.
+TRANSCENDENTAL = 4
+ACTIVATION_ROUNDINGS = {
+    None: 0, "Relu": 0, "Relu6": 0,
+    "LeakyRelu": 1,  # alpha * x
+    "Elu": TRANSCENDENTAL + 1,  # exp(x) - 1
+    "Tanh": TRANSCENDENTAL,
+    "Sigmoid": TRANSCENDENTAL + 2,  # 1 / (1 + exp(-x))
+    "GeluExact": TRANSCENDENTAL + 3,  # 0.5 * x * erfc(-x / sqrt(2))
+    # 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3)))
+    "GeluApproximate": TRANSCENDENTAL + 8,
+}
+_ONE_ROUNDING = frozenset({
+    "Add", "AddV2", "Sub", "Mul", "Div", "RealDiv", "DivNoNan", "BiasAdd", "Sqrt", "Square",
+    "SquaredDifference", "LeakyRelu", "Reciprocal"})
+_TRANSCENDENTAL_OPS = frozenset({
+    "Exp", "Expm1", "Log", "Log1p", "Tanh", "Sigmoid", "Erf", "Erfc", "Rsqrt", "Pow", "Elu",
+    "Selu", "Softplus", "Softsign", "Sin", "Cos"})
+
+
+def graph_roundings(concrete) -> int:
+    """Roundings in a traced function, every op counted (at least the longest path's): an
+    n-term contraction or reduction n, an arithmetic op 1, a transcendental TRANSCENDENTAL,
+    exact ops (Relu, max, reshapes, reads) 0. Control flow bodies are not entered."""
+    import math
+
+    total = 0
+    for op in concrete.graph.get_operations():
+        kind = op.type
+        if kind in _ONE_ROUNDING:
+            total += 1
+        elif kind in _TRANSCENDENTAL_OPS:
+            total += TRANSCENDENTAL
+        elif kind == "AddN":
+            total += len(op.inputs) - 1
+        elif kind in ("MatMul", "BatchMatMulV2"):
+            a = op.inputs[0].shape
+            total += int(a[-2] if op.get_attr("transpose_a" if kind == "MatMul" else "adj_x")
+                         else a[-1])
+        elif kind in ("Conv2D", "DepthwiseConv2dNative"):
+            f = op.inputs[1].shape
+            total += int(f[0] * f[1] * (f[2] if kind == "Conv2D" else 1))
+        elif kind in ("Sum", "Mean", "Prod"):
+            total += max(1, math.prod(op.inputs[0].shape) // max(1, math.prod(op.outputs[0].shape)))
+    return total
+
+
+# -- oneDNN's state ------------------------------------------------------------------------------
+# TensorFlow reads TF_ENABLE_ONEDNN_OPTS once, when it is imported (on by default on some
+# processors and wheels, off on others), so one process sees one state. A test that needs one
+# runs here when this process has it, and otherwise in the child process that
+# tests/test_onednn_settings.py starts with TF_ENABLE_ONEDNN_OPTS set the other way.
+CHILD_ENV = "TFMX_TEST_CHILD"  # set in that child: it starts no children of its own
+ONEDNN_MARKERS = {"on": "onednn_on", "off": "onednn_off", "either": "onednn_either"}
+
+
+def onednn_state() -> str:
+    """``"on"`` or ``"off"``: whether this process's TensorFlow runs its oneDNN graph pass."""
+    from tfmx.backends import onednn_enabled
+
+    return "on" if onednn_enabled() else "off"
+
+
+def needs_onednn(state: str):
+    """Decorator for a test that depends on oneDNN's state.
+
+    ``"on"`` / ``"off"``: it needs that state; skipped in a process with the other one (the
+    reason names both), where the child of the other setting runs it. ``"either"``: valid in
+    both, but what it checks differs with the state (the live cpu tables): it runs here and
+    again in the child of the other setting.
+    """
+    import pytest
+
+    marker = getattr(pytest.mark, ONEDNN_MARKERS[state])
+    here = onednn_state()
+    if state in ("on", "off") and state != here:
+        value = "1" if state == "on" else "0"
+        skip = pytest.mark.skip(reason=(
+            f"needs oneDNN {state}; it is {here} in this process: run by "
+            f"tests/test_onednn_settings.py in a child with TF_ENABLE_ONEDNN_OPTS={value}"))
+    else:
+        skip = None
+
+    def apply(obj):
+        obj = marker(obj)
+        return skip(obj) if skip is not None else obj
+
+    return apply

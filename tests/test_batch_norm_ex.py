@@ -24,6 +24,9 @@ from fusion.graph import GraphView, parse_input, tensor_ref
 from tfmx.backends import get_backend
 from tfmx.rebuild import protected_names, rebuild
 
+# Every match rewritten, whatever the tuner would measure here (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("every_rewrite")
+
 ENV = "TF_USE_CUDNN_BATCHNORM_SPATIAL_PERSISTENT"
 
 

@@ -9,6 +9,7 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("TFMX_GUARD", "0")  # tests/conftest.py
 import tensorflow as tf  # noqa: E402
 
 cpu = tf.config.list_physical_devices("CPU")[0]
@@ -18,18 +19,23 @@ tf.config.set_logical_device_configuration(
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+import fusion  # noqa: E402
 import tfmx  # noqa: E402
-import tfmx.backends  # noqa: E402
-
-tfmx.backends.CPU_ADAM_COMPOSITE_BAND = None  # small test model: fuse every update
 from fusion.graph import op_histogram  # noqa: E402
+from fusion.pattern import RewriteAlways  # noqa: E402
+from tfmx import state  # noqa: E402
+
+# Every update fused whatever the tuner would measure (tests/conftest.py every_rewrite).
+state.tuner = RewriteAlways
 
 OPTIMIZER = sys.argv[1] if len(sys.argv) > 1 else "adam"
+SAMPLES, BATCH = 80, 16
 
 
 def train(fused: bool):
-    if fused:
-        tfmx.enable(backend="cpu")
+    if fused:  # the families that round like stock (tests/helpers.py exact_patterns)
+        tfmx.enable(backend="cpu", patterns=[p for p in fusion.available_patterns()
+                                             if p != "onednn"])
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
         keras.utils.set_random_seed(0)
@@ -39,9 +45,9 @@ def train(fused: bool):
                "momentum": keras.optimizers.SGD(0.05, momentum=0.9)}[OPTIMIZER]
         model.compile(opt, "mse")
     rng = np.random.default_rng(1)
-    x = rng.normal(size=(80, 6)).astype("float32")
-    y = rng.normal(size=(80, 4)).astype("float32")
-    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    x = rng.normal(size=(SAMPLES, 6)).astype("float32")
+    y = rng.normal(size=(SAMPLES, 4)).astype("float32")
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     ops = set()
     fn = getattr(model.train_function, "__wrapped__", model.train_function)
     for cell in [fn] + [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]:
@@ -50,15 +56,17 @@ def train(fused: bool):
                 ops |= set(op_histogram(cf.graph.as_graph_def()))
     report = tfmx.report().to_dict() if fused else {}
     tfmx.disable()
-    return [v.numpy().tolist() for v in model.weights], sorted(ops), report
+    variables = list(model.weights) + list(model.optimizer.variables)
+    state = [np.asarray(v.numpy(), np.float64).tolist() for v in variables]
+    return [v.path for v in variables], state, sorted(ops), report
 
 
-stock, _, _ = train(False)
-fused, ops, report = train(True)
+names, stock, _, _ = train(False)
+_, fused, ops, report = train(True)
 print(json.dumps({
     "replicas": 2,
-    "max_diff": max(float(np.max(np.abs(np.array(a) - np.array(b)))) for a, b in zip(stock, fused)),
-    "scale": max(float(np.max(np.abs(np.array(a)))) for a in stock),
+    "steps": SAMPLES // BATCH,
+    "names": names, "stock": stock, "fused_state": fused,
     "ops": ops,
     "fused": report.get("patterns", {}).get("optimizer_update", {}).get("fused_kinds", {}),
     "errors": report.get("patterns", {}).get("optimizer_update", {}).get("errors", []),
