@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -92,12 +93,13 @@ class IteratorDispatch:
     def _trace_stock(self, slot: _Slot, iterator: Any) -> Any:
         """Trace and run the loop with tfmx's steps in their stock form (the guard's first,
         untimed, stock call)."""
+        start = time.perf_counter()
         if self._stock_function is None:
             self._stock_function = self._stock_factory()
         with guard.forcing_stock():
             outputs = self._stock_function(iterator)
             slot.stock = self._stock_function.get_concrete_function(iterator)
-        slot.guard.record("stock", 0.0)
+        slot.guard.record("stock", time.perf_counter() - start)
         return outputs
 
 

@@ -123,6 +123,7 @@ class GuardRecord:
     stock_ms: float
     pairs: int
     reason: str
+    cost_s: float = 0.0  # what the trial cost: tracing the stock form, steps of the other form
 
     def describe(self) -> str:
         ratio = self.fused_ms / self.stock_ms if self.stock_ms else float("nan")
@@ -130,7 +131,8 @@ class GuardRecord:
             return (f"{self.function}: trial under way, {self.pairs} pairs so far (fused "
                     f"{self.fused_ms:.2f} ms, stock {self.stock_ms:.2f} ms, ratio {ratio:.3f})")
         return (f"{self.function}: kept {self.kept} (fused {self.fused_ms:.2f} ms, stock "
-                f"{self.stock_ms:.2f} ms, ratio {ratio:.3f}, {self.pairs} pairs; {self.reason})")
+                f"{self.stock_ms:.2f} ms, ratio {ratio:.3f}, {self.pairs} pairs; {self.reason}; "
+                f"the trial cost {self.cost_s:.2f} s)")
 
 
 class StepGuard:
@@ -144,7 +146,7 @@ class StepGuard:
         self.kept: str | None = None
         self._reason = ""
         self._times: dict[str, list[float]] = {"fused": [], "stock": []}
-        self._warm: set[str] = {"fused"}  # the first traced call ran the fused form
+        self._warm: dict[str, float] = {"fused": 0.0}  # the first traced call ran the fused form
         self._next = "stock"
 
     @property
@@ -160,7 +162,7 @@ class StepGuard:
         if self.kept is not None:
             return
         if form not in self._warm:
-            self._warm.add(form)
+            self._warm[form] = seconds  # tracing and compiling it: the guard's doing for stock
         else:
             self._times[form].append(seconds)
         self._next = "stock" if form == "fused" else "fused"
@@ -202,7 +204,21 @@ class StepGuard:
             return statistics.median(values) * 1e3 if values else float("nan")
 
         return GuardRecord(self.function, self.kept or "undecided", med(self._times["fused"]),
-                           med(self._times["stock"]), len(self._ratios()), self._reason)
+                           med(self._times["stock"]), len(self._ratios()), self._reason,
+                           self._cost())
+
+    def _cost(self) -> float:
+        """Seconds the trial added: the stock form's first call (tracing, compiling), and
+        the steps of the form not kept beyond the kept form's median (the extra the trial's
+        slower steps took; an undecided trial counts against the faster median so far)."""
+        cost = self._warm.get("stock", 0.0)
+        times = self._times
+        if not times["fused"] or not times["stock"]:
+            return cost
+        kept = self.kept or min(times, key=lambda f: statistics.median(times[f]))
+        other = "stock" if kept == "fused" else "fused"
+        base = statistics.median(times[kept])
+        return cost + max(0.0, sum(t - base for t in times[other]))
 
     def run(self, fused: Callable[[], Any], stock: Callable[[], Any]) -> Any:
         """Run the form :meth:`next_form` names, timing it while the trial lasts."""
