@@ -190,6 +190,8 @@ class FusedFunction:
                 "tfmx.enable() without backend= to train on this machine."
             )
         if opts.verify:
+            if opts.verify == FALLBACK:  # the guard still judges the (checked) fused step
+                guard.embedded(entry.changed)
             out = verified_call(entry, args, kwargs, opts, self.name,
                                 self._reference(entry, args, kwargs))
             if opts.verify == FALLBACK and tf.executing_eagerly() and disagreed(entry):
