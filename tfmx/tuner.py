@@ -163,7 +163,8 @@ class Decision:
             return self.source[len("conservative ("):-1]
         times = ", ".join(f"{n} {self.times_ms[n]:.3f} ms" for n in self.candidates
                           if n in self.times_ms)
-        return f"{self.source} faster here ({times})"
+        when = "measured faster here" + (" (cached)" if self.source == "cached" else "")
+        return f"{when}: {times}"
 
     def describe(self) -> str:
         """One line: ``family signature: choice (source) a 1.20 ms, b 0.90 ms``."""
