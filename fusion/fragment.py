@@ -267,6 +267,28 @@ def runner(fragment: Fragment, inputs: Inputs | None = None) -> Callable[[], Non
     return run
 
 
+def shape_text(shape: Iterable[int | None] | None) -> str:
+    """A shape as decision signatures write it: ``32x?x3``; ``?`` for an unknown rank.
+
+    >>> shape_text((32, None, 3)), shape_text(None), shape_text(())
+    ('32x?x3', '?', '')
+    """
+    if shape is None:
+        return "?"
+    return "x".join("?" if d is None else str(d) for d in shape)
+
+
+def input_shapes(view: GraphView, node: NodeDef) -> list[str]:
+    """:func:`shape_text` of each data input of ``node`` (from its producers' shapes)."""
+    shapes = []
+    for ref in node.input:
+        name, port, control = parse_input(ref)
+        src = view.node(name)
+        if not control:
+            shapes.append(shape_text(None if src is None else output_shape(src, port)))
+    return shapes
+
+
 def choose_rewrite(tuner: Chooser, family: str, signature: str, view: GraphView,
                    nodes: Iterable[str], rewrite: Callable[[GraphView], object],
                    stock: str = "stock", fused: str = "fused",
@@ -292,5 +314,5 @@ def choose_rewrite(tuner: Chooser, family: str, signature: str, view: GraphView,
                         conservative=stock)
 
 
-__all__ = ["Fragment", "FragmentError", "choose_rewrite", "cut", "make_inputs", "output_dtype",
-           "runner", "variant"]
+__all__ = ["Fragment", "FragmentError", "choose_rewrite", "cut", "input_shapes", "make_inputs",
+           "output_dtype", "runner", "shape_text", "variant"]

@@ -13,6 +13,14 @@ from policies import global_policy
 from policies.audit import count_round_trips
 from policies.hardware import Hardware
 
+
+@pytest.fixture(autouse=True)
+def _own_tuning_cache(tmp_path, monkeypatch):
+    """policies.tune caches layer times per machine (tfmx.tuner): tests that inject timings
+    for the same layers must not read each other's."""
+    monkeypatch.setenv("TFMX_CACHE_DIR", str(tmp_path / "tfmx-cache"))
+
+
 BF16 = "mixed_bfloat16"
 tune_module = importlib.import_module("policies.tune")  # policies.tune is the function
 

@@ -40,7 +40,7 @@ import dataclasses
 
 import tensorflow as tf
 
-from fusion.fragment import choose_rewrite
+from fusion.fragment import choose_rewrite, input_shapes
 from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, output_shape, parse_input
 from fusion.match import (
     AttrLike,
@@ -226,12 +226,7 @@ def _tuned_blocker(view: GraphView, match: ContractionMatch, dtype: str,
                    tuner: Chooser) -> str | None:
     """Why ``match`` stays apart (the ops measured faster unfused here), or None."""
     c = match.contraction
-    shapes = []
-    for ref in c.input[:2]:
-        src = view.node(parse_input(ref)[0])
-        shape = None if src is None else output_shape(src, parse_input(ref)[1])
-        shapes.append("?" if shape is None else "x".join("?" if d is None else str(d)
-                                                        for d in shape))
+    shapes = input_shapes(view, c)[:2]
     kind = f"{FUSED_OP[c.op]}({', '.join(match.fused_ops)})"
     signature = f"{kind} {dtype} {' '.join(shapes)}"
     choice = choose_rewrite(tuner, "contraction", signature, view,

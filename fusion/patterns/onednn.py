@@ -48,8 +48,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from fusion.fragment import choose_rewrite
-from fusion.graph import GraphView, NodeDef, output_shape, parse_input
+from fusion.fragment import choose_rewrite, input_shapes
+from fusion.graph import GraphView, NodeDef, parse_input
 from fusion.match import dtype_name
 from fusion.pattern import Chooser, RewriteContext, Target, apply_matches, register
 
@@ -100,15 +100,7 @@ def signature(view: GraphView, node: NodeDef) -> str:
     ...                      NodeDef(name="b", op="Placeholder"), node]), node)
     'MatMul ? ? transpose_b=True'
     """
-    shapes = []
-    for ref in node.input:
-        name, port, control = parse_input(ref)
-        src = view.node(name)
-        if control or src is None:
-            continue
-        shape = output_shape(src, port)
-        shapes.append("?" if shape is None else "x".join("?" if d is None else str(d)
-                                                        for d in shape))
+    shapes = input_shapes(view, node)
     attrs = [f"{k}={node.attr[k].b}" for k in ("transpose_a", "transpose_b") if k in node.attr]
     if "strides" in node.attr:
         attrs.append("strides=" + ",".join(str(i) for i in node.attr["strides"].list.i))

@@ -242,7 +242,9 @@ def _tuned_chunks(match: RnnMatch, original, sequences, initial_state, mask, tra
     """(chunks, None) for the hoisted form, or (None, reason) when Keras's loop is faster."""
     from tensorflow.python.eager import record
 
-    shape = "x".join("?" if d is None else str(d) for d in sequences.shape)
+    from fusion.fragment import shape_text
+
+    shape = shape_text(sequences.shape)
     input_gradient = bool(training) and record.should_record_backprop([sequences])
     signature = (f"{match.kind} input {shape} units {match.layer.cell.units} "
                  f"sequences={match.layer.return_sequences} mask={mask is not None} "
