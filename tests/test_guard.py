@@ -52,7 +52,7 @@ def _model(seed=0):
     return model
 
 
-def _fit(enable, delay=None, steps_per_execution=1, epochs=2):
+def _fit(enable, delay=None, steps_per_execution=1, epochs=2, xla=False):
     model = _model()
     model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -61,7 +61,7 @@ def _fit(enable, delay=None, steps_per_execution=1, epochs=2):
     x = rng.normal(size=(640, 16)).astype("float32")
     y = rng.integers(0, 4, 640)
     if enable:
-        tfmx.enable(backend="cpu", guard=True, tune="off")
+        tfmx.enable(backend="cpu", guard=True, tune="off", xla=xla)
         if delay:
             guard.set_test_delay(**delay)
     model.fit(x, y, batch_size=16, epochs=epochs, verbose=0, shuffle=False,
@@ -78,13 +78,42 @@ def test_fit_keeps_the_faster_step_and_trains_like_stock(slow, kept, steps_per_e
     report = tfmx.report()
     train = [g.summary() for g in report.guards if g.function.endswith("train_step")]
     assert [g.kept for g in train] == [kept], [g.describe() for g in train]
-    assert train[0].pairs >= guard.MIN_PAIRS
+    assert train[0].pairs >= 3  # a plainly slower challenger is dropped after 3 pairs
     assert "whole-step guard" in str(report) and f"kept {kept}" in str(report)
     assert report.to_dict()["guards"][0]["kept"] == kept
     # Stock and fused steps alternated, then one form ran: the weights are stock's, within
     # float32 rounding of the fused kernels (sums of at most 32 terms, a few hundred steps).
     for s, f in zip(stock.get_weights(), fused.get_weights()):
         np.testing.assert_allclose(f, s, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("slow,kept", [(("fused", "stock"), "xla"), (("xla",), "fused")])
+def test_fit_keeps_the_xla_step_only_where_it_is_faster(slow, kept):
+    stock = _fit(False, epochs=3)
+    delays = {form: 0.004 for form in slow}
+    if kept == "fused":
+        delays["stock"] = 0.004  # fused beats stock first, then meets a slowed XLA
+    fused = _fit(True, delays, xla=True, epochs=3)
+    train = [g.summary() for g in tfmx.report().guards if g.function.endswith("train_step")]
+    assert [g.kept for g in train] == [kept], [g.describe() for g in train]
+    assert not np.isnan(train[0].xla_ms)
+    # XLA fuses and reorders float32 arithmetic: equal to stock within its rounding
+    for s, f in zip(stock.get_weights(), fused.get_weights()):
+        np.testing.assert_allclose(f, s, rtol=1e-4, atol=1e-5)
+
+
+def test_a_step_xla_cannot_compile_loses_its_duel():
+    g = StepGuard("t", ("fused", "xla"))
+    calls = []
+
+    def broken():
+        raise RuntimeError("XLA: unsupported op")
+
+    forms = {"fused": lambda: calls.append("fused") or 1.0, "stock": lambda: 2.0,
+             "xla": broken}
+    while not g.decided:
+        g.run(forms)
+    assert g.kept in ("fused", "stock") and "xla could not run" in g.summary().reason
 
 
 def test_guard_off_runs_fused_and_never_traces_stock():
@@ -106,7 +135,7 @@ def test_a_tfmx_function_loop_is_guarded_too():
         w.assign_sub(0.01 * tf.matmul(x, y, transpose_a=True))
         return tf.reduce_sum(y)
 
-    tfmx.enable(backend="cpu", guard=True, tune="off")
+    tfmx.enable(backend="cpu", guard=True, tune="off", xla=False)
     guard.set_test_delay(fused=0.004)
     x = tf.random.normal([8, 16], seed=4)
     for _ in range(2 * guard.MAX_PAIRS + 4):

@@ -74,6 +74,7 @@ def enable(
     verify: bool | str | None = None,
     tune: str | None = None,
     guard: bool | None = None,
+    xla: bool | None = None,
 ) -> None:
     """Switch the rewrite on for every Keras model's fit/evaluate/predict and tfmx.function.
 
@@ -93,6 +94,8 @@ def enable(
         guard: time the fused step against the stock step on the first real steps and keep
             stock unless the fused one is faster (:mod:`tfmx.guard`). None: ``$TFMX_GUARD``
             (default on).
+        xla: the guard also times the step compiled by XLA (cpu and cuda; never metal) and
+            keeps it where it is faster still. None: ``$TFMX_XLA`` (default on).
 
     Global and idempotent: calling it again replaces the settings; models compiled before
     rebuild their step functions on next use. Bad names raise ValueError listing the choices.
@@ -106,7 +109,7 @@ def enable(
     from fusion.pattern import resolve
     from tfmx import keras_hook, state
     from tfmx.backends import get_backend
-    from tfmx.guard import enabled_by_env
+    from tfmx.guard import ENV_XLA, enabled_by_env
     from tfmx.tuner import resolve_mode
 
     target = get_backend(backend)
@@ -117,11 +120,13 @@ def enable(
         verify = "first-step" if target.name in ("cuda", "metal") and target.available else False
     if not isinstance(verify, bool) and verify != "first-step":
         raise ValueError(f"verify must be True, False, 'first-step' or None, got {verify!r}")
-    if guard is not None and not isinstance(guard, bool):
-        raise ValueError(f"guard must be True, False or None, got {guard!r}")
+    for name, value in (("guard", guard), ("xla", xla)):
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{name} must be True, False or None, got {value!r}")
     new = state.Options(backend=target, patterns=patterns, verify=verify,
                         tune=resolve_mode(tune),
-                        guard=enabled_by_env() if guard is None else guard)
+                        guard=enabled_by_env() if guard is None else guard,
+                        xla=enabled_by_env(ENV_XLA) if xla is None else xla)
     if state.options() == new:
         return
     keras_hook.install()

@@ -13,9 +13,9 @@ iterator: distributed iterators, extra arguments, ``tf.config.run_functions_eage
 calls inside a graph.
 
 It is also where the whole-step guard (:mod:`tfmx.guard`) runs for ``fit`` and ``evaluate``:
-when the traced loop embeds a step tfmx changed, the same loop is traced a second time with
-tfmx's step functions in their stock form (``stock``, a factory for that twin ``tf.function``),
-and the two ConcreteFunctions alternate on the first real steps until the guard keeps one.
+when the traced loop embeds a step tfmx changed, the same loop is traced again with tfmx's step
+functions in another form (stock; XLA-compiled), each a twin ``tf.function`` from ``twin``, and
+the ConcreteFunctions alternate on the first real steps until the guard keeps one.
 With ``steps_per_execution`` > 1 each call runs that many steps: the guard compares calls.
 
 Example:
@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,23 +49,23 @@ from tfmx import guard
 
 @dataclasses.dataclass
 class _Slot:
-    """One iterator type: its traced loop, and the guard's stock twin."""
+    """One iterator type: its traced loop per form ("fused" first), and its guard."""
 
-    concrete: Any
+    forms: dict[str, Any]
     guard: guard.StepGuard | None = None
-    stock: Any = None
 
 
 class IteratorDispatch:
     """``function(iterator)`` for a ``tf.function`` of one ``tf.data`` iterator, looked up once
     per iterator type (see the module doc). Other attributes are the wrapped function's."""
 
-    def __init__(self, function: Any, stock: Callable[[], Any] | None = None,
-                 make_guard: Callable[[], guard.StepGuard | None] | None = None) -> None:
+    def __init__(self, function: Any, twin: Callable[[], Any] | None = None,
+                 make_guard: Callable[[frozenset[str]], guard.StepGuard | None] | None = None,
+                 ) -> None:
         self._function = function
-        self._stock_factory = stock
+        self._twin = twin
         self._make_guard = make_guard
-        self._stock_function: Any = None
+        self._twins: dict[str, Any] = {}  # form -> its tf.function
         self._slots: dict[Any, _Slot] = {}
 
     def __getattr__(self, name: str) -> Any:
@@ -79,27 +80,37 @@ class IteratorDispatch:
         if slot is None:
             with guard.collecting() as embedded:
                 outputs = self._function(iterator)  # traces (or retraces) as TensorFlow decides
-            slot = _Slot(self._function.get_concrete_function(iterator))
-            if any(embedded) and self._stock_factory is not None and self._make_guard:
-                slot.guard = self._make_guard()
+            slot = _Slot({"fused": self._function.get_concrete_function(iterator)})
+            if any(e.changed for e in embedded) and self._twin is not None and self._make_guard:
+                slot.guard = self._make_guard(frozenset().union(*(e.ops for e in embedded)))
             self._slots[spec] = slot
             return outputs
         if slot.guard is None:
-            return slot.concrete(iterator)
-        if slot.stock is None and slot.guard.next_form() == "stock":
-            return self._trace_stock(slot, iterator)
-        return slot.guard.run(lambda: slot.concrete(iterator), lambda: slot.stock(iterator))
+            return slot.forms["fused"](iterator)
+        form = slot.guard.next_form()
+        if form not in slot.forms:
+            return self._trace_form(slot, form, iterator)
+        return slot.guard.run({name: functools.partial(concrete, iterator)
+                               for name, concrete in slot.forms.items()})
 
-    def _trace_stock(self, slot: _Slot, iterator: Any) -> Any:
-        """Trace and run the loop with tfmx's steps in their stock form (the guard's first,
-        untimed, stock call)."""
+    def _trace_form(self, slot: _Slot, form: str, iterator: Any) -> Any:
+        """Trace and run the loop with tfmx's steps in ``form`` (the guard's first, untimed,
+        call of it). A form other than stock that fails loses its duel; if it failed after the
+        loop took its batch, that one batch is skipped (the report says so)."""
         start = time.perf_counter()
-        if self._stock_function is None:
-            self._stock_function = self._stock_factory()
-        with guard.forcing_stock():
-            outputs = self._stock_function(iterator)
-            slot.stock = self._stock_function.get_concrete_function(iterator)
-        slot.guard.record("stock", time.perf_counter() - start)
+        if form not in self._twins:
+            self._twins[form] = self._twin()
+        try:
+            with guard.forcing(form):
+                outputs = self._twins[form](iterator)
+                slot.forms[form] = self._twins[form].get_concrete_function(iterator)
+        except Exception as exc:  # noqa: BLE001 - e.g. XLA cannot compile this step
+            if form == "stock":
+                raise
+            slot.guard.failed(form, f"{type(exc).__name__}: {exc} (one batch may have been "
+                                    "skipped)")
+            return self(iterator)
+        slot.guard.record(form, time.perf_counter() - start)
         return outputs
 
 

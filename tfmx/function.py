@@ -102,6 +102,11 @@ class _Entry:
     guard: guard.StepGuard | None = None  # eager calls: fused vs reference on the first steps
 
     @property
+    def stock_ops(self) -> frozenset[str]:
+        """The op types of the traced step before the rewrite."""
+        return frozenset(self.record.ops_before) if self.record is not None else frozenset()
+
+    @property
     def changed(self) -> bool:
         """True if what runs differs from what TensorFlow alone would run."""
         return self.staged or self.fused is not self.stock
@@ -138,6 +143,9 @@ class FusedFunction:
             jit_compile=jit_compile,
         )
         self._jit = bool(jit_compile)
+        self._trace_options = {"input_signature": input_signature, "autograph": autograph,
+                               "reduce_retracing": reduce_retracing}
+        self._xla_function: Any = None
         self._entries: dict[tuple[int, int], _Entry] = {}
         # call_key -> entry: skips tf.function's per-call lookup, which hashes every captured
         # tensor (about a millisecond per call for a model with a few hundred variables).
@@ -152,6 +160,7 @@ class FusedFunction:
         bound.__dict__.update(self.__dict__)
         bound._stock = self._stock.__get__(instance, owner)
         bound._staged = self._staged.__get__(instance, owner)
+        bound._xla_function = self._xla().__get__(instance, owner)
         bound._entries = self._entries
         bound._fast = None  # the bound object is new per attribute access: no fast path
         return bound
@@ -159,7 +168,10 @@ class FusedFunction:
     # -- public ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         opts = state.options()
-        if guard.stock_forced():  # a whole-step guard traces Keras's loop in its stock form
+        forced = guard.forced_form()  # a whole-step guard traces Keras's loop in another form
+        if forced == "xla":
+            return self._xla()(*args, **kwargs)
+        if forced == "stock":
             if opts is None or self._jit:
                 return self._stock(*args, **kwargs)
             entry = self._entry(opts, args, kwargs)
@@ -191,7 +203,7 @@ class FusedFunction:
             )
         if opts.verify:
             if opts.verify == FALLBACK:  # the guard still judges the (checked) fused step
-                guard.embedded(entry.changed)
+                guard.embedded(entry.changed, entry.stock_ops)
             out = verified_call(entry, args, kwargs, opts, self.name,
                                 self._reference(entry, args, kwargs))
             if opts.verify == FALLBACK and tf.executing_eagerly() and disagreed(entry):
@@ -201,13 +213,22 @@ class FusedFunction:
             return out
         if opts.guard and entry.changed and tf.executing_eagerly():
             if entry.guard is None:  # called eagerly (a custom loop, predict): a trial
-                entry.guard = guard.StepGuard(self.name)
+                entry.guard = guard.make_guard(self.name, opts, entry.stock_ops)
                 state.report().add_guard(entry.guard)
-            return entry.guard.run(
-                lambda: entry.fused(*args, **kwargs),
-                lambda: self._reference(entry, args, kwargs)(*args, **kwargs))
-        guard.embedded(entry.changed)
+            return entry.guard.run({
+                "fused": lambda: entry.fused(*args, **kwargs),
+                "stock": lambda: self._reference(entry, args, kwargs)(*args, **kwargs),
+                "xla": lambda: self._xla()(*args, **kwargs)})
+        guard.embedded(entry.changed, entry.stock_ops)
         return entry.fused(*args, **kwargs)
+
+    def _xla(self) -> Any:
+        """The Python function compiled by XLA (``jit_compile=True``), made on first need:
+        the guard's third form."""
+        if self._xla_function is None:
+            self._xla_function = tf.function(self.python_function, jit_compile=True,
+                                             **self._trace_options)
+        return self._xla_function
 
     def _reference(self, entry: _Entry, args: tuple, kwargs: dict) -> Any:
         """The function traced with no tfmx stage and no rewrite: the staged trace itself when

@@ -10,10 +10,17 @@ faster beyond noise (a sign test over the pairs' time ratios) or after :data:`MA
 it keeps one form for good: the fused step only if it is faster beyond noise. ``tfmx.report()``
 shows which was kept and both medians.
 
-The first call of each form compiles it and is not timed. The stock form is traced only when
-the guard first needs it.
+On cpu and cuda the winner then meets a third form: the step compiled by XLA (the Python step
+with ``jit_compile=True``, as Keras's own ``jit_compile=True`` builds it), kept only if faster
+again beyond noise; a challenger plainly slower after 3 pairs (1.25x) is dropped at once, and
+one XLA cannot compile loses. XLA was 0.6-0.8x stock on transformer-like and GELU MLP steps of
+this project's CPUs and 1.7-2.7x on CNNs: neither choice is right for every model.
 
-Switch it off with ``tfmx.enable(guard=False)`` or ``TFMX_GUARD=0``.
+The first call of each form compiles it and is not timed (its time counts as the trial's
+cost). The other forms are traced only when the guard first needs them.
+
+Switch the guard off with ``tfmx.enable(guard=False)`` or ``TFMX_GUARD=0``; the XLA duel alone
+with ``tfmx.enable(xla=False)`` or ``TFMX_XLA=0``.
 
 Example (injected times: the fused step is slower, stock is kept):
     >>> from tfmx.guard import StepGuard
@@ -34,10 +41,11 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 ENV = "TFMX_GUARD"
+ENV_XLA = "TFMX_XLA"
 MIN_PAIRS = 6
 """Pairs before any decision."""
 MAX_PAIRS = 24
@@ -48,44 +56,44 @@ P_FINAL = 0.05
 """At :data:`MAX_PAIRS`, the fused step is kept only at this significance."""
 
 _local = threading.local()
-_test_delay = {"fused": 0.0, "stock": 0.0}
+_test_delay = {"fused": 0.0, "stock": 0.0, "xla": 0.0}
 
 
-def enabled_by_env() -> bool:
-    """``TFMX_GUARD`` unset or true-ish: the guard's default.
+def enabled_by_env(name: str = ENV) -> bool:
+    """The environment switch ``name`` (``TFMX_GUARD``, ``TFMX_XLA``): unset or true-ish is on.
 
     >>> isinstance(enabled_by_env(), bool)
     True
     """
-    value = os.environ.get(ENV, "1").strip().lower()
+    value = os.environ.get(name, "1").strip().lower()
     if value in ("1", "true", "on", "yes", ""):
         return True
     if value in ("0", "false", "off", "no"):
         return False
-    raise ValueError(f"${ENV} must be 1 or 0 (on/off), got {value!r}")
+    raise ValueError(f"${name} must be 1 or 0 (on/off), got {value!r}")
 
 
-def set_test_delay(fused: float = 0.0, stock: float = 0.0) -> None:
+def set_test_delay(fused: float = 0.0, stock: float = 0.0, xla: float = 0.0) -> None:
     """Test hook: every step of that form the guard runs sleeps so many seconds more (the
     default, 0, turns it off)."""
-    _test_delay.update(fused=float(fused), stock=float(stock))
+    _test_delay.update(fused=float(fused), stock=float(stock), xla=float(xla))
 
 
 @contextlib.contextmanager
-def forcing_stock() -> Iterator[None]:
-    """While a guard traces the stock form of an outer function (Keras's step loop), tfmx's
-    step functions traced inside it embed their stock trace."""
-    previous = getattr(_local, "force_stock", False)
-    _local.force_stock = True
+def forcing(form: str) -> Iterator[None]:
+    """While a guard traces another form (``"stock"``, ``"xla"``) of an outer function
+    (Keras's step loop), tfmx's step functions traced inside it embed that form."""
+    previous = getattr(_local, "forced", None)
+    _local.forced = form
     try:
         yield
     finally:
-        _local.force_stock = previous
+        _local.forced = previous
 
 
-def stock_forced() -> bool:
-    """True inside :func:`forcing_stock`."""
-    return getattr(_local, "force_stock", False)
+def forced_form() -> str | None:
+    """The form :func:`forcing` asks for, None outside it."""
+    return getattr(_local, "forced", None)
 
 
 @contextlib.contextmanager
@@ -100,12 +108,49 @@ def collecting() -> Iterator[list[Any]]:
         _local.collected = previous
 
 
-def embedded(changed: bool) -> None:
-    """A tfmx step function was traced into an outer function; ``changed``: it differs from
-    stock (a stage or a pass rewrote it)."""
+@dataclasses.dataclass(frozen=True)
+class Embedded:
+    """What an outer trace learns of a tfmx step traced into it."""
+
+    changed: bool  # it differs from stock (a stage or a pass rewrote it)
+    ops: frozenset[str] = frozenset()  # the op types of its stock graph
+
+
+def embedded(changed: bool, ops: frozenset[str] = frozenset()) -> None:
+    """A tfmx step function was traced into an outer function (see :class:`Embedded`)."""
     collected = getattr(_local, "collected", None)
     if collected is not None:
-        collected.append(changed)
+        collected.append(Embedded(changed, ops))
+
+
+CONVOLUTIONS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative"})
+
+
+def xla_pruned(backend: str, ops: frozenset[str]) -> str | None:
+    """Why the XLA duel is not worth its compile time here, or None: on cpu, XLA ran every
+    convolutional step of this project's CPUs 1.6-2.7x slower than stock (Zen 3, Zen 4,
+    Zen 5: small CNN, batch-norm ResNet, ResNet-50), so a step with convolutions does not try
+    it (a pruning seed, not a measurement of this step).
+
+    >>> xla_pruned("cpu", frozenset({"Conv2D", "MatMul"}))[:24]
+    'convolutions on cpu: XLA'
+    >>> xla_pruned("cuda", frozenset({"Conv2D"})) is None
+    True
+    """
+    if backend == "cpu" and ops & CONVOLUTIONS:
+        return ("convolutions on cpu: XLA ran every CNN step 1.6-2.7x stock on this project's "
+                "CPUs, not worth its compile time")
+    return None
+
+
+def make_guard(function: str, opts: Any, ops: frozenset[str]) -> StepGuard:
+    """The guard for one step under ``opts`` (``tfmx.state.Options``): its challengers, with
+    XLA left out where :func:`xla_pruned` says so (the report says why)."""
+    challengers = opts.guard_challengers()
+    why = xla_pruned(opts.backend.name, ops) if "xla" in challengers else None
+    if why:
+        challengers = tuple(c for c in challengers if c != "xla")
+    return StepGuard(function, challengers, notes=(f"XLA not tried: {why}",) if why else ())
 
 
 def _binomial_tail(k: int, n: int) -> float:
@@ -118,36 +163,49 @@ class GuardRecord:
     """What one guard measured and kept, for the report."""
 
     function: str
-    kept: str  # "fused", "stock", or "undecided"
+    kept: str  # "fused", "stock", "xla", or "undecided"
     fused_ms: float
     stock_ms: float
     pairs: int
     reason: str
-    cost_s: float = 0.0  # what the trial cost: tracing the stock form, steps of the other form
+    cost_s: float = 0.0  # what the trial cost: the other forms' first calls and slower steps
+    xla_ms: float = float("nan")  # nan: not tried
 
     def describe(self) -> str:
         ratio = self.fused_ms / self.stock_ms if self.stock_ms else float("nan")
+        xla = "" if math.isnan(self.xla_ms) else f", XLA {self.xla_ms:.2f} ms"
         if self.kept == "undecided":
             return (f"{self.function}: trial under way, {self.pairs} pairs so far (fused "
-                    f"{self.fused_ms:.2f} ms, stock {self.stock_ms:.2f} ms, ratio {ratio:.3f})")
+                    f"{self.fused_ms:.2f} ms, stock {self.stock_ms:.2f} ms{xla}, ratio "
+                    f"{ratio:.3f})")
         return (f"{self.function}: kept {self.kept} (fused {self.fused_ms:.2f} ms, stock "
-                f"{self.stock_ms:.2f} ms, ratio {ratio:.3f}, {self.pairs} pairs; {self.reason}; "
-                f"the trial cost {self.cost_s:.2f} s)")
+                f"{self.stock_ms:.2f} ms{xla}, fused/stock {ratio:.3f}, {self.pairs} pairs; "
+                f"{self.reason}; the trial cost {self.cost_s:.2f} s)")
 
 
 class StepGuard:
     """The trial of one step function (see module doc): call :meth:`next_form`, run that form,
-    :meth:`record` its time; once :attr:`decided`, :attr:`kept` names the form to run."""
+    :meth:`record` its time; once :attr:`decided`, :attr:`kept` names the form to run.
 
-    def __init__(self, function: str, min_pairs: int = MIN_PAIRS,
-                 max_pairs: int = MAX_PAIRS) -> None:
+    The trial is a sequence of duels: each challenger (``"fused"``, then ``"xla"`` where
+    given) against the form kept so far (``"stock"`` at first); a challenger is kept only if
+    faster beyond noise. A challenger whose first call fails (:meth:`failed`) loses its duel.
+    """
+
+    def __init__(self, function: str, challengers: tuple[str, ...] = ("fused",),
+                 min_pairs: int = MIN_PAIRS, max_pairs: int = MAX_PAIRS,
+                 notes: tuple[str, ...] = ()) -> None:
         self.function = function
         self.min_pairs, self.max_pairs = min_pairs, max_pairs
         self.kept: str | None = None
-        self._reason = ""
-        self._times: dict[str, list[float]] = {"fused": [], "stock": []}
+        self._queue = list(challengers)
+        self.incumbent = "stock"
+        self.challenger = self._queue.pop(0)
+        self._reasons: list[str] = list(notes)
+        self._all: dict[str, list[float]] = {}  # every timed run, per form, for the report
+        self._pair: dict[str, list[float]] = {self.challenger: [], self.incumbent: []}
         self._warm: dict[str, float] = {"fused": 0.0}  # the first traced call ran the fused form
-        self._next = "stock"
+        self._next = self.incumbent if self.challenger in self._warm else self.challenger
 
     @property
     def decided(self) -> bool:
@@ -162,76 +220,107 @@ class StepGuard:
         if self.kept is not None:
             return
         if form not in self._warm:
-            self._warm[form] = seconds  # tracing and compiling it: the guard's doing for stock
+            self._warm[form] = seconds  # tracing and compiling it: the guard's doing
         else:
-            self._times[form].append(seconds)
-        self._next = "stock" if form == "fused" else "fused"
+            self._pair.setdefault(form, []).append(seconds)
+            self._all.setdefault(form, []).append(seconds)
+        self._next = self.incumbent if form == self.challenger else self.challenger
         self._maybe_decide()
 
+    def failed(self, form: str, why: str) -> None:
+        """``form`` could not run (e.g. XLA could not compile the step): it loses its duel."""
+        if self.kept is None and form == self.challenger:
+            self._end_duel(self.incumbent, f"{form} could not run ({why[:120]})")
+
     def _ratios(self) -> list[float]:
-        fused, stock = self._times["fused"], self._times["stock"]
-        return [f / s for f, s in zip(fused, stock) if s > 0]
+        mine, theirs = self._pair[self.challenger], self._pair[self.incumbent]
+        return [c / i for c, i in zip(mine, theirs) if i > 0]
 
     def _maybe_decide(self) -> None:
+        challenger, incumbent = self.challenger, self.incumbent
         ratios = self._ratios()
         n = len(ratios)
-        if n < self.min_pairs or len(self._times["fused"]) != len(self._times["stock"]):
+        if len(self._pair[challenger]) != len(self._pair[incumbent]) or n < 3:
+            return
+        median = statistics.median(ratios)
+        if n == 3 and min(ratios) > 1.1 and median > 1.25:  # plainly slower: stop paying
+            self._end_duel(incumbent, f"{challenger} {median:.2f}x {incumbent} in 3 pairs")
+            return
+        if n < self.min_pairs:
             return
         faster = sum(r < 1.0 for r in ratios)
-        p_fused = _binomial_tail(faster, n)  # evidence fused is faster
-        p_stock = _binomial_tail(n - faster, n)  # evidence stock is faster
-        median = statistics.median(ratios)
-        if p_fused < P_EARLY and median < 1.0:
-            self._decide("fused", f"fused faster in {faster} of {n} pairs (p={p_fused:.3f})")
-        elif p_stock < P_EARLY:
-            self._decide("stock", f"stock faster in {n - faster} of {n} pairs "
-                                  f"(p={p_stock:.3f})")
+        p_new = _binomial_tail(faster, n)  # evidence the challenger is faster
+        p_old = _binomial_tail(n - faster, n)  # evidence the incumbent is faster
+        if p_new < P_EARLY and median < 1.0:
+            self._end_duel(challenger, f"{challenger} faster than {incumbent} in {faster} of "
+                                       f"{n} pairs (p={p_new:.3f})")
+        elif p_old < P_EARLY:
+            self._end_duel(incumbent, f"{incumbent} faster than {challenger} in {n - faster} "
+                                      f"of {n} pairs (p={p_old:.3f})")
         elif n >= self.max_pairs:
-            if p_fused < P_FINAL and median < 1.0:
-                self._decide("fused", f"fused faster in {faster} of {n} pairs "
-                                      f"(p={p_fused:.3f})")
+            if p_new < P_FINAL and median < 1.0:
+                self._end_duel(challenger, f"{challenger} faster than {incumbent} in {faster} "
+                                           f"of {n} pairs (p={p_new:.3f})")
             else:
-                self._decide("stock", f"fused not faster beyond noise: faster in {faster} of "
-                                      f"{n} pairs (p={p_fused:.2f}), median ratio {median:.3f}")
+                self._end_duel(incumbent, f"{challenger} not faster than {incumbent} beyond "
+                                          f"noise: faster in {faster} of {n} pairs "
+                                          f"(p={p_new:.2f}), median ratio {median:.3f}")
 
-    def _decide(self, form: str, reason: str) -> None:
-        self.kept, self._reason = form, reason
+    def _end_duel(self, winner: str, reason: str) -> None:
+        self._reasons.append(reason)
+        if not self._queue:
+            self.kept = winner
+            return
+        self.incumbent, self.challenger = winner, self._queue.pop(0)
+        self._pair = {self.challenger: [], self.incumbent: []}
+        self._next = self.challenger
 
     def summary(self) -> GuardRecord:
         """What was measured so far (medians in ms)."""
 
-        def med(values: list[float]) -> float:
+        def med(form: str) -> float:
+            values = self._all.get(form)
             return statistics.median(values) * 1e3 if values else float("nan")
 
-        return GuardRecord(self.function, self.kept or "undecided", med(self._times["fused"]),
-                           med(self._times["stock"]), len(self._ratios()), self._reason,
-                           self._cost())
+        pairs = sum(len(v) for v in self._all.values()) // 2
+        return GuardRecord(self.function, self.kept or "undecided", med("fused"),
+                           med("stock"), pairs, "; ".join(self._reasons), self._cost(),
+                           med("xla"))
 
     def _cost(self) -> float:
-        """Seconds the trial added: the stock form's first call (tracing, compiling), and
-        the steps of the form not kept beyond the kept form's median (the extra the trial's
-        slower steps took; an undecided trial counts against the faster median so far)."""
-        cost = self._warm.get("stock", 0.0)
-        times = self._times
-        if not times["fused"] or not times["stock"]:
+        """Seconds the trial added: the first calls of the forms other than fused (tracing,
+        compiling), and every timed step beyond the median of the form kept (or of the fastest
+        so far, while undecided)."""
+        cost = sum(t for form, t in self._warm.items() if form != "fused")
+        timed = {f: v for f, v in self._all.items() if v}
+        if not timed:
             return cost
-        kept = self.kept or min(times, key=lambda f: statistics.median(times[f]))
-        other = "stock" if kept == "fused" else "fused"
-        base = statistics.median(times[kept])
-        return cost + max(0.0, sum(t - base for t in times[other]))
+        kept = self.kept if self.kept in timed else min(
+            timed, key=lambda f: statistics.median(timed[f]))
+        base = statistics.median(timed[kept])
+        return cost + max(0.0, sum(t - base for f, v in timed.items() if f != kept
+                                   for t in v))
 
-    def run(self, fused: Callable[[], Any], stock: Callable[[], Any]) -> Any:
-        """Run the form :meth:`next_form` names, timing it while the trial lasts."""
+    def run(self, forms: Mapping[str, Callable[[], Any]]) -> Any:
+        """Run the form :meth:`next_form` names (``forms``: name -> a call of it), timing it
+        while the trial lasts. A challenger whose call raises loses its duel and the form
+        kept so far runs instead."""
         form = self.next_form()
-        call = fused if form == "fused" else stock
+        delay = _test_delay.get(form, 0.0)
         if self.kept is not None:
-            if _test_delay[form]:
-                time.sleep(_test_delay[form])
-            return call()
+            if delay:
+                time.sleep(delay)
+            return forms[form]()
         start = time.perf_counter()
-        if _test_delay[form]:
-            time.sleep(_test_delay[form])
-        out = call()
+        if delay:
+            time.sleep(delay)
+        try:
+            out = forms[form]()
+        except Exception as exc:  # noqa: BLE001 - e.g. XLA cannot compile this step
+            if form in ("fused", "stock"):
+                raise
+            self.failed(form, f"{type(exc).__name__}: {exc}")
+            return self.run(forms)
         _sync(out)
         self.record(form, time.perf_counter() - start)
         return out
@@ -249,5 +338,6 @@ def _sync(outputs: Any) -> None:
                 return
 
 
-__all__ = ["GuardRecord", "StepGuard", "collecting", "embedded", "forcing_stock",
-           "set_test_delay", "stock_forced"]
+__all__ = ["Embedded", "GuardRecord", "StepGuard", "collecting", "embedded", "forced_form",
+           "forcing", "xla_pruned",
+           "set_test_delay"]

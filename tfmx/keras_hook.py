@@ -25,7 +25,7 @@ from typing import Any
 from tfmx import state
 from tfmx.dispatch import IteratorDispatch
 from tfmx.function import FusedFunction
-from tfmx.guard import StepGuard
+from tfmx.guard import make_guard
 from tfmx.verify import as_verification_error
 
 _STAMP = "_tfmx_stamp"
@@ -100,11 +100,11 @@ class _TfWithFusedFunction:
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._tf, attr)
 
-    def _make_guard(self) -> Any:
+    def _make_guard(self, ops: frozenset[str]) -> Any:
         opts = state.options()
         if opts is None or not opts.guard:
             return None
-        made = StepGuard(self._name)
+        made = make_guard(self._name, opts, ops)
         state.report().add_guard(made)
         return made
 
@@ -115,7 +115,7 @@ class _TfWithFusedFunction:
                 "function: tf.function's per-call lookup runs once per iterator type "
                 "(tfmx.dispatch)")
             return IteratorDispatch(self._tf.function(fn, **kwargs),
-                                    stock=lambda: self._tf.function(fn, **kwargs),
+                                    twin=lambda: self._tf.function(fn, **kwargs),
                                     make_guard=self._make_guard)
         if fn is None or getattr(fn, "__name__", "") not in _STEP_FUNCTIONS:
             return self._tf.function(fn, **kwargs) if fn is not None else self._tf.function(

@@ -31,6 +31,12 @@ class Options:
     atol: float = 1e-5
     tune: str = "auto"  # tfmx.tuner.MODES
     guard: bool = True  # the whole-step guard (tfmx.guard)
+    xla: bool = True  # the guard also tries the XLA-compiled step (cpu, cuda)
+
+    def guard_challengers(self) -> tuple[str, ...]:
+        """The forms a whole-step guard tries against stock, in order."""
+        xla = self.xla and self.backend.name in ("cpu", "cuda") and self.backend.available
+        return ("fused", "xla") if xla else ("fused",)
 
 
 _lock = threading.Lock()
