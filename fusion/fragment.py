@@ -171,12 +171,19 @@ def cut(view: GraphView, names: Iterable[str], unknown_dim: int = UNKNOWN_DIM) -
                                     "variable or a known shape, cannot be made up")
         del node.input[:]
         node.input.extend(kept)
+    unused = "tfmx_fragment_in/unused"  # what a stand-in passes on ports nothing here reads
+    if any(len(ports) <= max(ports) for ports in standins.values()):
+        filler = out.node.add(name=unused, op="Const")
+        filler.attr["dtype"].type = types_pb2.DT_FLOAT
+        filler.attr["value"].tensor.CopyFrom(make_tensor_proto(np.float32(0)))
     for src_name, ports in standins.items():
-        types = []
+        types, refs = [], []
         for port in range(max(ports) + 1):
-            placeholder = ports.get(port) or f"tfmx_fragment_in/{src_name}/{port}"
-            if placeholder not in ports.values():
-                feeds[placeholder] = (types_pb2.DT_FLOAT, ())
+            placeholder = ports.get(port)
+            if placeholder is None:
+                types.append(types_pb2.DT_FLOAT)
+                refs.append(unused)
+                continue
             if placeholder in consts:
                 dtype, value = consts[placeholder]
                 ph = out.node.add(name=placeholder, op="Const")
@@ -189,8 +196,9 @@ def cut(view: GraphView, names: Iterable[str], unknown_dim: int = UNKNOWN_DIM) -
                 ph = out.node.add(name=placeholder, op="Placeholder")
             ph.attr["dtype"].type = dtype
             types.append(dtype)
+            refs.append(placeholder)
         stand = out.node.add(name=src_name, op="IdentityN")
-        stand.input.extend(f"tfmx_fragment_in/{src_name}/{p}" for p in range(len(types)))
+        stand.input.extend(refs)
         stand.attr["T"].list.type.extend(types)
     targets = [n for n in sorted(inside) if n not in read_inside]
     return Fragment(out, feeds, resources, targets)
@@ -204,7 +212,8 @@ def variant(fragment: Fragment, rewrite: Callable[[GraphView], object]) -> Fragm
     out.node.extend(view.nodes())
     present = {n.name for n in out.node}
     consumed = {parse_input(i)[0] for n in out.node for i in n.input}
-    stand_ins = {n.name for n in out.node if n.op in ("IdentityN", "Placeholder")}
+    stand_ins = {n.name for n in out.node if n.op in ("IdentityN", "Placeholder")
+                 or n.name.startswith("tfmx_fragment_in/")}
     targets = [n for n in sorted(present - consumed - stand_ins)]
     return Fragment(out, dict(fragment.feeds), dict(fragment.resources), targets)
 

@@ -473,7 +473,7 @@ def _settle_guards(fn: Callable[[Any], Any], dataset: Any) -> None:
     from tfmx.guard import MAX_PAIRS
 
     iterator = iter(dataset)
-    for _ in range(2 * MAX_PAIRS + 4):
+    for _ in range(4 * MAX_PAIRS + 8):  # two duels (fused vs stock, then vs XLA)
         if all(g.decided for g in tfmx.report().guards):
             return
         _sync(fn(iterator))
