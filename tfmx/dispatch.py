@@ -87,6 +87,8 @@ class IteratorDispatch:
             return outputs
         if slot.guard is None:
             return slot.forms["fused"](iterator)
+        if slot.guard.decided:  # the per-step path after the trial: one lookup
+            return slot.forms[slot.guard.kept](iterator)
         form = slot.guard.next_form()
         if form not in slot.forms:
             return self._trace_form(slot, form, iterator)

@@ -215,10 +215,13 @@ class FusedFunction:
             if entry.guard is None:  # called eagerly (a custom loop, predict): a trial
                 entry.guard = guard.make_guard(self.name, opts, entry.stock_ops)
                 state.report().add_guard(entry.guard)
-            return entry.guard.run({
-                "fused": lambda: entry.fused(*args, **kwargs),
-                "stock": lambda: self._reference(entry, args, kwargs)(*args, **kwargs),
-                "xla": lambda: self._xla()(*args, **kwargs)})
+            functions = {"fused": lambda: entry.fused,  # each form's function, got when needed
+                         "stock": lambda: self._reference(entry, args, kwargs),
+                         "xla": self._xla}
+            if entry.guard.decided:  # the per-call path after the trial
+                return functions[entry.guard.kept]()(*args, **kwargs)
+            return entry.guard.run({name: lambda get=get: get()(*args, **kwargs)
+                                    for name, get in functions.items()})
         guard.embedded(entry.changed, entry.stock_ops)
         return entry.fused(*args, **kwargs)
 

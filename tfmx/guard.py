@@ -74,8 +74,8 @@ def enabled_by_env(name: str = ENV) -> bool:
 
 
 def set_test_delay(fused: float = 0.0, stock: float = 0.0, xla: float = 0.0) -> None:
-    """Test hook: every step of that form the guard runs sleeps so many seconds more (the
-    default, 0, turns it off)."""
+    """Test hook: every step of that form a guard runs during its trial sleeps so many seconds
+    more (the default, 0, turns it off)."""
     _test_delay.update(fused=float(fused), stock=float(stock), xla=float(xla))
 
 
@@ -306,11 +306,9 @@ class StepGuard:
         while the trial lasts. A challenger whose call raises loses its duel and the form
         kept so far runs instead."""
         form = self.next_form()
-        delay = _test_delay.get(form, 0.0)
         if self.kept is not None:
-            if delay:
-                time.sleep(delay)
             return forms[form]()
+        delay = _test_delay.get(form, 0.0)
         start = time.perf_counter()
         if delay:
             time.sleep(delay)
