@@ -52,7 +52,7 @@ def _model(seed=0):
     return model
 
 
-def _fit(enable, delay=None, steps_per_execution=1, epochs=2, xla=False):
+def _fit(enable, delay=None, steps_per_execution=1, epochs=2, xla=False, tune="off"):
     model = _model()
     model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -61,7 +61,7 @@ def _fit(enable, delay=None, steps_per_execution=1, epochs=2, xla=False):
     x = rng.normal(size=(640, 16)).astype("float32")
     y = rng.integers(0, 4, 640)
     if enable:
-        tfmx.enable(backend="cpu", guard=True, tune="off", xla=xla)
+        tfmx.enable(backend="cpu", guard=True, tune=tune, xla=xla)
         if delay:
             guard.set_test_delay(**delay)
     model.fit(x, y, batch_size=16, epochs=epochs, verbose=0, shuffle=False,
@@ -114,6 +114,20 @@ def test_a_step_xla_cannot_compile_loses_its_duel():
     while not g.decided:
         g.run(forms)
     assert g.kept in ("fused", "stock") and "xla could not run" in g.summary().reason
+
+
+def test_a_second_run_keeps_what_the_first_trial_kept(tmp_path, monkeypatch):
+    """The guard's outcome is cached per machine with the tuner's decisions (tune="auto")."""
+    monkeypatch.setenv("TFMX_CACHE_DIR", str(tmp_path))
+    _fit(True, {"fused": 0.004}, tune="auto")
+    (first,) = [g.summary() for g in tfmx.report().guards if g.function.endswith("train_step")]
+    assert first.kept == "stock" and first.pairs >= 3
+    tfmx.disable()
+    guard.set_test_delay()
+    _fit(True, tune="auto")  # a new model, the same step: no trial
+    (second,) = [g.summary() for g in tfmx.report().guards if g.function.endswith("train_step")]
+    assert second.kept == "stock" and second.pairs == 0 and "cached" in second.reason
+    assert second.cost_s == 0.0 or second.cost_s < first.cost_s
 
 
 def test_guard_off_runs_fused_and_never_traces_stock():

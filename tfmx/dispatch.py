@@ -60,7 +60,7 @@ class IteratorDispatch:
     per iterator type (see the module doc). Other attributes are the wrapped function's."""
 
     def __init__(self, function: Any, twin: Callable[[], Any] | None = None,
-                 make_guard: Callable[[frozenset[str]], guard.StepGuard | None] | None = None,
+                 make_guard: Callable[[frozenset[str], str], guard.StepGuard | None] | None = None,
                  ) -> None:
         self._function = function
         self._twin = twin
@@ -82,16 +82,17 @@ class IteratorDispatch:
                 outputs = self._function(iterator)  # traces (or retraces) as TensorFlow decides
             slot = _Slot({"fused": self._function.get_concrete_function(iterator)})
             if any(e.changed for e in embedded) and self._twin is not None and self._make_guard:
-                slot.guard = self._make_guard(frozenset().union(*(e.ops for e in embedded)))
+                slot.guard = self._make_guard(frozenset().union(*(e.ops for e in embedded)),
+                                              "+".join(e.signature for e in embedded))
             self._slots[spec] = slot
             return outputs
         if slot.guard is None:
             return slot.forms["fused"](iterator)
-        if slot.guard.decided:  # the per-step path after the trial: one lookup
-            return slot.forms[slot.guard.kept](iterator)
         form = slot.guard.next_form()
-        if form not in slot.forms:
+        if form not in slot.forms:  # its first call (also a form a cached decision kept)
             return self._trace_form(slot, form, iterator)
+        if slot.guard.decided:  # the per-step path after the trial: one lookup
+            return slot.forms[form](iterator)
         return slot.guard.run({name: functools.partial(concrete, iterator)
                                for name, concrete in slot.forms.items()})
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -100,6 +101,16 @@ class _Entry:
     reference: Any = None
     staged: bool = False  # a pre-differentiation stage fused something in ``stock``
     guard: guard.StepGuard | None = None  # eager calls: fused vs reference on the first steps
+
+    @property
+    def signature(self) -> str:
+        """A digest of what this step is: its ops before and after the rewrite, the traced
+        inputs' shapes; equal for the same script on the same machine, a key for the guard."""
+        if self.record is None:
+            return ""
+        parts = [sorted(self.record.ops_before.items()), sorted(self.record.ops_after.items()),
+                 str(self.stock.structured_input_signature), self.staged]
+        return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
 
     @property
     def stock_ops(self) -> frozenset[str]:
@@ -203,7 +214,7 @@ class FusedFunction:
             )
         if opts.verify:
             if opts.verify == FALLBACK:  # the guard still judges the (checked) fused step
-                guard.embedded(entry.changed, entry.stock_ops)
+                guard.embedded(entry.changed, entry.stock_ops, entry.signature)
             out = verified_call(entry, args, kwargs, opts, self.name,
                                 self._reference(entry, args, kwargs))
             if opts.verify == FALLBACK and tf.executing_eagerly() and disagreed(entry):
@@ -213,7 +224,8 @@ class FusedFunction:
             return out
         if opts.guard and entry.changed and tf.executing_eagerly():
             if entry.guard is None:  # called eagerly (a custom loop, predict): a trial
-                entry.guard = guard.make_guard(self.name, opts, entry.stock_ops)
+                entry.guard = guard.make_guard(self.name, opts, entry.stock_ops,
+                                               entry.signature, state.tuning_cache())
                 state.report().add_guard(entry.guard)
             functions = {"fused": lambda: entry.fused,  # each form's function, got when needed
                          "stock": lambda: self._reference(entry, args, kwargs),
@@ -222,7 +234,7 @@ class FusedFunction:
                 return functions[entry.guard.kept]()(*args, **kwargs)
             return entry.guard.run({name: lambda get=get: get()(*args, **kwargs)
                                     for name, get in functions.items()})
-        guard.embedded(entry.changed, entry.stock_ops)
+        guard.embedded(entry.changed, entry.stock_ops, entry.signature)
         return entry.fused(*args, **kwargs)
 
     def _xla(self) -> Any:

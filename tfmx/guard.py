@@ -114,13 +114,14 @@ class Embedded:
 
     changed: bool  # it differs from stock (a stage or a pass rewrote it)
     ops: frozenset[str] = frozenset()  # the op types of its stock graph
+    signature: str = ""  # what the step is (its ops, shapes, what tfmx made of it): a cache key
 
 
-def embedded(changed: bool, ops: frozenset[str] = frozenset()) -> None:
+def embedded(changed: bool, ops: frozenset[str] = frozenset(), signature: str = "") -> None:
     """A tfmx step function was traced into an outer function (see :class:`Embedded`)."""
     collected = getattr(_local, "collected", None)
     if collected is not None:
-        collected.append(Embedded(changed, ops))
+        collected.append(Embedded(changed, ops, signature))
 
 
 CONVOLUTIONS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative"})
@@ -143,14 +144,20 @@ def xla_pruned(backend: str, ops: frozenset[str]) -> str | None:
     return None
 
 
-def make_guard(function: str, opts: Any, ops: frozenset[str]) -> StepGuard:
+def make_guard(function: str, opts: Any, ops: frozenset[str], signature: str = "",
+               cache: Any = None) -> StepGuard:
     """The guard for one step under ``opts`` (``tfmx.state.Options``): its challengers, with
-    XLA left out where :func:`xla_pruned` says so (the report says why)."""
+    XLA left out where :func:`xla_pruned` says so (the report says why). With a
+    ``tfmx.tuner.TuningCache`` and the step's ``signature``, what a trial on this machine kept
+    for the same step before is kept at once, and a new trial's outcome is stored."""
     challengers = opts.guard_challengers()
     why = xla_pruned(opts.backend.name, ops) if "xla" in challengers else None
     if why:
         challengers = tuple(c for c in challengers if c != "xla")
-    return StepGuard(function, challengers, notes=(f"XLA not tried: {why}",) if why else ())
+    made = StepGuard(function, challengers, notes=(f"XLA not tried: {why}",) if why else ())
+    if cache is not None and signature:
+        made.remember(cache, f"{function} {signature}")
+    return made
 
 
 def _binomial_tail(k: int, n: int) -> float:
@@ -206,6 +213,9 @@ class StepGuard:
         self._pair: dict[str, list[float]] = {self.challenger: [], self.incumbent: []}
         self._warm: dict[str, float] = {"fused": 0.0}  # the first traced call ran the fused form
         self._next = self.incumbent if self.challenger in self._warm else self.challenger
+        self._cache: Any = None  # see remember()
+        self._key = ""
+        self._cached: Any = None
 
     @property
     def decided(self) -> bool:
@@ -266,20 +276,46 @@ class StepGuard:
                                           f"noise: faster in {faster} of {n} pairs "
                                           f"(p={p_new:.2f}), median ratio {median:.3f}")
 
+    def remember(self, cache: Any, key: str) -> None:
+        """Keep what ``cache`` (a ``tfmx.tuner.TuningCache``) says a trial of this step kept
+        here before; store this trial's outcome there when it ends."""
+        self._cache, self._key = cache, key
+        known = cache.get(f"guard|{key}")
+        forms = ("stock", self.challenger, *self._queue)
+        if known is not None and known.choice in forms:
+            self.kept = known.choice
+            self._cached = known
+            self._reasons.append("kept as a trial on this machine decided before (cached: "
+                                 + ", ".join(f"{f} {t:.2f} ms" for f, t in
+                                             known.times_ms.items()) + ")")
+
     def _end_duel(self, winner: str, reason: str) -> None:
         self._reasons.append(reason)
         if not self._queue:
             self.kept = winner
+            self._store()
             return
         self.incumbent, self.challenger = winner, self._queue.pop(0)
         self._pair = {self.challenger: [], self.incumbent: []}
         self._next = self.challenger
 
+    def _store(self) -> None:
+        if self._cache is None:
+            return
+        from tfmx.tuner import Decision
+
+        times = {f: statistics.median(v) * 1e3 for f, v in self._all.items() if v}
+        self._cache.put(Decision("guard", self._key, self.kept, tuple(times), times,
+                                 "measured"))
+
     def summary(self) -> GuardRecord:
-        """What was measured so far (medians in ms)."""
+        """What was measured so far (medians in ms; from the cache for a remembered step)."""
+        cached = self._cached
 
         def med(form: str) -> float:
             values = self._all.get(form)
+            if not values and cached is not None and form in cached.times_ms:
+                return cached.times_ms[form]
             return statistics.median(values) * 1e3 if values else float("nan")
 
         pairs = sum(len(v) for v in self._all.values()) // 2

@@ -100,11 +100,11 @@ class _TfWithFusedFunction:
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._tf, attr)
 
-    def _make_guard(self, ops: frozenset[str]) -> Any:
+    def _make_guard(self, ops: frozenset[str], signature: str) -> Any:
         opts = state.options()
         if opts is None or not opts.guard:
             return None
-        made = make_guard(self._name, opts, ops)
+        made = make_guard(self._name, opts, ops, signature, state.tuning_cache())
         state.report().add_guard(made)
         return made
 

@@ -83,6 +83,13 @@ def tuner() -> Any:
     return found
 
 
+def tuning_cache() -> Any:
+    """The tuner's per-machine cache when it may be used (tune "auto"), else None: where the
+    whole-step guard remembers what it kept."""
+    found = tuner()
+    return getattr(found, "cache", None) if getattr(found, "mode", None) == "auto" else None
+
+
 def report() -> Report:
     return _report
 
