@@ -153,6 +153,16 @@ class FusedFunction:
             reduce_retracing=reduce_retracing,
             jit_compile=jit_compile,
         )
+        # The same, for calls under an outer tape: traced apart, because a call under a tape
+        # changes the traced function (TensorFlow adds the outputs its gradient needs), which
+        # the rewrite of the plain call must not see.
+        self._taped = tf.function(
+            forward.staged(python_function),
+            input_signature=input_signature,
+            autograph=autograph,
+            reduce_retracing=reduce_retracing,
+            jit_compile=jit_compile,
+        )
         self._jit = bool(jit_compile)
         self._trace_options = {"input_signature": input_signature, "autograph": autograph,
                                "reduce_retracing": reduce_retracing}
@@ -171,6 +181,7 @@ class FusedFunction:
         bound.__dict__.update(self.__dict__)
         bound._stock = self._stock.__get__(instance, owner)
         bound._staged = self._staged.__get__(instance, owner)
+        bound._taped = self._taped.__get__(instance, owner)
         bound._xla_function = self._xla().__get__(instance, owner)
         bound._entries = self._entries
         bound._fast = None  # the bound object is new per attribute access: no fast path
@@ -191,9 +202,11 @@ class FusedFunction:
             if opts is not None and self._jit:
                 state.report().note(f"{self.name}: jit_compile=True, left to XLA")
             elif opts is not None and opts.backend.available:
-                # Under an outer tape: only the pre-differentiation stage (tfmx.forward), whose
-                # fused ops have registered gradients.
-                return self._staged(*args, **kwargs)
+                # Under an outer tape: only the pre-differentiation stages (batch norm, rnn),
+                # whose fused forms have registered gradients, traced as _entry traces them,
+                # so the trace is the same whichever path came first.
+                with forward_rnn.tracing(opts):
+                    return self._taped(*args, **kwargs)
             return self._stock(*args, **kwargs)
         key = None if self._fast is None else call_key(args, kwargs)
         if key is not None:
