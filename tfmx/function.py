@@ -138,34 +138,19 @@ class FusedFunction:
     ) -> None:
         self.python_function = python_function
         self.name = name or getattr(python_function, "__name__", "function")
-        self._stock = tf.function(
-            python_function,
-            input_signature=input_signature,
-            autograph=autograph,
-            reduce_retracing=reduce_retracing,
-            jit_compile=jit_compile,
-        )
+        self._trace_options = {"input_signature": input_signature, "autograph": autograph,
+                               "reduce_retracing": reduce_retracing}
+        self._jit = bool(jit_compile)
+        self._stock = tf.function(python_function, jit_compile=jit_compile,
+                                  **self._trace_options)
         # The same function, traced with tfmx's pre-differentiation stage on (tfmx.forward).
-        self._staged = tf.function(
-            forward.staged(python_function),
-            input_signature=input_signature,
-            autograph=autograph,
-            reduce_retracing=reduce_retracing,
-            jit_compile=jit_compile,
-        )
+        self._staged = tf.function(forward.staged(python_function), jit_compile=jit_compile,
+                                   **self._trace_options)
         # The same, for calls under an outer tape: traced apart, because a call under a tape
         # changes the traced function (TensorFlow adds the outputs its gradient needs), which
         # the rewrite of the plain call must not see.
-        self._taped = tf.function(
-            forward.staged(python_function),
-            input_signature=input_signature,
-            autograph=autograph,
-            reduce_retracing=reduce_retracing,
-            jit_compile=jit_compile,
-        )
-        self._jit = bool(jit_compile)
-        self._trace_options = {"input_signature": input_signature, "autograph": autograph,
-                               "reduce_retracing": reduce_retracing}
+        self._taped = tf.function(forward.staged(python_function), jit_compile=jit_compile,
+                                  **self._trace_options)
         self._xla_function: Any = None
         self._entries: dict[tuple[int, int], _Entry] = {}
         # call_key -> entry: skips tf.function's per-call lookup, which hashes every captured
