@@ -62,10 +62,16 @@ def fused_conv(ran: set[str]) -> bool:
 
 def assert_parity(stock: list, fused: list, terms: int) -> None:
     """Each tensor within float_tolerance(float32, terms, its largest value). With the exact
-    families and this model (Relu chains) terms=0: the fused nodes are the kernels Grappler's
-    own remapper gives the stock step, so the numbers are bitwise the same."""
+    families and this model (Relu chains) the fused nodes are the kernels Grappler's own
+    remapper gives the stock step, so the numbers are the same but for what those kernels do
+    not promise: with oneDNN on, one full run in three showed a 1-ulp gradient difference
+    between two runs of the same step (tests/parity.py), so a training run is held to one
+    rounding per step (:data:`STEPS`); a single inference to none."""
     for i, (a, b) in enumerate(zip(stock, fused)):
         assert_within_rounding(b, a, terms, what=f"tensor {i}")
+
+
+STEPS = 2 * 5  # train(): 2 epochs of ceil(36 / 8) batches
 
 
 def weights(model: keras.Model) -> list[np.ndarray]:
@@ -86,8 +92,8 @@ def train(enable: bool, **fit_kwargs):
 def test_fit_matches_stock_and_runs_fused_nodes():
     stock, h_stock = train(False)
     fused, h_fused = train(True)
-    assert_parity(weights(stock), weights(fused), 0)
-    assert_parity([h_stock.history["loss"]], [h_fused.history["loss"]], 0)
+    assert_parity(weights(stock), weights(fused), STEPS)
+    assert_parity([h_stock.history["loss"]], [h_fused.history["loss"]], STEPS)
     ran = ops_that_ran(fused.train_function)
     assert {"_FusedConv2D", "_FusedMatMul"} <= ran
     assert "_FusedConv2D" not in ops_that_ran(stock.train_function)
@@ -102,7 +108,7 @@ def test_predict_and_evaluate_match_stock():
     p_stock, e_stock = stock.predict(x, verbose=0), stock.evaluate(x, y, verbose=0)
     fused, _ = train(True)
     p_fused, e_fused = fused.predict(x, verbose=0), fused.evaluate(x, y, verbose=0)
-    assert_parity([p_stock, e_stock], [p_fused, e_fused], 0)
+    assert_parity([p_stock, e_stock], [p_fused, e_fused], STEPS)  # of trained weights
     assert "_FusedConv2D" in ops_that_ran(fused.predict_function)
     assert "_FusedMatMul" in ops_that_ran(fused.test_function)
 
@@ -127,7 +133,7 @@ def test_tf_data_steps_per_execution_validation_and_callbacks(tmp_path):
         )
         assert ckpt.exists()
         results[enable] = weights(model)
-    assert_parity(results[False], results[True], 0)
+    assert_parity(results[False], results[True], 3 * 5)  # 3 epochs of 5 batches
 
 
 @needs_onednn("either")  # all families: with oneDNN off the onednn family too
