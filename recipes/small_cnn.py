@@ -81,22 +81,9 @@ def build_model(seed: int = DEFAULT_SEED) -> Any:
     >>> model.output_shape  # doctest: +SKIP
     (None, 10)
     """
-    import keras
-    from keras import layers
+    from tfmx.bench import small_cnn_model  # the bench's small_cnn workload is this model
 
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input(IMAGE_SHAPE)
-    x = layers.Conv2D(32, 3, padding="same", activation="relu")(inputs)
-    x = layers.Conv2D(32, 3, strides=2, padding="same", activation="relu")(x)  # 16x16
-    y = layers.Conv2D(32, 3, padding="same", activation="relu")(x)
-    y = layers.Conv2D(32, 3, padding="same")(y)
-    x = layers.Activation("relu")(layers.Add()([x, y]))  # residual block
-    x = layers.Conv2D(64, 3, strides=2, padding="same", activation="relu")(x)  # 8x8
-    x = layers.GlobalAveragePooling2D()(x)
-    x = layers.Dense(64, activation="relu")(x)
-    x = layers.Dense(32, activation="relu")(x)
-    outputs = layers.Dense(NUM_CLASSES, activation="softmax")(x)
-    return keras.Model(inputs, outputs, name="small_cnn")
+    return small_cnn_model(seed, IMAGE_SHAPE, NUM_CLASSES)
 
 
 def compile_model(model: Any, jit_compile: bool = False) -> Any:

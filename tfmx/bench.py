@@ -171,10 +171,34 @@ class Workload:
     steps: int
 
 
-def _small_cnn() -> Any:
-    from recipes.small_cnn import build_model
+def small_cnn_model(seed: int = 0, image_shape: tuple[int, int, int] = (32, 32, 3),
+                    num_classes: int = 10) -> Any:
+    """The small CNN (uncompiled) of the ``small_cnn`` workload and of ``recipes.small_cnn``:
+    Conv2D+bias+relu, a strided conv, a residual block, Dense layers; weights from ``seed``.
 
-    return build_model(seed=0)
+    >>> small_cnn_model().output_shape  # doctest: +SKIP
+    (None, 10)
+    """
+    import keras
+    from keras import layers
+
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input(image_shape)
+    x = layers.Conv2D(32, 3, padding="same", activation="relu")(inputs)
+    x = layers.Conv2D(32, 3, strides=2, padding="same", activation="relu")(x)  # 16x16
+    y = layers.Conv2D(32, 3, padding="same", activation="relu")(x)
+    y = layers.Conv2D(32, 3, padding="same")(y)
+    x = layers.Activation("relu")(layers.Add()([x, y]))  # residual block
+    x = layers.Conv2D(64, 3, strides=2, padding="same", activation="relu")(x)  # 8x8
+    x = layers.GlobalAveragePooling2D()(x)
+    x = layers.Dense(64, activation="relu")(x)
+    x = layers.Dense(32, activation="relu")(x)
+    outputs = layers.Dense(num_classes, activation="softmax")(x)
+    return keras.Model(inputs, outputs, name="small_cnn")
+
+
+def _small_cnn() -> Any:
+    return small_cnn_model(seed=0)
 
 
 def _resnet50() -> Any:
