@@ -193,10 +193,13 @@ def register(name: str, description: str) -> Callable[[PassFn], PassFn]:
 
 
 def registered() -> dict[str, Pattern]:
-    """All registered patterns by name, in registration (= pipeline) order."""
-    import fusion.patterns  # noqa: F401  (importing registers the families)
+    """All registered patterns by name, in pipeline order (``fusion.patterns.PIPELINE_ORDER``;
+    families registered elsewhere after those, in registration order)."""
+    from fusion.patterns import PIPELINE_ORDER
 
-    return dict(_REGISTRY)
+    ordered = [name for name in PIPELINE_ORDER if name in _REGISTRY]
+    ordered += [name for name in _REGISTRY if name not in PIPELINE_ORDER]
+    return {name: _REGISTRY[name] for name in ordered}
 
 
 def resolve(names: list[str] | tuple[str, ...] | None) -> list[Pattern]:

@@ -324,3 +324,21 @@ def test_resolve_known_names():
 def test_throwaway_patterns_are_gone():
     assert not {"boom", "boom_late", "boom_in_place", "dangle", "look", "boom_body"} & set(
         fusion.available_patterns())
+
+
+def test_the_pass_order_is_declared_and_keeps_its_reasons():
+    """fusion.patterns.PIPELINE_ORDER is the run order; each family has a place, and the
+    order's stated reasons hold (a family that reads another's output runs after it)."""
+    from fusion.pattern import registered
+    from fusion.patterns import PIPELINE_ORDER
+
+    order = [name for name in registered() if name in PIPELINE_ORDER]  # tests add others
+    assert order == list(PIPELINE_ORDER)
+    assert list(registered())[: len(PIPELINE_ORDER)] == list(PIPELINE_ORDER)
+    assert set(PIPELINE_ORDER) == {p.name for p in fusion.pattern.resolve(None)}
+    before = [("contraction", "conv_bn_fold"), ("conv_bn_fold", "batch_norm"),
+              ("optimizer_update", "dedupe"), ("casts", "dedupe"), ("contraction", "onednn"),
+              ("batch_norm", "onednn"), ("dedupe", "onednn")]
+    for first, then in before:
+        assert order.index(first) < order.index(then), (first, then)
+    assert order[-1] == "onednn"
