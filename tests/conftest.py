@@ -121,6 +121,16 @@ def assert_same_numbers():
     return _check
 
 
+@pytest.fixture(autouse=True)
+def _tfmx_off():
+    """Every test starts and ends with tfmx disabled (one fixture for the whole suite)."""
+    import tfmx
+
+    tfmx.disable()
+    yield
+    tfmx.disable()
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)

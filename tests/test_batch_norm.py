@@ -39,10 +39,8 @@ COMPOSITE = ("SquaredDifference", "StopGradient", "Rsqrt")
 
 
 @pytest.fixture(autouse=True)
-def _clean():
-    tfmx.disable()
+def _restore():
     yield
-    tfmx.disable()
     keras.mixed_precision.set_global_policy("float32")
 
 

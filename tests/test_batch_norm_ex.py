@@ -30,12 +30,6 @@ pytestmark = pytest.mark.usefixtures("every_rewrite")
 ENV = "TF_USE_CUDNN_BATCHNORM_SPATIAL_PERSISTENT"
 
 
-@pytest.fixture(autouse=True)
-def _tfmx_off():
-    tfmx.disable()
-    yield
-    tfmx.disable()
-
 
 def _step(channels: int = 8):
     w = tf.random.stateless_normal([2, 4, 4, channels], seed=[3, 4])

@@ -17,12 +17,6 @@ from fusion.patterns.casts import find_casts
 pytestmark = pytest.mark.usefixtures("every_rewrite")
 
 
-@pytest.fixture(autouse=True)
-def _tfmx_off():
-    tfmx.disable()
-    yield
-    tfmx.disable()
-
 
 def casts(graph_def):
     return [(n.name, n.attr["SrcT"].type, n.attr["DstT"].type)

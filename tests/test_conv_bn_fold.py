@@ -17,12 +17,6 @@ from tfmx.backends import get_backend
 pytestmark = pytest.mark.usefixtures("every_rewrite")
 
 
-@pytest.fixture(autouse=True)
-def _tfmx_off():
-    tfmx.disable()
-    yield
-    tfmx.disable()
-
 
 def build(activation: str | None) -> keras.Model:
     keras.utils.set_random_seed(0)

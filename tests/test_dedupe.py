@@ -21,12 +21,6 @@ from tfmx.rebuild import protected_names, rebuild
 pytestmark = pytest.mark.usefixtures("every_rewrite")
 
 
-@pytest.fixture(autouse=True)
-def _tfmx_off():
-    tfmx.disable()
-    yield
-    tfmx.disable()
-
 
 def ops(graph_def) -> collections.Counter:
     return collections.Counter(n.op for n in graph_def.node)

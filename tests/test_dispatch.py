@@ -16,10 +16,8 @@ pytestmark = pytest.mark.usefixtures("every_rewrite")
 
 
 @pytest.fixture(autouse=True)
-def _tfmx_off():
-    tfmx.disable()
+def _restore():
     yield
-    tfmx.disable()
     tf.config.run_functions_eagerly(False)
 
 

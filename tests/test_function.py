@@ -14,12 +14,6 @@ from fusion.graph import op_histogram
 pytestmark = pytest.mark.usefixtures("every_rewrite")
 
 
-@pytest.fixture(autouse=True)
-def _tfmx_off():
-    tfmx.disable()
-    yield
-    tfmx.disable()
-
 
 def make_step(decorator):
     tf.random.set_seed(0)

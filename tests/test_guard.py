@@ -14,11 +14,9 @@ from tfmx.guard import StepGuard
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
-    tfmx.disable()
     monkeypatch.setenv("TFMX_TUNE", "off")
     yield
     guard.set_test_delay()
-    tfmx.disable()
 
 
 def test_decisions_from_timings():

@@ -19,12 +19,6 @@ from tfmx.keras_hook import installed
 pytestmark = pytest.mark.usefixtures("every_rewrite")
 
 
-@pytest.fixture(autouse=True)
-def _tfmx_off():
-    tfmx.disable()
-    yield
-    tfmx.disable()
-
 
 def build_model(seed: int = 0, compile_kwargs: dict | None = None) -> keras.Model:
     keras.utils.set_random_seed(seed)

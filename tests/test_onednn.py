@@ -38,12 +38,6 @@ class _Target:
     onednn_ops = dict(RETARGETS)
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    tfmx.disable()
-    yield
-    tfmx.disable()
-
 
 _ALIVE: list[tf.Variable] = []  # a traced function holds its variables weakly
 

@@ -38,10 +38,8 @@ pytestmark = pytest.mark.usefixtures("every_rewrite")
 
 
 @pytest.fixture(autouse=True)
-def _tfmx_off():
-    tfmx.disable()
+def _restore():
     yield
-    tfmx.disable()
     keras.mixed_precision.set_global_policy("float32")
 
 

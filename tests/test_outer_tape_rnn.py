@@ -15,11 +15,8 @@ from tfmx import state
 
 
 @pytest.fixture(autouse=True)
-def _clean(monkeypatch):
-    tfmx.disable()
+def _every_rewrite(monkeypatch):
     monkeypatch.setattr(state, "tuner", RewriteAlways)  # every decision: the hoisted form
-    yield
-    tfmx.disable()
 
 
 def _model():

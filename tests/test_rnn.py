@@ -40,12 +40,6 @@ def fit_terms(epochs: int) -> int:
     return epochs * (24 // 8) * (3 * FORWARD_TERMS + 8 + 4)
 
 
-@pytest.fixture(autouse=True)
-def _tfmx_off():
-    tfmx.disable()
-    yield
-    tfmx.disable()
-
 
 def _mask() -> np.ndarray:
     mask = np.ones((B, T), bool)

@@ -11,13 +11,6 @@ import tfmx
 from fusion.patterns import contraction
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    tfmx.disable()
-    yield
-    tfmx.disable()
-
-
 def _wrong_rewrite(monkeypatch):
     original = contraction.rewrite_contraction
 
