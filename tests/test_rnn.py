@@ -51,7 +51,7 @@ def _mask() -> np.ndarray:
 
 # -- the kernels against Keras's own loop (outputs, states and every gradient) ----------------
 def _kernel_case(kind: str, reset_after: bool, go_backwards: bool, masked: bool,
-                 zero_output: bool, return_sequences: bool):
+                 zero_output: bool, return_sequences: bool, unrolled: bool = False):
     rng = np.random.default_rng(0)
     x = tf.constant(rng.standard_normal((B, T, F_IN)), tf.float32)
     h0 = tf.constant(rng.standard_normal((B, H)), tf.float32)
@@ -82,7 +82,7 @@ def _kernel_case(kind: str, reset_after: bool, go_backwards: bool, masked: bool,
             else:
                 w = [v.value for v in layer.trainable_variables]
                 flags = {"go_backwards": go_backwards, "return_sequences": return_sequences,
-                         "zero_output_for_mask": zero_output}
+                         "zero_output_for_mask": zero_output, "unrolled": unrolled}
                 if kind == "lstm":
                     result = rnn_kernels.lstm_sequence(x, h0, c0, mask, *w, **flags)
                 else:
@@ -93,6 +93,9 @@ def _kernel_case(kind: str, reset_after: bool, go_backwards: bool, masked: bool,
         return [last, out, *states, *tape.gradient(loss, [x, *init,
                                                           *layer.trainable_variables])]
 
+    fused = run.get_concrete_function(True).graph.as_graph_def()
+    loops = op_histogram(fused)["While"] + op_histogram(fused)["StatelessWhile"]
+    assert (loops == 0) == unrolled, f"{loops} loops in the {'un' * unrolled}rolled form"
     return run(False), run(True)
 
 
@@ -122,6 +125,30 @@ def test_several_chunk_loops_match_keras_loop(monkeypatch, kind, go_backwards, m
                                  return_sequences)
     for i, (e, g) in enumerate(zip(expected, got)):
         assert_within_rounding(g.numpy(), e.numpy(), KERNEL_TERMS, what=f"output {i}")
+
+
+@pytest.mark.parametrize("kind,reset_after", [("lstm", True), ("gru", True), ("gru", False)])
+@pytest.mark.parametrize("go_backwards,masked,zero_output,return_sequences", FLAG_CASES)
+def test_unrolled_kernels_match_keras_loop(kind, reset_after, go_backwards, masked, zero_output,
+                                           return_sequences):
+    expected, got = _kernel_case(kind, reset_after, go_backwards, masked, zero_output,
+                                 return_sequences, unrolled=True)
+    for i, (e, g) in enumerate(zip(expected, got)):
+        assert_within_rounding(g.numpy(), e.numpy(), KERNEL_TERMS, what=f"output {i}")
+
+
+def test_unrolled_form_needs_a_static_length():
+    x = tf.TensorSpec([B, None, F_IN], tf.float32)
+    w = [tf.ones([F_IN, 4 * H]), tf.ones([H, 4 * H]), tf.zeros([4 * H])]
+
+    def fn(x):
+        return rnn_kernels.lstm_sequence(x, tf.zeros([B, H]), tf.zeros([B, H]), None, *w,
+                                         unrolled=True)[0]
+
+    with pytest.raises(ValueError, match="static number of timesteps"):
+        tf.function(fn).get_concrete_function(x)
+    assert "hoisted unrolled" not in rnn.cpu_forms(None)
+    assert "hoisted unrolled" not in rnn.cpu_forms(rnn.MAX_UNROLLED_STEPS + 1)
 
 
 def test_inference_form_saves_nothing_and_stays_differentiable():
@@ -246,6 +273,39 @@ def assert_fused_structure_ran(fused_fn, stock_fn=None):
     assert "TensorListPushBack" not in ran  # the stock While gradient's accumulators
     if stock_fn is not None:
         assert "TensorListPushBack" in ops_that_ran(stock_fn)
+
+
+class _Pick:
+    """A chooser that takes ``form`` for every rnn decision (other families: the rewrite)."""
+
+    def __init__(self, form: str) -> None:
+        self.form = form
+
+    def choose(self, family, signature, candidates, conservative):
+        from fusion.pattern import RewriteAlways
+
+        if family == "rnn":
+            assert self.form in candidates, (self.form, list(candidates))
+            candidates = {self.form: None}  # the conservative name itself when form == it
+        return RewriteAlways().choose(family, signature, candidates, conservative)
+
+
+@needs_onednn("either")  # all families: with oneDNN off the onednn family too
+@pytest.mark.parametrize("form", ["keras unrolled", "hoisted unrolled"])
+def test_unrolled_forms_fit_like_stock_with_no_loop_left(monkeypatch, form):
+    from tfmx import state
+
+    monkeypatch.setattr(state, "tuner", lambda: _Pick(form))
+    layers_fn = _pair(lambda x: G(H, reset_after=False)(L(H, return_sequences=True)(x)),
+                      lambda x: G(H, go_backwards=True)(keras.layers.Masking(0.0)(x)))
+    stock, fused, x, y = fit_both(layers_fn, epochs=1)
+    assert_parity(_weights(stock), _weights(fused), fit_terms(epochs=1))
+    assert not {"While", "StatelessWhile"} & ops_that_ran(fused.train_function)
+    assert {"While", "StatelessWhile"} & ops_that_ran(stock.train_function)
+    stats = tfmx.report().patterns["rnn"]
+    assert stats.fused == 3 and not stats.declined, tfmx.report()
+    suffix = "Keras's cell unrolled" if form == "keras unrolled" else "unrolled recurrence"
+    assert all(suffix in label for label in stats.fused_kinds), stats.fused_kinds
 
 
 @needs_onednn("either")  # all families: with oneDNN off the onednn family too

@@ -68,6 +68,16 @@ KIND_LABELS = {
                         "custom gradient",
     ("gru_reset_before", "hoisted"): "GRU(reset_after=False): hoisted input projection + "
                                      "recurrent loop, custom gradient",
+    ("lstm", "unrolled"): "LSTM: hoisted input projection + unrolled recurrence, custom gradient",
+    ("gru", "unrolled"): "GRU(reset_after=True): hoisted input projection + unrolled "
+                         "recurrence, custom gradient",
+    ("gru_reset_before", "unrolled"): "GRU(reset_after=False): hoisted input projection + "
+                                      "unrolled recurrence, custom gradient",
+    ("lstm", "keras_unrolled"): "LSTM: Keras's cell unrolled (measured faster than its loop)",
+    ("gru", "keras_unrolled"): "GRU(reset_after=True): Keras's cell unrolled (measured faster "
+                               "than its loop)",
+    ("gru_reset_before", "keras_unrolled"): "GRU(reset_after=False): Keras's cell unrolled "
+                                            "(measured faster than its loop)",
     ("lstm", "cudnn"): "LSTM: CudnnRNNV3 (+ CudnnRNNBackpropV3 by its gradient)",
     ("gru", "cudnn"): "GRU: CudnnRNNV3 (+ CudnnRNNBackpropV3 by its gradient)",
 }
@@ -146,10 +156,11 @@ def find_rnn_layer(layer: Any, target: Target) -> tuple[RnnMatch | None, str | N
 
 
 def rewrite_rnn_layer(match: RnnMatch, sequences, initial_state, mask, training=False,
-                      chunks=None):
+                      chunks=None, unrolled=False):
     """Emit ``match``'s form of the layer's inner loop; Keras's ``(last, outputs, states)``.
 
-    ``chunks``: loops per sequence of the cpu form (default ``rnn_kernels.CHUNKS``)."""
+    ``chunks``: loops per sequence of the cpu form (default ``rnn_kernels.CHUNKS``);
+    ``unrolled``: the cpu form with every timestep its own ops (a static length only)."""
     import tensorflow as tf
 
     from fusion.patterns import rnn_kernels as k
@@ -159,7 +170,7 @@ def rewrite_rnn_layer(match: RnnMatch, sequences, initial_state, mask, training=
         mask = mask[0]
     states = list(initial_state) if isinstance(initial_state, (list, tuple)) else [
         initial_state]
-    with tf.name_scope(SCOPE + match.kind):
+    with tf.name_scope(SCOPE + match.kind + ("_unrolled" if unrolled else "")):
         if training and cell.dropout:  # Keras's cuDNN path: one input mask for every step
             dp_mask = cell.get_dropout_mask(sequences[:, 0, :])
             sequences = sequences * dp_mask[:, None, :]
@@ -178,21 +189,66 @@ def rewrite_rnn_layer(match: RnnMatch, sequences, initial_state, mask, training=
         flags["training"] = training if isinstance(training, bool) else training is not None
         if match.kind == "lstm":
             return k.lstm_sequence(sequences, states[0], states[1], mask, kernel, recurrent,
-                                   bias, chunks=chunks, **flags)
+                                   bias, chunks=chunks, unrolled=unrolled, **flags)
         return k.gru_sequence(sequences, states[0], mask, kernel, recurrent, bias,
-                              reset_after=match.kind == "gru", chunks=chunks, **flags)
+                              reset_after=match.kind == "gru", chunks=chunks,
+                              unrolled=unrolled, **flags)
 
 
 TUNED_CHUNKS = (1, 5)
 """Loops per sequence the tuner times for the cpu form (besides Keras's own loop)."""
+MAX_UNROLLED_STEPS = 128
+"""Longest sequence whose unrolled forms are timed at all: unrolling grows the graph (and its
+trace and rewrite time) with every timestep, as Keras's own ``unroll=True`` warns. It prunes the
+search; among the forms it leaves, the tuner decides."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RnnForm:
+    """One correct way to run a layer call on cpu: Keras's or the hoisted loop, looped or
+    unrolled. ``chunks``: loops per sequence of the hoisted looped form."""
+
+    name: str
+    hoisted: bool
+    unrolled: bool = False
+    chunks: int | None = None
+
+
+def cpu_forms(steps: int | None) -> dict[str, RnnForm]:
+    """The forms the tuner times for a sequence of ``steps`` timesteps (None: unknown).
+
+    Example:
+        >>> sorted(cpu_forms(50))
+        ['hoisted unrolled', 'hoisted x1', 'hoisted x5', 'keras', 'keras unrolled']
+        >>> sorted(cpu_forms(None))
+        ['hoisted x1', 'keras']
+    """
+    forms = [RnnForm("keras", False)]
+    for chunks in TUNED_CHUNKS:
+        if chunks == 1 or (steps is not None and steps >= 2 * chunks):
+            forms.append(RnnForm(f"hoisted x{chunks}", True, chunks=chunks))
+    if steps is not None and 1 < steps <= MAX_UNROLLED_STEPS:
+        forms += [RnnForm("keras unrolled", False, unrolled=True),
+                  RnnForm("hoisted unrolled", True, unrolled=True)]
+    return {form.name: form for form in forms}
+
+
+def run_keras_loop(layer, original, sequences, initial_state, mask, training, unrolled=False):
+    """Keras's own ``inner_loop`` for ``layer``, with ``unroll`` set for this call only."""
+    saved = layer.unroll
+    layer.unroll = unrolled or saved
+    try:
+        return original(layer, sequences, initial_state, mask, training=training)
+    finally:
+        layer.unroll = saved
 
 
 def _layer_candidates(match: RnnMatch, original, sequences, initial_state, training,
                       input_gradient=True):
     """The forms of one layer call, each a factory of a runnable forward (+ backward when
-    ``training``) at the call's shapes (unknown batch 32): Keras's loop and the hoisted loop in
-    a few chunkings. ``input_gradient``: whether the backward computes the gradient of the
-    sequences too (not for a layer reading the model's inputs)."""
+    ``training``) at the call's shapes (unknown batch 32): :func:`cpu_forms`.
+    ``input_gradient``: whether the backward computes the gradient of the sequences too (not
+    for a layer reading the model's inputs)."""
     import tensorflow as tf
 
     layer = match.layer
@@ -200,9 +256,8 @@ def _layer_candidates(match: RnnMatch, original, sequences, initial_state, train
     states = list(initial_state) if isinstance(initial_state, (list, tuple)) else [
         initial_state]
     units = int(states[0].shape[-1])
-    steps = shape[1]
 
-    def factory(chunks):
+    def factory(form: RnnForm):
         def make():
             @tf.function(autograph=False)
             def step(x):
@@ -210,11 +265,12 @@ def _layer_candidates(match: RnnMatch, original, sequences, initial_state, train
                     if input_gradient:
                         tape.watch(x)
                     init = [tf.zeros([shape[0], units], x.dtype) for _ in states]
-                    if chunks is None:
-                        _, outputs, _ = original(layer, x, init, None, training=training)
-                    else:
+                    if form.hoisted:
                         _, outputs, _ = rewrite_rnn_layer(match, x, init, None, training,
-                                                          chunks=chunks)
+                                                          form.chunks, form.unrolled)
+                    else:
+                        _, outputs, _ = run_keras_loop(layer, original, x, init, None,
+                                                       training, form.unrolled)
                     loss = tf.reduce_sum(outputs * outputs)
                 if not training:  # inference: the forward alone
                     return [loss]
@@ -230,16 +286,12 @@ def _layer_candidates(match: RnnMatch, original, sequences, initial_state, train
 
         return make
 
-    candidates = {"keras": factory(None)}
-    for chunks in TUNED_CHUNKS:
-        if chunks == 1 or (steps is not None and steps >= 2 * chunks):
-            candidates[f"hoisted x{chunks}"] = factory(chunks)
-    return candidates
+    return {name: factory(form) for name, form in cpu_forms(shape[1]).items()}
 
 
-def _tuned_chunks(match: RnnMatch, original, sequences, initial_state, mask, training,
-                  tuner) -> tuple[int | None, str | None]:
-    """(chunks, None) for the hoisted form, or (None, reason) when Keras's loop is faster."""
+def _tuned_form(match: RnnMatch, original, sequences, initial_state, mask, training,
+                tuner) -> tuple[RnnForm, str]:
+    """The form the tuner measured fastest for this call, and the decision's text."""
     from tensorflow.python.eager import record
 
     from fusion.fragment import shape_text
@@ -252,30 +304,34 @@ def _tuned_chunks(match: RnnMatch, original, sequences, initial_state, mask, tra
     choice = tuner.choose("rnn", signature, _layer_candidates(
         match, original, sequences, initial_state, training, input_gradient),
         conservative="keras")
-    if choice.choice == "keras":
-        return None, f"{match.kind} {signature}: Keras's own loop kept: {choice.why()}"
-    return int(choice.choice.split("x")[-1]), None
+    form = cpu_forms(sequences.shape[1])[choice.choice]
+    return form, f"{match.kind} {signature}: {form.name} kept: {choice.why()}"
 
 
 def forward_stage(layer, original, target: Target, sequences, initial_state, mask,
                   training=False, tuner=None):
     """A Keras LSTM/GRU ``inner_loop`` call while tfmx traces: fused, or Keras's, declined.
 
-    On cpu ``tuner`` (``tfmx.tuner``) decides between Keras's loop and the hoisted one, and its
-    loops per sequence, by timing them at the call's shapes; None: the hoisted form."""
+    On cpu ``tuner`` (``tfmx.tuner``) decides between the forms of :func:`cpu_forms` (Keras's
+    loop or the hoisted one, looped in a few chunkings or unrolled) by timing them at the call's
+    shapes; None: the hoisted loop."""
     import tensorflow as tf
 
     match, why = find_rnn_layer(layer, target)
-    chunks = None
+    form = RnnForm("hoisted", True)
     if match is not None and match.form == "hoisted" and tuner is not None:
         train = training if isinstance(training, bool) else training is not None
-        chunks, reason = _tuned_chunks(match, original, sequences, initial_state, mask,
-                                       train, tuner)
-        if reason is not None:
+        form, _ = _tuned_form(match, original, sequences, initial_state, mask, train, tuner)
+        if form.name == "keras":
             match, why = None, "tuned"
+        elif not form.hoisted:  # Keras's cell, unrolled: measured faster than every loop
+            with tf.name_scope(SCOPE + match.kind + "_keras_unrolled"):
+                return run_keras_loop(layer, original, sequences, initial_state, mask,
+                                      training, unrolled=True)
     if match is not None:
         try:
-            return rewrite_rnn_layer(match, sequences, initial_state, mask, training, chunks)
+            return rewrite_rnn_layer(match, sequences, initial_state, mask, training,
+                                     form.chunks, form.unrolled)
         except Exception as exc:  # noqa: BLE001 - never break training: Keras's loop runs
             why = "error"
             warnings.warn(f"tfmx rnn: {layer.name}: {type(exc).__name__}: {exc}; "
@@ -316,16 +372,32 @@ def find_rnn_units(view: GraphView) -> list[RnnUnit]:
     # A loop body traced inside the scope names its nodes after it too: a unit is where the
     # layer's loop (or cuDNN call) is, or an unrolled layer, which has no loop anywhere.
     return [u for u in units.values()
-            if u.tag == "declined_unroll" or any(op in u.ops for op in UNIT_OPS)]
+            if u.tag.endswith("unroll") or u.tag.endswith(UNROLLED_FORMS)
+            or any(op in u.ops for op in UNIT_OPS)]
+
+
+UNROLLED_FORMS = ("_keras_unrolled", "_unrolled")  # scope suffixes, longest first
+
+
+def _kind_form(unit: RnnUnit) -> tuple[str, str]:
+    """(kind, form) of a fused unit from its scope's tag and ops."""
+    for suffix in UNROLLED_FORMS:
+        if unit.tag.endswith(suffix):
+            return unit.tag[: -len(suffix)], suffix[1:]
+    return unit.tag, "cudnn" if "CudnnRNNV3" in unit.ops else "hoisted"
 
 
 def _check_unit(view: GraphView, unit: RnnUnit, target: Target) -> tuple[str | None, str | None]:
     """(label, partial reason) for a fused unit, or (None, decline reason) if it is broken."""
-    kind = unit.tag
-    form = "cudnn" if "CudnnRNNV3" in unit.ops else "hoisted"
+    kind, form = _kind_form(unit)
     label = KIND_LABELS.get((kind, form))
     if label is None:
         return None, f"{kind}: unexpected {form} form"
+    if form in ("unrolled", "keras_unrolled"):
+        loops = [n for op in ("While", "StatelessWhile") for n in unit.ops.get(op, ())]
+        if loops or "MatMul" not in unit.ops:
+            return None, f"{kind}: {form} form with a loop or no MatMul under {unit.scope}"
+        return label, None
     if form == "hoisted":
         loops = [n for op in ("While", "StatelessWhile") for n in unit.ops.get(op, ())]
         if not loops:

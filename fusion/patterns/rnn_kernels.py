@@ -38,15 +38,64 @@ CHUNKS = 5  # default loops per sequence, so big MatMuls overlap the recurrence 
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def _ta(dtype: tf.DType, size: tf.Tensor) -> tf.TensorArray:
-    return tf.TensorArray(dtype, size=size)
+class _Listed:
+    """A TensorArray's read/write/stack over a Python list: the unrolled recurrence's arrays."""
+
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+    def read(self, i: int) -> tf.Tensor:
+        return self.items[i]
+
+    def write(self, i: int, value: tf.Tensor) -> _Listed:
+        self.items[i] = value
+        return self
+
+    def stack(self) -> tf.Tensor:
+        return tf.stack(self.items)
 
 
-def _loop(n: tf.Tensor, body, loop_vars: tuple) -> tuple:
-    return tf.while_loop(
-        lambda t, *_: t < n, body, (tf.constant(0),) + tuple(loop_vars),
-        maximum_iterations=n, parallel_iterations=PARALLEL_ITERATIONS,
-    )[1:]
+class Steps:
+    """How a recurrence runs its timesteps: one ``While`` loop (any length) or unrolled.
+
+    Unrolled (a static length only), every timestep is its own ops in the graph: no loop frame,
+    no TensorArrays, and the executor may run one step's off-path work (a saved factor, a
+    gradient's write) beside the next step's MatMul.
+    """
+
+    def __init__(self, unrolled: bool = False) -> None:
+        self.unrolled = unrolled
+
+    def count(self, x: tf.Tensor):
+        if not self.unrolled:
+            return tf.shape(x)[0]
+        if x.shape[0] is None:
+            raise ValueError("an unrolled recurrence needs a static number of timesteps; "
+                             "run it as a loop (unrolled=False)")
+        return int(x.shape[0])
+
+    def array(self, dtype: tf.DType, n):
+        return _Listed([None] * n) if self.unrolled else tf.TensorArray(dtype, size=n)
+
+    def seq(self, x: tf.Tensor):
+        if self.unrolled:
+            return _Listed(tf.unstack(x, num=self.count(x)))
+        return tf.TensorArray(x.dtype, size=tf.shape(x)[0]).unstack(x)
+
+    def loop(self, n, body, loop_vars: tuple) -> tuple:
+        if not self.unrolled:
+            return tf.while_loop(
+                lambda t, *_: t < n, body, (tf.constant(0),) + tuple(loop_vars),
+                maximum_iterations=n, parallel_iterations=PARALLEL_ITERATIONS,
+            )[1:]
+        carry = (0, *loop_vars)
+        for _ in range(n):
+            carry = body(*carry)
+        return tuple(carry[1:])
+
+
+LOOPED = Steps(False)
+UNROLLED = Steps(True)
 
 
 def _or_zeros(grad: tf.Tensor | None, like: tf.Tensor) -> tf.Tensor:
@@ -66,11 +115,7 @@ def _sig_grad(a: tf.Tensor) -> tf.Tensor:
     return a * (1.0 - a)
 
 
-def _seq(x: tf.Tensor) -> tf.TensorArray:
-    return _ta(x.dtype, tf.shape(x)[0]).unstack(x)
-
-
-def _forward(xp, states, mask, cell, keep_states, saved):
+def _forward(xp, states, mask, cell, keep_states, saved, steps=LOOPED):
     """The forward loop over ``xp`` [T, B, G].
 
     ``cell(x_t, *states) -> (new_states, saved_tensors)`` is one step. Masked steps keep the
@@ -79,9 +124,9 @@ def _forward(xp, states, mask, cell, keep_states, saved):
     the backward pass reads, computed in the forward loop where it is off the recurrence's
     critical path; ``saved=0`` for inference).
     """
-    n = tf.shape(xp)[0]
-    xs = _seq(xp)
-    ms = None if mask is None else _seq(mask)
+    n = steps.count(xp)
+    xs = steps.seq(xp)
+    ms = None if mask is None else steps.seq(mask)
     k = len(states)
 
     def step(t, *carry):
@@ -96,16 +141,16 @@ def _forward(xp, states, mask, cell, keep_states, saved):
             arrays[keep_states + j] = arrays[keep_states + j].write(t, tensor)
         return (t + 1, *new, *arrays)
 
-    arrays = [_ta(xp.dtype, n) for _ in range(int(keep_states) + saved)]
-    out = _loop(n, step, (*states, *arrays))
+    arrays = [steps.array(xp.dtype, n) for _ in range(int(keep_states) + saved)]
+    out = steps.loop(n, step, (*states, *arrays))
     final, arrays = list(out[:k]), list(out[k:])
     hs = arrays.pop(0).stack() if keep_states else None
     return n, final, hs, arrays
 
 
-def _masks(mask, dtype):
-    """Per-step float masks (TensorArray) for the backward loop, or None."""
-    return None if mask is None else _seq(tf.cast(mask, dtype))
+def _masks(mask, dtype, steps):
+    """Per-step float masks for the backward loop, or None."""
+    return None if mask is None else steps.seq(tf.cast(mask, dtype))
 
 
 # The backward loops carry only what the recurrence needs (the state gradients) and read the
@@ -134,7 +179,7 @@ def _lstm_cell(rk, saving):
     return cell
 
 
-def _lstm_core(xps, h0, c0, rk, masks, sequence=True, training=True):
+def _lstm_core(xps, h0, c0, rk, masks, sequence=True, training=True, steps=LOOPED):
     """Recurrence over the chunks ``xps`` ([T_j, B, 4H] each, input projection + bias added).
 
     Returns ``(hs, h_T, c_T)`` (``hs`` the states, [T, B, H]), or ``(h_T, c_T)``. Each chunk of
@@ -146,7 +191,7 @@ def _lstm_core(xps, h0, c0, rk, masks, sequence=True, training=True):
         h, c, hs = h0, c0, []
         for j in range(k):
             _, (h, c), hs_j, _ = _forward(xps[j], (h, c), masks[j], _lstm_cell(rk, False),
-                                          sequence, 0)
+                                          sequence, 0, steps)
             hs.append(hs_j)
         return (tf.concat(hs, 0), h, c) if sequence else (h, c)
 
@@ -156,7 +201,7 @@ def _lstm_core(xps, h0, c0, rk, masks, sequence=True, training=True):
         h, c, chunks = h0, c0, []
         for j in range(k):
             n, (h, c), hs_j, (rec,) = _forward(xps[j], (h, c), masks[j], _lstm_cell(rk, True),
-                                               True, 1)
+                                               True, 1, steps)
             chunks.append((n, hs_j, rec))
         h_t, c_t = h, c
         hs = tf.concat([hs_j for _, hs_j, _ in chunks], 0)
@@ -173,7 +218,7 @@ def _lstm_core(xps, h0, c0, rk, masks, sequence=True, training=True):
                 n, hs_j, rec = chunks[j]
                 h_first = h0 if j == 0 else chunks[j - 1][1][-1]
                 dh, dc, dxps[j] = _lstm_backward(n, rec, d_seqs[j], masks[j], xps[j].dtype,
-                                                 units, rk_t, dh, dc)
+                                                 units, rk_t, dh, dc, steps)
                 drks.append(tf.matmul(_flat(_shifted(h_first, hs_j)), _flat(dxps[j]),
                                       transpose_a=True))
             return (*dxps, dh, dc, tf.add_n(drks))
@@ -183,10 +228,10 @@ def _lstm_core(xps, h0, c0, rk, masks, sequence=True, training=True):
     return core(*xps, h0, c0, rk)
 
 
-def _lstm_backward(n, rec, d_hs, mask, dtype, units, rk_t, d_ht, d_ct):
+def _lstm_backward(n, rec, d_hs, mask, dtype, units, rk_t, d_ht, d_ct, steps):
     """The reverse loop over one chunk: (dh, dc) before it and d(projection) of its steps."""
-    dseq = None if d_hs is None else _seq(d_hs)
-    mf = _masks(mask, dtype)
+    dseq = None if d_hs is None else steps.seq(d_hs)
+    mf = _masks(mask, dtype, steps)
 
     def back(t, dh, dc, dzs):
         s = n - 1 - t
@@ -205,7 +250,7 @@ def _lstm_backward(n, rec, d_hs, mask, dtype, units, rk_t, d_ht, d_ct):
             dh_prev, dc_prev = dh_prev + dh * (1.0 - m), dc_prev + dc * (1.0 - m)
         return t + 1, dh_prev, dc_prev, dzs.write(s, dz)
 
-    dh0, dc0, dzs = _loop(n, back, (d_ht, d_ct, _ta(dtype, n)))
+    dh0, dc0, dzs = steps.loop(n, back, (d_ht, d_ct, steps.array(dtype, n)))
     return dh0, dc0, dzs.stack()
 
 
@@ -229,7 +274,7 @@ def _gru_after_cell(rk, brec, saving):
     return cell
 
 
-def _gru_core_after(xps, h0, rk, brec, masks, sequence=True, training=True):
+def _gru_core_after(xps, h0, rk, brec, masks, sequence=True, training=True, steps=LOOPED):
     """GRU(reset_after=True) recurrence over the chunks ``xps`` (x @ kernel + input bias,
     [T_j, B, 3H] each), one loop per chunk as :func:`_lstm_core`."""
     k = len(xps)
@@ -237,7 +282,7 @@ def _gru_core_after(xps, h0, rk, brec, masks, sequence=True, training=True):
         h, hs = h0, []
         for j in range(k):
             _, (h,), hs_j, _ = _forward(xps[j], (h,), masks[j],
-                                        _gru_after_cell(rk, brec, False), sequence, 0)
+                                        _gru_after_cell(rk, brec, False), sequence, 0, steps)
             hs.append(hs_j)
         return (tf.concat(hs, 0), h) if sequence else h
 
@@ -247,7 +292,7 @@ def _gru_core_after(xps, h0, rk, brec, masks, sequence=True, training=True):
         h, chunks = h0, []
         for j in range(k):
             n, (h,), hs_j, (rec,) = _forward(xps[j], (h,), masks[j],
-                                             _gru_after_cell(rk, brec, True), True, 1)
+                                             _gru_after_cell(rk, brec, True), True, 1, steps)
             chunks.append((n, hs_j, rec))
         h_t = h
         hs = tf.concat([hs_j for _, hs_j, _ in chunks], 0)
@@ -264,7 +309,7 @@ def _gru_core_after(xps, h0, rk, brec, masks, sequence=True, training=True):
                 n, hs_j, rec = chunks[j]
                 h_first = h0 if j == 0 else chunks[j - 1][1][-1]
                 dh, dxps[j], dinner = _gru_after_backward(n, rec, d_seqs[j], masks[j],
-                                                          xps[j].dtype, units, rk_t, dh)
+                                                          xps[j].dtype, units, rk_t, dh, steps)
                 drks.append(tf.matmul(_flat(_shifted(h_first, hs_j)), dinner,
                                       transpose_a=True))
                 dbrecs.append(tf.reduce_sum(dinner, axis=0))
@@ -275,11 +320,11 @@ def _gru_core_after(xps, h0, rk, brec, masks, sequence=True, training=True):
     return core(*xps, h0, rk, brec)
 
 
-def _gru_after_backward(n, rec, d_hs, mask, dtype, units, rk_t, d_ht):
+def _gru_after_backward(n, rec, d_hs, mask, dtype, units, rk_t, d_ht, steps):
     """The reverse loop over one chunk: dh before it, d(projection) of its steps and
     d(recurrent pre-activations) flattened to [T_j * B, 3H]."""
-    dseq = None if d_hs is None else _seq(d_hs)
-    mf = _masks(mask, dtype)
+    dseq = None if d_hs is None else steps.seq(d_hs)
+    mf = _masks(mask, dtype, steps)
 
     def back(t, dh, dis, dahs):
         s = n - 1 - t
@@ -293,7 +338,7 @@ def _gru_after_backward(n, rec, d_hs, mask, dtype, units, rk_t, d_ht):
             dh_prev = dh_prev + (dh - dhn)
         return t + 1, dh_prev, dis.write(s, dinner), dahs.write(s, dhn * pz)
 
-    dh0, dis, dahs = _loop(n, back, (d_ht, _ta(dtype, n), _ta(dtype, n)))
+    dh0, dis, dahs = steps.loop(n, back, (d_ht, steps.array(dtype, n), steps.array(dtype, n)))
     dinner = dis.stack()
     dxp = tf.concat([dinner[..., : 2 * units], dahs.stack()], axis=2)
     return dh0, dxp, _flat(dinner)
@@ -319,25 +364,25 @@ def _gru_before_cell(rk_zr, rk_h, saving):
     return cell
 
 
-def _gru_core_before(xp, h0, rk, mask, sequence=True, training=True):
+def _gru_core_before(xp, h0, rk, mask, sequence=True, training=True, steps=LOOPED):
     """GRU(reset_after=False) recurrence: the reset gate scales h before its MatMul."""
     units = rk.shape[0]
     if not training:
         cell = _gru_before_cell(rk[:, : 2 * units], rk[:, 2 * units:], False)
-        _, (h_t,), hs, _ = _forward(xp, (h0,), mask, cell, sequence, 0)
+        _, (h_t,), hs, _ = _forward(xp, (h0,), mask, cell, sequence, 0, steps)
         return (hs, h_t) if sequence else h_t
 
     @tf.custom_gradient
     def core(xp, h0, rk):
         rk_zr, rk_h = rk[:, : 2 * units], rk[:, 2 * units:]
         n, (h_t,), hs, (rec, rhs) = _forward(xp, (h0,), mask,
-                                             _gru_before_cell(rk_zr, rk_h, True), True, 2)
+                                             _gru_before_cell(rk_zr, rk_h, True), True, 2, steps)
 
         def grad(*d_out):
             d_hs, d_ht = d_out if sequence else (None, *d_out)
             d_ht = _or_zeros(d_ht, h_t)
-            dseq = None if d_hs is None else _seq(d_hs)
-            mf = _masks(mask, xp.dtype)
+            dseq = None if d_hs is None else steps.seq(d_hs)
+            mf = _masks(mask, xp.dtype, steps)
             rk_h_t, rk_zr_t = tf.transpose(rk_h), tf.transpose(rk_zr)
 
             def back(t, dh, dxs):
@@ -354,7 +399,7 @@ def _gru_core_before(xp, h0, rk, mask, sequence=True, training=True):
                     dh_prev = dh_prev + (dh - dhn)
                 return t + 1, dh_prev, dxs.write(s, tf.concat([dzr, dah], axis=1))
 
-            dh0, dxs = _loop(n, back, (d_ht, _ta(xp.dtype, n)))
+            dh0, dxs = steps.loop(n, back, (d_ht, steps.array(xp.dtype, n)))
             dxp = dxs.stack()
             d_zr, d_h = _flat(dxp[..., : 2 * units]), _flat(dxp[..., 2 * units:])
             drk = tf.concat([tf.matmul(_flat(_shifted(h0, hs)), d_zr, transpose_a=True),
@@ -415,16 +460,18 @@ def _outputs(hs, h_t, m, return_sequences, zero_output_for_mask):
 
 def lstm_sequence(sequences, h0, c0, mask, kernel, recurrent_kernel, bias,
                   go_backwards=False, return_sequences=False, zero_output_for_mask=False,
-                  training=True, chunks=None):
+                  training=True, chunks=None, unrolled=False):
     """Keras ``LSTM.inner_loop`` semantics, hoisted: ``(last_output, outputs, [h, c])``.
 
     ``training=False`` builds an inference loop (nothing saved for a backward pass).
+    ``unrolled``: every timestep its own ops (a static length only), forward and backward.
     """
     x, m = _time_major(sequences, mask, go_backwards)
     spans = _chunks(x.shape[0], chunks)
     xps = [_project(x[a:b], kernel, bias) for a, b in spans]
     masks = [None if m is None else m[a:b] for a, b in spans]
-    out = _lstm_core(xps, h0, c0, recurrent_kernel, masks, return_sequences, training)
+    out = _lstm_core(xps, h0, c0, recurrent_kernel, masks, return_sequences, training,
+                     UNROLLED if unrolled else LOOPED)
     hs, h_t, c_t = out if return_sequences else (None, *out)
     last, outputs = _outputs(hs, h_t, m, return_sequences, zero_output_for_mask)
     if return_sequences:  # the loops' stacks lose the static length; the next layer needs it
@@ -434,9 +481,10 @@ def lstm_sequence(sequences, h0, c0, mask, kernel, recurrent_kernel, bias,
 
 def gru_sequence(sequences, h0, mask, kernel, recurrent_kernel, bias, reset_after=True,
                  go_backwards=False, return_sequences=False, zero_output_for_mask=False,
-                 training=True, chunks=None):
+                 training=True, chunks=None, unrolled=False):
     """Keras ``GRU.inner_loop`` semantics, hoisted: ``(last_output, outputs, [h])``."""
     x, m = _time_major(sequences, mask, go_backwards)
+    steps = UNROLLED if unrolled else LOOPED
     if reset_after:
         units = recurrent_kernel.shape[0]
         if bias is None:
@@ -447,10 +495,10 @@ def gru_sequence(sequences, h0, mask, kernel, recurrent_kernel, bias, reset_afte
         out = _gru_core_after([_project(x[a:b], kernel, in_bias) for a, b in spans], h0,
                               recurrent_kernel, rec_bias,
                               [None if m is None else m[a:b] for a, b in spans],
-                              return_sequences, training)
+                              return_sequences, training, steps)
     else:
         out = _gru_core_before(_project(x, kernel, bias), h0, recurrent_kernel, m,
-                               return_sequences, training)
+                               return_sequences, training, steps)
     hs, h_t = out if return_sequences else (None, out)
     last, outputs = _outputs(hs, h_t, m, return_sequences, zero_output_for_mask)
     if return_sequences:  # the loops' stacks lose the static length; the next layer needs it
