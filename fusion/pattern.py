@@ -18,35 +18,50 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from fusion.graph import GraphView
 
+C = TypeVar("C")
+
 
 class Target(Protocol):
-    """What a pattern needs to know of the backend it rewrites for (see ``tfmx.backends``)."""
+    """What a pattern needs to know of the backend it rewrites for (see ``tfmx.backends``):
+    its name, its kernel list, and what it declares for each family that asks, as that
+    family's own small dataclass (:meth:`capability`)."""
 
     name: str
-    # TensorFlow op -> the oneDNN op (label MklNameChangeOp) to run it on; empty: none
-    onednn_ops: Mapping[str, str]
-
-    def contraction_support(self, op: str, dtype: str, fused_ops: tuple[str, ...]) -> bool:
-        """True if the backend runs ``_Fused<op>`` with ``fused_ops`` in ``dtype``."""
-        ...
-
-    def contraction_data_format(self, op: str, data_format: str) -> bool:
-        """True if the backend runs ``_Fused<op>`` in ``data_format`` (NHWC, NCHW)."""
-        ...
 
     def runs_op(self, op: str) -> bool:
         """True if the backend has a kernel for ``op``."""
         ...
 
-    def batch_norm_blocker(self, op: str, dtype: str, data_format: str,
-                           is_training: bool = True, channels: int | None = None,
-                           epsilon: float | None = None) -> str | None:
-        """Why the backend cannot run ``op`` (FusedBatchNormV3, _FusedBatchNormEx), or None."""
+    def capability(self, kind: type[C]) -> C | None:
+        """The backend's declaration of type ``kind`` (a family's dataclass), None: none."""
         ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainTarget:
+    """A :class:`Target` as plain data (``tfmx.backends.Backend`` is one; tests make others).
+
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class Widgets:
+    ...     sizes: tuple = (1, 2)
+    >>> t = PlainTarget("toy", capabilities=(Widgets(),), kernels=frozenset({"MatMul"}))
+    >>> t.capability(Widgets).sizes, t.capability(int), t.runs_op("Conv2D")
+    ((1, 2), None, False)
+    """
+
+    name: str
+    capabilities: tuple = ()
+    kernels: frozenset[str] | None = None  # None: every registered TensorFlow op
+
+    def runs_op(self, op: str) -> bool:
+        return self.kernels is None or op in self.kernels
+
+    def capability(self, kind: type[C]) -> C | None:
+        return next((c for c in self.capabilities if isinstance(c, kind)), None)
 
 
 class Choice(Protocol):

@@ -9,6 +9,7 @@ from helpers import ACTIVATION_ROUNDINGS, TRANSCENDENTAL, float_tolerance, needs
 from tensorflow.core.framework import graph_pb2
 
 import fusion
+from fusion.patterns.contraction import ContractionKernels
 from tfmx.backends import BACKEND_NAMES, _cpu, detect, get_backend, metal_kernels, onednn_enabled
 from tfmx.rebuild import protected_names
 
@@ -26,7 +27,7 @@ METAL_DTYPES = {tf.float32.as_datatype_enum, tf.float16.as_datatype_enum,
 def _entries(backend):
     return sorted(
         (op, dtype, chain)
-        for op, by_dtype in backend.contractions.items()
+        for op, by_dtype in backend.capability(ContractionKernels).chains.items()
         for dtype, chains in by_dtype.items()
         for chain in chains
     )
@@ -131,7 +132,7 @@ def test_live_cpu_table_entry_runs_and_matches(op, dtype, chain):
      ("MatMul", ("BiasAdd", "GeluExact")), ("DepthwiseConv2dNative", ("BiasAdd", "Relu"))],
 )
 def test_entries_left_out_of_the_live_table_do_not_run(op, chain, cpu):
-    assert not cpu.contraction_support(op, "float32", chain)
+    assert not cpu.capability(ContractionKernels).runs(op, "float32", chain)
     with pytest.raises(tf.errors.OpError):
         run_entry(op, "float32", chain)
 
@@ -215,7 +216,7 @@ def test_metal_backend_tables_are_within_the_plugin():
     metal = get_backend("metal")
     kernels = metal_kernels()
     assert not metal.available  # no Mac GPU here: a plan only
-    for op, by_dtype in metal.contractions.items():
+    for op, by_dtype in metal.capability(ContractionKernels).chains.items():
         assert FUSED_OP[op] in kernels and op in kernels
         assert set(by_dtype) <= {"float32", "float16", "bfloat16"}
         for chains in by_dtype.values():
@@ -239,7 +240,10 @@ def test_detect_is_cpu_here():
 
 @needs_onednn("either")
 def test_cpu_backend_follows_the_live_onednn_setting():
-    assert get_backend("cpu").contractions == _cpu(onednn_enabled()).contractions
-    assert "DepthwiseConv2dNative" in _cpu(True).contractions
-    assert "DepthwiseConv2dNative" not in _cpu(False).contractions
+    def chains(backend):
+        return backend.capability(ContractionKernels).chains
+
+    assert chains(get_backend("cpu")) == chains(_cpu(onednn_enabled()))
+    assert "DepthwiseConv2dNative" in chains(_cpu(True))
+    assert "DepthwiseConv2dNative" not in chains(_cpu(False))
     assert get_backend("cpu").available

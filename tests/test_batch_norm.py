@@ -27,7 +27,7 @@ import fusion
 import tfmx
 from fusion.graph import GraphView, op_histogram
 from fusion.patterns import batch_norm
-from fusion.patterns.batch_norm import find_batch_norm
+from fusion.patterns.batch_norm import find_batch_norm, kernel_blocker
 from tfmx import forward
 from tfmx.backends import get_backend, metal_kernels
 from tfmx.rebuild import protected_names
@@ -474,14 +474,14 @@ def test_backend_batch_norm_tables():
     for op in ("FusedBatchNormV3", "FusedBatchNormGradV3", "_FusedBatchNormEx"):
         assert op in kernels
     cpu, metal = get_backend("cpu"), get_backend("metal")
-    assert cpu.batch_norm_blocker("FusedBatchNormV3", "bfloat16", "NCHW") is None
-    assert "no FusedBatchNormV3 kernel for float64" in cpu.batch_norm_blocker(
-        "FusedBatchNormV3", "float64", "NHWC")
-    assert metal.batch_norm_blocker("_FusedBatchNormEx", "float16", "NHWC", False, 8) is None
-    assert "channels % 4" in metal.batch_norm_blocker("_FusedBatchNormEx", "float16", "NHWC",
-                                                      False, 6)
-    assert "epsilon" in get_backend("cuda").batch_norm_blocker("FusedBatchNormV3", "float32",
-                                                               "NHWC", epsilon=1e-6)
+    assert kernel_blocker(cpu, "FusedBatchNormV3", "bfloat16", "NCHW") is None
+    assert "no FusedBatchNormV3 kernel for float64" in kernel_blocker(
+        cpu, "FusedBatchNormV3", "float64", "NHWC")
+    assert kernel_blocker(metal, "_FusedBatchNormEx", "float16", "NHWC", False, 8) is None
+    assert "channels % 4" in kernel_blocker(metal, "_FusedBatchNormEx", "float16", "NHWC",
+                                            False, 6)
+    assert "epsilon" in kernel_blocker(get_backend("cuda"), "FusedBatchNormV3", "float32",
+                                       "NHWC", epsilon=1e-6)
 
 
 def test_cpu_fused_batch_norm_ex_really_has_no_working_kernel():

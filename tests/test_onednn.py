@@ -11,8 +11,11 @@ from helpers import TRANSCENDENTAL, assert_within_rounding, needs_onednn, ops_th
 import fusion
 import tfmx
 from fusion.graph import GraphView
-from fusion.patterns.onednn import KERNEL_LABEL, RETARGETS, find_onednn
-from tfmx.backends import get_backend, onednn_kernels_registered
+from fusion.pattern import PlainTarget
+from fusion.patterns import onednn
+from fusion.patterns.onednn import KERNEL_LABEL, RETARGETS, OneDnnKernels, find_onednn
+from fusion.patterns.onednn import kernels_registered as onednn_kernels_registered
+from tfmx.backends import get_backend
 from tfmx.rebuild import protected_names, rebuild
 
 CONVOLUTIONS = {op: new for op, new in RETARGETS.items() if op.startswith("Conv2D")}
@@ -31,11 +34,9 @@ def RUNS_HERE(test):  # noqa: N802 - a decorator, like pytest's marks
 pytestmark = pytest.mark.usefixtures("every_rewrite")
 
 
-class _Target:
+def _Target():  # noqa: N802 - stands for a backend class
     """A backend that retargets every convolution (the matcher does not need a real one)."""
-
-    name = "test"
-    onednn_ops = dict(RETARGETS)
+    return PlainTarget("test", (OneDnnKernels(),))
 
 
 
@@ -86,7 +87,7 @@ def test_backends_without_the_kernels_or_with_onednn_on_retarget_nothing():
     cf = _conv_step()
     g = cf.graph.as_graph_def(add_shapes=True)
     for name in ("cuda", "metal"):
-        assert get_backend(name).onednn_ops == {}
+        assert get_backend(name).capability(OneDnnKernels) is None
         res = fusion.rewrite(g, get_backend(name), ["onednn"], protected_names(cf))
         assert res.stats["onednn"].matched == 0 and not res.changed
 
@@ -215,16 +216,14 @@ def test_keras_cnn_trains_like_stock_with_onednn_convolutions():
 
 
 def test_only_x86_64_cpus_retarget(monkeypatch):
-    from tfmx import backends
-
-    monkeypatch.setattr(backends.platform, "machine", lambda: "aarch64")
-    backends.onednn_kernels_registered.cache_clear()
+    monkeypatch.setattr(onednn.platform, "machine", lambda: "aarch64")
+    onednn_kernels_registered.cache_clear()
     try:
         assert not onednn_kernels_registered()
-        assert get_backend("cpu").onednn_ops == {}
+        assert get_backend("cpu").capability(OneDnnKernels) is None
     finally:
         monkeypatch.undo()
-        backends.onednn_kernels_registered.cache_clear()
+        onednn_kernels_registered.cache_clear()
 
 
 def test_batch_norm_goes_to_onednn_only_with_its_gradient():
@@ -243,10 +242,10 @@ def test_batch_norm_goes_to_onednn_only_with_its_gradient():
     view = GraphView(cf.graph.as_graph_def(add_shapes=True).node)
     pair = {"FusedBatchNormV3": "_MklNativeFusedBatchNormV3",
             "FusedBatchNormGradV3": "_MklNativeFusedBatchNormGradV3"}
-    matches, declined = find_onednn(view, type("T", (), {"onednn_ops": pair})())
+    matches, declined = find_onednn(view, PlainTarget("cpu", (OneDnnKernels(pair),)))
     assert sorted(m.op for m in matches) == sorted(pair.values()) and declined == []
     alone = {"FusedBatchNormV3": "_MklNativeFusedBatchNormV3"}  # no gradient kernel
-    matches, declined = find_onednn(view, type("T", (), {"onednn_ops": alone})())
+    matches, declined = find_onednn(view, PlainTarget("cpu", (OneDnnKernels(alone),)))
     assert matches == []
     assert declined == ["FusedBatchNormV3: its forward/gradient partner stays on Eigen"]
 

@@ -37,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import tensorflow as tf
 
@@ -172,8 +173,42 @@ def _activation_after(
     return None
 
 
-def _support(target: Target, op: str, dtype: str, fused_ops: tuple[str, ...]) -> bool:
-    return target.contraction_support(op, dtype, fused_ops)
+Chains = frozenset[tuple[str, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ContractionKernels:
+    """What a backend declares for this family: the ``fused_ops`` lists it runs per op and
+    dtype, and the data formats of its fused convolutions.
+
+    >>> k = ContractionKernels({"MatMul": {"float32": frozenset({("BiasAdd",)})}})
+    >>> k.runs("MatMul", "float32", ("BiasAdd",)), k.runs("MatMul", "float32", ("BiasAdd", "Relu"))
+    (True, False)
+    """
+
+    chains: Mapping[str, Mapping[str, Chains]]  # op -> dtype -> fused_ops lists
+    data_formats: Mapping[str, frozenset[str]] = dataclasses.field(default_factory=dict)
+
+    def runs(self, op: str, dtype: str, fused_ops: tuple[str, ...]) -> bool:
+        """True if ``_Fused<op>`` with ``fused_ops`` runs in ``dtype``."""
+        return tuple(fused_ops) in self.chains.get(op, {}).get(dtype, frozenset())
+
+    def runs_format(self, op: str, data_format: str) -> bool:
+        """True if the fused form of ``op`` runs in ``data_format`` (NHWC, NCHW)."""
+        return data_format in self.data_formats.get(op, frozenset())
+
+    def describe(self) -> dict:
+        return {op: {dt: sorted("+".join(c) for c in chains) for dt, chains in by_dtype.items()}
+                for op, by_dtype in self.chains.items()}
+
+
+def supports(target: Target, op: str, dtype: str, fused_ops: tuple[str, ...]) -> bool:
+    """True if ``target`` declares ``_Fused<op>`` with ``fused_ops`` in ``dtype``."""
+    kernels = target.capability(ContractionKernels)
+    return kernels is not None and kernels.runs(op, dtype, fused_ops)
+
+
+
 
 
 def find_contractions(
@@ -196,7 +231,7 @@ def find_contractions(
         if bias is None or parse_input(bias.input[0])[0] != node.name:
             continue  # not a candidate: no bias follows (e.g. a gradient matmul)
         op, dtype = node.op, dtype_name(node)
-        if not _support(target, op, dtype, ("BiasAdd",)):
+        if not supports(target, op, dtype, ("BiasAdd",)):
             declined.append(f"{op}: {target.name} runs no fused {op} in {dtype}")
             continue
         why = _contraction_blocker(view, node, bias, target)
@@ -248,7 +283,8 @@ def _contraction_blocker(
         bias_fmt = bias.attr["data_format"].s.decode() if "data_format" in bias.attr else "NHWC"
         if fmt != bias_fmt:
             return f"data_format {fmt} with BiasAdd in {bias_fmt}"
-        if not target.contraction_data_format(node.op, fmt):
+        kernels = target.capability(ContractionKernels)
+        if kernels is None or not kernels.runs_format(node.op, fmt):
             return f"{target.name} runs fused {node.op} in NHWC only, not {fmt}"
         if node.op == "DepthwiseConv2dNative" and node.attr["padding"].s == b"EXPLICIT":
             return "explicit padding is not an attribute of _FusedDepthwiseConv2dNative"
@@ -280,7 +316,7 @@ def _extend(
                 match.partial = f"residual Add left apart: {why}"
             elif view.has_control_edges(nxt):
                 match.partial = "residual Add left apart: Add has a control edge"
-            elif not _support(target, op, dtype, ("BiasAdd", "Add")):
+            elif not supports(target, op, dtype, ("BiasAdd", "Add")):
                 match.partial = f"residual Add left apart: {target.name} runs no fused {op}+Add"
             else:
                 match.add, match.addend = nxt, addend
@@ -291,7 +327,7 @@ def _extend(
         return
     act, act_nodes = found
     candidate = (*match.fused_ops, act)
-    if not _support(target, op, dtype, candidate):
+    if not supports(target, op, dtype, candidate):
         match.partial = match.partial or (
             f"{act} left apart: {target.name} runs no fused {op} with {', '.join(candidate)}"
         )

@@ -43,6 +43,7 @@ from fusion.match import (
     split_scalar_const,
 )
 from fusion.pattern import RewriteContext, Target, apply_matches, register
+from fusion.patterns.contraction import supports
 
 ACTIVATIONS = ("Relu", "Relu6", "Elu", "LeakyRelu")
 
@@ -124,7 +125,7 @@ def find_conv_bn(
         dtype = dtype_name(conv)
         fmt = conv.attr["data_format"].s.decode()
         channels = (output_shape(conv) or (None,))[-1] if fmt == "NHWC" else None
-        if not target.contraction_support("Conv2D", dtype, ("FusedBatchNorm",)):
+        if not supports(target, "Conv2D", dtype, ("FusedBatchNorm",)):
             declined.append(f"Conv2D+BatchNorm: {target.name} runs no fused batch norm "
                             f"in {dtype}")
             continue
@@ -146,8 +147,8 @@ def find_conv_bn(
             continue
         act = consumer(view, match.interior[-1], "Relu") or next(
             (c for c in view.consumers(match.interior[-1].name) if c.op in ACTIVATIONS), None)
-        if act is not None and target.contraction_support(
-            "Conv2D", dtype, ("FusedBatchNorm", act.op)
+        if act is not None and supports(
+            target, "Conv2D", dtype, ("FusedBatchNorm", act.op)
         ) and blocker(view, match.interior[-1], inside | {act.name}) is None \
                 and not view.has_control_edges(act):
             match.activation = act

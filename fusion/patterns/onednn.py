@@ -38,15 +38,18 @@ Example:
     ...     return tf.nn.conv2d(x, w, 1, "SAME")
     >>> g = f.get_concrete_function(tf.TensorSpec([1, 4, 4, 2]),
     ...                             tf.TensorSpec([3, 3, 2, 2])).graph.as_graph_def()
-    >>> class Target:  # a cpu backend whose oneDNN kernels are registered, oneDNN itself off
-    ...     onednn_ops = {"Conv2D": "_MklNativeConv2D"}
-    >>> [m.op for m in find_onednn(GraphView(g.node), Target())[0]]
+    >>> from fusion.pattern import PlainTarget
+    >>> cpu = PlainTarget("cpu", (OneDnnKernels(),))  # oneDNN's kernels there, its pass off
+    >>> [m.op for m in find_onednn(GraphView(g.node), cpu)[0]]
     ['_MklNativeConv2D']
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import platform
+from collections.abc import Mapping
 
 from fusion.fragment import choose_rewrite, input_shapes
 from fusion.graph import GraphView, NodeDef, parse_input
@@ -66,6 +69,38 @@ RETARGETS = {
     "_FusedConv2D": "_MklNativeFusedConv2D",
 }
 """TensorFlow op -> the oneDNN op computing the same, with the same inputs and attrs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OneDnnKernels:
+    """What a backend declares for this family: it has oneDNN's renamed CPU kernels (registered
+    under :data:`KERNEL_LABEL`) while TensorFlow's own oneDNN pass is off, so the ops of
+    ``ops`` (TensorFlow op -> oneDNN op, default :data:`RETARGETS`) may be retargeted."""
+
+    ops: Mapping[str, str] = dataclasses.field(default_factory=lambda: dict(RETARGETS))
+
+
+@functools.cache
+def kernels_registered() -> bool:
+    """True if this TensorFlow has oneDNN's renamed CPU kernels (the Linux x86-64 wheels do),
+    whether or not oneDNN's graph pass is on. Only x86-64 counts: that is where they were
+    measured (aarch64 builds route oneDNN through ACL, not measured).
+
+    >>> isinstance(kernels_registered(), bool)
+    True
+    """
+    from tensorflow.python.framework import kernels
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    for op in RETARGETS.values():
+        try:
+            found = kernels.get_registered_kernels_for_op(op).kernel
+        except Exception:  # noqa: BLE001 - an op this build does not know
+            return False
+        if not any(k.device_type == "CPU" and k.label == KERNEL_LABEL for k in found):
+            return False
+    return True
 
 
 FUSED_CONV_ONEDNN_CHAINS = frozenset({
@@ -137,7 +172,8 @@ def find_onednn(view: GraphView, target: Target, tuner: Chooser | None = None,
 
     Convolutions and MatMuls go to oneDNN where ``tuner`` measures it faster than Eigen at
     the node's own shapes (None: always)."""
-    ops = getattr(target, "onednn_ops", {})
+    kernels = target.capability(OneDnnKernels)
+    ops = {} if kernels is None else kernels.ops
     declined: list[str] = []
     candidates: dict[str, OneDnnMatch] = {}
     if not ops:  # cuda, metal, cpu with oneDNN on: no walk over the graph

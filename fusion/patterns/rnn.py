@@ -96,6 +96,16 @@ RUNTIME_OPS = frozenset({
 _SCOPE_RE = re.compile(r"^(?P<prefix>.*?)" + SCOPE + r"(?P<tag>[A-Za-z_]+?)(_\d+)?/")
 
 
+@dataclasses.dataclass(frozen=True)
+class RnnKernels:
+    """What a backend declares for this family: the form its LSTM / GRU layers take
+    ("hoisted": the hoisted loop, any TensorFlow device; "cudnn": one ``CudnnRNNV3``), and
+    whether its cuDNN GRU orders the gates r, z, h (CUDA's cuDNN) instead of Keras's z, r, h."""
+
+    form: str
+    gru_gates_rzh: bool = False
+
+
 @dataclasses.dataclass
 class RnnMatch:
     """One Keras LSTM / GRU layer call that the family fuses."""
@@ -129,9 +139,10 @@ def find_rnn_layer(layer: Any, target: Target) -> tuple[RnnMatch | None, str | N
         kind = "gru" if cell.reset_after else "gru_reset_before"
     else:
         return None, "cell"
-    gpu = target.name in ("cuda", "metal")
-    if target.name not in ("cpu", "cuda", "metal"):
+    kernels = target.capability(RnnKernels)
+    if kernels is None:
         return None, "target"
+    gpu = kernels.form == "cudnn"
     if layer.unroll:
         return None, "unroll"
     if layer.stateful:
@@ -151,8 +162,7 @@ def find_rnn_layer(layer: Any, target: Target) -> tuple[RnnMatch | None, str | N
         return None, "use_cudnn_false"
     if gpu and kind == "gru_reset_before":
         return None, "reset_before_gpu"
-    return RnnMatch(kind, "cudnn" if gpu else "hoisted", layer,
-                    swap_zr=target.name == "cuda"), None
+    return RnnMatch(kind, kernels.form, layer, swap_zr=kernels.gru_gates_rzh), None
 
 
 def rewrite_rnn_layer(match: RnnMatch, sequences, initial_state, mask, training=False,
