@@ -110,7 +110,9 @@ class RewriteAlways:
 
 @dataclasses.dataclass
 class PatternStats:
-    """Counts for one pattern: matched, fused, fused only in part, declined (with reasons)."""
+    """Counts for one pattern: matched, fused, fused only in part, declined (with reasons),
+    and ``observed``: what a stage family rewrote before differentiation, as its GraphDef pass
+    found it in a traced graph (the stage itself counts it as matched and fused)."""
 
     matched: int = 0
     fused: int = 0
@@ -118,6 +120,12 @@ class PatternStats:
     declined: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     fused_kinds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     errors: list[str] = dataclasses.field(default_factory=list)
+    observed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def observe(self, kind: str, partial_reason: str | None = None) -> None:
+        self.observed[kind] += 1
+        if partial_reason:
+            self.partial[partial_reason] += 1
 
     def decline(self, reason: str) -> None:
         self.declined[reason] += 1
@@ -135,6 +143,7 @@ class PatternStats:
         self.declined.update(other.declined)
         self.fused_kinds.update(other.fused_kinds)
         self.errors.extend(other.errors)
+        self.observed.update(other.observed)
 
     def as_dict(self) -> dict:
         return {
@@ -144,6 +153,7 @@ class PatternStats:
             "partial": dict(self.partial),
             "declined": dict(self.declined),
             "errors": list(self.errors),
+            "observed": dict(self.observed),
         }
 
 

@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import hashlib
 import time
 from collections.abc import Iterable
 
@@ -40,8 +40,6 @@ from fusion.pattern import (
     Target,
     resolve,
 )
-
-_RENAME_COUNTER = itertools.count(1)
 
 
 @dataclasses.dataclass
@@ -202,10 +200,25 @@ def rewrite(
     )
 
 
+def unused_function_name(base: str) -> str:
+    """``base``, or ``base_2``, ``base_3``... : the first name no live function of this process
+    holds. Names come from content, so a second rewrite of the same graph would otherwise share
+    a name with a function another rebuilt step still runs, and whichever is freed first would
+    remove the definition under the other."""
+    from tensorflow.python.eager import context
+
+    ctx, name, k = context.context(), base, 1
+    while ctx.has_function(name):
+        k += 1
+        name = f"{base}_{k}"
+    return name
+
+
 def _rename_library(
     out: graph_pb2.GraphDef, new_bodies: dict[str, function_pb2.FunctionDef]
 ) -> dict[str, str]:
-    """Give every changed function (and every function that calls one) a fresh name."""
+    """Give every changed function (and every function that calls one) a new name, made of its
+    content's hash, so rewriting the same graph twice gives the same names."""
     if not new_bodies:
         return {}
     functions = {f.signature.name: f for f in out.library.function}
@@ -213,8 +226,11 @@ def _rename_library(
     renames: dict[str, str] = {}
     pending = set(new_bodies)
     while pending:
-        for name in pending:
-            renames[name] = f"{name}_tfmx{next(_RENAME_COUNTER)}"
+        known = ",".join(f"{k}={v}" for k, v in sorted(renames.items()))
+        for name in sorted(pending):  # named by content: the same rewrite, the same name
+            digest = hashlib.sha256(functions[name].SerializeToString(deterministic=True))
+            digest.update(known.encode())
+            renames[name] = unused_function_name(f"{name}_tfmx_{digest.hexdigest()[:12]}")
         pending = {
             name
             for name, fdef in functions.items()

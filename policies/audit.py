@@ -194,6 +194,54 @@ def _casts_of(graph_def: Any) -> tuple[int, int, dict[str, int]]:
     return forward, backward, dict(kinds)
 
 
+def _audit_layer(layer: Any, values: dict, graph: bool, outputs: list, stale: set,
+                 failures: dict) -> LayerAudit:
+    """One layer's row of :func:`audit`: trace it alone on its recorded input and count the
+    casts of its forward and backward (a failure goes to ``failures`` and the note)."""
+    import tensorflow as tf
+
+    from policies.tune import producers
+
+    cls = type(layer).__name__
+    note = []
+    if any(layer is o for o in outputs):
+        note.append("output layer")
+    if id(layer) in stale:
+        note.append("built before the last set_global: keeps its old policy")
+    fwd = bwd = 0
+    kinds: dict[str, int] = {}
+    out_dtype = None
+    if id(layer) not in values:
+        note.append("not traced alone (shared layer or nested model)")
+    else:
+        value = typed = values[id(layer)]
+        if graph:
+            flat = tf.nest.flatten(value)
+            dtypes = [_producer_dtype(p, t)
+                      for p, t in zip(_expand(producers(layer), flat), flat)]
+            typed = tf.nest.pack_sequence_as(value, [
+                tf.cast(t, d) if t.dtype.is_floating else t for t, d in zip(flat, dtypes)])
+        state = [v.numpy() for v in layer.non_trainable_variables]
+        try:
+            graph_def, out_dtype = _layer_graph(layer, typed)
+            fwd, bwd, kinds = _casts_of(graph_def)
+            if out_dtype != "float32":  # the step's own cast of the output for its sum,
+                fwd, bwd = fwd - 1, bwd - 1  # and that cast's gradient, are not the layer's
+                kinds = _minus_sum_cast(kinds, out_dtype)
+        except Exception as err:  # noqa: BLE001 - reported, see policies.check
+            failures[layer.name] = (cls, policy_name(layer), err)
+            note.append(str(LayerDtypeError(layer.name, cls, policy_name(layer), err))
+                        .splitlines()[0])
+        finally:
+            for v, s in zip(layer.non_trainable_variables, state):
+                v.assign(s)
+        if out_dtype and out_dtype != layer.compute_dtype and layer.compute_dtype != "float32":
+            note.append(f"returns {out_dtype}, not its compute dtype")
+    return LayerAudit(layer.name, cls, policy_name(layer), layer.compute_dtype,
+                      layer.variable_dtype, out_dtype, max(fwd, 0), max(bwd, 0), kinds,
+                      "; ".join(note))
+
+
 def audit(model: Any, sample_batch: Any = None, batch_size: int = 8) -> Audit:
     """Per layer: policy, compute and variable dtype, output dtype, and the casts it adds.
 
@@ -220,7 +268,6 @@ def audit(model: Any, sample_batch: Any = None, batch_size: int = 8) -> Audit:
         has_graph,
         inputs_of,
         probe_layers,
-        producers,
         record_calls,
         runnable_alone,
         sample_inputs,
@@ -238,49 +285,9 @@ def audit(model: Any, sample_batch: Any = None, batch_size: int = 8) -> Audit:
         recorded, outputs = record_calls(model, single, x, as_float32=False)
         values = {key: inp for key, (inp, _) in recorded.items()}
     stale = {id(layer) for layer, _ in stale_layers(model)}
-    rows = []
     notes: list[str] = []
     failures: dict[str, tuple[str, str, BaseException]] = {}
-    for layer in top:
-        cls = type(layer).__name__
-        note = []
-        if any(layer is o for o in outputs):
-            note.append("output layer")
-        if id(layer) in stale:
-            note.append("built before the last set_global: keeps its old policy")
-        fwd = bwd = 0
-        kinds: dict[str, int] = {}
-        out_dtype = None
-        if id(layer) in values:
-            value = values[id(layer)]
-            typed = value
-            if graph:
-                flat = tf.nest.flatten(value)
-                dtypes = [_producer_dtype(p, t)
-                          for p, t in zip(_expand(producers(layer), flat), flat)]
-                typed = tf.nest.pack_sequence_as(value, [
-                    tf.cast(t, d) if t.dtype.is_floating else t for t, d in zip(flat, dtypes)])
-            state = [v.numpy() for v in layer.non_trainable_variables]
-            try:
-                graph_def, out_dtype = _layer_graph(layer, typed)
-                fwd, bwd, kinds = _casts_of(graph_def)
-                if out_dtype != "float32":  # the step's own cast of the output for its sum,
-                    fwd, bwd = fwd - 1, bwd - 1  # and that cast's gradient, are not the layer's
-                    kinds = _minus_sum_cast(kinds, out_dtype)
-            except Exception as err:  # noqa: BLE001 - reported, see policies.check
-                failures[layer.name] = (cls, policy_name(layer), err)
-                note.append(str(LayerDtypeError(layer.name, cls, policy_name(layer), err))
-                            .splitlines()[0])
-            finally:
-                for v, s in zip(layer.non_trainable_variables, state):
-                    v.assign(s)
-            if out_dtype and out_dtype != layer.compute_dtype and layer.compute_dtype != "float32":
-                note.append(f"returns {out_dtype}, not its compute dtype")
-        else:
-            note.append("not traced alone (shared layer or nested model)")
-        rows.append(LayerAudit(layer.name, cls, policy_name(layer), layer.compute_dtype,
-                               layer.variable_dtype, out_dtype, max(fwd, 0), max(bwd, 0), kinds,
-                               "; ".join(note)))
+    rows = [_audit_layer(layer, values, graph, outputs, stale, failures) for layer in top]
     try:
         graph_def, sum_casts = _model_graph(model, tf.nest.map_structure(tf.convert_to_tensor, x))
         model_casts = len(cast_nodes(graph_def)) - sum_casts

@@ -24,14 +24,14 @@ import warnings
 import weakref
 from typing import Any
 
+from fusion import patches
 from policies.errors import LayerDtypeError, PolicyWarning
 
-_ORIGINAL: dict[str, Any] = {}
 _COMPILED: weakref.WeakSet = weakref.WeakSet()  # models compiled while the hook was on
 
 
 def installed() -> bool:
-    return bool(_ORIGINAL)
+    return bool(patches.installed(GROUP))
 
 
 def forget_compiled_models() -> None:
@@ -124,20 +124,10 @@ def _wrap_layer_call(original: Any) -> Any:
     return __call__
 
 
-def install() -> None:
-    """Wrap ``keras.Model.compile`` and ``keras.layers.Layer.__call__`` once (idempotent).
+GROUP = "policies"  # the fusion.patches group of this hook's two patches
 
-    The ``__call__`` wrapper only turns a dtype mismatch raised inside a 16-bit layer into a
-    :class:`~policies.errors.LayerDtypeError` that names the layer and the fix.
-    """
-    if _ORIGINAL:
-        return
-    import keras
 
-    _ORIGINAL["__call__"] = keras.layers.Layer.__call__
-    keras.layers.Layer.__call__ = _wrap_layer_call(_ORIGINAL["__call__"])
-
-    original = keras.Model.compile
+def _wrap_compile(original: Any) -> Any:
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -149,20 +139,22 @@ def install() -> None:
                                       bool(params.get("auto_scale_loss", True)))
         return original(*bound.args, **bound.kwargs)
 
-    _ORIGINAL["compile"] = original
-    _ORIGINAL["compile_was_own"] = "compile" in keras.Model.__dict__
-    keras.Model.compile = compile
+    return compile
+
+
+def install() -> None:
+    """Wrap ``keras.Model.compile`` and ``keras.layers.Layer.__call__`` once (idempotent).
+
+    The ``__call__`` wrapper only turns a dtype mismatch raised inside a 16-bit layer into a
+    :class:`~policies.errors.LayerDtypeError` that names the layer and the fix. Both are
+    ``fusion.patches`` of the group :data:`GROUP`.
+    """
+    import keras
+
+    patches.install(GROUP, keras.layers.Layer, "__call__", _wrap_layer_call)
+    patches.install(GROUP, keras.Model, "compile", _wrap_compile)
 
 
 def uninstall() -> None:
-    """Restore Keras's own ``compile``."""
-    if not _ORIGINAL:
-        return
-    import keras
-
-    original = _ORIGINAL.pop("compile")
-    if _ORIGINAL.pop("compile_was_own"):
-        keras.Model.compile = original
-    else:
-        del keras.Model.compile  # inherited again from the trainer
-    keras.layers.Layer.__call__ = _ORIGINAL.pop("__call__")
+    """Restore Keras's own ``compile`` and ``Layer.__call__``."""
+    patches.uninstall(GROUP)

@@ -1,4 +1,4 @@
-"""Runnable training recipes: ``python -m recipes.NAME`` or ``tfmx recipe NAME``.
+"""Runnable training recipes: ``python -m recipes.<name>`` or ``tfmx recipe <name>``.
 
 Each recipe is a module with ``main(argv=None) -> dict`` that trains a real model stock and with
 tfmx, prints Keras progress bars, ``tfmx.report()`` and measured numbers, and returns them.

@@ -170,6 +170,101 @@ def _plot(path: str, curves: dict[str, list[float]]) -> str | None:
     return path
 
 
+def _sizes(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's sizes: the arguments given, else the quick or the default ones."""
+    quick = args.quick
+    return {
+        "epochs": args.epochs or (2 if quick else 5),
+        "batch_size": args.batch_size or (32 if quick else 64),
+        "samples": args.samples or (1024 if quick else 6000),
+        "noise": args.noise if args.noise is not None else (1.0 if quick else 2.5),
+        "rounds": args.rounds or (3 if quick else 15),
+        "steps": 3 if quick else 10,
+    }
+
+
+def _train_both(args: argparse.Namespace, size: dict, train: tuple, held_out: tuple,
+                ) -> tuple[dict, dict, dict[str, list[float]]]:
+    """Train the same model from the same weights stock, then with tfmx (under ``--policy``
+    when given): (models, histories, each run's per-batch losses)."""
+    import contextlib
+
+    import keras
+
+    import tfmx
+
+    histories: dict[str, Any] = {}
+    models: dict[str, Any] = {}
+    batch_losses: dict[str, list[float]] = {"stock": [], "tfmx": []}
+    initial = build_model(args.seed).get_weights()
+    for mode in ("stock", "tfmx"):
+        # The step function is built and traced inside fit, so the global switch is set first.
+        tfmx.disable() if mode == "stock" else tfmx.enable()
+        context: Any = contextlib.nullcontext()
+        if mode == "tfmx" and args.policy:
+            import policies
+
+            context = policies.scope(args.policy)
+            print(f"tfmx run: {policies.resolve(args.policy)}")
+        with context:  # layers read the policy when built; compile applies its safe defaults
+            model = compile_model(build_model(args.seed))
+        model.set_weights(initial)
+        keras.utils.set_random_seed(args.seed)  # same shuffling order in both runs
+        print(f"\n== {mode} ==")
+        histories[mode] = model.fit(
+            *train, batch_size=size["batch_size"], epochs=size["epochs"],
+            validation_data=held_out, verbose=1,
+            callbacks=[_BatchLosses.make(batch_losses[mode])],
+        ).history
+        models[mode] = model
+    return models, histories, batch_losses
+
+
+def _compare(models: dict, histories: dict, batch_losses: dict) -> tuple:
+    """Print and return (held-out accuracy, train accuracy, max relative weight difference,
+    the first steps' largest relative loss difference)."""
+    acc = {m: histories[m]["val_accuracy"][-1] for m in models}
+    train_acc = {m: histories[m]["accuracy"][-1] for m in models}
+    diff = max_relative_weight_difference(models["stock"], models["tfmx"])
+    print(f"\nheld-out accuracy: stock {acc['stock']:.4f}   tfmx {acc['tfmx']:.4f}   "
+          f"(chance 0.10)")
+    print(f"train accuracy:    stock {train_acc['stock']:.4f}   tfmx {train_acc['tfmx']:.4f}")
+    print(f"max relative weight difference after training: {diff:.3g}")
+    first = min(10, len(batch_losses["stock"]), len(batch_losses["tfmx"]))
+    early = max((abs(a - b) / max(abs(a), 1e-12) for a, b in
+                 zip(batch_losses["stock"][:first], batch_losses["tfmx"][:first])), default=0.0)
+    print(f"loss of the first {first} steps: max relative difference {early:.2g}. tfmx's kernels "
+          "(oneDNN, fused optimizer updates) sum in another order than stock's, which float32 "
+          "rounds differently; over hundreds of steps such differences grow, as between two "
+          "stock runs started 1e-7 apart, so final weights and accuracies differ by that noise.")
+    return acc, train_acc, diff, early
+
+
+def _time_steps(models: dict, train: tuple, size: dict) -> tuple[dict, float]:
+    """Time the two traced step functions interleaved: (timings, tfmx/stock ratio). The
+    rewrite is baked into the tfmx model's traced step; tfmx stays enabled so that a retrace
+    is rewritten too."""
+    import tensorflow as tf
+
+    from tfmx.bench import time_step_functions
+
+    batch_size, rounds, steps = size["batch_size"], size["rounds"], size["steps"]
+    n = (len(train[0]) // batch_size) * batch_size
+    dataset = tf.data.Dataset.from_tensor_slices((train[0][:n], train[1][:n]))
+    dataset = dataset.batch(batch_size, drop_remainder=True).repeat()
+    timing = time_step_functions(
+        {m: models[m].train_function for m in ("stock", "tfmx")},
+        lambda mode: iter(dataset),
+        rounds=rounds,
+        steps=steps,
+    )
+    ratio = timing["tfmx"]["median_ms"] / timing["stock"]["median_ms"]
+    print(f"\nstep time (median of {rounds} interleaved rounds x {steps} steps, warm-up "
+          f"excluded): stock {timing['stock']['median_ms']:.2f} ms   "
+          f"tfmx {timing['tfmx']['median_ms']:.2f} ms   ratio tfmx/stock {ratio:.3f}")
+    return timing, ratio
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     """Train stock and with tfmx, print the comparison, and return the numbers.
 
@@ -191,98 +286,29 @@ def main(argv: Sequence[str] | None = None) -> dict:
         from policies.names import check_name
 
         check_name(args.policy)  # a bad name fails now, not after the stock run
-    quick = args.quick
-    epochs = args.epochs or (2 if quick else 5)
-    batch_size = args.batch_size or (32 if quick else 64)
-    samples = args.samples or (1024 if quick else 6000)
-    noise = args.noise if args.noise is not None else (1.0 if quick else 2.5)
-    rounds = args.rounds or (3 if quick else 15)
-    steps = 3 if quick else 10
-
+    size = _sizes(args)
     start = time.perf_counter()
-    import tensorflow as tf
-
     import tfmx
-    from tfmx.bench import time_step_functions
 
-    x, y = make_data(samples + max(samples * 15 // 100, batch_size), seed=args.seed,
-                     noise=noise)
-    x_train, y_train, x_val, y_val = x[:samples], y[:samples], x[samples:], y[samples:]
-    print(f"small_cnn: {samples} training / {len(x_val)} held-out synthetic 32x32x3 images, "
-          f"10 classes, noise {noise}, batch {batch_size}, {epochs} epoch(s)")
-
-    histories: dict[str, Any] = {}
-    models: dict[str, Any] = {}
-    batch_losses: dict[str, list[float]] = {"stock": [], "tfmx": []}
-    initial = build_model(args.seed).get_weights()
-    for mode in ("stock", "tfmx"):
-        # The step function is built and traced inside fit, so the global switch is set first.
-        if mode == "stock":
-            tfmx.disable()
-        else:
-            tfmx.enable()
-        import contextlib
-
-        import keras
-
-        context: Any = contextlib.nullcontext()
-        if mode == "tfmx" and args.policy:
-            import policies
-
-            context = policies.scope(args.policy)
-            print(f"tfmx run: {policies.resolve(args.policy)}")
-        with context:  # layers read the policy when built; compile applies its safe defaults
-            model = compile_model(build_model(args.seed))
-        model.set_weights(initial)
-        keras.utils.set_random_seed(args.seed)  # same shuffling order in both runs
-        print(f"\n== {mode} ==")
-        histories[mode] = model.fit(
-            x_train, y_train, batch_size=batch_size, epochs=epochs,
-            validation_data=(x_val, y_val), verbose=1,
-            callbacks=[_BatchLosses.make(batch_losses[mode])],
-        ).history
-        models[mode] = model
-
+    x, y = make_data(size["samples"] + max(size["samples"] * 15 // 100, size["batch_size"]),
+                     seed=args.seed, noise=size["noise"])
+    samples = size["samples"]
+    train, held_out = (x[:samples], y[:samples]), (x[samples:], y[samples:])
+    print(f"small_cnn: {samples} training / {len(held_out[0])} held-out synthetic 32x32x3 "
+          f"images, 10 classes, noise {size['noise']}, batch {size['batch_size']}, "
+          f"{size['epochs']} epoch(s)")
+    models, histories, batch_losses = _train_both(args, size, train, held_out)
     report = tfmx.report()
     print("\n" + str(report))
-
-    acc = {m: histories[m]["val_accuracy"][-1] for m in models}
-    train_acc = {m: histories[m]["accuracy"][-1] for m in models}
-    diff = max_relative_weight_difference(models["stock"], models["tfmx"])
-    print(f"\nheld-out accuracy: stock {acc['stock']:.4f}   tfmx {acc['tfmx']:.4f}   "
-          f"(chance 0.10)")
-    print(f"train accuracy:    stock {train_acc['stock']:.4f}   tfmx {train_acc['tfmx']:.4f}")
-    print(f"max relative weight difference after training: {diff:.3g}")
-    first = min(10, len(batch_losses["stock"]), len(batch_losses["tfmx"]))
-    early = max((abs(a - b) / max(abs(a), 1e-12) for a, b in
-                 zip(batch_losses["stock"][:first], batch_losses["tfmx"][:first])), default=0.0)
-    print(f"loss of the first {first} steps: max relative difference {early:.2g}. tfmx's kernels "
-          "(oneDNN, fused optimizer updates) sum in another order than stock's, which float32 "
-          "rounds differently; over hundreds of steps such differences grow, as between two "
-          "stock runs started 1e-7 apart, so final weights and accuracies differ by that noise.")
-
-    # Time the two traced step functions interleaved. The rewrite is baked into the tfmx
-    # model's traced step; tfmx stays enabled so that a retrace is rewritten too.
-    n = (len(x_train) // batch_size) * batch_size
-    dataset = tf.data.Dataset.from_tensor_slices((x_train[:n], y_train[:n]))
-    dataset = dataset.batch(batch_size, drop_remainder=True).repeat()
-    timing = time_step_functions(
-        {m: models[m].train_function for m in ("stock", "tfmx")},
-        lambda mode: iter(dataset),
-        rounds=rounds,
-        steps=steps,
-    )
-    ratio = timing["tfmx"]["median_ms"] / timing["stock"]["median_ms"]
-    print(f"\nstep time (median of {rounds} interleaved rounds x {steps} steps, warm-up "
-          f"excluded): stock {timing['stock']['median_ms']:.2f} ms   "
-          f"tfmx {timing['tfmx']['median_ms']:.2f} ms   ratio tfmx/stock {ratio:.3f}")
-
+    acc, train_acc, diff, early = _compare(models, histories, batch_losses)
+    timing, ratio = _time_steps(models, train, size)
     if args.plot:
         written = _plot(args.plot, batch_losses)
         if written:
             print(f"loss curves saved to {written}")
         else:
             print("matplotlib is not installed: --plot skipped (pip install matplotlib)")
+    epochs, batch_size = size["epochs"], size["batch_size"]
 
     seconds = time.perf_counter() - start
     print(f"total {seconds:.1f} s")

@@ -28,7 +28,7 @@ import tfmx
 from fusion.graph import GraphView, op_histogram
 from fusion.patterns import batch_norm
 from fusion.patterns.batch_norm import find_batch_norm, kernel_blocker
-from tfmx import forward
+from fusion.stages import batch_norm as batch_norm_stage
 from tfmx.backends import get_backend, metal_kernels
 from tfmx.rebuild import protected_names
 
@@ -306,7 +306,7 @@ def test_a_failing_forward_stage_falls_back_to_stock(monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("forward stage exploded")
 
-    monkeypatch.setattr(forward, "_rewrite", boom)
+    monkeypatch.setattr(batch_norm_stage, "_rewrite", boom)
     stock = run(False, "conv")
     fused = run(True, "conv")
     assert_parity(stock, fused)

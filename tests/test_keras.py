@@ -138,13 +138,34 @@ def test_model_compiled_before_enable_is_rebuilt_and_disable_restores_stock():
     assert not fused_conv(ops_that_ran(model.train_function))
     tfmx.enable(backend="cpu")
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    assert fused_conv(ops_that_ran(model.train_function))
-    tfmx.disable()
-    fused_fn = model.train_function  # disable() alone changes nothing yet: fit rebuilds
+    fused_fn = model.train_function
     assert fused_conv(ops_that_ran(fused_fn))
+    tfmx.disable()  # every patch put back; the model's next step builds Keras's own
+    from fusion import patches
+
+    assert [p for p in patches.installed() if p.group.startswith("tfmx")] == []
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert model.train_function is not fused_fn
     assert not fused_conv(ops_that_ran(model.train_function))
+    assert fused_conv(ops_that_ran(fused_fn))  # a reference kept still runs fused
+
+
+def test_disable_inside_a_fit_goes_on_with_keras_own_step():
+    """A callback that switches tfmx off mid-epoch: the fit finishes on Keras's own step, and
+    Keras's methods are Keras's again."""
+    import keras
+
+    x, y = data()
+    tfmx.enable(backend="cpu")
+    model = build_model()
+    switched = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: tfmx.disable() if batch == 1 else None)
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[switched])
+    assert np.isfinite(history.history["loss"]).all()
+    assert not fused_conv(ops_that_ran(model.train_function))
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    assert not hasattr(TensorFlowTrainer.make_train_function, "__wrapped__")
 
 
 @pytest.mark.parametrize("kind", ["train", "test", "predict"])

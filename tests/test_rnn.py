@@ -11,9 +11,10 @@ import tensorflow as tf
 from helpers import TRANSCENDENTAL, assert_within_rounding, needs_onednn
 
 import tfmx
+from fusion import stage
 from fusion.graph import op_histogram
-from fusion.patterns import rnn, rnn_kernels
-from tfmx import forward_rnn
+from fusion.patterns import rnn as rnn_units
+from fusion.stages import rnn, rnn_kernels
 from tfmx.backends import get_backend, metal_kernels
 
 # Every match rewritten, whatever the tuner would measure here (tests/conftest.py).
@@ -355,7 +356,7 @@ def test_only_tfmx_traces_are_rewritten():
     """Keras outside a tfmx trace (disabled, eager, other tf.functions) is untouched."""
     layer = L(H)
     x = tf.ones([2, T, F_IN])
-    assert forward_rnn.active_target() is None
+    assert stage.active() is None
     tfmx.enable(backend="cpu")
     graph = tf.function(layer).get_concrete_function(x).graph.as_graph_def()
     assert not any("tfmx_rnn" in n.name for n in graph.node)
@@ -386,8 +387,8 @@ def test_metal_plan_uses_the_plugins_cudnn_kernels_node_by_node():
     emitted = {n.op for n in graph.node if re.search(r"tfmx_rnn_(lstm|gru)/", n.name)}
     assert {"CudnnRNNV3", "CudnnRNNBackpropV3", "TopKV2", "OneHot", "BatchMatMulV2"} <= emitted
     unlisted = {op for op in emitted if op not in metal_kernels() and len(op) > 3}
-    assert unlisted <= rnn.RUNTIME_OPS, unlisted
-    assert rnn.unlisted_ops(emitted, get_backend("metal")) == []
+    assert unlisted <= rnn_units.RUNTIME_OPS, unlisted
+    assert rnn_units.unlisted_ops(emitted, get_backend("metal")) == []
     # no generic loop is left for the fused layers; the declined GRU keeps Keras's
     loops = [n.name for n in graph.node if n.op in ("While", "StatelessWhile")]
     assert loops and all("tfmx_rnn_declined_reset_before_gpu" in name for name in loops)

@@ -21,8 +21,6 @@ Example:
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -30,13 +28,14 @@ from tfmx.backends import BACKEND_NAMES
 from tfmx.errors import BackendUnavailableError, TfmxWarning, VerificationError
 
 if TYPE_CHECKING:
-    from tfmx.function import FusedFunction, function
-    from tfmx.report import Report
+    from tfmx.fused_function import FusedFunction, function
+    from tfmx.reporting import Report
 
 __version__ = "0.1.0"
 
 # Public names whose modules import TensorFlow: loaded on first access (PEP 562).
-_LAZY = {"FusedFunction": "tfmx.function", "function": "tfmx.function", "Report": "tfmx.report"}
+_LAZY = {"FusedFunction": "tfmx.fused_function", "function": "tfmx.fused_function",
+         "Report": "tfmx.reporting"}
 
 
 def __getattr__(name: str) -> Any:
@@ -49,23 +48,6 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
-
-
-class _Package(types.ModuleType):
-    """Keeps ``tfmx.function`` and ``tfmx.report`` the public functions.
-
-    Python binds a submodule to its package's attribute when it first loads it; loading
-    ``tfmx.function`` or ``tfmx.report`` lazily would otherwise replace the functions of those
-    names with the modules (``from tfmx.report import ...`` still finds the modules).
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("function", "report") and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def enable(
@@ -138,11 +120,12 @@ def disable() -> None:
 
     When it takes effect:
 
-    - A Keras model: at its next ``fit``, ``evaluate`` or ``predict`` (or ``*_on_batch``). These
-      call Keras's ``make_train_function`` / ``make_test_function`` / ``make_predict_function``,
-      where tfmx's hook sees the step function was built under another generation and rebuilds
-      the stock one. Until then ``model.train_function`` (``test_function``,
-      ``predict_function``) still runs the fused graph, and a reference kept to one always does.
+    - Every patch tfmx made to Keras (its trainer's three builders, the stages' layer methods;
+      ``fusion.patches``) is put back now: the process is as it was before ``enable()``.
+    - A Keras model: at its next step. Each step function tfmx built is replaced by a stand-in
+      whose first call has Keras build its own and runs it (even inside a ``fit`` in
+      progress). A reference kept to the old ``model.train_function`` still runs the fused
+      graph.
     - A ``tfmx.function``: at its next call, unless an outer ``tf.function`` has already traced
       the call (that trace keeps the fused graph).
 
@@ -154,10 +137,11 @@ def disable() -> None:
     >>> tfmx.enabled()
     False
     """
-    from tfmx import state
+    from tfmx import keras_hook, state
 
     if state.options() is not None:
         state.set_options(None)
+    keras_hook.uninstall()  # every patch tfmx made (fusion.patches), put back
 
 
 def enabled() -> bool:

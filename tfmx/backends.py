@@ -31,13 +31,9 @@ import os
 import platform
 from collections.abc import Iterable
 from importlib import resources
+from typing import Any, TypeVar
 
-from fusion.pattern import PlainTarget
-from fusion.patterns.batch_norm import BatchNormKernels
-from fusion.patterns.contraction import ContractionKernels
-from fusion.patterns.onednn import OneDnnKernels
-from fusion.patterns.onednn import kernels_registered as onednn_kernels_registered
-from fusion.patterns.rnn import RnnKernels
+C = TypeVar("C")
 
 BACKEND_NAMES = ("cpu", "cuda", "metal")
 
@@ -52,20 +48,32 @@ def _with_acts(prefix: tuple[str, ...], acts: Iterable[str]) -> list[tuple[str, 
 
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Backend(PlainTarget):
-    """One rewrite target: its name, kernel list and, per family, that family's own dataclass
-    (``capabilities``; :meth:`capability` looks one up). Instances are data; see
-    :func:`get_backend`.
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One rewrite target (a ``fusion.pattern.Target``): its name, kernel list and, per family,
+    that family's own dataclass (``capabilities``; :meth:`capability` looks one up). Instances
+    are data; see :func:`get_backend`. (Importing this module loads no TensorFlow: the
+    families' dataclasses are imported when a backend is made.)
 
     >>> from fusion.patterns.contraction import ContractionKernels
     >>> get_backend("metal").capability(ContractionKernels).runs("MatMul", "float16", ("BiasAdd",))
     True
     """
 
+    name: str
     description: str
     device_type: str
+    capabilities: tuple[Any, ...] = ()
+    kernels: frozenset[str] | None = None  # None: every registered TensorFlow op
     notes: tuple[str, ...] = ()
+
+    def runs_op(self, op: str) -> bool:
+        """True if this backend has a kernel for ``op``."""
+        return self.kernels is None or op in self.kernels
+
+    def capability(self, kind: type[C]) -> C | None:
+        """What this backend declares for the family whose dataclass is ``kind``, or None."""
+        return next((c for c in self.capabilities if isinstance(c, kind)), None)
 
     @property
     def available(self) -> bool:
@@ -74,6 +82,9 @@ class Backend(PlainTarget):
 
     def describe(self) -> dict:
         """A plain dict of what this backend fuses, for reports and the README table."""
+        from fusion.patterns.batch_norm import BatchNormKernels
+        from fusion.patterns.contraction import ContractionKernels
+
         contraction = self.capability(ContractionKernels)
         batch_norm = self.capability(BatchNormKernels)
         return {
@@ -99,6 +110,11 @@ _ACTS_BASIC = ("Relu", "Relu6", "Elu", "LeakyRelu")
 
 
 def _cpu(onednn: bool) -> Backend:
+    from fusion.patterns.batch_norm import BatchNormKernels
+    from fusion.patterns.contraction import ContractionKernels
+    from fusion.patterns.onednn import OneDnnKernels, kernels_registered
+    from fusion.stages.rnn import RnnKernels
+
     # Read off the kernels (TF 2.21, x86-64) by running every fused_ops list in every dtype
     # against the composite ops; tests/test_backends.py runs each entry again.
     conv = _chains(
@@ -125,7 +141,7 @@ def _cpu(onednn: bool) -> Backend:
     kernels = ContractionKernels(contractions, {"Conv2D": frozenset({"NHWC"}),
                                                 "DepthwiseConv2dNative": frozenset({"NHWC"})})
     # With oneDNN on, TensorFlow's own pass retargets them.
-    retargets = (OneDnnKernels(),) if not onednn and onednn_kernels_registered() else ()
+    retargets = (OneDnnKernels(),) if not onednn and kernels_registered() else ()
     return Backend(
         name="cpu",
         description=f"TensorFlow CPU kernels, oneDNN {'on' if onednn else 'off'}",
@@ -151,6 +167,10 @@ def _cpu(onednn: bool) -> Backend:
 
 
 def _cuda() -> Backend:
+    from fusion.patterns.batch_norm import BatchNormKernels
+    from fusion.patterns.contraction import ContractionKernels
+    from fusion.stages.rnn import RnnKernels
+
     conv = _chains(*_with_acts(("BiasAdd",), _ACTS_BASIC))
     matmul32 = _chains(*_with_acts(("BiasAdd",), ("Relu",)))
     matmul16 = _chains(*_with_acts(("BiasAdd",), ("Relu", "Tanh", "Sigmoid",
@@ -193,6 +213,10 @@ def metal_kernels() -> frozenset[str]:
 
 
 def _metal() -> Backend:
+    from fusion.patterns.batch_norm import BatchNormKernels
+    from fusion.patterns.contraction import ContractionKernels
+    from fusion.stages.rnn import RnnKernels
+
     chains = _chains(*_with_acts(("BiasAdd",), _ACTS_BASIC))
     by_dtype = {dt: chains for dt in ("float32", "float16", "bfloat16")}
     return Backend(

@@ -1,6 +1,6 @@
 """``tfmx bench``: stock vs tfmx vs XLA training step time, interleaved, per oneDNN state.
 
-How it measures (DESIGN.md: "Measure, do not guess"):
+How it measures ("measure, do not guess"):
 
 1. Build one identical model per mode (same seed, same initial weights, same optimizer).
    ``stock`` is built and traced with tfmx disabled, ``tfmx`` with tfmx enabled (the rewrite
@@ -257,6 +257,43 @@ def _rnn_stack(layer: str, units: int, steps: int, inputs: int) -> Callable[[], 
     return build
 
 
+def _encoder_blocks(x: Any, blocks: int, width: int, heads: int) -> Any:
+    """Post-norm transformer encoder blocks: MultiHeadAttention + residual + LayerNorm, a GELU
+    feed-forward (4 x width) + residual + LayerNorm."""
+    from keras import layers
+
+    for _ in range(blocks):
+        attended = layers.MultiHeadAttention(heads, width // heads)(x, x)
+        x = layers.LayerNormalization()(layers.Add()([x, attended]))
+        ffn = layers.Dense(4 * width, activation="gelu")(x)
+        x = layers.LayerNormalization()(layers.Add()([x, layers.Dense(width)(ffn)]))
+    return x
+
+
+def _transformer() -> Any:
+    """A text encoder: 64 tokens of 32 features projected to 128, 2 encoder blocks."""
+    import keras
+    from keras import layers
+
+    x = inp = keras.Input((64, 32))
+    x = _encoder_blocks(layers.Dense(128)(x), blocks=2, width=128, heads=4)
+    out = layers.Dense(10, activation="softmax")(layers.GlobalAveragePooling1D()(x))
+    return keras.Model(inp, out, name="transformer_2x128")
+
+
+def _vit() -> Any:
+    """A small ViT: 4x4 patches of a 32x32x3 image (a strided Conv2D) -> 64 tokens of 128, 3
+    encoder blocks."""
+    import keras
+    from keras import layers
+
+    x = inp = keras.Input((32, 32, 3))
+    x = layers.Reshape((64, 128))(layers.Conv2D(128, 4, strides=4)(x))
+    x = _encoder_blocks(x, blocks=3, width=128, heads=4)
+    out = layers.Dense(10, activation="softmax")(layers.GlobalAveragePooling1D()(x))
+    return keras.Model(inp, out, name="vit_3x128")
+
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -277,6 +314,12 @@ WORKLOADS: dict[str, Workload] = {
         Workload("gru", "GRU(128, return_sequences) -> GRU(128) -> Dense, T=50, 32 features",
                  _rnn_stack("GRU", 128, 50, 32), (50, 32), 10, batch_size=64, rounds=10,
                  steps=5),
+        Workload("transformer", "text encoder: 64 tokens x 32 features -> 128, 2 x "
+                 "(MultiHeadAttention 4 heads + LayerNorm + GELU FFN 512)", _transformer,
+                 (64, 32), 10, batch_size=32, rounds=10, steps=5),
+        Workload("vit", "ViT: 32x32x3, 4x4 patches (Conv2D) -> 64 tokens x 128, 3 x "
+                 "(MultiHeadAttention 4 heads + LayerNorm + GELU FFN 512)", _vit,
+                 (32, 32, 3), 10, batch_size=32, rounds=10, steps=5),
     )
 }
 
@@ -387,7 +430,7 @@ def run_benchmark(
 
     Args:
         model_name: one of ``WORKLOADS`` (``small_cnn``, ``resnet50``, ``mlp``, ``gelu_mlp``,
-            ``lstm``, ``gru``).
+            ``lstm``, ``gru``, ``transformer``, ``vit``).
         rounds, steps, batch_size: default to the workload's (see ``WORKLOADS``).
         modes: any of ``"stock"``, ``"tfmx"``, ``"xla"``.
         warmup: untimed calls per mode before timing (the first one traces).
@@ -423,34 +466,15 @@ def run_benchmark(
     # stock first (built and traced with tfmx off), then tfmx and xla with tfmx on.
     ordered = [m for m in MODES if m in modes]
     dataset = _dataset(workload, batch_size, seed)
-    fns: dict[str, Callable[[Any], Any]] = {}
-    first_trace: dict[str, float] = {}
-    weights = None
     report = None
-    layer_policies: dict[str, dict[str, int]] = {}
     choice = None
     if policy is not None:
         import policies
 
         choice = policies.resolve(policy)
     try:
-        for mode in ordered:
-            if mode == "stock":
-                tfmx.disable()
-            else:
-                tfmx.enable(backend=backend)
-            model = _build(workload, mode, seed, weights, policy, optimizer)
-            layer_policies[mode] = _layer_policies(model)
-            weights = weights if weights is not None else model.get_weights()
-            model.make_train_function()
-            fn = model.train_function
-            # Trace now, while the switch is right for this mode.
-            t0 = time.perf_counter()
-            _sync(fn(iter(dataset)))
-            first_trace[mode] = time.perf_counter() - t0
-            if mode == "tfmx":
-                _settle_guards(fn, dataset)
-            fns[mode] = fn
+        fns, first_trace, layer_policies = _step_functions(
+            workload, ordered, dataset, seed, backend, policy, optimizer)
         if "tfmx" in fns or "xla" in fns:
             tfmx.enable(backend=backend)  # same options as above: a no-op, traces stay valid
         report = tfmx.report() if "tfmx" in fns else None
@@ -463,12 +487,6 @@ def run_benchmark(
                         verify=previous.verify)
     for mode in timing:
         timing[mode]["first_call_s"] = first_trace[mode]
-    ratios = {
-        f"{m}/stock": timing[m]["median_ms"] / timing["stock"]["median_ms"]
-        for m in timing if m != "stock" and "stock" in timing
-    }
-    if "tfmx" in timing and "xla" in timing:
-        ratios["tfmx/xla"] = timing["tfmx"]["median_ms"] / timing["xla"]["median_ms"]
     return {
         "model": model_name,
         "description": workload.description,
@@ -478,7 +496,7 @@ def run_benchmark(
         "steps": steps,
         "warmup": warmup,
         "modes": timing,
-        "ratios": ratios,
+        "ratios": _ratios(timing),
         "rewrite": [t.as_dict() for t in report.traces] if report else [],
         "guard": [dataclasses.asdict(g.summary()) for g in report.guards] if report else [],
         "tuned": len(report.decisions) if report else 0,
@@ -488,6 +506,44 @@ def run_benchmark(
         "policy_choice": str(choice) if choice else None,
         "layer_policies": layer_policies,
     }
+
+
+def _step_functions(workload: Workload, ordered: Sequence[str], dataset: Any, seed: int,
+                    backend: str | None, policy: str | None, optimizer: str,
+                    ) -> tuple[dict[str, Callable[[Any], Any]], dict[str, float], dict]:
+    """Each mode's model built from the same weights and its train step traced (tfmx off for
+    stock, on for the others): (step functions, first-call seconds, layer policies)."""
+    import tfmx
+
+    fns: dict[str, Callable[[Any], Any]] = {}
+    first_trace: dict[str, float] = {}
+    layer_policies: dict[str, dict[str, int]] = {}
+    weights = None
+    for mode in ordered:
+        tfmx.disable() if mode == "stock" else tfmx.enable(backend=backend)
+        model = _build(workload, mode, seed, weights, policy, optimizer)
+        layer_policies[mode] = _layer_policies(model)
+        weights = weights if weights is not None else model.get_weights()
+        model.make_train_function()
+        fn = model.train_function
+        t0 = time.perf_counter()  # trace now, while the switch is right for this mode
+        _sync(fn(iter(dataset)))
+        first_trace[mode] = time.perf_counter() - t0
+        if mode == "tfmx":
+            _settle_guards(fn, dataset)
+        fns[mode] = fn
+    return fns, first_trace, layer_policies
+
+
+def _ratios(timing: dict[str, dict]) -> dict[str, float]:
+    """``m/stock`` for every mode timed beside stock, and ``tfmx/xla``, of the medians."""
+    ratios = {
+        f"{m}/stock": timing[m]["median_ms"] / timing["stock"]["median_ms"]
+        for m in timing if m != "stock" and "stock" in timing
+    }
+    if "tfmx" in timing and "xla" in timing:
+        ratios["tfmx/xla"] = timing["tfmx"]["median_ms"] / timing["xla"]["median_ms"]
+    return ratios
 
 
 def _settle_guards(fn: Callable[[Any], Any], dataset: Any) -> None:

@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -158,15 +158,21 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _recipe(args: argparse.Namespace) -> int:
-    import recipes
+    """Run ``python -m recipes.<name>`` in a process of its own: the library never imports
+    its recipes (it only finds where they are)."""
+    import pkgutil
+    import subprocess
 
-    names = recipes.available()
+    spec = importlib.util.find_spec("recipes")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("tfmx recipe: the recipes package is not installed beside tfmx "
+                         "(pip install -e . from the project's checkout)")
+    names = sorted(m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)
+                   if not m.name.startswith("_"))
     if args.name not in names:
         raise SystemExit(f"tfmx recipe: unknown recipe {args.name!r}; available: "
                          f"{', '.join(names) or '(none)'}")
-    module = importlib.import_module(f"recipes.{args.name}")
-    module.main(list(args.args))
-    return 0
+    return subprocess.call([sys.executable, "-m", f"recipes.{args.name}", *args.args])
 
 
 def _backends(args: argparse.Namespace) -> int:

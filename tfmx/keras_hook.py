@@ -3,7 +3,7 @@
 Keras's TensorFlow trainer builds ``one_step_on_data`` (``strategy.run`` of
 ``self.train_step`` / ``self.test_step`` plus the cross-replica reduction) and wraps it in
 ``tf.function``; predict does the same around ``predict_step``. While Keras builds these, the
-hook has its ``tf.function`` return a :class:`tfmx.function.FusedFunction` for exactly those
+hook has its ``tf.function`` return a :class:`tfmx.fused_function.FusedFunction` for exactly those
 step functions, so the whole per-batch step, every replica included, is traced, rewritten and
 rebuilt, while Keras's own loops (steps_per_execution), distribution, callbacks and data
 handling stay Keras's. Each model remembers the tfmx generation its step
@@ -20,16 +20,17 @@ Example:
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
+from fusion import patches, stage
 from tfmx import state
 from tfmx.dispatch import IteratorDispatch
-from tfmx.function import FusedFunction
+from tfmx.fused_function import FusedFunction
 from tfmx.guard import make_guard
 from tfmx.verify import as_verification_error
 
 _STAMP = "_tfmx_stamp"
-_ORIGINAL: dict[str, Any] = {}
 
 
 def _trainer_class() -> type:
@@ -39,7 +40,7 @@ def _trainer_class() -> type:
 
 
 def installed() -> bool:
-    return bool(_ORIGINAL)
+    return bool(patches.installed(GROUP))
 
 
 def _stale(model: Any, kind: str) -> bool:
@@ -134,53 +135,66 @@ def _trainer_module() -> Any:
     return module
 
 
+_BUILT: weakref.WeakSet = weakref.WeakSet()  # models whose step functions the hook built
+_KINDS = {"train": "train_function", "test": "test_function", "predict": "predict_function"}
+GROUP = "tfmx.keras"  # the fusion.patches group of the trainer's three builders
+
+
 def _make_builder(kind: str, attr: str) -> Any:
-    original = _ORIGINAL[f"make_{kind}_function"]
+    def wrap(original: Any) -> Any:
+        @functools.wraps(original)
+        def make(self: Any, force: bool = False) -> Any:
+            # Keras's make_*_function, also rebuilding when tfmx's generation moved on. Returns
+            # what Keras's does: the function when built (and current), None when it builds.
+            if getattr(self, attr) is not None and not force and not _stale(self, kind):
+                return getattr(self, attr)
+            if _fusable(self, f"{kind}_step"):
+                module = _trainer_module()
+                proxy = _TfWithFusedFunction(module.tf, f"{type(self).__name__}.{kind}_step")
+                with patches.temporarily(module, "tf", proxy):
+                    original(self, force=True)
+            else:
+                original(self, force=True)
+            setattr(self, attr, _guard(getattr(self, attr)))
+            _stamp(self, kind)
+            _BUILT.add(self)
+            return None
 
-    @functools.wraps(original)
-    def make(self: Any, force: bool = False) -> Any:
-        # Keras's make_*_function, also rebuilding when tfmx's generation moved on. Returns what
-        # Keras's does: the function when already built (and current), None when it builds.
-        if getattr(self, attr) is not None and not force and not _stale(self, kind):
-            return getattr(self, attr)
-        module = _trainer_module()
-        real_tf = module.tf
-        if _fusable(self, f"{kind}_step"):
-            module.tf = _TfWithFusedFunction(real_tf, f"{type(self).__name__}.{kind}_step")
-        try:
-            original(self, force=True)
-        finally:
-            module.tf = real_tf
-        setattr(self, attr, _guard(getattr(self, attr)))
-        _stamp(self, kind)
-        return None
+        return make
 
-    return make
+    return wrap
 
 
 def install() -> None:
-    """Patch Keras's TensorFlow trainer once (idempotent)."""
-    from tfmx import forward
-
-    forward.install()
-    if _ORIGINAL:
-        return
+    """Patch Keras's TensorFlow trainer and the stages' layer methods once (idempotent)."""
+    stage.install()
     trainer = _trainer_class()
-    for name in ("make_train_function", "make_test_function", "make_predict_function"):
-        _ORIGINAL[name] = getattr(trainer, name)
-    trainer.make_train_function = _make_builder("train", "train_function")
-    trainer.make_test_function = _make_builder("test", "test_function")
-    trainer.make_predict_function = _make_builder("predict", "predict_function")
+    for kind, attr in _KINDS.items():
+        patches.install(GROUP, trainer, f"make_{kind}_function", _make_builder(kind, attr))
 
 
 def uninstall() -> None:
-    """Restore Keras's own methods (models rebuild their step functions on next use)."""
-    from tfmx import forward
+    """Restore Keras's own methods, and drop the step functions the hook built, so every model
+    builds Keras's own on its next fit, evaluate or predict."""
+    stage.uninstall()
+    patches.uninstall(GROUP)
+    for model in list(_BUILT):
+        for kind, attr in _KINDS.items():
+            if getattr(model, _STAMP, {}).get(kind) is not None:
+                setattr(model, attr, _Rebuild(model, kind))
+        object.__setattr__(model, _STAMP, {})
+    _BUILT.clear()
 
-    forward.uninstall()
-    if not _ORIGINAL:
-        return
-    trainer = _trainer_class()
-    for name, fn in _ORIGINAL.items():
-        setattr(trainer, name, fn)
-    _ORIGINAL.clear()
+
+class _Rebuild:
+    """Stands in for a step function the hook built, once tfmx is off: its first call has
+    Keras build its own step function and runs that (so even a ``fit`` in progress, whose
+    loop calls ``model.train_function`` every step, goes on with Keras's own)."""
+
+    def __init__(self, model: Any, kind: str) -> None:
+        self._model, self._kind = model, kind
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model = self._model
+        getattr(model, f"make_{self._kind}_function")(force=True)
+        return getattr(model, _KINDS[self._kind])(*args, **kwargs)

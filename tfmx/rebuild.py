@@ -22,7 +22,7 @@ Example:
 
 from __future__ import annotations
 
-import itertools
+import hashlib
 
 import tensorflow as tf
 from tensorflow.core.framework import function_pb2, graph_pb2
@@ -35,6 +35,7 @@ from tensorflow.python.framework import importer, ops
 from tensorflow.python.ops import array_ops, handle_data_util
 
 from fusion.graph import function_def_ref, output_sizes, parse_input
+from fusion.pipeline import unused_function_name
 
 
 def _strip(graph_def: graph_pb2.GraphDef, names: set[str]) -> graph_pb2.GraphDef:
@@ -54,7 +55,16 @@ def _register_library(graph_def: graph_pb2.GraphDef) -> None:
             ctx.add_function_def(fdef)
 
 
-_COUNTER = itertools.count(1)
+def _content_digest(graph_def: graph_pb2.GraphDef,
+                    concrete: tf.types.experimental.ConcreteFunction,
+                    control_renames: dict[str, str] | None) -> str:
+    """A name part for the rebuilt function, from what it computes and the function it
+    replaces: rebuilding the same graph twice registers one function, never two names (and
+    never one name for two different bodies)."""
+    digest = hashlib.sha256(graph_def.SerializeToString(deterministic=True))
+    digest.update(concrete.function_def.SerializeToString(deterministic=True))
+    digest.update(repr(sorted((control_renames or {}).items())).encode())
+    return digest.hexdigest()[:16]
 
 
 def protected_names(concrete: tf.types.experimental.ConcreteFunction) -> set[str]:
@@ -227,7 +237,8 @@ def rebuild(
     """
     old = _prepare(concrete, graph_def)
     children = _library_functions(concrete, graph_def)
-    inner_name = f"{old.name}_{name_suffix}_inner{next(_COUNTER)}"
+    inner_name = unused_function_name(
+        f"{old.name}_{name_suffix}_{_content_digest(graph_def, concrete, control_renames)}")
     fdef = to_function_def(
         graph_def,
         concrete.function_def,

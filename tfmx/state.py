@@ -17,7 +17,7 @@ from typing import Any
 
 from tfmx.backends import Backend
 from tfmx.errors import TfmxWarning
-from tfmx.report import Report
+from tfmx.reporting import Report
 
 
 @dataclasses.dataclass(frozen=True)

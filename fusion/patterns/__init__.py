@@ -1,4 +1,5 @@
-"""Pattern families, one module each; importing this package registers them.
+"""Pattern families, one module each; importing this package imports every module in it,
+which registers its family (a new family is a new module here, nothing else to edit).
 
 The order they run in is data, :data:`PIPELINE_ORDER`, with the reason for each place;
 ``fusion.pattern.registered()`` returns the families in that order (a family registered
@@ -10,16 +11,11 @@ elsewhere, e.g. by a test, runs after them).
 ['contraction']
 """
 
-from fusion.patterns import (  # noqa: F401  (each import registers its family)
-    batch_norm,
-    casts,
-    contraction,
-    conv_bn_fold,
-    dedupe,
-    onednn,
-    optimizer_update,
-    rnn,
-)
+import importlib
+import pkgutil
+
+for _module in pkgutil.iter_modules(__path__):  # each module registers its family
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 PIPELINE_ORDER: tuple[str, ...] = (
     # Conv/MatMul + BiasAdd (+ Add) (+ activation) first: the chains the others must not split.
@@ -28,8 +24,9 @@ PIPELINE_ORDER: tuple[str, ...] = (
     "conv_bn_fold",
     # Optimizer updates: independent of the forward chains.
     "optimizer_update",
-    # Reports what the rnn stage emitted while tracing (a check, not a rewrite).
+    # Report what the rnn and layer_norm stages emitted while tracing (checks, not rewrites).
     "rnn",
+    "layer_norm",
     # Inference batch norms that conv_bn_fold did not fold into a convolution.
     "batch_norm",
     # Cast round trips and identity casts, after the others produced their final dtypes.

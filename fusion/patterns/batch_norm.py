@@ -27,9 +27,9 @@ Three records, one shape each (as in Grappler's remapper):
   remapper wires them on GPU.
 
 A training composite whose intermediates the backward pass reads is declined here: training batch
-norm is fused *before* differentiation, by ``tfmx.forward`` (which runs this same pattern on the
-layer's forward graph and lets TensorFlow's registered ``FusedBatchNormV3`` gradient build
-``FusedBatchNormGradV3``).
+norm is fused *before* differentiation, by the stage ``fusion.stages.batch_norm`` (which runs
+this same pattern on the layer's forward graph and lets TensorFlow's registered
+``FusedBatchNormV3`` gradient build ``FusedBatchNormGradV3``).
 
 Example:
     >>> import tensorflow as tf, keras
@@ -480,12 +480,48 @@ def find_batch_norm(view: GraphView, target: Target) -> tuple[list[BatchNormMatc
         if why is not None:
             if match.kind == "training" and "feeds" in why:
                 why += " (the backward reads it: training batch norm is fused before " \
-                       "differentiation, by tfmx.forward)"
+                       "differentiation, by the batch_norm stage)"
             declined.append(f"{label}: {why}")
             continue
         taken.update(n.name for n in match.interior)
         matches.append(match)
     return matches, declined
+
+
+def _batch_statistics(view: GraphView, match: BatchNormMatch, fused_name: str, x4: str,
+                      new: list[NodeDef]) -> list[tuple[NodeDef, int, str]]:
+    """Keras's moving-average updates read the batch statistics: the rewiring that gives them
+    the kernel's (nodes it needs appended to ``new``); the composite's statistics removed."""
+    base, dev, c = f"{match.tail.name}/tfmx_bn", match.tail.device, match.channels
+    dtype = tf.as_dtype(match.dtype)
+    rewire: list[tuple[NodeDef, int, str]] = []
+    inside = {n.name for n in match.interior}
+    for stat, port in ((match.batch_mean, 1), (match.batch_variance, 2)):
+        for consumer, index, _, ctl in view.consumer_edges(stat.name):
+            if not ctl and consumer.name not in inside:
+                rewire.append((consumer, index, tensor_ref(fused_name, port)))
+    if any(ref.endswith(":2") for _, _, ref in rewire):
+        # batch_variance is Bessel-corrected (times n / (n - 1)); Keras averages the biased
+        # one: divide by the same factor, computed as the kernel does. (Ops from the Metal
+        # plugin's list only: no Mul/Sub there.)
+        new.append(_attr_node(f"{base}/count", "Size", [x4], dev, T=dtype, out_type=tf.int32))
+        new.append(_attr_node(f"{base}/count_f", "Cast", [new[-1].name], dev,
+                              SrcT=tf.int32, DstT=tf.float32, Truncate=False))
+        new.append(_const(f"{base}/channels", np.array(float(c), np.float32), dev))
+        new.append(_attr_node(f"{base}/n", "RealDiv", [f"{base}/count_f", f"{base}/channels"],
+                              dev, T=tf.float32))
+        new.append(_const(f"{base}/minus_one", np.array(-1.0, np.float32), dev))
+        new.append(_attr_node(f"{base}/n_minus_1", "AddV2", [f"{base}/n", f"{base}/minus_one"],
+                              dev, T=tf.float32))
+        new.append(_attr_node(f"{base}/bessel", "RealDiv", [f"{base}/n", f"{base}/n_minus_1"],
+                              dev, T=tf.float32))
+        new.append(_attr_node(f"{base}/batch_variance", "RealDiv",
+                              [tensor_ref(fused_name, 2), f"{base}/bessel"], dev, T=tf.float32))
+        rewire = [(cn, i, f"{base}/batch_variance" if ref.endswith(":2") else ref)
+                  for cn, i, ref in rewire]
+    for stat in (match.batch_mean, match.batch_variance):
+        view.remove(stat.name)
+    return rewire
 
 
 def rewrite_batch_norm(view: GraphView, match: BatchNormMatch) -> NodeDef:
@@ -535,39 +571,7 @@ def rewrite_batch_norm(view: GraphView, match: BatchNormMatch) -> NodeDef:
     if how is not None and "_output_shapes" in tail.attr:
         new[-1].attr["_output_shapes"].CopyFrom(tail.attr["_output_shapes"])
 
-    # Keras's moving-average updates read the batch statistics: give them the kernel's.
-    rewire: list[tuple[NodeDef, int, str]] = []
-    if training:
-        inside = {n.name for n in match.interior}
-        for stat, port in ((match.batch_mean, 1), (match.batch_variance, 2)):
-            for consumer, index, _, ctl in view.consumer_edges(stat.name):
-                if not ctl and consumer.name not in inside:
-                    rewire.append((consumer, index, tensor_ref(fused_name, port)))
-        if any(ref.endswith(":2") for _, _, ref in rewire):
-            # batch_variance is Bessel-corrected (times n / (n - 1)); Keras averages the biased
-            # one: divide by the same factor, computed as the kernel does. (Ops from the Metal
-            # plugin's list only: no Mul/Sub there.)
-            new.append(_attr_node(f"{base}/count", "Size", [x4], dev, T=dtype,
-                                  out_type=tf.int32))
-            new.append(_attr_node(f"{base}/count_f", "Cast", [new[-1].name], dev,
-                                  SrcT=tf.int32, DstT=tf.float32, Truncate=False))
-            new.append(_const(f"{base}/channels", np.array(float(c), np.float32), dev))
-            new.append(_attr_node(f"{base}/n", "RealDiv", [f"{base}/count_f",
-                                                          f"{base}/channels"], dev, T=tf.float32))
-            new.append(_const(f"{base}/minus_one", np.array(-1.0, np.float32), dev))
-            new.append(_attr_node(f"{base}/n_minus_1", "AddV2", [f"{base}/n",
-                                                                f"{base}/minus_one"], dev,
-                                  T=tf.float32))
-            new.append(_attr_node(f"{base}/bessel", "RealDiv", [f"{base}/n",
-                                                               f"{base}/n_minus_1"], dev,
-                                  T=tf.float32))
-            new.append(_attr_node(f"{base}/batch_variance", "RealDiv",
-                                  [tensor_ref(fused_name, 2), f"{base}/bessel"], dev,
-                                  T=tf.float32))
-            rewire = [(cn, i, f"{base}/batch_variance" if ref.endswith(":2") else ref)
-                      for cn, i, ref in rewire]
-        for stat in (match.batch_mean, match.batch_variance):
-            view.remove(stat.name)
+    rewire = _batch_statistics(view, match, fused_name, x4, new) if training else []
     for node in match.interior:
         view.remove(node.name)
     view.remove(tail.name)
@@ -768,7 +772,7 @@ def rewrite_batch_norm_ex_training(view: GraphView, match: BatchNormExMatch) -> 
 @register(
     "batch_norm",
     "composite BatchNormalization -> FusedBatchNormV3 (training: before differentiation, "
-    "via tfmx.forward); FusedBatchNormV3 + Add + Relu -> _FusedBatchNormEx",
+    "via the stage fusion.stages.batch_norm); FusedBatchNormV3 + Add + Relu -> _FusedBatchNormEx",
 )
 def batch_norm_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Fuse every composite batch norm, then every batch norm + residual Add + Relu."""

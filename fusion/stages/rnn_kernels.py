@@ -21,7 +21,7 @@ any mask through :func:`run_keras_semantics`.
 
 Example:
     >>> import numpy as np, tensorflow as tf
-    >>> from fusion.patterns.rnn_kernels import lstm_sequence
+    >>> from fusion.stages.rnn_kernels import lstm_sequence
     >>> x = tf.ones([2, 3, 4]); h0 = c0 = tf.zeros([2, 5])
     >>> k, r, b = tf.fill([4, 20], 0.1), tf.fill([5, 20], 0.1), tf.zeros([20])
     >>> last, seq, (h, c) = lstm_sequence(x, h0, c0, None, k, r, b)
@@ -148,9 +148,16 @@ def _forward(xp, states, mask, cell, keep_states, saved, steps=LOOPED):
     return n, final, hs, arrays
 
 
-def _masks(mask, dtype, steps):
-    """Per-step float masks for the backward loop, or None."""
-    return None if mask is None else steps.seq(tf.cast(mask, dtype))
+def _backward_reads(d_hs, mask, dtype, steps):
+    """What a reverse loop reads per step: the outputs' gradients (None when only the final
+    state has one) and the float masks (None without a mask)."""
+    dseq = None if d_hs is None else steps.seq(d_hs)
+    return dseq, None if mask is None else steps.seq(tf.cast(mask, dtype))
+
+
+def _plus_output_grad(dh, dseq, s):
+    """The state's gradient at step ``s`` plus that step's output gradient, if any."""
+    return dh if dseq is None else dh + dseq.read(s)
 
 
 # The backward loops carry only what the recurrence needs (the state gradients) and read the
@@ -230,13 +237,11 @@ def _lstm_core(xps, h0, c0, rk, masks, sequence=True, training=True, steps=LOOPE
 
 def _lstm_backward(n, rec, d_hs, mask, dtype, units, rk_t, d_ht, d_ct, steps):
     """The reverse loop over one chunk: (dh, dc) before it and d(projection) of its steps."""
-    dseq = None if d_hs is None else steps.seq(d_hs)
-    mf = _masks(mask, dtype, steps)
+    dseq, mf = _backward_reads(d_hs, mask, dtype, steps)
 
     def back(t, dh, dc, dzs):
         s = n - 1 - t
-        if dseq is not None:
-            dh = dh + dseq.read(s)
+        dh = _plus_output_grad(dh, dseq, s)
         p1, f, fac = tf.split(rec.read(s), [units, units, 4 * units], axis=1)
         dhn, dcn = dh, dc
         if mf is not None:
@@ -323,13 +328,11 @@ def _gru_core_after(xps, h0, rk, brec, masks, sequence=True, training=True, step
 def _gru_after_backward(n, rec, d_hs, mask, dtype, units, rk_t, d_ht, steps):
     """The reverse loop over one chunk: dh before it, d(projection) of its steps and
     d(recurrent pre-activations) flattened to [T_j * B, 3H]."""
-    dseq = None if d_hs is None else steps.seq(d_hs)
-    mf = _masks(mask, dtype, steps)
+    dseq, mf = _backward_reads(d_hs, mask, dtype, steps)
 
     def back(t, dh, dis, dahs):
         s = n - 1 - t
-        if dseq is not None:
-            dh = dh + dseq.read(s)
+        dh = _plus_output_grad(dh, dseq, s)
         fac, z, pz = tf.split(rec.read(s), [3 * units, units, units], axis=1)
         dhn = dh if mf is None else dh * mf.read(s)
         dinner = tf.tile(dhn, [1, 3]) * fac
@@ -381,14 +384,12 @@ def _gru_core_before(xp, h0, rk, mask, sequence=True, training=True, steps=LOOPE
         def grad(*d_out):
             d_hs, d_ht = d_out if sequence else (None, *d_out)
             d_ht = _or_zeros(d_ht, h_t)
-            dseq = None if d_hs is None else steps.seq(d_hs)
-            mf = _masks(mask, xp.dtype, steps)
+            dseq, mf = _backward_reads(d_hs, mask, xp.dtype, steps)
             rk_h_t, rk_zr_t = tf.transpose(rk_h), tf.transpose(rk_zr)
 
             def back(t, dh, dxs):
                 s = n - 1 - t
-                if dseq is not None:
-                    dh = dh + dseq.read(s)
+                dh = _plus_output_grad(dh, dseq, s)
                 pz, qz, qr, z, r = tf.split(rec.read(s), 5, axis=1)
                 dhn = dh if mf is None else dh * mf.read(s)
                 dah = dhn * pz

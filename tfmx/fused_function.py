@@ -40,10 +40,10 @@ from tensorflow.python.framework.ops import EagerTensor
 
 from fusion.graph import op_histogram
 from fusion.pipeline import rewrite
-from tfmx import forward, forward_rnn, guard, state
+from tfmx import guard, staging, state
 from tfmx.errors import BackendUnavailableError
 from tfmx.rebuild import control_output_names, protected_names, rebuild
-from tfmx.report import TraceRecord
+from tfmx.reporting import TraceRecord
 from tfmx.verify import FALLBACK, disagreed, verified_call
 
 _SIMPLE = (bool, int, float, str, type(None))
@@ -143,13 +143,13 @@ class FusedFunction:
         self._jit = bool(jit_compile)
         self._stock = tf.function(python_function, jit_compile=jit_compile,
                                   **self._trace_options)
-        # The same function, traced with tfmx's pre-differentiation stage on (tfmx.forward).
-        self._staged = tf.function(forward.staged(python_function), jit_compile=jit_compile,
+        # The same function, traced with the stages on (fusion.stage, tfmx.staging).
+        self._staged = tf.function(staging.staged(python_function), jit_compile=jit_compile,
                                    **self._trace_options)
         # The same, for calls under an outer tape: traced apart, because a call under a tape
         # changes the traced function (TensorFlow adds the outputs its gradient needs), which
         # the rewrite of the plain call must not see.
-        self._taped = tf.function(forward.staged(python_function), jit_compile=jit_compile,
+        self._taped = tf.function(staging.staged(python_function), jit_compile=jit_compile,
                                   **self._trace_options)
         self._xla_function: Any = None
         self._entries: dict[tuple[int, int], _Entry] = {}
@@ -187,11 +187,11 @@ class FusedFunction:
             if opts is not None and self._jit:
                 state.report().note(f"{self.name}: jit_compile=True, left to XLA")
             elif opts is not None and opts.backend.available:
-                # Under an outer tape: only the pre-differentiation stages (batch norm, rnn),
-                # whose fused forms have registered gradients, traced as _entry traces them,
-                # so the trace is the same whichever path came first.
-                with forward_rnn.tracing(opts):
-                    return self._taped(*args, **kwargs)
+                # Under an outer tape: only the stages (batch norm, rnn), whose fused forms
+                # have registered gradients, traced as _entry traces them, so the trace is
+                # the same whichever path came first.
+                staging.commit(self._taped.get_concrete_function(*args, **kwargs).graph)
+                return self._taped(*args, **kwargs)
             return self._stock(*args, **kwargs)
         key = None if self._fast is None else call_key(args, kwargs)
         if key is not None:
@@ -274,15 +274,13 @@ class FusedFunction:
 
     # -- internals ---------------------------------------------------------------------------
     def _entry(self, opts: state.Options, args: tuple, kwargs: dict) -> _Entry:
-        fused_before = state.report().fused()
-        with forward_rnn.tracing(opts):  # the rnn family's stage before differentiation
-            concrete = self._staged.get_concrete_function(*args, **kwargs)
-        staged = state.report().fused() > fused_before
+        concrete = self._staged.get_concrete_function(*args, **kwargs)  # stages on
         key = (id(concrete), state.generation())
         entry = self._entries.get(key)
         if entry is None or entry.stock is not concrete:
+            staged = staging.commit(concrete.graph) > 0  # what the stages rewrote in it
             entry = build_entry(concrete, opts, self.name)
-            entry.staged |= staged  # the batch-norm stage records as it traces
+            entry.staged = staged
             self._entries = {k: v for k, v in self._entries.items() if k[1] == key[1]}
             self._entries[key] = entry
         return entry
@@ -308,8 +306,6 @@ def build_entry(concrete: Any, opts: state.Options, name: str) -> _Entry:
             tuner=state.tuner() if opts.backend.available else None,
         )
         stats = result.stats
-        # the rnn pass reports what the rnn stage fused while tracing
-        entry.staged = bool("rnn" in stats and stats["rnn"].fused)
         rec.errors.extend(result.errors)
         for fname, why in result.skipped_functions.items():
             rec.errors.append(f"function {fname} left as it was: {why}")

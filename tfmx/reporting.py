@@ -1,7 +1,7 @@
 """``tfmx.report()``: what was fused, what was declined and why, op histograms before and after.
 
 Example:
-    >>> from tfmx.report import Report
+    >>> from tfmx.reporting import Report
     >>> r = Report(backend="cpu")
     >>> r.to_dict()["traces"]
     []
@@ -139,6 +139,8 @@ class Report:
                              f"{sum(s.declined.values()):>9}")
                 for kind, n in sorted(s.fused_kinds.items()):
                     lines.append(f"  fused     {n:>4} x {kind}")
+                for kind, n in sorted(s.observed.items()):
+                    lines.append(f"  observed  {n:>4} x {kind} (in the traced graph)")
                 for why, n in sorted(s.partial.items()):
                     lines.append(f"  partial   {n:>4} x {why}")
                 for why, n in sorted(s.declined.items()):

@@ -1,9 +1,10 @@
-"""The pre-differentiation stage: rewrite a layer's forward graph before the tape sees it.
+"""The batch_norm stage: a layer's forward graph rewritten before the tape sees it.
 
 Some fusions cannot be made after gradients exist: Keras 3's batch norm backward is ~30 ops
 that read the composite forward's intermediates, and the fused kernels have no registered
-gradient. So while tfmx traces a step (:func:`staged`), each ``BatchNormalization.call`` that
-a gradient tape records (or that runs in training mode) goes through :func:`fused_layer_call`:
+gradient. So while tfmx traces a step (``fusion.stage.tracing``), each
+``BatchNormalization.call`` that a gradient tape records (or that runs in training mode) goes
+through :func:`fused_layer_call`:
 
 1. trace the layer's own ``call`` for this input into a scratch ``tf.function`` graph;
 2. run the pattern engine on it (``fusion.rewrite(..., patterns=["batch_norm"])``, the same
@@ -31,92 +32,28 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
 from tensorflow.python.eager import execute
 from tensorflow.python.framework import importer, ops
 from tensorflow.python.ops import resource_variable_ops
-from tensorflow.python.util import tf_decorator
 
 from fusion.pattern import PatternStats
-from tfmx import state
+from fusion.stage import Hook, Stage, StageContext, register_stage
 
 PATTERN = "batch_norm"
 # Ops that may sit in a rewritten forward graph without a registered gradient.
 _NO_GRADIENT_NEEDED = frozenset({"Const", "NoOp", "Placeholder", "AssignVariableOp",
                                  "AssignAddVariableOp", "AssignSubVariableOp"})
 
-_local = threading.local()
-_ORIGINAL: dict[str, Any] = {}
 
 
-# -- when the stage is on ---------------------------------------------------------------------
-def active() -> state.Options | None:
-    """The options of the tfmx trace in progress, or None outside one."""
-    return getattr(_local, "options", None)
-
-
-@contextlib.contextmanager
-def tracing(options: state.Options | None) -> Iterator[None]:
-    """Mark the code inside as traced by tfmx with ``options`` (None: not)."""
-    previous = active()
-    _local.options = options
-    try:
-        yield
-    finally:
-        _local.options = previous
-
-
-def staged(fn: Callable) -> Callable:
-    """``fn`` with the forward stage on while it runs (tfmx wraps the functions it traces)."""
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with tracing(state.options()):
-            return fn(*args, **kwargs)
-
-    return tf_decorator.make_decorator(fn, wrapper)
-
-
-# -- the BatchNormalization hook --------------------------------------------------------------
 def _batch_norm_class() -> type:
     from keras.src.layers.normalization.batch_normalization import BatchNormalization
 
     return BatchNormalization
-
-
-def install() -> None:
-    """Route ``BatchNormalization.call`` through :func:`fused_layer_call` (idempotent)."""
-    if _ORIGINAL:
-        return
-    cls = _batch_norm_class()
-    original = cls.call
-    _ORIGINAL["call"] = original
-
-    def call(self: Any, inputs: Any, training: Any = None, mask: Any = None) -> Any:
-        opts = active()
-        if opts is None or not tf.inside_function():
-            return original(self, inputs, training=training, mask=mask)
-        return fused_layer_call(self, original, inputs, training, mask, opts)
-
-    call.__doc__ = original.__doc__
-    cls.call = call
-
-
-def uninstall() -> None:
-    if _ORIGINAL:
-        _batch_norm_class().call = _ORIGINAL.pop("call")
-
-
-def _record(stats: PatternStats) -> None:
-    report = state.report()
-    report.patterns.setdefault(PATTERN, PatternStats()).merge(stats)
-    if stats.fused:
-        report.note("batch_norm: layers were fused before differentiation (tfmx.forward), so "
-                    "a train step's 'before' graph already holds FusedBatchNormV3")
 
 
 def _layer_decline(layer: Any, mask: Any) -> str | None:
@@ -134,17 +71,18 @@ def _layer_decline(layer: Any, mask: Any) -> str | None:
     return None
 
 
-def fused_layer_call(layer: Any, original: Callable, inputs: Any, training: Any, mask: Any,
-                     opts: state.Options) -> Any:
-    """``layer.call`` with its composite batch norm rewritten before differentiation."""
+def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
+                     training: Any = None, mask: Any = None) -> Any:
+    """``layer.call`` with its composite batch norm rewritten before differentiation (the
+    stage's handler of ``BatchNormalization.call``)."""
 
     def stock() -> Any:
         return original(layer, inputs, training=training, mask=mask)
 
+    if not tf.inside_function():
+        return stock()
     recording = execute.must_record_gradient()
     is_training = training is True and layer.trainable
-    if opts.patterns is not None and PATTERN not in opts.patterns:
-        return stock()
     if not (is_training or recording):
         return stock()  # inference without a tape: the graph pass fuses it after tracing
     if not isinstance(training, (bool, type(None))):
@@ -154,35 +92,34 @@ def fused_layer_call(layer: Any, original: Callable, inputs: Any, training: Any,
     if why is not None:
         stats.matched += 1
         stats.decline(f"BatchNorm: {why}")
-        _record(stats)
+        ctx.record(PATTERN, stats)
         return stock()
     try:
-        plan, stats = _rewrite(layer, original, inputs, training, opts)
+        plan, stats = _rewrite(layer, original, inputs, training, ctx)
     except Exception as exc:  # noqa: BLE001 - never break training because of tfmx
         stats = PatternStats()
         stats.errors.append(f"{layer.name}: forward stage: {type(exc).__name__}: {exc}")
-        state.warn_once(f"forward:{type(exc).__name__}",
-                        f"tfmx left batch norm {layer.name!r} unfused ({type(exc).__name__}: "
-                        f"{exc}); tfmx.report() has the details.")
+        ctx.warn(f"forward:{type(exc).__name__}",
+                 f"tfmx left batch norm {layer.name!r} unfused ({type(exc).__name__}: "
+                 f"{exc}); tfmx.report() has the details.")
         plan = None
-    _record(stats)
+    ctx.record(PATTERN, stats)
     # Once the plan is spliced into the step's graph there is no going back (its variable
     # updates would run twice): everything that can fail was checked on a scratch graph.
     return stock() if plan is None else _splice(plan, inputs)
 
 
 def _rewrite(layer: Any, original: Callable, inputs: Any, training: Any,
-             opts: state.Options) -> tuple[dict | None, PatternStats]:
+             ctx: StageContext) -> tuple[dict | None, PatternStats]:
     """Trace the layer's forward, rewrite it, check it: (a plan for :func:`_splice`, stats)."""
     from fusion.pipeline import rewrite
-    from tfmx.rebuild import protected_names
 
     inputs = tf.convert_to_tensor(inputs)
     scratch = tf.function(lambda x: original(layer, x, training=training), autograph=False)
     concrete = scratch.get_concrete_function(tf.TensorSpec(inputs.shape, inputs.dtype))
     graph = concrete.graph
-    result = rewrite(graph.as_graph_def(add_shapes=True), opts.backend, [PATTERN],
-                     protected_names(concrete))
+    protected = {t.op.name for t in (*graph.inputs, *graph.outputs)}
+    result = rewrite(graph.as_graph_def(add_shapes=True), ctx.target, [PATTERN], protected)
     stats = result.stats[PATTERN]
     if not stats.fused:
         if not stats.declined and not stats.errors:
@@ -254,3 +191,11 @@ def _attr_tuple(op: tf.Operation) -> tuple:
             value = [v.as_datatype_enum for v in value]
         flat.extend([name, value])
     return tuple(flat)
+
+
+STAGE = register_stage(Stage(
+    PATTERN,
+    "Keras BatchNormalization in training -> FusedBatchNormV3 (its registered gradient: "
+    "FusedBatchNormGradV3), emitted before differentiation",
+    (Hook(_batch_norm_class, "call", fused_layer_call),),
+))

@@ -1,0 +1,138 @@
+"""Stages: rewrites made while a step is traced, before differentiation.
+
+Some fusions cannot be made on the finished GraphDef: once the tape has differentiated Keras's
+composite batch norm or its LSTM loop, the gradient is ~30 ops or a second ``While`` body that
+reads the forward's intermediates. A stage instead routes one Keras method (a layer's ``call``
+or ``inner_loop``) through its handler while tfmx traces, and emits the fused form there, whose
+gradient TensorFlow knows (a registered gradient or a ``tf.custom_gradient``).
+
+One mechanism for every stage, as the GraphDef passes have :func:`fusion.pattern.register`:
+
+- :class:`Stage` names a family (the name users pass to ``tfmx.enable(patterns=[...])``) and
+  its :class:`Hook` s: which class's method it routes, and the handler.
+- :func:`install` patches every registered hook once (``fusion.patches``, :data:`GROUP`);
+  a patched method runs its handler only inside :func:`tracing`, whose one
+  :class:`StageContext` (target, chooser, families on, where statistics go) tfmx enters
+  wherever it traces a step (fit, evaluate, predict, ``tfmx.function``, the outer-tape path).
+  Outside it Keras runs untouched.
+- A handler returns what the method returns: the fused form, or the original's result after
+  recording why it declined. It records what it rewrote through ``ctx.record`` ("rewritten");
+  the family's GraphDef pass later finds the emitted nodes in the traced graph and reports them
+  as "observed".
+
+Example:
+    >>> from fusion import stage
+    >>> sorted(s.name for s in stage.stages())
+    ['batch_norm', 'layer_norm', 'rnn']
+    >>> stage.active() is None
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from fusion import patches
+from fusion.pattern import Chooser, PatternStats, Target
+
+GROUP = "tfmx.stages"  # the fusion.patches group the stage hooks are installed under
+
+
+@dataclasses.dataclass(frozen=True)
+class StageContext:
+    """What a stage handler knows while tfmx traces: the target, the chooser deciding between
+    correct forms (None: the rewritten form), the families switched on (None: all), and where
+    its statistics go (``record(family, stats)``)."""
+
+    target: Target
+    chooser: Chooser | None = None
+    families: tuple[str, ...] | None = None
+    record: Callable[[str, PatternStats], None] = lambda family, stats: None
+    warn: Callable[[str, str], None] = lambda key, message: None
+
+    def wants(self, family: str) -> bool:
+        return self.families is None or family in self.families
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """One method a stage routes: ``owner()`` gives the class (imported when installed),
+    ``handler(ctx, original, instance, *args, **kwargs)`` runs in its place inside a trace."""
+
+    owner: Callable[[], type]
+    attribute: str
+    handler: Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """A family that rewrites before differentiation."""
+
+    name: str
+    description: str
+    hooks: tuple[Hook, ...]
+
+
+_STAGES: dict[str, Stage] = {}
+_local = threading.local()
+
+
+def register_stage(stage: Stage) -> Stage:
+    """Add ``stage`` to the registry (a module-level call in its module)."""
+    _STAGES[stage.name] = stage
+    return stage
+
+
+def stages() -> list[Stage]:
+    """Every registered stage (``fusion.stages`` registers the built-in ones on import)."""
+    import fusion.stages  # noqa: F401 - registers the built-in stages
+
+    return list(_STAGES.values())
+
+
+def active() -> StageContext | None:
+    """The context of the tfmx trace in progress on this thread, or None outside one."""
+    return getattr(_local, "context", None)
+
+
+@contextlib.contextmanager
+def tracing(ctx: StageContext | None) -> Iterator[None]:
+    """Inside this block (on this thread), patched methods run their stage's handler."""
+    previous = active()
+    _local.context = ctx
+    try:
+        yield
+    finally:
+        _local.context = previous
+
+
+def _routed(stage: Stage, hook: Hook) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            ctx = active()
+            if ctx is None or not ctx.wants(stage.name):
+                return original(self, *args, **kwargs)
+            return hook.handler(ctx, original, self, *args, **kwargs)
+
+        method.__wrapped__ = original
+        method.__doc__ = getattr(original, "__doc__", None)
+        method.__name__ = getattr(original, "__name__", hook.attribute)
+        return method
+
+    return make
+
+
+def install() -> None:
+    """Patch every registered stage's hooks (idempotent; ``uninstall`` puts them back)."""
+    for stage in stages():
+        for hook in stage.hooks:
+            patches.install(GROUP, hook.owner(), hook.attribute, _routed(stage, hook))
+
+
+def uninstall() -> None:
+    """Restore the methods :func:`install` patched."""
+    patches.uninstall(GROUP)

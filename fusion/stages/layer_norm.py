@@ -1,0 +1,177 @@
+"""The layer_norm stage: Keras ``LayerNormalization`` trained through ``FusedBatchNormV3``.
+
+Keras 3 computes layer norm as a composite (``moments``, ``Rsqrt``, Mul, Add; forward ~10 ops,
+its autodiff backward ~25). tf.keras 2 ran it through the batch-norm kernel on a reshaped
+tensor, and so does this stage: with the normalized axes the trailing ones, ``x`` of shape
+``[d_0, ..., d_k-1 | d_k, ..., d_n]`` is viewed as ``[1, rows, cols, 1]`` in NCHW, every row a
+channel, and ``FusedBatchNormV3(is_training=True)`` with unit scale and zero offset gives
+``(x - mean) * rsqrt(var + epsilon)`` per row, the layer's ``gamma`` and ``beta`` applied after.
+Its registered gradient (``FusedBatchNormGradV3``) is the exact layer-norm gradient. 16-bit
+inputs are cast to float32 first, as Keras does, and the result cast back.
+
+Whether the kernel beats the composite depends on the machine and the shape (the CPU kernel
+transposes NCHW to NHWC), so every layer call is a tuner decision (forward and backward at the
+call's shapes); the conservative form is Keras's composite. Declined, with the reason in the
+report: ``rms_scaling=True`` (no mean subtracted: no kernel computes it), normalized axes that
+are not the trailing ones, float64, a backend without ``FusedBatchNormV3`` in NCHW, an epsilon
+the backend's kernel refuses.
+
+Example:
+    >>> import keras, numpy as np, tensorflow as tf
+    >>> from fusion.stages.layer_norm import layer_norm
+    >>> x = tf.constant(np.arange(12, dtype="float32").reshape(2, 2, 3))
+    >>> composite = keras.layers.LayerNormalization(epsilon=1e-3)
+    >>> expected = composite(x).numpy()
+    >>> got = layer_norm(x, None, None, 2, 1e-3).numpy()
+    >>> bool(np.allclose(got, expected, atol=1e-5))
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from fusion.pattern import PatternStats
+from fusion.stage import Hook, Stage, StageContext, register_stage
+
+FAMILY = "layer_norm"
+SCOPE = "tfmx_layer_norm"
+LABEL = "LayerNormalization: FusedBatchNormV3 on [1, rows, cols, 1] (NCHW) + gamma, beta"
+
+
+def layer_norm(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
+               epsilon: float) -> tf.Tensor:
+    """Layer norm over the axes ``first_axis:`` of ``x`` through ``FusedBatchNormV3``."""
+    dtype = x.dtype
+    x32 = x if dtype == tf.float32 else tf.cast(x, tf.float32)
+    shape = tf.shape(x32)
+    rows = tf.reduce_prod(shape[:first_axis])
+    cols = tf.reduce_prod(shape[first_axis:])
+    flat = tf.reshape(x32, tf.stack([1, rows, cols, 1]))
+    channels = tf.reshape(rows, [1])
+    empty = tf.zeros([0], tf.float32)
+    normed = tf.raw_ops.FusedBatchNormV3(
+        x=flat, scale=tf.ones(channels, tf.float32), offset=tf.zeros(channels, tf.float32),
+        mean=empty, variance=empty, epsilon=epsilon, exponential_avg_factor=1.0,
+        data_format="NCHW", is_training=True)[0]
+    y = tf.reshape(normed, shape)
+    if gamma is not None:
+        y = y * tf.cast(gamma, tf.float32)
+    if beta is not None:
+        y = y + tf.cast(beta, tf.float32)
+    y.set_shape(x.shape)
+    return y if dtype == tf.float32 else tf.cast(y, dtype)
+
+
+def _value(variable: Any) -> Any:
+    """A Keras variable's tensor (read where the tape records it), None stays None."""
+    return None if variable is None else variable.value
+
+
+def _first_axis(layer: Any, ndims: int) -> int | None:
+    """The first normalized axis when the normalized axes are the trailing ones, else None."""
+    axes = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+    axes = sorted(a % ndims for a in axes)
+    if axes != list(range(axes[0], ndims)) or axes[0] == 0:
+        return None
+    return axes[0]
+
+
+def find_layer_norm(layer: Any, inputs: Any, target: Any) -> tuple[int | None, str | None]:
+    """(first normalized axis, None) for a layer call this stage can fuse, or (None, why)."""
+    if getattr(layer, "rms_scaling", False):
+        return None, "rms_scaling=True (scales by the variance, no mean subtracted: no kernel)"
+    ndims = inputs.shape.rank
+    if ndims is None:
+        return None, "input of unknown rank"
+    first = _first_axis(layer, ndims)
+    if first is None:
+        return None, f"normalized axes {layer.axis} are not the trailing axes of a rank-" \
+                     f"{ndims} input"
+    from fusion.patterns.batch_norm import kernel_blocker  # (the patterns import the stages)
+
+    dtype = inputs.dtype.name
+    if dtype not in ("float32", "float16", "bfloat16"):
+        return None, f"input dtype {dtype}"
+    why = kernel_blocker(target, "FusedBatchNormV3", "float32", "NCHW", True, None,
+                         float(layer.epsilon))
+    if why is not None:
+        return None, why
+    return first, None
+
+
+def _candidates(layer: Any, original: Callable, inputs: Any, first: int) -> dict:
+    """Keras's composite and the fused form, forward + backward at the call's shapes."""
+    shape = [32 if d is None else int(d) for d in inputs.shape]
+
+    def factory(fused: bool):
+        def make():
+            @tf.function(autograph=False)
+            def step(x):
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    if fused:
+                        y = layer_norm(x, _value(layer.gamma), _value(layer.beta), first,
+                                       layer.epsilon)
+                    else:
+                        y = original(layer, x)
+                    loss = tf.reduce_sum(tf.cast(y, tf.float32) ** 2)
+                return tape.gradient(loss, [x, *layer.trainable_variables])
+
+            x = tf.random.normal(shape, seed=1, dtype=inputs.dtype)
+
+            def run():
+                step(x)[0].numpy()
+
+            return run
+
+        return make
+
+    return {"composite": factory(False), "fused": factory(True)}
+
+
+def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
+                     *args: Any, **kwargs: Any) -> Any:
+    """``LayerNormalization.call`` while tfmx traces: the fused form where it is correct and
+    (by the tuner) faster, else Keras's composite with the reason recorded."""
+    if not tf.inside_function() or args or kwargs:
+        return original(layer, inputs, *args, **kwargs)
+    stats = PatternStats(matched=1)
+    inputs = tf.convert_to_tensor(inputs)
+    first, why = find_layer_norm(layer, inputs, ctx.target)
+    if first is not None and ctx.chooser is not None:
+        from fusion.fragment import shape_text
+
+        signature = (f"LayerNormalization input {shape_text(inputs.shape)} {inputs.dtype.name} "
+                     f"axes {first}: center={layer.center} scale={layer.scale}")
+        choice = ctx.chooser.choose(FAMILY, signature,
+                                    _candidates(layer, original, inputs, first), "composite")
+        if choice.choice == "composite":
+            first, why = None, f"{signature}: Keras's composite kept: {choice.why()}"
+    if first is None:
+        stats.decline(f"LayerNormalization: {why}")
+        ctx.record(FAMILY, stats)
+        return original(layer, inputs)
+    with tf.name_scope(SCOPE):
+        out = layer_norm(inputs, _value(layer.gamma), _value(layer.beta), first, layer.epsilon)
+    out = tf.cast(out, layer.compute_dtype)
+    stats.fuse(LABEL)
+    ctx.record(FAMILY, stats)
+    return out
+
+
+def _layer_class() -> type:
+    from keras.src.layers.normalization.layer_normalization import LayerNormalization
+
+    return LayerNormalization
+
+
+STAGE = register_stage(Stage(
+    FAMILY,
+    "Keras LayerNormalization -> FusedBatchNormV3 on the rows (its registered gradient: "
+    "FusedBatchNormGradV3) + gamma, beta; emitted before differentiation where measured faster",
+    (Hook(_layer_class, "call", fused_layer_call),),
+))

@@ -1,0 +1,359 @@
+"""The rnn stage: Keras LSTM / GRU layers -> a hoisted loop (CPU) or ``CudnnRNNV3`` (GPU).
+
+A post-gradient rewrite would have to rebuild both the forward ``While`` body and the gradient
+body that TensorFlow derived from it, with its TensorList accumulators. Instead, while tfmx
+traces a step function (``fusion.stage.tracing``), each Keras ``LSTM`` / ``GRU`` layer's
+``inner_loop`` is matched as it is called (:func:`find_rnn_layer` fills an :class:`RnnMatch` or
+gives the reason it declines) and :func:`rewrite_rnn_layer` emits the target's form, whose
+backward pass comes from a ``tf.custom_gradient`` (CPU) or from TensorFlow's registered gradient
+of ``CudnnRNNV3`` (GPU targets). Emitted nodes live under a name scope ``tfmx_rnn_<kind>``;
+declined layers run Keras's own loop under ``tfmx_rnn_declined_<why>``; the GraphDef pass
+``fusion.patterns.rnn`` finds those scopes in the traced graph and reports what it observed.
+
+CPU forms (``fusion.stages.rnn_kernels``), chosen per layer call by the tuner
+(:func:`cpu_forms`): Keras's loop, or the hoisted one (the input projection of all timesteps is
+one MatMul before the loop, the loop keeps the recurrent MatMul and the gate arithmetic, the
+backward is one reverse loop with one MatMul per step and the weight gradients as single big
+MatMuls), looped in chunks or unrolled; or Keras's cell unrolled. GPU form: one ``CudnnRNNV3``
+per layer; masks of any shape (left padding, holes) keep Keras's generic-loop semantics by
+packing each row's unmasked steps to the front (cuDNN takes only sequence lengths), where Keras
+itself asserts right padding.
+
+Example:
+    >>> import keras
+    >>> from fusion.stages.rnn import find_rnn_layer
+    >>> from tfmx.backends import get_backend
+    >>> match, why = find_rnn_layer(keras.layers.LSTM(4), get_backend("cpu"))
+    >>> match.kind, match.form, why
+    ('lstm', 'hoisted', None)
+    >>> find_rnn_layer(keras.layers.GRU(4, unroll=True), get_backend("cpu"))[1]
+    'unroll'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+from fusion.pattern import PatternStats, Target
+from fusion.stage import Hook, Stage, StageContext, register_stage
+
+FAMILY = "rnn"
+SCOPE = "tfmx_rnn_"
+DECLINED = SCOPE + "declined_"
+
+# Why a layer keeps Keras's own loop, by the code that goes into its name scope.
+DECLINE_REASONS = {
+    "unroll": "unroll=True: Keras unrolls the loop in Python, nothing to fuse",
+    "tuned": "Keras's own loop measured faster than the hoisted one on this machine "
+             "(tfmx.report(): tuned)",
+    "stateful": "stateful=True is not fused (states live in variables across batches)",
+    "recurrent_dropout": "recurrent_dropout > 0 needs a fresh mask inside every step",
+    "activation": "activation / recurrent_activation other than tanh / sigmoid",
+    "dtype": "compute dtype other than float32 (mixed precision) is not fused yet",
+    "use_cudnn_true": "use_cudnn=True on a target without cuDNN: Keras's own error stands",
+    "use_cudnn_false": "use_cudnn=False asks the GPU target for Keras's generic loop",
+    "reset_before_gpu": "GRU(reset_after=False) has no cuDNN / Metal kernel (cuDNN GRU "
+                        "applies the reset gate after the MatMul)",
+    "cell": "not a Keras LSTMCell / GRUCell",
+    "target": "no RNN form for this target",
+    "error": "building the fused form raised (see the warning); Keras's own loop runs",
+}
+_KIND_NAMES = {"lstm": "LSTM", "gru": "GRU(reset_after=True)",
+               "gru_reset_before": "GRU(reset_after=False)"}
+_CPU_FORMS = {
+    "hoisted": "hoisted input projection + recurrent loop, custom gradient",
+    "unrolled": "hoisted input projection + unrolled recurrence, custom gradient",
+    "keras_unrolled": "Keras's cell unrolled (measured faster than its loop)",
+}
+KIND_LABELS = {(kind, form): f"{name}: {text}"
+               for kind, name in _KIND_NAMES.items() for form, text in _CPU_FORMS.items()}
+KIND_LABELS[("lstm", "cudnn")] = "LSTM: CudnnRNNV3 (+ CudnnRNNBackpropV3 by its gradient)"
+KIND_LABELS[("gru", "cudnn")] = "GRU: CudnnRNNV3 (+ CudnnRNNBackpropV3 by its gradient)"
+
+@dataclasses.dataclass(frozen=True)
+class RnnKernels:
+    """What a backend declares for this family: the form its LSTM / GRU layers take
+    ("hoisted": the hoisted loop, any TensorFlow device; "cudnn": one ``CudnnRNNV3``), and
+    whether its cuDNN GRU orders the gates r, z, h (CUDA's cuDNN) instead of Keras's z, r, h."""
+
+    form: str
+    gru_gates_rzh: bool = False
+
+
+@dataclasses.dataclass
+class RnnMatch:
+    """One Keras LSTM / GRU layer call that the family fuses."""
+
+    kind: str  # "lstm", "gru" (reset_after=True) or "gru_reset_before"
+    form: str  # "hoisted" (CPU loop) or "cudnn" (CudnnRNNV3)
+    layer: Any
+    swap_zr: bool = False  # cuDNN on CUDA orders GRU gates r, z, h
+
+    @property
+    def label(self) -> str:
+        return KIND_LABELS[(self.kind, self.form)]
+
+
+def _is_exactly(obj: Any, module: str, name: str) -> bool:
+    cls = type(obj)
+    return cls.__name__ == name and cls.__module__.startswith(module)
+
+
+def find_rnn_layer(layer: Any, target: Target) -> tuple[RnnMatch | None, str | None]:
+    """Match one Keras ``LSTM`` / ``GRU`` layer for ``target``: (match, None) or (None, code).
+
+    ``code`` is a key of :data:`DECLINE_REASONS`.
+    """
+    from keras.src import activations, ops
+
+    cell = getattr(layer, "cell", None)
+    if _is_exactly(cell, "keras.src.layers.rnn.lstm", "LSTMCell"):
+        kind = "lstm"
+    elif _is_exactly(cell, "keras.src.layers.rnn.gru", "GRUCell"):
+        kind = "gru" if cell.reset_after else "gru_reset_before"
+    else:
+        return None, "cell"
+    kernels = target.capability(RnnKernels)
+    if kernels is None:
+        return None, "target"
+    gpu = kernels.form == "cudnn"
+    if layer.unroll:
+        return None, "unroll"
+    if layer.stateful:
+        return None, "stateful"
+    if cell.recurrent_dropout:
+        return None, "recurrent_dropout"
+    if cell.activation not in (activations.tanh, ops.tanh) or cell.recurrent_activation not in (
+        activations.sigmoid, ops.sigmoid
+    ):
+        return None, "activation"
+    if layer.compute_dtype != "float32" or cell.compute_dtype != "float32":
+        return None, "dtype"
+    use_cudnn = getattr(layer, "use_cudnn", "auto")
+    if use_cudnn is True and not gpu:
+        return None, "use_cudnn_true"
+    if gpu and use_cudnn is False:
+        return None, "use_cudnn_false"
+    if gpu and kind == "gru_reset_before":
+        return None, "reset_before_gpu"
+    return RnnMatch(kind, kernels.form, layer, swap_zr=kernels.gru_gates_rzh), None
+
+
+def rewrite_rnn_layer(match: RnnMatch, sequences, initial_state, mask, training=False,
+                      chunks=None, unrolled=False):
+    """Emit ``match``'s form of the layer's inner loop; Keras's ``(last, outputs, states)``.
+
+    ``chunks``: loops per sequence of the cpu form (default ``rnn_kernels.CHUNKS``);
+    ``unrolled``: the cpu form with every timestep its own ops (a static length only)."""
+    import tensorflow as tf
+
+    from fusion.stages import rnn_kernels as k
+
+    layer, cell = match.layer, match.layer.cell
+    if isinstance(mask, (list, tuple)):
+        mask = mask[0]
+    states = list(initial_state) if isinstance(initial_state, (list, tuple)) else [
+        initial_state]
+    with tf.name_scope(SCOPE + match.kind + ("_unrolled" if unrolled else "")):
+        if training and cell.dropout:  # Keras's cuDNN path: one input mask for every step
+            dp_mask = cell.get_dropout_mask(sequences[:, 0, :])
+            sequences = sequences * dp_mask[:, None, :]
+        kernel, recurrent = cell.kernel.value, cell.recurrent_kernel.value
+        bias = None if cell.bias is None else cell.bias.value
+        flags = {"go_backwards": layer.go_backwards, "return_sequences": layer.return_sequences}
+        flags["zero_output_for_mask"] = layer.zero_output_for_mask
+        if match.form == "cudnn" and match.kind == "lstm":
+            return k.cudnn_lstm(sequences, states[0], states[1], mask, kernel, recurrent, bias,
+                                **flags)
+        if match.form == "cudnn":
+            return k.cudnn_gru(sequences, states[0], mask, kernel, recurrent, bias,
+                               match.swap_zr, **flags)
+        # Inference saves nothing for a backward pass (the loop stays differentiable by
+        # TensorFlow's own While gradient); a symbolic ``training`` takes the training form.
+        flags["training"] = training if isinstance(training, bool) else training is not None
+        if match.kind == "lstm":
+            return k.lstm_sequence(sequences, states[0], states[1], mask, kernel, recurrent,
+                                   bias, chunks=chunks, unrolled=unrolled, **flags)
+        return k.gru_sequence(sequences, states[0], mask, kernel, recurrent, bias,
+                              reset_after=match.kind == "gru", chunks=chunks,
+                              unrolled=unrolled, **flags)
+
+
+TUNED_CHUNKS = (1, 5)
+"""Loops per sequence the tuner times for the cpu form (besides Keras's own loop)."""
+MAX_UNROLLED_STEPS = 128
+"""Longest sequence whose unrolled forms are timed at all: unrolling grows the graph (and its
+trace and rewrite time) with every timestep, as Keras's own ``unroll=True`` warns. It prunes the
+search; among the forms it leaves, the tuner decides."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RnnForm:
+    """One correct way to run a layer call on cpu: Keras's or the hoisted loop, looped or
+    unrolled. ``chunks``: loops per sequence of the hoisted looped form."""
+
+    name: str
+    hoisted: bool
+    unrolled: bool = False
+    chunks: int | None = None
+
+
+def cpu_forms(steps: int | None) -> dict[str, RnnForm]:
+    """The forms the tuner times for a sequence of ``steps`` timesteps (None: unknown).
+
+    Example:
+        >>> sorted(cpu_forms(50))
+        ['hoisted unrolled', 'hoisted x1', 'hoisted x5', 'keras', 'keras unrolled']
+        >>> sorted(cpu_forms(None))
+        ['hoisted x1', 'keras']
+    """
+    forms = [RnnForm("keras", False)]
+    for chunks in TUNED_CHUNKS:
+        if chunks == 1 or (steps is not None and steps >= 2 * chunks):
+            forms.append(RnnForm(f"hoisted x{chunks}", True, chunks=chunks))
+    if steps is not None and 1 < steps <= MAX_UNROLLED_STEPS:
+        forms += [RnnForm("keras unrolled", False, unrolled=True),
+                  RnnForm("hoisted unrolled", True, unrolled=True)]
+    return {form.name: form for form in forms}
+
+
+def run_keras_loop(layer, original, sequences, initial_state, mask, training, unrolled=False):
+    """Keras's own ``inner_loop`` for ``layer``, with ``unroll`` set for this call only."""
+    saved = layer.unroll
+    layer.unroll = unrolled or saved
+    try:
+        return original(layer, sequences, initial_state, mask, training=training)
+    finally:
+        layer.unroll = saved
+
+
+def _layer_candidates(match: RnnMatch, original, sequences, initial_state, training,
+                      input_gradient=True):
+    """The forms of one layer call, each a factory of a runnable forward (+ backward when
+    ``training``) at the call's shapes (unknown batch 32): :func:`cpu_forms`.
+    ``input_gradient``: whether the backward computes the gradient of the sequences too (not
+    for a layer reading the model's inputs)."""
+    import tensorflow as tf
+
+    layer = match.layer
+    shape = [32 if d is None else int(d) for d in sequences.shape]
+    states = list(initial_state) if isinstance(initial_state, (list, tuple)) else [
+        initial_state]
+    units = int(states[0].shape[-1])
+
+    def factory(form: RnnForm):
+        def make():
+            @tf.function(autograph=False)
+            def step(x):
+                with tf.GradientTape() as tape:
+                    if input_gradient:
+                        tape.watch(x)
+                    init = [tf.zeros([shape[0], units], x.dtype) for _ in states]
+                    if form.hoisted:
+                        _, outputs, _ = rewrite_rnn_layer(match, x, init, None, training,
+                                                          form.chunks, form.unrolled)
+                    else:
+                        _, outputs, _ = run_keras_loop(layer, original, x, init, None,
+                                                       training, form.unrolled)
+                    loss = tf.reduce_sum(outputs * outputs)
+                if not training:  # inference: the forward alone
+                    return [loss]
+                return tape.gradient(loss, [*layer.trainable_variables,
+                                            *([x] if input_gradient else [])])
+
+            x = tf.random.normal(shape, dtype=sequences.dtype, seed=1)
+
+            def run():
+                step(x)[0].numpy()
+
+            return run
+
+        return make
+
+    return {name: factory(form) for name, form in cpu_forms(shape[1]).items()}
+
+
+def _tuned_form(match: RnnMatch, original, sequences, initial_state, mask, training,
+                tuner) -> tuple[RnnForm, str]:
+    """The form the tuner measured fastest for this call, and the decision's text."""
+    from tensorflow.python.eager import record
+
+    from fusion.fragment import shape_text
+
+    shape = shape_text(sequences.shape)
+    input_gradient = bool(training) and record.should_record_backprop([sequences])
+    signature = (f"{match.kind} input {shape} units {match.layer.cell.units} "
+                 f"sequences={match.layer.return_sequences} mask={mask is not None} "
+                 f"training={bool(training)} input_gradient={input_gradient}")
+    choice = tuner.choose("rnn", signature, _layer_candidates(
+        match, original, sequences, initial_state, training, input_gradient),
+        conservative="keras")
+    form = cpu_forms(sequences.shape[1])[choice.choice]
+    return form, f"{match.kind} {signature}: {form.name} kept: {choice.why()}"
+
+
+def forward_stage(ctx: StageContext, original, layer, sequences, initial_state, mask=None,
+                  training=False):
+    """A Keras LSTM/GRU ``inner_loop`` call while tfmx traces (the stage's handler): the
+    fused form, or Keras's loop, declined with the reason recorded.
+
+    On cpu ``ctx.chooser`` (``tfmx.tuner``) decides between the forms of :func:`cpu_forms`
+    (Keras's loop or the hoisted one, looped in a few chunkings or unrolled; Keras's cell
+    unrolled) by timing them at the call's shapes; None: the hoisted loop."""
+    import tensorflow as tf
+
+    stats = PatternStats(matched=1)
+    match, why = find_rnn_layer(layer, ctx.target)
+    form = RnnForm("hoisted", True)
+    if match is not None and match.form == "hoisted" and ctx.chooser is not None:
+        train = training if isinstance(training, bool) else training is not None
+        form, _ = _tuned_form(match, original, sequences, initial_state, mask, train,
+                              ctx.chooser)
+        if form.name == "keras":
+            match, why = None, "tuned"
+        elif not form.hoisted:  # Keras's cell, unrolled: measured faster than every loop
+            stats.fuse(KIND_LABELS[(match.kind, "keras_unrolled")])
+            ctx.record(FAMILY, stats)
+            with tf.name_scope(SCOPE + match.kind + "_keras_unrolled"):
+                return run_keras_loop(layer, original, sequences, initial_state, mask,
+                                      training, unrolled=True)
+    if match is not None:
+        try:
+            result = rewrite_rnn_layer(match, sequences, initial_state, mask, training,
+                                       form.chunks, form.unrolled)
+        except Exception as exc:  # noqa: BLE001 - never break training: Keras's loop runs
+            why = "error"
+            stats.errors.append(f"{layer.name}: {type(exc).__name__}: {exc}")
+            warnings.warn(f"tfmx rnn: {layer.name}: {type(exc).__name__}: {exc}; "
+                          "Keras's own loop runs", stacklevel=2)
+        else:
+            stats.fuse(KIND_LABELS[(match.kind, "unrolled" if form.unrolled else match.form)])
+            ctx.record(FAMILY, stats)
+            return result
+    stats.decline(DECLINE_REASONS.get(why, why))
+    ctx.record(FAMILY, stats)
+    with tf.name_scope(DECLINED + why):
+        return original(layer, sequences, initial_state, mask, training=training)
+
+
+def _layer_classes(name: str):
+    def owner() -> type:
+        if name == "LSTM":
+            from keras.src.layers.rnn.lstm import LSTM
+
+            return LSTM
+        from keras.src.layers.rnn.gru import GRU
+
+        return GRU
+
+    return owner
+
+
+STAGE = register_stage(Stage(
+    FAMILY,
+    "Keras LSTM / GRU -> hoisted input projection + recurrent loop (or unrolled) with custom "
+    "gradient (cpu), CudnnRNNV3 (cuda, metal); emitted before differentiation",
+    tuple(Hook(_layer_classes(name), "inner_loop", forward_stage) for name in ("LSTM", "GRU")),
+))

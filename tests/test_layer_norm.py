@@ -1,0 +1,119 @@
+"""The layer_norm stage: Keras LayerNormalization trained through FusedBatchNormV3."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import TRANSCENDENTAL, assert_within_rounding
+
+import tfmx
+from fusion.stages import layer_norm as stage
+from tfmx.backends import get_backend
+
+# Every match rewritten, whatever the tuner would measure here (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("every_rewrite")
+
+
+def _terms(cols: int) -> int:
+    """Roundings on the longest path of one normalized value and its gradient: the mean and
+    variance sums over ``cols`` values (twice, forward and backward), rsqrt, the affine."""
+    return 4 * cols + 2 * TRANSCENDENTAL + 10
+
+
+CASES = {  # name: (input shape, layer kwargs)
+    "last_axis": ((4, 6, 16), {}),
+    "two_trailing_axes": ((3, 5, 4, 8), {"axis": [-2, -1]}),
+    "no_center_no_scale": ((4, 16), {"center": False, "scale": False}),
+    "epsilon": ((4, 16), {"epsilon": 1e-5}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fused_form_and_its_gradient_match_keras(name):
+    shape, kwargs = CASES[name]
+    rng = np.random.default_rng(0)
+    layer = keras.layers.LayerNormalization(**kwargs)
+    layer.build(shape)
+    for v in layer.weights:
+        v.assign(rng.standard_normal(v.shape) * 0.5 + 1.0)
+    x = tf.constant(rng.standard_normal(shape) * 3 + 1, tf.float32)
+    first = stage._first_axis(layer, len(shape))
+
+    @tf.function
+    def run(fused: bool):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            if fused:
+                y = stage.layer_norm(x, stage._value(layer.gamma), stage._value(layer.beta),
+                                     first, layer.epsilon)
+            else:
+                y = layer(x)
+            loss = tf.reduce_sum(y * tf.sin(y))
+        return [y, *tape.gradient(loss, [x, *layer.trainable_variables])]
+
+    graph = run.get_concrete_function(True).graph.as_graph_def()
+    assert any(n.op == "FusedBatchNormV3" for n in graph.node)
+    cols = int(np.prod(shape[first:]))
+    for i, (got, expected) in enumerate(zip(run(True), run(False))):
+        # the weight gradients sum over every row too
+        terms = _terms(cols) + (0 if i < 2 else int(np.prod(shape[:first])))
+        assert_within_rounding(got.numpy(), expected.numpy(), terms, what=f"output {i}")
+
+
+@pytest.mark.parametrize("make,why", [
+    (lambda: keras.layers.LayerNormalization(axis=1), "not the trailing axes"),
+    (lambda: keras.layers.LayerNormalization(rms_scaling=True), "rms_scaling=True"),
+])
+def test_declines_with_a_reason(make, why):
+    layer = make()
+    x = tf.zeros([2, 3, 4])
+    layer.build(x.shape)
+    first, reason = stage.find_layer_norm(layer, x, get_backend("cpu"))
+    assert first is None and why in reason
+
+
+def test_cuda_refuses_a_small_epsilon():
+    layer = keras.layers.LayerNormalization(epsilon=1e-6)
+    layer.build((2, 4))
+    first, reason = stage.find_layer_norm(layer, tf.zeros([2, 4]), get_backend("cuda"))
+    assert first is None and "epsilon" in reason
+
+
+def _encoder(seed: int = 0) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((6, 8))
+    x = keras.layers.Dense(16)(inp)
+    x = keras.layers.LayerNormalization()(x)
+    y = keras.layers.Dense(16, activation="gelu")(x)
+    x = keras.layers.LayerNormalization(center=False)(keras.layers.Add()([x, y]))
+    out = keras.layers.Dense(3, activation="softmax")(keras.layers.GlobalAveragePooling1D()(x))
+    model = keras.Model(inp, out)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss="sparse_categorical_crossentropy")
+    return model
+
+
+def test_fit_matches_stock_with_the_kernel_in_the_graph_that_ran():
+    from tests.test_keras import ops_that_ran
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((24, 6, 8)).astype("float32")
+    y = rng.integers(0, 3, 24)
+    models = {}
+    for on in (False, True):
+        tfmx.enable(backend="cpu", patterns=["layer_norm"]) if on else tfmx.disable()
+        model = _encoder()
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        models[on] = model
+    ran = ops_that_ran(models[True].train_function)
+    assert {"FusedBatchNormV3", "FusedBatchNormGradV3"} <= ran
+    assert "FusedBatchNormV3" not in ops_that_ran(models[False].train_function)
+    stats = tfmx.report().patterns["layer_norm"]
+    assert stats.fused == 2 and not stats.declined, tfmx.report()
+    assert stats.observed[stage.LABEL] >= 2
+    # 6 steps of a forward over 16 values, the backward and the update
+    terms = 6 * (3 * (_terms(16) + 16 + 8) + 12)
+    for a, b in zip(models[False].weights, models[True].weights):
+        assert_within_rounding(b.numpy(), a.numpy(), terms, what=a.name)
