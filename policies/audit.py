@@ -160,7 +160,8 @@ def _layer_graph(layer: Any, x: Any) -> tuple[Any, str | None]:
 
     step = layer_step(layer)
     graph = step.get_concrete_function(
-        tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), x)).graph
+        tf.nest.map_structure(
+            lambda t: tf.TensorSpec(t.shape, t.dtype) if isinstance(t, tf.Tensor) else t, x)).graph
     outs = [t for t in tf.nest.flatten(graph.structured_outputs[0]) if hasattr(t, "dtype")]
     return graph.as_graph_def(), (outs[0].dtype.name if outs else None)
 
@@ -216,11 +217,12 @@ def _audit_layer(layer: Any, values: dict, graph: bool, outputs: list, stale: se
     else:
         value = typed = values[id(layer)]
         if graph:
-            flat = tf.nest.flatten(value)
-            dtypes = [_producer_dtype(p, t)
-                      for p, t in zip(_expand(producers(layer), flat), flat)]
-            typed = tf.nest.pack_sequence_as(value, [
-                tf.cast(t, d) if t.dtype.is_floating else t for t, d in zip(flat, dtypes)])
+            flat = tf.nest.flatten(value)  # tensors, and a call's Python flags
+            where = [i for i, t in enumerate(flat) if isinstance(t, tf.Tensor)]
+            for p, i in zip(_expand(producers(layer), [flat[i] for i in where]), where):
+                if flat[i].dtype.is_floating:
+                    flat[i] = tf.cast(flat[i], _producer_dtype(p, flat[i]))
+            typed = tf.nest.pack_sequence_as(value, flat)
         state = [v.numpy() for v in layer.non_trainable_variables]
         try:
             graph_def, out_dtype = _layer_graph(layer, typed)

@@ -11,7 +11,38 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class LayerCall(NamedTuple):
+    """What a layer was called with when it takes more than one positional input, or keyword
+    arguments (``MultiHeadAttention(query, value, attention_mask=...)``): the values, laid out
+    as the call was. A single tensor input stays a plain tensor.
+
+    >>> call = LayerCall((1, 2), {"use_causal_mask": True})
+    >>> call_layer(lambda *a, **k: (a, k), call, training=True)
+    ((1, 2), {'use_causal_mask': True, 'training': True})
+    """
+
+    args: tuple
+    kwargs: dict
+
+
+def call_layer(layer: Any, inputs: Any, training: bool) -> Any:
+    """``layer`` called on ``inputs`` (a tensor, a structure of them, or a :class:`LayerCall`)."""
+    if isinstance(inputs, LayerCall):
+        return layer(*inputs.args, **{**inputs.kwargs, "training": training})
+    return layer(inputs, training=training)
+
+
+def as_tensors(inputs: Any) -> Any:
+    """``inputs`` with every array-like value a tensor (Python flags of a call stay as they are)."""
+    import numpy as np
+    import tensorflow as tf
+
+    return tf.nest.map_structure(
+        lambda v: tf.convert_to_tensor(v) if isinstance(v, (np.ndarray, tf.Tensor)) else v,
+        inputs)
 
 
 def iter_layers(model: Any) -> Iterator[Any]:
@@ -76,10 +107,11 @@ def layer_step(layer: Any) -> Any:
 
     @tf.function
     def step(x: Any) -> Any:
-        floats = [t for t in tf.nest.flatten(x) if t.dtype.is_floating]
+        floats = [t for t in tf.nest.flatten(x)
+                  if isinstance(t, tf.Tensor) and t.dtype.is_floating]
         with tf.GradientTape() as tape:
             tape.watch(floats)
-            out = layer(x, training=True)
+            out = call_layer(layer, x, training=True)
             total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32))
                               for o in tf.nest.flatten(out)])
         grads = tape.gradient(total, [*layer.trainable_variables, *floats])

@@ -50,7 +50,15 @@ from typing import Any
 import numpy as np
 
 from policies.errors import LayerDtypeError
-from policies.layers import layer_step, output_layers, policy_name, set_policy, weighted
+from policies.layers import (
+    LayerCall,
+    as_tensors,
+    layer_step,
+    output_layers,
+    policy_name,
+    set_policy,
+    weighted,
+)
 from policies.names import check_name, is_16bit
 from policies.safety import NORMALIZATION_WITH_UPCAST, float32_reason
 
@@ -214,12 +222,11 @@ def make_runner(layer: Any, policy: str, inputs: Any) -> tuple[Callable[[], Any]
     The layer's policy is set only while tracing; it is restored before this returns.
     Raises :class:`LayerDtypeError` naming the layer if it fails under a 16-bit policy.
     """
-    import tensorflow as tf
 
     saved = layer.dtype_policy
 
     step = layer_step(layer)
-    x = tf.nest.map_structure(tf.convert_to_tensor, inputs)
+    x = as_tensors(inputs)
     state = [v.numpy() for v in layer.non_trainable_variables]
     try:
         set_policy(layer, policy)
@@ -249,14 +256,25 @@ def probe_layers(model: Any, layers: list[Any], x: Any) -> tuple[list[Any], list
             if not isinstance(layer, keras.layers.InputLayer):
                 layer.dtype_policy = "float32"
         inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
-        probe = keras.Model(inputs, [[layer.input for layer in layers],
-                                           [layer.output for layer in layers]])
+        arguments = [layer._inbound_nodes[0].arguments for layer in layers]
+        probe = keras.Model(inputs, [[list(a.keras_tensors) for a in arguments],
+                                     [layer.output for layer in layers]])
         ins, outs = probe(x, training=False)
+        ins = [_filled(a, values) for a, values in zip(arguments, ins)]
     finally:
         for layer in model._flatten_layers(include_self=False):
             if id(layer) in saved:
                 layer._dtype_policy = saved[id(layer)]
     return list(ins), list(outs)
+
+
+def _filled(arguments: Any, values: list[Any]) -> Any:
+    """A layer's recorded input: its one tensor, or a :class:`LayerCall` of its arguments."""
+    args, kwargs = arguments.fill_in({id(kt): v for kt, v in zip(arguments.keras_tensors,
+                                                                 values)})
+    if len(args) == 1 and not kwargs:
+        return args[0]
+    return LayerCall(tuple(args), dict(kwargs))
 
 
 def has_graph(model: Any) -> bool:

@@ -253,3 +253,25 @@ def test_audit_of_a_subclassed_model_matches_its_functional_twin():
     assert [(r.layer, r.casts_forward, r.casts_backward, r.note) for r in got.layers] == [
         (r.layer, r.casts_forward, r.casts_backward, r.note) for r in want.layers]
     assert got.layer("b").casts_forward == 1 and got.model_casts == want.model_casts
+
+
+def test_tune_and_audit_take_layers_with_several_inputs_and_keyword_arguments():
+    """MultiHeadAttention(query, value, use_causal_mask=True) and Add([a, b]) are called as
+    the model calls them (they were "missing a required argument: 'value'" before)."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8, 16))
+    x = keras.layers.Dense(16, name="proj")(inp)
+    a = keras.layers.MultiHeadAttention(2, 8, name="mha")(x, x, use_causal_mask=True)
+    x = keras.layers.LayerNormalization(name="norm")(keras.layers.Add(name="res")([x, a]))
+    out = keras.layers.Dense(3, name="out")(keras.layers.GlobalAveragePooling1D(name="pool")(x))
+    model = keras.Model(inp, out, name="encoder")
+    table = {("proj", "float32"): 1e-3, ("proj", BF16): 2e-3,
+             ("mha", "float32"): 3e-3, ("mha", BF16): 1e-3,
+             ("encoder", "float32"): 4e-3, ("encoder", "tuned"): 3e-3}
+    result = policies.tune(model, policy=BF16, timer=injected(table)[0], apply=False)
+    chosen = {c.layer: (c.policy, c.kind) for c in result.layers}
+    assert chosen["mha"] == (BF16, "tuned"), result
+    assert chosen["proj"] == ("float32", "tuned")
+    assert chosen["res"][1] == "follower"
+    report = policies.audit(model)
+    assert not report.layer("mha").note, report
