@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -82,7 +83,8 @@ class IteratorDispatch:
                 outputs = self._function(iterator)  # traces (or retraces) as TensorFlow decides
             slot = _Slot({"fused": self._function.get_concrete_function(iterator)})
             if any(e.changed for e in embedded) and self._twin is not None and self._make_guard:
-                slot.guard = self._make_guard(frozenset().union(*(e.ops for e in embedded)),
+                slot.guard = self._make_guard(sum((collections.Counter(e.ops) for e in embedded),
+                                                  collections.Counter()),
                                               "+".join(e.signature for e in embedded))
             self._slots[spec] = slot
             return outputs

@@ -113,9 +113,9 @@ class _Entry:
         return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
 
     @property
-    def stock_ops(self) -> frozenset[str]:
-        """The op types of the traced step before the rewrite."""
-        return frozenset(self.record.ops_before) if self.record is not None else frozenset()
+    def stock_ops(self) -> dict[str, int]:
+        """The ops of the traced step before the rewrite: op type -> count."""
+        return dict(self.record.ops_before) if self.record is not None else {}
 
     @property
     def changed(self) -> bool:

@@ -113,38 +113,49 @@ class Embedded:
     """What an outer trace learns of a tfmx step traced into it."""
 
     changed: bool  # it differs from stock (a stage or a pass rewrote it)
-    ops: frozenset[str] = frozenset()  # the op types of its stock graph
+    ops: Mapping[str, int] = dataclasses.field(default_factory=dict)  # its stock graph's ops
     signature: str = ""  # what the step is (its ops, shapes, what tfmx made of it): a cache key
 
 
-def embedded(changed: bool, ops: frozenset[str] = frozenset(), signature: str = "") -> None:
+def embedded(changed: bool, ops: Mapping[str, int] | None = None, signature: str = "") -> None:
     """A tfmx step function was traced into an outer function (see :class:`Embedded`)."""
     collected = getattr(_local, "collected", None)
     if collected is not None:
-        collected.append(Embedded(changed, ops, signature))
+        collected.append(Embedded(changed, dict(ops or {}), signature))
 
 
-CONVOLUTIONS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative"})
+CONVOLUTIONS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative",
+                          "Conv2DBackpropInput", "Conv2DBackpropFilter",
+                          "DepthwiseConv2dNativeBackpropInput",
+                          "DepthwiseConv2dNativeBackpropFilter"})
+OTHER_CONTRACTIONS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3",
+                                "Einsum"})
 
 
-def xla_pruned(backend: str, ops: frozenset[str]) -> str | None:
+def xla_pruned(backend: str, ops: Mapping[str, int]) -> str | None:
     """Why the XLA duel is not worth its compile time here, or None: on cpu, XLA ran every
-    convolutional step of this project's CPUs 1.6-2.7x slower than stock (Zen 3, Zen 4,
-    Zen 5: small CNN, batch-norm ResNet, ResNet-50), so a step with convolutions does not try
-    it (a pruning seed, not a measurement of this step).
+    convolutional network's step on this project's CPUs 1.6-2.7x slower than stock (Zen 3,
+    Zen 4, Zen 5: small CNN, batch-norm ResNet, ResNet-50), so a step whose contractions are
+    mostly convolutions does not try it (a pruning seed, not a measurement of this step). A
+    step with a few convolutions among many MatMuls (a ViT's patch embedding) is measured.
 
-    >>> xla_pruned("cpu", frozenset({"Conv2D", "MatMul"}))[:24]
-    'convolutions on cpu: XLA'
-    >>> xla_pruned("cuda", frozenset({"Conv2D"})) is None
+    >>> xla_pruned("cpu", {"Conv2D": 4, "Conv2DBackpropFilter": 4, "MatMul": 6})[:25]
+    'convolutions on cpu (8 of'
+    >>> xla_pruned("cpu", {"Conv2D": 1, "Conv2DBackpropFilter": 1, "Einsum": 30}) is None
+    True
+    >>> xla_pruned("cuda", {"Conv2D": 1}) is None
     True
     """
-    if backend == "cpu" and ops & CONVOLUTIONS:
-        return ("convolutions on cpu: XLA ran every CNN step 1.6-2.7x stock on this project's "
-                "CPUs, not worth its compile time")
+    convolutions = sum(n for op, n in ops.items() if op in CONVOLUTIONS)
+    others = sum(n for op, n in ops.items() if op in OTHER_CONTRACTIONS)
+    if backend == "cpu" and convolutions and convolutions >= others:
+        return (f"convolutions on cpu ({convolutions} of the step's {convolutions + others} "
+                "contractions): XLA ran every CNN step 1.6-2.7x stock on this project's CPUs, "
+                "not worth its compile time")
     return None
 
 
-def make_guard(function: str, opts: Any, ops: frozenset[str], signature: str = "",
+def make_guard(function: str, opts: Any, ops: Mapping[str, int], signature: str = "",
                cache: Any = None) -> StepGuard:
     """The guard for one step under ``opts`` (``tfmx.state.Options``): its challengers, with
     XLA left out where :func:`xla_pruned` says so (the report says why). With a

@@ -101,7 +101,7 @@ class _TfWithFusedFunction:
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._tf, attr)
 
-    def _make_guard(self, ops: frozenset[str], signature: str) -> Any:
+    def _make_guard(self, ops: Any, signature: str) -> Any:
         opts = state.options()
         if opts is None or not opts.guard:
             return None
