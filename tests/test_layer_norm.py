@@ -30,8 +30,9 @@ CASES = {  # name: (input shape, layer kwargs)
 }
 
 
+@pytest.mark.parametrize("form", sorted(stage.FORMS))
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_fused_form_and_its_gradient_match_keras(name):
+def test_each_form_and_its_gradient_match_keras(name, form):
     shape, kwargs = CASES[name]
     rng = np.random.default_rng(0)
     layer = keras.layers.LayerNormalization(**kwargs)
@@ -46,15 +47,15 @@ def test_fused_form_and_its_gradient_match_keras(name):
         with tf.GradientTape() as tape:
             tape.watch(x)
             if fused:
-                y = stage.layer_norm(x, stage._value(layer.gamma), stage._value(layer.beta),
-                                     first, layer.epsilon)
+                y = stage.FORMS[form][0](x, stage._value(layer.gamma),
+                                         stage._value(layer.beta), first, layer.epsilon)
             else:
                 y = layer(x)
             loss = tf.reduce_sum(y * tf.sin(y))
         return [y, *tape.gradient(loss, [x, *layer.trainable_variables])]
 
     graph = run.get_concrete_function(True).graph.as_graph_def()
-    assert any(n.op == "FusedBatchNormV3" for n in graph.node)
+    assert any(n.op == "FusedBatchNormV3" for n in graph.node) == (form == "fused")
     cols = int(np.prod(shape[first:]))
     for i, (got, expected) in enumerate(zip(run(True), run(False))):
         # the weight gradients sum over every row too
@@ -74,11 +75,12 @@ def test_declines_with_a_reason(make, why):
     assert first is None and why in reason
 
 
-def test_cuda_refuses_a_small_epsilon():
+def test_cuda_refuses_a_small_epsilon_to_the_kernel_only():
     layer = keras.layers.LayerNormalization(epsilon=1e-6)
     layer.build((2, 4))
-    first, reason = stage.find_layer_norm(layer, tf.zeros([2, 4]), get_backend("cuda"))
-    assert first is None and "epsilon" in reason
+    assert "epsilon" in stage.fused_blocker(layer, get_backend("cuda"))
+    assert stage.fused_blocker(layer, get_backend("cpu")) is None
+    assert stage.find_layer_norm(layer, tf.zeros([2, 4]), get_backend("cuda")) == (1, None)
 
 
 def _encoder(seed: int = 0) -> keras.Model:
@@ -95,8 +97,24 @@ def _encoder(seed: int = 0) -> keras.Model:
     return model
 
 
-def test_fit_matches_stock_with_the_kernel_in_the_graph_that_ran():
+class _Pick:
+    """A chooser that takes ``form`` for every layer_norm decision."""
+
+    def __init__(self, form: str) -> None:
+        self.form = form
+
+    def choose(self, family, signature, candidates, conservative):
+        from fusion.pattern import RewriteAlways
+
+        return RewriteAlways().choose(family, signature, {self.form: None}, conservative)
+
+
+@pytest.mark.parametrize("form", sorted(stage.FORMS))
+def test_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, form):
     from tests.test_keras import ops_that_ran
+    from tfmx import state
+
+    monkeypatch.setattr(state, "tuner", lambda: _Pick(form))
 
     rng = np.random.default_rng(1)
     x = rng.standard_normal((24, 6, 8)).astype("float32")
@@ -108,11 +126,16 @@ def test_fit_matches_stock_with_the_kernel_in_the_graph_that_ran():
         model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
         models[on] = model
     ran = ops_that_ran(models[True].train_function)
-    assert {"FusedBatchNormV3", "FusedBatchNormGradV3"} <= ran
-    assert "FusedBatchNormV3" not in ops_that_ran(models[False].train_function)
+    stock = ops_that_ran(models[False].train_function)
+    if form == "fused":
+        assert {"FusedBatchNormV3", "FusedBatchNormGradV3"} <= ran
+        assert "FusedBatchNormV3" not in stock
+    else:  # the closed-form gradient: no autodiff of Rsqrt, fewer ops than Keras's
+        assert "RsqrtGrad" in stock and "RsqrtGrad" not in ran
+    label = stage.FORMS[form][1]
     stats = tfmx.report().patterns["layer_norm"]
-    assert stats.fused == 2 and not stats.declined, tfmx.report()
-    assert stats.observed[stage.LABEL] >= 2
+    assert stats.fused == 2 and set(stats.fused_kinds) == {label} and not stats.declined
+    assert stats.observed[label] >= 2
     # 6 steps of a forward over 16 values, the backward and the update
     terms = 6 * (3 * (_terms(16) + 16 + 8) + 12)
     for a, b in zip(models[False].weights, models[True].weights):

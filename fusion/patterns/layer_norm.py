@@ -1,21 +1,22 @@
 """The layer_norm family's GraphDef pass: what the layer_norm stage emitted, observed.
 
 The rewrite happens before differentiation, in the stage ``fusion.stages.layer_norm``
-(Keras ``LayerNormalization`` -> ``FusedBatchNormV3`` on the rows). This pass finds the stage's
-``FusedBatchNormV3`` nodes under its name scope in the traced graph (and their gradients) and
-reports them as observed; layers the stage declined were recorded by the stage itself.
+(Keras ``LayerNormalization`` -> ``FusedBatchNormV3`` on the rows, or a closed-form custom
+gradient). This pass finds the stage's units under their name scopes in the traced graph and
+reports them as observed (the custom-gradient form by its Rsqrt); layers the stage declined
+were recorded by the stage itself.
 
 Example:
     >>> import tensorflow as tf
     >>> from fusion.graph import GraphView
-    >>> from fusion.patterns.layer_norm import find_layer_norm_nodes
+    >>> from fusion.patterns.layer_norm import find_layer_norm_units
     >>> @tf.function
     ... def f(x):
-    ...     with tf.name_scope("tfmx_layer_norm"):
-    ...         return tf.nn.relu(x)
+    ...     with tf.name_scope("tfmx_layer_norm_custom"):
+    ...         return tf.math.rsqrt(x)
     >>> g = f.get_concrete_function(tf.TensorSpec([2])).graph.as_graph_def()
-    >>> find_layer_norm_nodes(GraphView(g.node))
-    []
+    >>> find_layer_norm_units(GraphView(g.node))
+    [('tfmx_layer_norm_custom/', 'custom')]
 """
 
 from __future__ import annotations
@@ -24,24 +25,31 @@ import re
 
 from fusion.graph import GraphView
 from fusion.pattern import RewriteContext, register
-from fusion.stages.layer_norm import LABEL, SCOPE
+from fusion.stages.layer_norm import FORMS, SCOPE
 
-_IN_SCOPE = re.compile(r"(^|/)" + SCOPE + r"(_\d+)?/")
+_UNIT = re.compile(r"(?:^|/)" + SCOPE + r"_(?P<form>[a-z]+)(?:_\d+)?/")
+_MARK = {"fused": "FusedBatchNormV3", "custom": "Rsqrt"}  # the op each form must hold
 
 
-def find_layer_norm_nodes(view: GraphView) -> list[str]:
-    """Names of the ``FusedBatchNormV3`` nodes the layer_norm stage emitted in ``view``."""
-    return [n.name for n in view.nodes()
-            if n.op == "FusedBatchNormV3" and _IN_SCOPE.search(n.name)
-            and not n.name.startswith(("gradient_tape/", "gradients/"))]
+def find_layer_norm_units(view: GraphView) -> list[tuple[str, str]]:
+    """(scope, form) of every layer norm the stage emitted in ``view`` whose form's op is
+    there (``FusedBatchNormV3`` for the fused form, the ``Rsqrt`` of the custom one)."""
+    units: dict[str, str] = {}
+    for node in view.nodes():
+        if node.name.startswith(("gradient_tape/", "gradients/")):
+            continue
+        found = _UNIT.search(node.name)
+        if found and found.group("form") in _MARK and node.op == _MARK[found.group("form")]:
+            units[node.name[: found.end()]] = found.group("form")
+    return sorted(units.items())
 
 
 @register(
     "layer_norm",
     "Keras LayerNormalization, rewritten before differentiation by the layer_norm stage "
-    "(fusion.stages.layer_norm): its FusedBatchNormV3 nodes found and reported as observed",
+    "(fusion.stages.layer_norm): its units found and reported as observed",
 )
 def layer_norm_pass(view: GraphView, ctx: RewriteContext) -> None:
-    """Observe the layer norms the stage fused in ``view``."""
-    for _ in find_layer_norm_nodes(view):
-        ctx.stats.observe(LABEL)
+    """Observe the layer norms the stage rewrote in ``view``."""
+    for _, form in find_layer_norm_units(view):
+        ctx.stats.observe(FORMS[form][1])

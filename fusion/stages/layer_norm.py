@@ -9,9 +9,12 @@ channel, and ``FusedBatchNormV3(is_training=True)`` with unit scale and zero off
 Its registered gradient (``FusedBatchNormGradV3``) is the exact layer-norm gradient. 16-bit
 inputs are cast to float32 first, as Keras does, and the result cast back.
 
-Whether the kernel beats the composite depends on the machine and the shape (the CPU kernel
-transposes NCHW to NHWC), so every layer call is a tuner decision (forward and backward at the
-call's shapes); the conservative form is Keras's composite. Declined, with the reason in the
+A second form, :func:`layer_norm_custom`, keeps the composite forward and gives the gradient
+in closed form (``dx = inv * (g - mean(g) - xhat * mean(g * xhat))``): about ten ops where
+autodiff of Keras's composite builds some twenty-five. Which of the three is fastest depends on
+the machine and the shape (the CPU kernel transposes NCHW to NHWC), so every layer call is a
+tuner decision (forward and backward at the call's shapes); the conservative form is Keras's
+composite. Declined, with the reason in the
 report: ``rms_scaling=True`` (no mean subtracted: no kernel computes it), normalized axes that
 are not the trailing ones, float64, a backend without ``FusedBatchNormV3`` in NCHW, an epsilon
 the backend's kernel refuses.
@@ -40,6 +43,7 @@ from fusion.stage import Hook, Stage, StageContext, register_stage
 FAMILY = "layer_norm"
 SCOPE = "tfmx_layer_norm"
 LABEL = "LayerNormalization: FusedBatchNormV3 on [1, rows, cols, 1] (NCHW) + gamma, beta"
+CUSTOM_LABEL = "LayerNormalization: composite forward + closed-form custom gradient"
 
 
 def layer_norm(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
@@ -64,6 +68,51 @@ def layer_norm(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
         y = y + tf.cast(beta, tf.float32)
     y.set_shape(x.shape)
     return y if dtype == tf.float32 else tf.cast(y, dtype)
+
+
+def layer_norm_custom(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
+                      epsilon: float) -> tf.Tensor:
+    """Layer norm over the axes ``first_axis:`` with its gradient in closed form:
+    ``dx = inv * (g - mean(g) - xhat * mean(g * xhat))``, ``g = dy * gamma`` (about ten ops
+    where autodiff of Keras's composite builds some twenty-five)."""
+    dtype = x.dtype
+    x32 = x if dtype == tf.float32 else tf.cast(x, tf.float32)
+    axes = list(range(first_axis, x.shape.rank))
+    leading = list(range(first_axis))
+    args = [a for a in (gamma, beta) if a is not None]
+
+    @tf.custom_gradient
+    def norm(x32, *weights):
+        mean = tf.reduce_mean(x32, axes, keepdims=True)
+        centered = x32 - mean
+        inv = tf.math.rsqrt(tf.reduce_mean(centered * centered, axes, keepdims=True) + epsilon)
+        xhat = centered * inv
+        y = xhat
+        g32 = None if gamma is None else tf.cast(weights[0], tf.float32)
+        if gamma is not None:
+            y = y * g32
+        if beta is not None:
+            y = y + tf.cast(weights[-1], tf.float32)
+
+        def grad(dy):
+            g = dy if gamma is None else dy * g32
+            dx = inv * (g - tf.reduce_mean(g, axes, keepdims=True)
+                        - xhat * tf.reduce_mean(g * xhat, axes, keepdims=True))
+            dweights = []
+            if gamma is not None:
+                dweights.append(tf.cast(tf.reduce_sum(dy * xhat, leading), weights[0].dtype))
+            if beta is not None:
+                dweights.append(tf.cast(tf.reduce_sum(dy, leading), weights[-1].dtype))
+            return (dx, *dweights)
+
+        return y, grad
+
+    y = norm(x32, *args)
+    return y if dtype == tf.float32 else tf.cast(y, dtype)
+
+
+FORMS = {"fused": (layer_norm, LABEL), "custom": (layer_norm_custom, CUSTOM_LABEL)}
+"""The correct forms besides Keras's composite: name -> (function, report label)."""
 
 
 def _value(variable: Any) -> Any:
@@ -91,31 +140,34 @@ def find_layer_norm(layer: Any, inputs: Any, target: Any) -> tuple[int | None, s
     if first is None:
         return None, f"normalized axes {layer.axis} are not the trailing axes of a rank-" \
                      f"{ndims} input"
-    from fusion.patterns.batch_norm import kernel_blocker  # (the patterns import the stages)
-
     dtype = inputs.dtype.name
     if dtype not in ("float32", "float16", "bfloat16"):
         return None, f"input dtype {dtype}"
-    why = kernel_blocker(target, "FusedBatchNormV3", "float32", "NCHW", True, None,
-                         float(layer.epsilon))
-    if why is not None:
-        return None, why
     return first, None
 
 
-def _candidates(layer: Any, original: Callable, inputs: Any, first: int) -> dict:
-    """Keras's composite and the fused form, forward + backward at the call's shapes."""
+def fused_blocker(layer: Any, target: Any) -> str | None:
+    """Why ``target`` cannot run the ``FusedBatchNormV3`` form of ``layer``, or None."""
+    from fusion.patterns.batch_norm import kernel_blocker  # (the patterns import the stages)
+
+    return kernel_blocker(target, "FusedBatchNormV3", "float32", "NCHW", True, None,
+                          float(layer.epsilon))
+
+
+def _candidates(layer: Any, original: Callable, inputs: Any, first: int,
+                forms: list[str]) -> dict:
+    """Keras's composite and ``forms``, forward + backward at the call's shapes."""
     shape = [32 if d is None else int(d) for d in inputs.shape]
 
-    def factory(fused: bool):
+    def factory(form: str | None):
         def make():
             @tf.function(autograph=False)
             def step(x):
                 with tf.GradientTape() as tape:
                     tape.watch(x)
-                    if fused:
-                        y = layer_norm(x, _value(layer.gamma), _value(layer.beta), first,
-                                       layer.epsilon)
+                    if form is not None:
+                        y = FORMS[form][0](x, _value(layer.gamma), _value(layer.beta), first,
+                                           layer.epsilon)
                     else:
                         y = original(layer, x)
                     loss = tf.reduce_sum(tf.cast(y, tf.float32) ** 2)
@@ -130,7 +182,7 @@ def _candidates(layer: Any, original: Callable, inputs: Any, first: int) -> dict
 
         return make
 
-    return {"composite": factory(False), "fused": factory(True)}
+    return {"composite": factory(None), **{form: factory(form) for form in forms}}
 
 
 def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
@@ -142,23 +194,27 @@ def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: 
     stats = PatternStats(matched=1)
     inputs = tf.convert_to_tensor(inputs)
     first, why = find_layer_norm(layer, inputs, ctx.target)
+    kernel_why = fused_blocker(layer, ctx.target)
+    forms = ["custom"] if kernel_why else ["fused", "custom"]
+    form = forms[0]
     if first is not None and ctx.chooser is not None:
         from fusion.fragment import shape_text
 
         signature = (f"LayerNormalization input {shape_text(inputs.shape)} {inputs.dtype.name} "
                      f"axes {first}: center={layer.center} scale={layer.scale}")
-        choice = ctx.chooser.choose(FAMILY, signature,
-                                    _candidates(layer, original, inputs, first), "composite")
-        if choice.choice == "composite":
-            first, why = None, f"{signature}: Keras's composite kept: {choice.why()}"
+        form = ctx.chooser.choose(FAMILY, signature, _candidates(
+            layer, original, inputs, first, forms), "composite").choice
+        if form == "composite":
+            first, why = None, f"{signature}: Keras's composite kept: measured faster"
     if first is None:
         stats.decline(f"LayerNormalization: {why}")
         ctx.record(FAMILY, stats)
         return original(layer, inputs)
-    with tf.name_scope(SCOPE):
-        out = layer_norm(inputs, _value(layer.gamma), _value(layer.beta), first, layer.epsilon)
+    function, label = FORMS[form]
+    with tf.name_scope(f"{SCOPE}_{form}"):
+        out = function(inputs, _value(layer.gamma), _value(layer.beta), first, layer.epsilon)
     out = tf.cast(out, layer.compute_dtype)
-    stats.fuse(LABEL)
+    stats.fuse(label)
     ctx.record(FAMILY, stats)
     return out
 
