@@ -23,7 +23,7 @@ One mechanism for every stage, as the GraphDef passes have :func:`fusion.pattern
 Example:
     >>> from fusion import stage
     >>> sorted(s.name for s in stage.stages())
-    ['batch_norm', 'layer_norm', 'rnn']
+    ['attention', 'batch_norm', 'layer_norm', 'rnn']
     >>> stage.active() is None
     True
 """
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -60,12 +61,17 @@ class StageContext:
 
 @dataclasses.dataclass(frozen=True)
 class Hook:
-    """One method a stage routes: ``owner()`` gives the class (imported when installed),
-    ``handler(ctx, original, instance, *args, **kwargs)`` runs in its place inside a trace."""
+    """One method a stage routes: ``owner`` names the class as ``"module:Class"`` (imported
+    when the hook is installed), ``handler(ctx, original, instance, *args, **kwargs)`` runs in
+    its place inside a trace."""
 
-    owner: Callable[[], type]
+    owner: str
     attribute: str
     handler: Callable[..., Any]
+
+    def owner_class(self) -> type:
+        module, name = self.owner.split(":")
+        return getattr(importlib.import_module(module), name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +136,7 @@ def install() -> None:
     """Patch every registered stage's hooks (idempotent; ``uninstall`` puts them back)."""
     for stage in stages():
         for hook in stage.hooks:
-            patches.install(GROUP, hook.owner(), hook.attribute, _routed(stage, hook))
+            patches.install(GROUP, hook.owner_class(), hook.attribute, _routed(stage, hook))
 
 
 def uninstall() -> None:

@@ -24,9 +24,10 @@ PIPELINE_ORDER: tuple[str, ...] = (
     "conv_bn_fold",
     # Optimizer updates: independent of the forward chains.
     "optimizer_update",
-    # Report what the rnn and layer_norm stages emitted while tracing (checks, not rewrites).
+    # Report what the rnn, layer_norm and attention stages emitted while tracing (checks).
     "rnn",
     "layer_norm",
+    "attention",
     # Inference batch norms that conv_bn_fold did not fold into a convolution.
     "batch_norm",
     # Cast round trips and identity casts, after the others produced their final dtypes.

@@ -50,12 +50,6 @@ _NO_GRADIENT_NEEDED = frozenset({"Const", "NoOp", "Placeholder", "AssignVariable
 
 
 
-def _batch_norm_class() -> type:
-    from keras.src.layers.normalization.batch_normalization import BatchNormalization
-
-    return BatchNormalization
-
-
 def _layer_decline(layer: Any, mask: Any) -> str | None:
     """Why this layer's configuration has no fused kernel, or None."""
     if mask is not None:
@@ -197,5 +191,6 @@ STAGE = register_stage(Stage(
     PATTERN,
     "Keras BatchNormalization in training -> FusedBatchNormV3 (its registered gradient: "
     "FusedBatchNormGradV3), emitted before differentiation",
-    (Hook(_batch_norm_class, "call", fused_layer_call),),
+    (Hook("keras.src.layers.normalization.batch_normalization:BatchNormalization", "call",
+          fused_layer_call),),
 ))

@@ -219,15 +219,10 @@ def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: 
     return out
 
 
-def _layer_class() -> type:
-    from keras.src.layers.normalization.layer_normalization import LayerNormalization
-
-    return LayerNormalization
-
-
 STAGE = register_stage(Stage(
     FAMILY,
     "Keras LayerNormalization -> FusedBatchNormV3 on the rows (its registered gradient: "
     "FusedBatchNormGradV3) + gamma, beta; emitted before differentiation where measured faster",
-    (Hook(_layer_class, "call", fused_layer_call),),
+    (Hook("keras.src.layers.normalization.layer_normalization:LayerNormalization", "call",
+          fused_layer_call),),
 ))

@@ -338,22 +338,10 @@ def forward_stage(ctx: StageContext, original, layer, sequences, initial_state, 
         return original(layer, sequences, initial_state, mask, training=training)
 
 
-def _layer_classes(name: str):
-    def owner() -> type:
-        if name == "LSTM":
-            from keras.src.layers.rnn.lstm import LSTM
-
-            return LSTM
-        from keras.src.layers.rnn.gru import GRU
-
-        return GRU
-
-    return owner
-
-
 STAGE = register_stage(Stage(
     FAMILY,
     "Keras LSTM / GRU -> hoisted input projection + recurrent loop (or unrolled) with custom "
     "gradient (cpu), CudnnRNNV3 (cuda, metal); emitted before differentiation",
-    tuple(Hook(_layer_classes(name), "inner_loop", forward_stage) for name in ("LSTM", "GRU")),
+    (Hook("keras.src.layers.rnn.lstm:LSTM", "inner_loop", forward_stage),
+     Hook("keras.src.layers.rnn.gru:GRU", "inner_loop", forward_stage)),
 ))

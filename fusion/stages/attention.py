@@ -1,0 +1,198 @@
+"""The attention stage: Keras ``MultiHeadAttention``'s dot-product attention as batched MatMuls.
+
+Keras 3 on TensorFlow computes the attention of projected ``[B, T, N, H]`` heads with two
+``Einsum`` ops (``BTNH,BSNH->BNTS`` and back), whose kernel and whose gradients (more Einsums)
+transpose their operands on every call. This stage emits the same arithmetic as ``Transpose``
++ ``BatchMatMulV2`` (the key transposed into the MatMul), which TensorFlow's remapper can also
+fuse with the score scale where oneDNN is on, in one of two forms the tuner picks per call:
+
+- ``bmm``: Keras's order exactly: logits in the compute dtype, cast to float32, times the scale,
+  Keras's own masking (``_apply_masks``: the attention mask and ``use_causal_mask``), softmax in
+  float32, cast back, the second MatMul;
+- ``bmm folded`` (float32 only): the scale folded into the query before the first MatMul (half
+  the multiplications at T = S = 2H; one rounding moved).
+
+A layer with dropout keeps Keras's other path (query scaled, ``_masked_softmax``, its dropout
+layer on the scores) with the Einsums replaced by the same MatMuls, so the dropout layer draws
+its random mask from the same seed stream at the same point: the streams stay the stock ones.
+Declined, with the reason in the report: ``return_attention_scores=True``, attention over
+other axes than the sequence (``attention_axes``), ``flash_attention``, float64.
+
+Example:
+    >>> import numpy as np, tensorflow as tf
+    >>> from keras.src.backend.tensorflow.nn import _dot_product_attention_xla
+    >>> from fusion.stages.attention import attention
+    >>> q, k, v = (tf.random.normal([2, 5, 3, 4], seed=s) for s in (1, 2, 3))
+    >>> expected = _dot_product_attention_xla(q, k, v, None, None, True, 0.5)
+    >>> got = attention(q, k, v, None, True, 0.5, folded=False)
+    >>> bool(np.allclose(got, expected, atol=1e-6))
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from fusion.pattern import PatternStats
+from fusion.stage import Hook, Stage, StageContext, register_stage
+
+FAMILY = "attention"
+SCOPE = "tfmx_attention"
+LABELS = {
+    "bmm": "MultiHeadAttention: Transpose + BatchMatMulV2 in place of Einsum",
+    "bmm folded": "MultiHeadAttention: Transpose + BatchMatMulV2, scale folded into the query",
+    "bmm dropout": "MultiHeadAttention (dropout): Transpose + BatchMatMulV2 in place of Einsum, "
+                   "Keras's masked softmax and dropout layer",
+}
+
+
+def _heads_first(x: tf.Tensor) -> tf.Tensor:
+    return tf.transpose(x, [0, 2, 1, 3])  # [B, T, N, H] -> [B, N, T, H]
+
+
+def attention(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: Any, causal: bool,
+              scale: float, folded: bool = False) -> tf.Tensor:
+    """Keras's ``dot_product_attention`` of ``[B, T, N, H]`` heads (mask ``[B, N, T, S]``
+    broadcastable, or None), as batched MatMuls; ``folded`` scales the query instead of the
+    logits."""
+    from keras.src.backend.tensorflow.nn import _apply_masks
+
+    dtype = query.dtype
+    if folded:
+        query = query * tf.cast(scale, dtype)
+    logits = tf.matmul(_heads_first(query), _heads_first(key), transpose_b=True)
+    logits = tf.cast(logits, tf.float32)  # Keras: logits in at least float32
+    if not folded:
+        logits = logits * tf.cast(scale, tf.float32)
+    probs = tf.cast(tf.nn.softmax(_apply_masks(logits, mask, causal), axis=-1), key.dtype)
+    return _heads_first(tf.matmul(probs, _heads_first(value)))
+
+
+def _expanded_mask(layer: Any, mask: Any) -> Any:
+    """Keras's dot-product path: the [B, T, S] mask as a boolean [B, 1, T, S] (or None)."""
+    if mask is None:
+        return None
+    axis = -len(layer._attention_axes) * 2 - 1  # noqa: SLF001 - Keras's own rule
+    for _ in range(4 - len(mask.shape)):
+        mask = tf.expand_dims(mask, axis)
+    return tf.cast(mask, tf.bool)
+
+
+def _with_dropout(layer: Any, query: Any, key: Any, value: Any, mask: Any, training: Any,
+                  causal: bool) -> tf.Tensor:
+    """Keras's explicit-scores path (a layer with dropout), its Einsums as batched MatMuls."""
+    if causal:
+        causal_mask = layer._compute_causal_mask(query, value)  # noqa: SLF001
+        mask = causal_mask if mask is None else tf.logical_and(tf.cast(mask, tf.bool),
+                                                               causal_mask)
+    query = query * tf.cast(layer._inverse_sqrt_key_dim, query.dtype)  # noqa: SLF001
+    scores = tf.matmul(_heads_first(query), _heads_first(key), transpose_b=True)
+    scores = layer._masked_softmax(scores, mask)  # noqa: SLF001
+    scores = layer._dropout_layer(scores, training=training)  # noqa: SLF001
+    return _heads_first(tf.matmul(scores, _heads_first(value)))
+
+
+def find_attention(layer: Any, query: Any, return_scores: bool) -> str | None:
+    """Why this call keeps Keras's Einsums, or None if the stage can emit its form."""
+    if return_scores:
+        return "return_attention_scores=True (Keras returns the scores it computes)"
+    if getattr(layer, "_flash_attention", None):
+        return "flash_attention=True"
+    if len(query.shape) != 4 or tuple(layer._attention_axes) != (1,):  # noqa: SLF001
+        return "attention over axes other than the sequence (attention_axes)"
+    if query.dtype.name not in ("float32", "float16", "bfloat16"):
+        return f"compute dtype {query.dtype.name}"
+    return None
+
+
+def _forms(layer: Any, query: Any) -> list[str]:
+    if layer._dropout > 0.0:  # noqa: SLF001
+        return ["bmm dropout"]
+    return ["bmm", "bmm folded"] if query.dtype == tf.float32 else ["bmm"]
+
+
+def _emit(form: str, layer: Any, query: Any, key: Any, value: Any, mask: Any, training: Any,
+          causal: bool) -> tf.Tensor:
+    if form == "bmm dropout":
+        return _with_dropout(layer, query, key, value, mask, training, causal)
+    return attention(query, key, value, _expanded_mask(layer, mask), causal,
+                     layer._inverse_sqrt_key_dim, folded=form == "bmm folded")  # noqa: SLF001
+
+
+def _candidates(layer: Any, original: Callable, shapes: list, dtype: tf.DType, causal: bool,
+                forms: list[str]) -> dict:
+    """Keras's attention and ``forms``, forward + backward at the call's shapes (no mask)."""
+
+    def factory(form: str | None):
+        def make():
+            @tf.function(autograph=False)
+            def step(q, k, v):
+                with tf.GradientTape() as tape:
+                    tape.watch([q, k, v])
+                    if form is None:
+                        out, _ = original(layer, q, k, v, None, True, False, causal)
+                    else:
+                        out = _emit(form, layer, q, k, v, None, True, causal)
+                    loss = tf.reduce_sum(tf.cast(out, tf.float32) ** 2)
+                return tape.gradient(loss, [q, k, v])
+
+            args = [tf.random.normal(s, seed=i, dtype=dtype) for i, s in enumerate(shapes)]
+
+            def run():
+                step(*args)[0].numpy()
+
+            return run
+
+        return make
+
+    return {"einsum": factory(None), **{form: factory(form) for form in forms}}
+
+
+def fused_attention(ctx: StageContext, original: Callable, layer: Any, query: Any, key: Any,
+                    value: Any, attention_mask: Any = None, training: Any = None,
+                    return_attention_scores: bool = False, use_causal_mask: bool = False) -> Any:
+    """``MultiHeadAttention._compute_attention`` while tfmx traces (the stage's handler)."""
+
+    def keras() -> Any:
+        return original(layer, query, key, value, attention_mask, training,
+                        return_attention_scores, use_causal_mask)
+
+    if not tf.inside_function():
+        return keras()
+    stats = PatternStats(matched=1)
+    why = find_attention(layer, query, return_attention_scores)
+    forms = [] if why else _forms(layer, query)
+    form = forms[0] if forms else None
+    if form is not None and ctx.chooser is not None:
+        from fusion.fragment import shape_text
+
+        shapes = [[32 if d is None else int(d) for d in t.shape] for t in (query, key, value)]
+        signature = (f"attention q {shape_text(query.shape)} kv {shape_text(key.shape)} "
+                     f"{query.dtype.name} causal={bool(use_causal_mask)} "
+                     f"dropout={layer._dropout > 0.0}")  # noqa: SLF001
+        form = ctx.chooser.choose(FAMILY, signature, _candidates(
+            layer, original, shapes, query.dtype, bool(use_causal_mask), forms), "einsum").choice
+        if form == "einsum":
+            form, why = None, f"{signature}: Keras's Einsums kept: measured faster"
+    if form is None:
+        stats.decline(f"MultiHeadAttention: {why}")
+        ctx.record(FAMILY, stats)
+        return keras()
+    with tf.name_scope(f"{SCOPE}_{form.replace(' ', '_')}"):
+        out = _emit(form, layer, query, key, value, attention_mask, training,
+                    bool(use_causal_mask))
+    stats.fuse(LABELS[form])
+    ctx.record(FAMILY, stats)
+    return out, None
+
+
+STAGE = register_stage(Stage(
+    FAMILY,
+    "Keras MultiHeadAttention's dot-product attention -> Transpose + BatchMatMulV2 (scale "
+    "folded where measured faster), Keras's masks, softmax and dropout stream unchanged",
+    (Hook("keras.src.layers.attention.multi_head_attention:MultiHeadAttention",
+          "_compute_attention", fused_attention),),
+))

@@ -1,0 +1,115 @@
+"""The attention stage: MultiHeadAttention's Einsums as Transpose + BatchMatMulV2."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import TRANSCENDENTAL, assert_within_rounding
+
+import tfmx
+from fusion.stages import attention as stage
+
+T, D, HEADS, KEY_DIM = 6, 8, 2, 4
+
+
+class _Pick:
+    """A chooser that takes ``form`` for every attention decision (other families: rewrite)."""
+
+    def __init__(self, form: str) -> None:
+        self.form = form
+
+    def choose(self, family, signature, candidates, conservative):
+        from fusion.pattern import RewriteAlways
+
+        if family == "attention" and self.form in candidates:
+            candidates = {self.form: None}
+        return RewriteAlways().choose(family, signature, candidates, conservative)
+
+
+def _model(dropout: float = 0.0, causal: bool = False, masked: bool = False) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((T, D))
+    x = keras.layers.Masking(0.0)(inp) if masked else inp
+    attended = keras.layers.MultiHeadAttention(HEADS, KEY_DIM, dropout=dropout, seed=3)(
+        x, x, use_causal_mask=causal)
+    x = keras.layers.Add()([x, attended])
+    out = keras.layers.Dense(3, activation="softmax")(keras.layers.GlobalAveragePooling1D()(x))
+    model = keras.Model(inp, out)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss="sparse_categorical_crossentropy")
+    return model
+
+
+def _data():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((24, T, D)).astype("float32")
+    x[:8, -2:] = 0.0  # padding the Masking layer turns into an attention mask
+    return x, rng.integers(0, 3, 24)
+
+
+# A step: the projections (D terms), the scores (KEY_DIM), softmax over T (TRANSCENDENTAL + T),
+# the weighted sum (T), the output projection, pooling and the Dense; backward twice that;
+# 6 steps (2 epochs of 3 batches).
+STEP = 3 * (D + KEY_DIM + TRANSCENDENTAL + 2 * T + HEADS * KEY_DIM + T + 2 * D + 20)
+FIT = 6 * STEP
+
+
+@pytest.mark.parametrize("form,dropout,causal,masked", [
+    ("bmm", 0.0, False, False),
+    ("bmm", 0.0, True, True),
+    ("bmm folded", 0.0, True, False),
+    ("bmm dropout", 0.5, True, True),
+])
+def test_fit_matches_stock_with_batched_matmuls_in_the_graph_that_ran(monkeypatch, form, dropout,
+                                                                      causal, masked):
+    """Parity of each form, with masks and causal masks; with dropout the random masks must be
+    the stock ones (a different stream would move the weights far outside the rounding)."""
+    from tests.test_keras import ops_that_ran
+    from tfmx import state
+
+    monkeypatch.setattr(state, "tuner", lambda: _Pick(form))
+    x, y = _data()
+    models = {}
+    for on in (False, True):
+        tfmx.enable(backend="cpu", patterns=["attention"]) if on else tfmx.disable()
+        model = _model(dropout, causal, masked)
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        models[on] = model
+    assert "BatchMatMulV2" in ops_that_ran(models[True].train_function)
+    stats = tfmx.report().patterns["attention"]
+    assert stats.fused == 1 and set(stats.fused_kinds) == {stage.LABELS[form]}, tfmx.report()
+    assert stats.observed[stage.LABELS[form]] >= 1
+    for a, b in zip(models[False].weights, models[True].weights):
+        assert_within_rounding(b.numpy(), a.numpy(), FIT, what=a.name)
+
+
+def test_forms_match_keras_dot_product_attention_and_its_gradient():
+    from keras.src.backend.tensorflow.nn import _dot_product_attention_xla
+
+    q, k, v = (tf.random.normal([3, 5, 2, 4], seed=s) for s in (1, 2, 3))
+    mask = tf.constant(np.random.default_rng(0).random((3, 1, 5, 5)) > 0.3)
+
+    def grads(fn):
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            out = fn()
+            loss = tf.reduce_sum(out * tf.sin(out))
+        return [out, *tape.gradient(loss, [q, k, v])]
+
+    expected = grads(lambda: _dot_product_attention_xla(q, k, v, None, mask, True, 0.5))
+    for folded in (False, True):
+        got = grads(lambda folded=folded: stage.attention(q, k, v, mask, True, 0.5,
+                                                          folded=folded))
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert_within_rounding(g.numpy(), e.numpy(), 4 * (4 + 5 + TRANSCENDENTAL + 5),
+                                   what=f"folded={folded} output {i}")
+
+
+def test_declines_with_a_reason():
+    layer = keras.layers.MultiHeadAttention(2, 4, attention_axes=(1, 2))
+    q = tf.zeros([2, 3, 3, 2, 4])
+    assert "attention_axes" in stage.find_attention(layer, q, False)
+    assert "return_attention_scores" in stage.find_attention(layer, tf.zeros([2, 3, 2, 4]),
+                                                              True)
