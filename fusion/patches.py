@@ -108,9 +108,12 @@ def original(owner: Any, attribute: str) -> Any:
 def temporarily(owner: Any, attribute: str, value: Any) -> Iterator[None]:
     """``owner.attribute = value`` inside the block only (one such swap at a time)."""
     with _lock:
-        saved = getattr(owner, attribute)
+        saved = _owned(owner, attribute)
         setattr(owner, attribute, value)
         try:
             yield
         finally:
-            setattr(owner, attribute, saved)
+            if saved is _MISSING:
+                delattr(owner, attribute)  # the inherited one shows again
+            else:
+                setattr(owner, attribute, saved)

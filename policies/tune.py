@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from fusion import patches
 from policies.errors import LayerDtypeError
 from policies.layers import (
     LayerCall,
@@ -61,6 +62,7 @@ from policies.layers import (
 )
 from policies.names import check_name, is_16bit
 from policies.safety import NORMALIZATION_WITH_UPCAST, float32_reason
+from tfmx.tuner import sync
 
 Timer = Callable[[Any, str, Callable[[], Any]], float]
 """``timer(layer, policy, run) -> seconds per call``; ``run()`` does one forward + gradient."""
@@ -136,21 +138,13 @@ def measure(run: Callable[[], Any], warmup: int = 1, repeats: int = 3) -> float:
     True
     """
     for _ in range(warmup):
-        _sync(run())
+        sync(run())
     times = []
     for _ in range(max(repeats, 1)):
         t0 = time.perf_counter()
-        _sync(run())
+        sync(run())
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def _sync(out: Any) -> None:
-    import tensorflow as tf
-
-    for t in tf.nest.flatten(out):
-        if hasattr(t, "numpy"):
-            t.numpy()
 
 
 def default_timer(layer: Any, policy: str, run: Callable[[], Any]) -> float:
@@ -310,7 +304,6 @@ def record_calls(model: Any, layers: list[Any], x: Any,
 
     wanted = {id(layer) for layer in layers}
     seen: dict[int, list[tuple]] = {}
-    originals: dict[type, Any] = {}
 
     def recording(original: Any) -> Any:
         def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
@@ -324,21 +317,15 @@ def record_calls(model: Any, layers: list[Any], x: Any,
 
     saved = {id(layer): layer.dtype_policy for layer in model._flatten_layers(include_self=False)}
     try:
-        for layer in layers:
-            cls = type(layer)
-            if cls not in originals:
-                originals[cls] = cls.__dict__.get("__call__")
-                cls.__call__ = recording(cls.__call__)
-        if as_float32:
-            for layer in model._flatten_layers(include_self=False):
-                layer.dtype_policy = "float32"
-        result = model(x, training=False)
+        with contextlib.ExitStack() as swaps:  # each class's __call__, for this run only
+            for cls in dict.fromkeys(type(layer) for layer in layers):
+                swaps.enter_context(patches.temporarily(cls, "__call__",
+                                                        recording(cls.__call__)))
+            if as_float32:
+                for layer in model._flatten_layers(include_self=False):
+                    layer.dtype_policy = "float32"
+            result = model(x, training=False)
     finally:
-        for cls, original in originals.items():
-            if original is None:
-                del cls.__call__
-            else:
-                cls.__call__ = original
         for layer in model._flatten_layers(include_self=False):
             if id(layer) in saved:
                 layer._dtype_policy = saved[id(layer)]

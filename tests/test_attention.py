@@ -113,3 +113,22 @@ def test_declines_with_a_reason():
     assert "attention_axes" in stage.find_attention(layer, q, False)
     assert "return_attention_scores" in stage.find_attention(layer, tf.zeros([2, 3, 2, 4]),
                                                               True)
+
+
+def test_metal_plan_runs_attention_on_ops_the_plugin_has():
+    """Einsum is not among tensorflow-metal 1.2.0's kernels; every op the stage emits, forward
+    and gradient, is (names of three letters or fewer cannot appear in its strings-based list)."""
+    from tfmx.backends import metal_kernels
+
+    x, y = _data()
+    tfmx.enable(backend="metal", patterns=["attention"])
+    model = _model(causal=True, masked=True)
+    with pytest.raises(tfmx.BackendUnavailableError):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    (trace,) = tfmx.report().traces
+    emitted = {n.op for n in trace.graph_after.node if "tfmx_attention" in n.name}
+    assert "BatchMatMulV2" in emitted and "Einsum" not in emitted
+    assert "Einsum" not in metal_kernels()
+    unlisted = {op for op in emitted if op not in metal_kernels() and len(op) > 3}
+    # TensorFlow's core registers ExpandDims (a shape op) for every device type
+    assert unlisted <= {"Placeholder", "ExpandDims"}, unlisted

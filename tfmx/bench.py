@@ -74,19 +74,12 @@ from typing import Any
 
 import numpy as np
 
+from tfmx.tuner import sync
+
 MODES = ("stock", "tfmx", "xla")
 
 
 # -- timing ----------------------------------------------------------------------------------
-def _sync(outputs: Any) -> None:
-    """Block until ``outputs`` (a structure of tensors) are computed."""
-    import tensorflow as tf
-
-    for t in tf.nest.flatten(outputs):
-        if hasattr(t, "numpy"):
-            t.numpy()
-
-
 def _quantile(values: Sequence[float], q: float) -> float:
     return float(np.quantile(np.asarray(values, dtype=np.float64), q))
 
@@ -129,7 +122,7 @@ def time_step_functions(
     for name in names:
         for i in range(max(warmup, 1)):
             t0 = time.perf_counter()
-            _sync(fns[name](iterators[name]))
+            sync(fns[name](iterators[name]))
             if i == 0:
                 first_call[name] = time.perf_counter() - t0
     per_round: dict[str, list[float]] = {name: [] for name in names}
@@ -141,7 +134,7 @@ def time_step_functions(
             t0 = time.perf_counter()
             for _ in range(steps):
                 out = fn(it)
-            _sync(out)
+            sync(out)
             per_round[name].append((time.perf_counter() - t0) * 1000.0 / steps)
     return {
         name: {
@@ -527,7 +520,7 @@ def _step_functions(workload: Workload, ordered: Sequence[str], dataset: Any, se
         model.make_train_function()
         fn = model.train_function
         t0 = time.perf_counter()  # trace now, while the switch is right for this mode
-        _sync(fn(iter(dataset)))
+        sync(fn(iter(dataset)))
         first_trace[mode] = time.perf_counter() - t0
         if mode == "tfmx":
             _settle_guards(fn, dataset)
@@ -556,7 +549,7 @@ def _settle_guards(fn: Callable[[Any], Any], dataset: Any) -> None:
     for _ in range(4 * MAX_PAIRS + 8):  # two duels (fused vs stock, then vs XLA)
         if all(g.decided for g in tfmx.report().guards):
             return
-        _sync(fn(iterator))
+        sync(fn(iterator))
 
 
 def _layer_policies(model: Any) -> dict[str, int]:

@@ -71,6 +71,21 @@ Timer = Callable[[Mapping[str, RunFactory], float], Mapping[str, float]]
 """(candidates, seconds) -> median seconds per candidate name."""
 
 
+
+def sync(outputs: Any) -> None:
+    """Block until ``outputs`` (a structure of tensors) are computed: every timing here ends
+    with it.
+
+    >>> import tensorflow as tf
+    >>> sync({"loss": tf.constant(1.0), "n": 3})
+    """
+    import tensorflow as tf
+
+    for t in tf.nest.flatten(outputs):
+        if hasattr(t, "numpy"):
+            t.numpy()
+
+
 def resolve_mode(mode: str | None) -> str:
     """``mode``, else ``$TFMX_TUNE``, else ``"auto"``; ValueError naming the choices otherwise.
 
