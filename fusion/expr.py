@@ -13,6 +13,13 @@ A pattern is built from a few pieces and matched against the tensor a node consu
   ``after="update"`` also requires a control edge from the node bound to ``update`` (the read
   sees the value that update wrote); :meth:`Match.order_holds` checks it once all is bound.
 - ``Skip("Cast", inner)``: ``inner``, possibly behind a node of that op (Cast, Identity).
+- ``Near("half", 0.5, rtol)``: a scalar Const within ``rtol`` (relative) of a value: a formula's
+  constant as a 16-bit graph holds it.
+- ``OneOf(a, b, ...)``: the first alternative that matches.
+- ``Where(inner, check, "why")``: ``inner``, and then ``check(view, match)`` must hold.
+
+:func:`explain` gives the reason a pattern did not match (the deepest piece that failed), for a
+decline reason a user can act on.
 
 :func:`match` returns a :class:`Match` (bindings and the names of the nodes the pattern
 covered) or None.
@@ -31,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -79,6 +87,28 @@ class Skip(Pattern):
     inner: Pattern
 
 
+@dataclasses.dataclass(frozen=True)
+class Near(Pattern):
+    name: str
+    value: float
+    rtol: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class OneOf(Pattern):
+    options: tuple[Pattern, ...]
+
+    def __init__(self, *options: Pattern):
+        object.__setattr__(self, "options", tuple(options))
+
+
+@dataclasses.dataclass(frozen=True)
+class Where(Pattern):
+    inner: Pattern
+    check: Callable[[GraphView, Match], bool]
+    why: str
+
+
 @dataclasses.dataclass
 class Match:
     """What a pattern bound: tensor references, constant values, covered node names."""
@@ -87,9 +117,15 @@ class Match:
     values: dict[str, float] = dataclasses.field(default_factory=dict)
     nodes: set[str] = dataclasses.field(default_factory=set)
     reads_after: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    # (depth, why) of every piece that failed; shared by a match and its copies
+    failures: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
     def copy(self) -> Match:
-        return Match(dict(self.refs), dict(self.values), set(self.nodes), list(self.reads_after))
+        return Match(dict(self.refs), dict(self.values), set(self.nodes), list(self.reads_after),
+                     self.failures)
+
+    def fail(self, depth: int, why: str) -> None:
+        self.failures.append((depth, why))
 
     def order_holds(self, view: GraphView) -> bool:
         """Every ``Read(after=...)`` has a control edge from the node bound to ``after``."""
@@ -121,28 +157,56 @@ def _scalar(view: GraphView, ref: str) -> float | None:
     return float(np.reshape(value, ())) if value.size == 1 else None
 
 
-def _match(view: GraphView, ref: str, pattern: Pattern, found: Match) -> Match | None:
+def _match(view: GraphView, ref: str, pattern: Pattern, found: Match,
+           depth: int = 0) -> Match | None:
     if isinstance(pattern, Any):
-        return found if _bind_ref(found, pattern.name, ref) else None
-    if isinstance(pattern, Const):
+        if _bind_ref(found, pattern.name, ref):
+            return found
+        found.fail(depth, f"{ref} is not the {pattern.name} seen before")
+        return None
+    if isinstance(pattern, (Const, Near)):
         value = _scalar(view, ref)
-        if value is None or found.values.setdefault(pattern.name, value) != value:
+        if value is None:
+            found.fail(depth, f"{ref} is not a scalar constant")
+            return None
+        if isinstance(pattern, Near):
+            scale = max(abs(pattern.value), 1e-30)
+            if abs(value - pattern.value) > pattern.rtol * scale:
+                found.fail(depth, f"{ref} is {value:g}, not {pattern.value:g}")
+                return None
+        if found.values.setdefault(pattern.name, value) != value:
+            found.fail(depth, f"{ref} differs from the {pattern.name} seen before")
             return None
         found.refs.setdefault(pattern.name, norm_ref(ref))
         return found
+    if isinstance(pattern, OneOf):
+        for option in pattern.options:
+            got = _match(view, ref, option, found.copy(), depth)
+            if got is not None:
+                return got
+        return None
+    if isinstance(pattern, Where):
+        got = _match(view, ref, pattern.inner, found, depth)
+        if got is not None and not pattern.check(view, got):
+            found.fail(depth, pattern.why)
+            return None
+        return got
     if isinstance(pattern, Skip):
         node = view.node(ref)
         if node is not None and node.op == pattern.op and parse_input(ref)[1] == 0:
-            inner = _match(view, view.data_inputs(node)[0], pattern.inner, found.copy())
+            inner = _match(view, view.data_inputs(node)[0], pattern.inner, found.copy(),
+                           depth + 1)
             if inner is not None:
                 inner.nodes.add(node.name)
                 return inner
-        return _match(view, ref, pattern.inner, found)
+        return _match(view, ref, pattern.inner, found, depth)
     node = view.node(ref)
     if node is None or parse_input(ref)[1] != 0:
+        found.fail(depth, f"{ref} is not a node's first output")
         return None
     if isinstance(pattern, Read):
         if node.op != "ReadVariableOp" or not _bind_ref(found, pattern.handle, node.input[0]):
+            found.fail(depth, f"{node.name} is not a read of {pattern.handle}")
             return None
         if pattern.after is not None:
             found.reads_after.append((node.name, pattern.after))
@@ -152,9 +216,11 @@ def _match(view: GraphView, ref: str, pattern: Pattern, found: Match) -> Match |
         return found
     assert isinstance(pattern, Op)
     if node.op not in pattern.ops:
+        found.fail(depth, f"{node.name} is {node.op}, not {'/'.join(pattern.ops)}")
         return None
     inputs = view.data_inputs(node)
     if len(inputs) != len(pattern.args):
+        found.fail(depth, f"{node.name} has {len(inputs)} inputs, not {len(pattern.args)}")
         return None
     orders = [inputs]
     if node.op in COMMUTATIVE and len(inputs) == 2:
@@ -162,7 +228,7 @@ def _match(view: GraphView, ref: str, pattern: Pattern, found: Match) -> Match |
     for order in orders:
         attempt: Match | None = found.copy()
         for child_ref, child in zip(order, pattern.args):
-            attempt = _match(view, child_ref, child, attempt)
+            attempt = _match(view, child_ref, child, attempt, depth + 1)
             if attempt is None:
                 break
         if attempt is not None and (
@@ -175,4 +241,21 @@ def _match(view: GraphView, ref: str, pattern: Pattern, found: Match) -> Match |
 
 def match(view: GraphView, ref: str, pattern: Pattern, found: Match | None = None) -> Match | None:
     """Match ``pattern`` against the tensor ``ref``, extending ``found``'s bindings."""
-    return _match(view, ref, pattern, found.copy() if found is not None else Match())
+    start = found.copy() if found is not None else Match()
+    start.failures = []
+    return _match(view, ref, pattern, start)
+
+
+def explain(view: GraphView, ref: str, pattern: Pattern) -> str | None:
+    """Why ``pattern`` does not match at ``ref`` (the deepest piece that failed), or None.
+
+    >>> from tensorflow.core.framework.node_def_pb2 import NodeDef
+    >>> view = GraphView([NodeDef(name="x", op="Placeholder"),
+    ...                   NodeDef(name="y", op="Sqrt", input=["x"])])
+    >>> explain(view, "y", Op("Rsqrt", Any("x")))
+    'y is Sqrt, not Rsqrt'
+    """
+    start = Match()
+    if _match(view, ref, pattern, start) is not None:
+        return None
+    return max(start.failures, key=lambda f: f[0])[1] if start.failures else "no match"

@@ -131,34 +131,6 @@ def other_input(view: GraphView, node: NodeDef, known: NodeDef) -> str | None:
     return other[0] if len(other) == 1 else None
 
 
-def scaled_consumer(view: GraphView, node: NodeDef, op: str, want: float,
-                    rtol: float) -> NodeDef | None:
-    """The one binary ``op`` consumer of ``node`` whose other input is the scalar ``want``
-    (within ``rtol``, relative), or None: ``0.5 * x`` is ``scaled_consumer(view, x, "Mul",
-    0.5, 0)``."""
-    found = [
-        c for c in view.consumers(node.name)
-        if c.op == op and _near(scalar_value(view, other_input(view, c, node) or ""), want, rtol)
-    ]
-    return found[0] if len(found) == 1 else None
-
-
-def joining_consumer(view: GraphView, a: NodeDef, b: NodeDef, op: str) -> NodeDef | None:
-    """The one binary ``op`` node whose two data inputs are ``a`` and ``b``, or None.
-
-    Picked by both inputs, not by op type alone: in a training graph the gradient reads the
-    same nodes (``grad * half`` beside ``half * one_plus``).
-    """
-    want = sorted((a.name, b.name))
-    found = [c for c in view.consumers(a.name)
-             if c.op == op and sorted(view.data_inputs(c)) == want]
-    return found[0] if len(found) == 1 else None
-
-
-def _near(value: float | None, want: float, rtol: float) -> bool:
-    return value is not None and abs(value - want) <= rtol * abs(want)
-
-
 def same_shape(a: tuple | None, b: tuple | None) -> bool:
     """True if both static shapes are known, equal and not scalars."""
     return a is not None and b is not None and a == b and len(a) > 0

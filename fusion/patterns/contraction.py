@@ -41,18 +41,15 @@ from collections.abc import Mapping
 
 import tensorflow as tf
 
+from fusion.expr import Any, Match, Near, Op, Pattern, Skip, match
 from fusion.fragment import choose_rewrite, input_shapes
 from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, output_shape, parse_input
 from fusion.match import (
     AttrLike,
     blocker,
-    consumer,
     dtype_name,
     fused_node,
-    joining_consumer,
     same_shape,
-    scalar_value,
-    scaled_consumer,
     sole_consumer,
 )
 from fusion.pattern import Chooser, RewriteContext, Target, apply_matches, register
@@ -111,46 +108,51 @@ def _const_rtol(x: NodeDef) -> float:
     return _CONST_RTOL.get(dtype_name(x), 0.0) if "T" in x.attr else 1e-6
 
 
-def _match_gelu_exact(view: GraphView, x: NodeDef) -> tuple[NodeDef, ...] | None:
-    """tf.nn.gelu(approximate=False): 0.5 * x * erfc(-x * 0.70710678), found by structure.
+def _constant(name: str, value: float, rtol: float = 0.0) -> Pattern:
+    """A formula's scalar constant, as the graph holds it (a 16-bit graph casts it)."""
+    return Skip("Cast", Near(name, value, rtol))
 
-    Extra consumers of the interior nodes (a gradient) do not stop the match; they are what
-    keeps it from being fused, and the caller says so.
+
+def gelu_exact(rtol: float = 1e-6) -> Pattern:
+    """tf.nn.gelu(approximate=False) as TensorFlow writes it: ``0.5 * x * erfc(-x * 0.7071...)``
+    (each constant within ``rtol`` of the formula's), matched from its last Mul."""
+    scaled = Op("Mul", Op("Neg", Any("x")), _constant("rsqrt2", 0.7071067811865476, rtol))
+    return Op("Mul", Op("Erfc", scaled), Op("Mul", Any("x"), _constant("half", 0.5, rtol)))
+
+
+def gelu_approximate(rtol: float = 1e-6) -> Pattern:
+    """tf.nn.gelu(approximate=True) as TensorFlow writes it:
+    ``0.5 * x * (1 + tanh(0.7978845608 * (x + 0.044715 * pow(x, 3))))``.
+
+    >>> import tensorflow as tf
+    >>> from fusion.graph import GraphView
+    >>> from fusion.expr import explain
+    >>> @tf.function
+    ... def f(x):
+    ...     return tf.nn.gelu(x, approximate=False)
+    >>> g = f.get_concrete_function(tf.TensorSpec([2])).graph.as_graph_def()
+    >>> explain(GraphView(g.node), "Gelu/mul_1", gelu_approximate())
+    'Gelu/Neg is Neg, not AddV2'
     """
-    rtol = _const_rtol(x)
-    neg, half = consumer(view, x, "Neg"), scaled_consumer(view, x, "Mul", 0.5, rtol)
-    scale = None if neg is None else scaled_consumer(view, neg, "Mul", 0.7071067811865476, rtol)
-    erfc = None if scale is None else consumer(view, scale, "Erfc")
-    out = None if erfc is None or half is None else joining_consumer(view, erfc, half, "Mul")
-    if out is None:
-        return None
-    return (neg, scale, erfc, half, out)
+    x = Any("x")
+    cube = Op("Pow", x, _constant("three", 3.0))
+    inner = Op("AddV2", Op("Mul", cube, _constant("cubic", _GELU_CUBIC, rtol)), x)
+    tanh = Op("Tanh", Op("Mul", inner, _constant("sqrt_2_over_pi", _SQRT_2_OVER_PI, rtol)))
+    return Op("Mul", Op("AddV2", tanh, _constant("one", 1.0)),
+              Op("Mul", x, _constant("half", 0.5, rtol)))
 
 
-def _match_gelu_approximate(view: GraphView, x: NodeDef) -> tuple[NodeDef, ...] | None:
-    """tf.nn.gelu(approximate=True) as TensorFlow writes it out, found by structure.
-
-    ``0.5 * x * (1 + tanh(0.7978845608 * (x + 0.044715 * pow(x, 3))))``: Mul, Pow, Mul, AddV2,
-    Mul, Tanh, AddV2, Mul, with each constant the formula's within what its dtype holds (a
-    16-bit graph casts 0.044715 from float32). As for the exact form, extra consumers of the
-    interior nodes do not stop the match; the caller says why they keep it apart.
-    """
-    rtol = _const_rtol(x)
-    half = scaled_consumer(view, x, "Mul", 0.5, rtol)
-    cube = next((c for c in view.consumers(x.name) if c.op == "Pow"
-                 and scalar_value(view, c.input[1]) == 3.0
-                 and parse_input(c.input[0])[0] == x.name), None)
-    if half is None or cube is None:
-        return None
-    scaled_cube = scaled_consumer(view, cube, "Mul", _GELU_CUBIC, rtol)
-    inner = None if scaled_cube is None else joining_consumer(view, scaled_cube, x, "AddV2")
-    scaled = None if inner is None else scaled_consumer(view, inner, "Mul", _SQRT_2_OVER_PI, rtol)
-    tanh = None if scaled is None else consumer(view, scaled, "Tanh")
-    one_plus = None if tanh is None else scaled_consumer(view, tanh, "AddV2", 1.0, 0.0)
-    out = None if one_plus is None else joining_consumer(view, one_plus, half, "Mul")
-    if out is None:
-        return None
-    return (half, cube, scaled_cube, inner, scaled, tanh, one_plus, out)
+def _match_gelu(view: GraphView, x: NodeDef, pattern: Pattern) -> tuple[NodeDef, ...] | None:
+    """The nodes of ``pattern`` applied to ``x``, its output last, or None. The output is a
+    Mul of a Mul of ``x`` (the ``0.5 * x`` half); extra consumers of the interior nodes (a
+    gradient) do not stop the match: they keep it from being fused, and the caller says so."""
+    for half in view.consumers(x.name):
+        for out in (c for c in view.consumers(half.name) if c.op == "Mul"):
+            found = match(view, out.name, pattern, Match(refs={"x": x.name}))
+            if found is not None:
+                inside = [view.node(n) for n in sorted(found.nodes - {out.name})]
+                return (*inside, out)
+    return None
 
 
 def _activation_after(
@@ -160,12 +162,12 @@ def _activation_after(
     consumers = view.consumers(tail.name)
     if len(consumers) == 1 and consumers[0].op in SIMPLE_ACTIVATIONS:
         return consumers[0].op, (consumers[0],)
-    gelu = _match_gelu_exact(view, tail)
-    if gelu is not None:
-        return "GeluExact", gelu
-    gelu = _match_gelu_approximate(view, tail)
-    if gelu is not None:
-        return "GeluApproximate", gelu
+    rtol = _const_rtol(tail)
+    for name, pattern in (("GeluExact", gelu_exact(rtol)),
+                          ("GeluApproximate", gelu_approximate(rtol))):
+        gelu = _match_gelu(view, tail, pattern)
+        if gelu is not None:
+            return name, gelu
     # A simple activation beside other consumers (e.g. its gradient reading the input).
     acts = [c for c in consumers if c.op in SIMPLE_ACTIVATIONS]
     if len(acts) == 1:
