@@ -247,7 +247,8 @@ def match(view: GraphView, ref: str, pattern: Pattern, found: Match | None = Non
 
 
 def explain(view: GraphView, ref: str, pattern: Pattern) -> str | None:
-    """Why ``pattern`` does not match at ``ref`` (the deepest piece that failed), or None.
+    """Why ``pattern`` does not match at ``ref``, or None: the deepest piece that failed (of
+    several at that depth, the last one tried: a commutative op's second order).
 
     >>> from tensorflow.core.framework.node_def_pb2 import NodeDef
     >>> view = GraphView([NodeDef(name="x", op="Placeholder"),
@@ -258,4 +259,7 @@ def explain(view: GraphView, ref: str, pattern: Pattern) -> str | None:
     start = Match()
     if _match(view, ref, pattern, start) is not None:
         return None
-    return max(start.failures, key=lambda f: f[0])[1] if start.failures else "no match"
+    if not start.failures:
+        return "no match"
+    deepest = max(depth for depth, _ in start.failures)  # of those, the last tried
+    return [why for depth, why in start.failures if depth == deepest][-1]

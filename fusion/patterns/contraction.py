@@ -131,8 +131,9 @@ def gelu_approximate(rtol: float = 1e-6) -> Pattern:
     ... def f(x):
     ...     return tf.nn.gelu(x, approximate=False)
     >>> g = f.get_concrete_function(tf.TensorSpec([2])).graph.as_graph_def()
-    >>> explain(GraphView(g.node), "Gelu/mul_1", gelu_approximate())
-    'Gelu/Neg is Neg, not AddV2'
+    >>> view = GraphView(g.node)
+    >>> explain(view, "Gelu/mul_2", gelu_exact()), explain(view, "Gelu/mul_2", gelu_approximate())
+    (None, 'Gelu/Erfc is Erfc, not AddV2')
     """
     x = Any("x")
     cube = Op("Pow", x, _constant("three", 3.0))
