@@ -32,6 +32,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from fusion.expr import Any, Const, Match, Op, Pattern, match
 from fusion.graph import GraphView, NodeDef, output_shape, parse_input
 from fusion.match import (
     AttrLike,
@@ -39,8 +40,6 @@ from fusion.match import (
     consumer,
     dtype_name,
     fused_node,
-    other_input,
-    split_scalar_const,
 )
 from fusion.pattern import RewriteContext, Target, apply_matches, register
 from fusion.patterns.contraction import supports
@@ -76,39 +75,33 @@ def _vector(view: GraphView, ref: str, channels: int | None) -> bool:
     return shape is not None and len(shape) == 1 and (channels is None or shape[0] == channels)
 
 
+def inference_batch_norm() -> Pattern:
+    """Keras's inference batch norm of ``x`` on the moving statistics, as it writes it out:
+    ``x * inv + (beta - mean * inv)`` with ``inv = rsqrt(variance + epsilon) * gamma`` (the
+    same ``inv`` node twice; each node bound by the name it has here)."""
+    inv = Op("Mul", Op("Rsqrt", Op(("AddV2", "Add"), Any("variance"), Const("epsilon"),
+                                   bind="var_add"), bind="rsqrt"),
+             Any("gamma"), bind="inv")
+    return Op("AddV2", Op("Mul", Any("x"), inv, bind="scale_mul"),
+              Op("Sub", Any("beta"), Op("Mul", Any("mean"), Any("inv"), bind="mean_mul"),
+                 bind="shift"), bind="out")
+
+
+_INTERIOR = ("scale_mul", "var_add", "rsqrt", "inv", "mean_mul", "shift", "out")
+
+
 def _match_at(view: GraphView, conv: NodeDef) -> ConvBatchNormMatch | None:
     """The batch-norm subgraph applied to ``conv``'s output, by structure; None if absent."""
-    scale_mul = consumer(view, conv, "Mul")
-    inv_ref = None if scale_mul is None else other_input(view, scale_mul, conv)
-    inv = None if inv_ref is None else view.node(inv_ref)
-    if inv is None or inv.op != "Mul":
-        return None
-    rsqrt = next((view.node(i) for i in view.data_inputs(inv)
-                  if view.node(i) is not None and view.node(i).op == "Rsqrt"), None)
-    if rsqrt is None:
-        return None
-    gamma = other_input(view, inv, rsqrt)
-    var_add = view.node(rsqrt.input[0])
-    if gamma is None or var_add is None or var_add.op not in ("AddV2", "Add"):
-        return None
-    variance, eps = split_scalar_const(view, var_add)
-    out = consumer(view, scale_mul, "AddV2")
-    shift_ref = None if out is None else other_input(view, out, scale_mul)
-    shift = None if shift_ref is None else view.node(shift_ref)
-    if variance is None or eps is None or shift is None or shift.op != "Sub":
-        return None
-    beta, mean_mul_ref = view.data_inputs(shift)
-    mean_mul = view.node(mean_mul_ref)
-    if mean_mul is None or mean_mul.op != "Mul":
-        return None
-    mean = other_input(view, mean_mul, inv)
-    if mean is None:
-        return None
-    return ConvBatchNormMatch(
-        conv=conv,
-        interior=(scale_mul, var_add, rsqrt, inv, mean_mul, shift, out),
-        gamma=gamma, beta=beta, mean=mean, variance=variance, epsilon=eps,
-    )
+    for scale_mul in (c for c in view.consumers(conv.name) if c.op == "Mul"):
+        for out in (c for c in view.consumers(scale_mul.name) if c.op == "AddV2"):
+            found = match(view, out.name, inference_batch_norm(), Match(refs={"x": conv.name}))
+            if found is None or found.refs["scale_mul"] != scale_mul.name:
+                continue
+            return ConvBatchNormMatch(
+                conv=conv, interior=tuple(view.node(found.refs[n]) for n in _INTERIOR),
+                gamma=found.refs["gamma"], beta=found.refs["beta"], mean=found.refs["mean"],
+                variance=found.refs["variance"], epsilon=found.values["epsilon"])
+    return None
 
 
 def find_conv_bn(
