@@ -95,15 +95,6 @@ def installed(group: str | None = None) -> list[Patch]:
         return [p for p in _PATCHES if group is None or p.group == group]
 
 
-def original(owner: Any, attribute: str) -> Any:
-    """What ``owner.attribute`` was before any patch (the current value if none)."""
-    with _lock:
-        for patch in _PATCHES:
-            if patch.owner is owner and patch.attribute == attribute:
-                return patch.original
-        return getattr(owner, attribute)
-
-
 @contextlib.contextmanager
 def temporarily(owner: Any, attribute: str, value: Any) -> Iterator[None]:
     """``owner.attribute = value`` inside the block only (one such swap at a time)."""
