@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import re
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -114,6 +115,31 @@ def tracing(ctx: StageContext | None) -> Iterator[None]:
         yield
     finally:
         _local.context = previous
+
+
+GRADIENT_SCOPES = ("gradient_tape/", "gradients/")
+
+
+def emitted_units(view: Any, scope: str, marks: dict[str, frozenset[str]]) -> list[tuple[str, str]]:
+    """(scope, form) of every unit a stage emitted under ``<scope>_<form>`` in ``view`` (a
+    ``fusion.graph.GraphView``) that holds one of its form's ``marks`` ops (its kernel); the
+    gradient's copies are not units. Forms are spelled with ``_`` for spaces in scopes.
+
+    >>> from tensorflow.core.framework.node_def_pb2 import NodeDef
+    >>> from fusion.graph import GraphView
+    >>> view = GraphView([NodeDef(name="tfmx_x_fast/m", op="MatMul"),
+    ...                   NodeDef(name="gradients/tfmx_x_fast/m", op="MatMul")])
+    >>> emitted_units(view, "tfmx_x", {"fast": frozenset({"MatMul"})})
+    [('tfmx_x_fast/', 'fast')]
+    """
+    unit = re.compile(r"(?:^|/)" + re.escape(scope) + r"_(?P<form>[a-z_]+?)(?:_\d+)?/")
+    units: dict[str, str] = {}
+    for node in view.nodes():
+        found = None if node.name.startswith(GRADIENT_SCOPES) else unit.search(node.name)
+        form = found.group("form").replace("_", " ") if found else None
+        if form in marks and node.op in marks[form]:
+            units[node.name[: found.end()]] = form
+    return sorted(units.items())
 
 
 def _routed(stage: Stage, hook: Hook) -> Callable[[Any], Any]:

@@ -20,26 +20,17 @@ Example:
 
 from __future__ import annotations
 
-import re
-
 from fusion.graph import GraphView
 from fusion.pattern import RewriteContext, register
+from fusion.stage import emitted_units
 from fusion.stages.attention import LABELS, SCOPE
 
-_UNIT = re.compile(r"(?:^|/)" + SCOPE + r"_(?P<form>[a-z_]+?)(?:_\d+)?/")
+_MATMULS = frozenset({"BatchMatMulV2", "BatchMatMulV3"})
 
 
 def find_attention_units(view: GraphView) -> list[tuple[str, str]]:
     """(scope, form) of every attention the stage emitted in ``view`` (with its MatMuls)."""
-    units: dict[str, str] = {}
-    for node in view.nodes():
-        if node.name.startswith(("gradient_tape/", "gradients/")):
-            continue
-        found = _UNIT.search(node.name)
-        form = found.group("form").replace("_", " ") if found else None
-        if form in LABELS and node.op in ("BatchMatMulV2", "BatchMatMulV3"):
-            units[node.name[: found.end()]] = form
-    return sorted(units.items())
+    return emitted_units(view, SCOPE, dict.fromkeys(LABELS, _MATMULS))
 
 
 @register(

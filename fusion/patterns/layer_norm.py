@@ -21,27 +21,18 @@ Example:
 
 from __future__ import annotations
 
-import re
-
 from fusion.graph import GraphView
 from fusion.pattern import RewriteContext, register
+from fusion.stage import emitted_units
 from fusion.stages.layer_norm import FORMS, SCOPE
 
-_UNIT = re.compile(r"(?:^|/)" + SCOPE + r"_(?P<form>[a-z]+)(?:_\d+)?/")
-_MARK = {"fused": "FusedBatchNormV3", "custom": "Rsqrt"}  # the op each form must hold
+_MARKS = {"fused": frozenset({"FusedBatchNormV3"}), "custom": frozenset({"Rsqrt"})}
 
 
 def find_layer_norm_units(view: GraphView) -> list[tuple[str, str]]:
     """(scope, form) of every layer norm the stage emitted in ``view`` whose form's op is
     there (``FusedBatchNormV3`` for the fused form, the ``Rsqrt`` of the custom one)."""
-    units: dict[str, str] = {}
-    for node in view.nodes():
-        if node.name.startswith(("gradient_tape/", "gradients/")):
-            continue
-        found = _UNIT.search(node.name)
-        if found and found.group("form") in _MARK and node.op == _MARK[found.group("form")]:
-            units[node.name[: found.end()]] = found.group("form")
-    return sorted(units.items())
+    return emitted_units(view, SCOPE, _MARKS)
 
 
 @register(
