@@ -1,6 +1,7 @@
 """What 16-bit hardware this machine has, and which policy "auto" picks for it.
 
-:func:`detect` reads the machine (``/proc/cpuinfo`` flags, Apple GPU, CUDA compute capability);
+:func:`detect` describes the machine (``/proc/cpuinfo`` flags, Apple GPU, CUDA compute
+capability) from what :mod:`tfmx.machine` reads;
 :func:`choose` is a pure function from a :class:`Hardware` description to a :class:`Choice`
 (policy and the reason), so every rule is testable on any machine.
 
@@ -28,8 +29,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import platform
-import sys
 
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 FP16_CPU_FLAGS = ("amx_fp16", "avx512_fp16")
@@ -92,64 +91,17 @@ class Choice:
         return f"{head}: {self.reason}"
 
 
-def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
-    """(model name, flags) from the text of ``/proc/cpuinfo`` (the first processor's).
-
-    >>> name, flags = parse_cpuinfo("model name\\t: Xeon\\nflags\\t\\t: fpu amx_bf16\\n")
-    >>> name, sorted(flags)
-    ('Xeon', ['amx_bf16', 'fpu'])
-    """
-    name, flags = "unknown CPU", frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and name == "unknown CPU":
-            name = value.strip()
-        elif key in ("flags", "Features") and not flags:
-            flags = frozenset(value.split())
-    return name, flags
-
-
-def _cuda_capabilities() -> tuple[tuple[int, int], ...]:
-    try:
-        import tensorflow as tf
-
-        caps = []
-        for dev in tf.config.list_physical_devices("GPU"):
-            cc = tf.config.experimental.get_device_details(dev).get("compute_capability")
-            if cc:
-                caps.append((int(cc[0]), int(cc[1])))
-        return tuple(caps)
-    except Exception:  # noqa: BLE001 - detection never fails the caller
-        return ()
-
-
-def _apple_gpu() -> tuple[bool, tuple[int, ...] | None]:
-    if sys.platform != "darwin":
-        return False, None
-    version = tuple(int(p) for p in platform.mac_ver()[0].split(".") if p.isdigit()) or None
-    try:
-        import tensorflow as tf
-
-        has_gpu = platform.machine() == "arm64" and bool(tf.config.list_physical_devices("GPU"))
-    except Exception:  # noqa: BLE001
-        has_gpu = False
-    return has_gpu, version
-
-
 def detect(cpuinfo_path: str = "/proc/cpuinfo") -> Hardware:
     """Describe this machine.
 
     >>> isinstance(detect().cpu_flags, frozenset)
     True
     """
-    try:
-        with open(cpuinfo_path) as f:
-            name, flags = parse_cpuinfo(f.read())
-    except OSError:
-        name, flags = platform.processor() or platform.machine() or "unknown CPU", frozenset()
-    apple, macos = _apple_gpu()
-    cuda = () if apple else _cuda_capabilities()
+    from tfmx import machine  # the one module that reads the machine
+
+    name, flags = machine.read_cpuinfo(cpuinfo_path)
+    apple, macos = machine.apple_gpu()
+    cuda = () if apple else machine.cuda_capabilities()
     return Hardware(cpu_name=name, cpu_flags=flags, apple_gpu=apple, macos_version=macos,
                     cuda_capabilities=cuda)
 

@@ -4,9 +4,10 @@ One place for what ``tfmx bench`` prints above its tables and what the tuner key
 measurements by. :func:`cpu_info` reads the CPU only (no TensorFlow import); :func:`fingerprint`
 adds the TensorFlow and Keras versions and whether oneDNN is on (it imports TensorFlow).
 
-The model name and the flags are read by :func:`policies.hardware.parse_cpuinfo` (the detector
-the ``auto`` policy uses); this module adds the vendor, family and model number and keeps the
-flags that matter for CPU kernels (:data:`RELEVANT_FLAGS`).
+The one module that reads the machine: the CPU's model name and flags (:func:`parse_cpuinfo`,
+:func:`read_cpuinfo`, which ``policies.hardware.detect`` uses too), its vendor, family and model
+number, the flags that matter for CPU kernels (:data:`RELEVANT_FLAGS`), CUDA GPUs' compute
+capabilities and an Apple GPU.
 
 Example:
     >>> from tfmx.machine import RELEVANT_FLAGS, cpu_info
@@ -20,11 +21,74 @@ Example:
 from __future__ import annotations
 
 import platform
+import sys
 from typing import Any
 
 #: CPU flags that decide which float32/bfloat16 kernels run fast (``/proc/cpuinfo`` names).
 RELEVANT_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile",
                   "avx_vnni")
+
+
+def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
+    """(model name, flags) from the text of ``/proc/cpuinfo`` (the first processor's).
+
+    >>> name, flags = parse_cpuinfo("model name\\t: Xeon\\nflags\\t\\t: fpu amx_bf16\\n")
+    >>> name, sorted(flags)
+    ('Xeon', ['amx_bf16', 'fpu'])
+    """
+    name, flags = "unknown CPU", frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and name == "unknown CPU":
+            name = value.strip()
+        elif key in ("flags", "Features") and not flags:
+            flags = frozenset(value.split())
+    return name, flags
+
+
+def cuda_capabilities() -> tuple[tuple[int, int], ...]:
+    """The compute capability of every CUDA GPU TensorFlow lists (none: ())."""
+    try:
+        import tensorflow as tf
+
+        caps = []
+        for dev in tf.config.list_physical_devices("GPU"):
+            cc = tf.config.experimental.get_device_details(dev).get("compute_capability")
+            if cc:
+                caps.append((int(cc[0]), int(cc[1])))
+        return tuple(caps)
+    except Exception:  # noqa: BLE001 - detection never fails the caller
+        return ()
+
+
+def apple_gpu() -> tuple[bool, tuple[int, ...] | None]:
+    """(an Apple-silicon GPU TensorFlow lists, the macOS version); (False, None) elsewhere."""
+    if sys.platform != "darwin":
+        return False, None
+    version = tuple(int(p) for p in platform.mac_ver()[0].split(".") if p.isdigit()) or None
+    try:
+        import tensorflow as tf
+
+        has_gpu = platform.machine() == "arm64" and bool(tf.config.list_physical_devices("GPU"))
+    except Exception:  # noqa: BLE001
+        has_gpu = False
+    return has_gpu, version
+
+
+def read_cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str, frozenset[str]]:
+    """(model name, flags) of this machine's CPU; without ``path`` (not Linux) the name
+    ``platform`` gives and no flags.
+
+    >>> name, flags = read_cpuinfo("/no/such/file")
+    >>> isinstance(name, str), flags
+    (True, frozenset())
+    """
+    try:
+        with open(path) as f:
+            return parse_cpuinfo(f.read())
+    except OSError:
+        return platform.processor() or platform.machine() or "unknown CPU", frozenset()
 
 
 def parse_cpu_info(text: str) -> dict[str, Any]:
@@ -37,8 +101,6 @@ def parse_cpu_info(text: str) -> dict[str, Any]:
     {'model': 'Intel Xeon', 'vendor': 'GenuineIntel', 'family': '6', 'model_number': '143',
      'flags': ['amx_bf16', 'amx_tile', 'avx2', 'avx512f']}
     """
-    from policies.hardware import parse_cpuinfo
-
     name, flags = parse_cpuinfo(text)
     fields: dict[str, str] = {}
     for line in text.splitlines():
