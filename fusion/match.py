@@ -30,7 +30,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import op_def_registry
 
-from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, parse_input
+from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef
 
 # What fused_node accepts as an attr value: an AttrValue as is, or a plain value (a list's
 # items all of one kind).
@@ -74,19 +74,6 @@ def scalar_value(view: GraphView, ref: str) -> float | None:
     return float(value.reshape(())) if value is not None and value.size == 1 else None
 
 
-def split_scalar_const(view: GraphView, node: NodeDef) -> tuple[str | None, float | None]:
-    """(the non-constant input, the scalar) of a binary ``node`` with one scalar Const input.
-
-    Either is None when absent, e.g. for ``AddV2(variance, epsilon)`` in a batch norm.
-    """
-    other, scalar = None, None
-    for ref in view.data_inputs(node):
-        value = const_value(view, ref)
-        if value is not None and value.size == 1:
-            scalar = float(value.reshape(()))
-        else:
-            other = ref
-    return other, scalar
 
 
 def outside_consumers(view: GraphView, node: NodeDef, inside: set[str]) -> list[NodeDef]:
@@ -125,10 +112,6 @@ def consumer(view: GraphView, node: NodeDef, op: str) -> NodeDef | None:
     return found[0] if len(found) == 1 else None
 
 
-def other_input(view: GraphView, node: NodeDef, known: NodeDef) -> str | None:
-    """The input of binary ``node`` that is not produced by ``known``."""
-    other = [i for i in view.data_inputs(node) if parse_input(i)[0] != known.name]
-    return other[0] if len(other) == 1 else None
 
 
 def same_shape(a: tuple | None, b: tuple | None) -> bool:

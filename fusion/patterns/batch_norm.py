@@ -49,12 +49,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 
+from fusion.expr import Any, Const, Match, OneOf, Op, Pattern, Where, match
 from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, output_shape, parse_input, tensor_ref
-from fusion.match import blocker, const_value, dtype_name, other_input, split_scalar_const
+from fusion.match import blocker, const_value, dtype_name
 from fusion.pattern import RewriteContext, Target, apply_matches, register
 
 
@@ -276,64 +278,63 @@ def _moments(view: GraphView, mean_ref: str, var_ref: str) -> tuple | None:
     return x_ref, [int(a) for a in axes_m.ravel()], (mean_k, sg, sqd, var_k), mean_sq, var_sq
 
 
+def _sole_consumer_is(ops: tuple[str, ...], name: str) -> Callable[[GraphView, Match], bool]:
+    def check(view: GraphView, found: Match) -> bool:
+        after = view.consumers(found.refs[name])
+        return len(after) == 1 and after[0].op in ops
+
+    return check
+
+
+def _mean_is_vector(view: GraphView, found: Match) -> bool:
+    return _is_vector(view, found.refs["mean"])
+
+
+def normalization(gamma: bool) -> Pattern:
+    """``rsqrt(variance + epsilon)``, times ``gamma`` if ``gamma``: the ``inv`` of Keras's
+    composite batch norm (bound as ``inv``; its nodes as ``add_eps``, ``rsqrt``)."""
+    rsqrt = Op("Rsqrt", Op(("AddV2", "Add"), Any("var"), Const("epsilon"), bind="add_eps"),
+               bind="rsqrt" if gamma else "inv")
+    return Op("Mul", rsqrt, Any("gamma"), bind="inv") if gamma else rsqrt
+
+
+def affine(inv: Pattern) -> Pattern:
+    """``x * inv + (beta - mean * inv)``, or without beta ``x * inv + -(mean * inv)`` or
+    ``x * inv + (-mean) * inv``: Keras's composite batch norm around ``inv`` (the shared
+    subpattern of this family and of ``conv_bn_fold``)."""
+    scale = Op("Mul", Any("x"), inv, bind="scale_mul")
+    mean_mul = Where(Op("Mul", Any("mean"), Any("inv"), bind="mean_mul"),
+                     _sole_consumer_is(("Sub", "Neg"), "mean_mul"),
+                     "mean * inv feeds more than its shift")
+    return OneOf(
+        Op(("AddV2", "Add"), scale, Op("Sub", Any("beta"), mean_mul, bind="shift"), bind="out"),
+        Op(("AddV2", "Add"), scale, Op("Neg", mean_mul, bind="shift"), bind="out"),
+        Op(("AddV2", "Add"), scale,
+           Where(Op("Mul", Op("Neg", Any("mean"), bind="neg"), Any("inv"), bind="mean_mul"),
+                 _mean_is_vector, "-mean is not a vector"), bind="out"),
+    )
+
+
+_AFFINE = (affine(normalization(gamma=True)), affine(normalization(gamma=False)))
+
+
 def _normalization(view: GraphView, rsqrt: NodeDef) -> dict | None:
-    """The ``tf.nn.batch_normalization`` subgraph around ``rsqrt``, by structure."""
-    add_eps = view.node(rsqrt.input[0])
-    if add_eps is None or add_eps.op not in ("AddV2", "Add"):
-        return None
-    var_ref, eps = split_scalar_const(view, add_eps)
-    if var_ref is None or eps is None:
-        return None
-    # inv = rsqrt * gamma, or rsqrt itself without gamma. Other consumers (the backward's)
-    # are tolerated here; the blocker check declines them with the reason.
-    candidates = [c for c in view.consumers(rsqrt.name) if c.op == "Mul"] + [rsqrt]
-    for inv in candidates:
-        affine = _affine(view, inv)
-        if affine is None:
-            continue
-        gamma_ref = None if inv is rsqrt else other_input(view, inv, rsqrt)
-        if inv is not rsqrt and gamma_ref is None:
-            continue
-        affine["nodes"] = [add_eps, rsqrt] + ([inv] if inv is not rsqrt else []) \
-            + affine["nodes"]
-        return dict(affine, var=var_ref, gamma=gamma_ref, epsilon=eps)
-    return None
-
-
-def _affine(view: GraphView, inv: NodeDef) -> dict | None:
-    """``x * inv + (beta - mean * inv)`` (or ``+ (-mean) * inv`` without beta) around ``inv``."""
-    muls = [c for c in view.consumers(inv.name) if c.op == "Mul"]
-    mean_mul = shift = neg = None
-    for mul in muls:
-        after = view.consumers(mul.name)
-        other = view.node(other_input(view, mul, inv) or "")
-        if len(after) == 1 and after[0].op in ("Sub", "Neg"):
-            mean_mul, shift = mul, after[0]  # beta - mean * inv  /  -(mean * inv)
-            break
-        if other is not None and other.op == "Neg" and _is_vector(view, other.input[0]):
-            mean_mul, neg = mul, other  # (-mean) * inv, no beta
-            break
-    if mean_mul is None:
-        return None
-    add_term = shift or mean_mul
-    beta_ref = None
-    if shift is not None and shift.op == "Sub":
-        beta_ref, mm_ref = view.data_inputs(shift)
-        if view.node(mm_ref) is not mean_mul:
-            return None
-    for scale_mul in muls:
-        if scale_mul is mean_mul:
-            continue
-        out = next((c for c in view.consumers(scale_mul.name) if c.op in ("AddV2", "Add")
-                    and view.node(other_input(view, c, scale_mul) or "") is add_term), None)
-        x_ref = other_input(view, scale_mul, inv)
-        if out is None or x_ref is None:
-            continue
-        mean_ref = neg.input[0] if neg is not None else other_input(view, mean_mul, inv)
-        if mean_ref is None:
-            return None
-        nodes = [scale_mul, mean_mul] + [n for n in (shift, neg) if n is not None]
-        return dict(x=x_ref, mean=mean_ref, beta=beta_ref, out=out, nodes=nodes)
+    """The ``tf.nn.batch_normalization`` subgraph around ``rsqrt`` (:func:`affine` of
+    :func:`normalization`), found from its output. Other consumers of its nodes (the
+    backward's) are tolerated here; the blocker check declines them with the reason."""
+    for inv in [c for c in view.consumers(rsqrt.name) if c.op == "Mul"] + [rsqrt]:
+        pattern = _AFFINE[inv is rsqrt]
+        for scale_mul in (c for c in view.consumers(inv.name) if c.op == "Mul"):
+            for out in (c for c in view.consumers(scale_mul.name) if c.op in ("AddV2", "Add")):
+                found = match(view, out.name, pattern, Match(refs={"inv": inv.name}))
+                if found is None or found.refs["scale_mul"] != scale_mul.name:
+                    continue
+                names = ["add_eps", "rsqrt", "inv", "scale_mul", "mean_mul", "shift", "neg"]
+                nodes = [view.node(found.refs[n]) for n in names if n in found.refs]
+                return dict(x=found.refs["x"], mean=found.refs["mean"],
+                            beta=found.refs.get("beta"), out=out, nodes=nodes,
+                            var=found.refs["var"], gamma=found.refs.get("gamma"),
+                            epsilon=found.values["epsilon"])
     return None
 
 

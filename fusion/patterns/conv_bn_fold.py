@@ -32,7 +32,7 @@ import dataclasses
 
 import tensorflow as tf
 
-from fusion.expr import Any, Const, Match, Op, Pattern, match
+from fusion.expr import Match, match
 from fusion.graph import GraphView, NodeDef, output_shape, parse_input
 from fusion.match import (
     AttrLike,
@@ -42,6 +42,7 @@ from fusion.match import (
     fused_node,
 )
 from fusion.pattern import RewriteContext, Target, apply_matches, register
+from fusion.patterns.batch_norm import affine, normalization
 from fusion.patterns.contraction import supports
 
 ACTIVATIONS = ("Relu", "Relu6", "Elu", "LeakyRelu")
@@ -75,32 +76,22 @@ def _vector(view: GraphView, ref: str, channels: int | None) -> bool:
     return shape is not None and len(shape) == 1 and (channels is None or shape[0] == channels)
 
 
-def inference_batch_norm() -> Pattern:
-    """Keras's inference batch norm of ``x`` on the moving statistics, as it writes it out:
-    ``x * inv + (beta - mean * inv)`` with ``inv = rsqrt(variance + epsilon) * gamma`` (the
-    same ``inv`` node twice; each node bound by the name it has here)."""
-    inv = Op("Mul", Op("Rsqrt", Op(("AddV2", "Add"), Any("variance"), Const("epsilon"),
-                                   bind="var_add"), bind="rsqrt"),
-             Any("gamma"), bind="inv")
-    return Op("AddV2", Op("Mul", Any("x"), inv, bind="scale_mul"),
-              Op("Sub", Any("beta"), Op("Mul", Any("mean"), Any("inv"), bind="mean_mul"),
-                 bind="shift"), bind="out")
-
-
-_INTERIOR = ("scale_mul", "var_add", "rsqrt", "inv", "mean_mul", "shift", "out")
+_PATTERN = affine(normalization(gamma=True))  # batch_norm's own, with gamma
+_INTERIOR = ("scale_mul", "add_eps", "rsqrt", "inv", "mean_mul", "shift", "out")
 
 
 def _match_at(view: GraphView, conv: NodeDef) -> ConvBatchNormMatch | None:
     """The batch-norm subgraph applied to ``conv``'s output, by structure; None if absent."""
     for scale_mul in (c for c in view.consumers(conv.name) if c.op == "Mul"):
         for out in (c for c in view.consumers(scale_mul.name) if c.op == "AddV2"):
-            found = match(view, out.name, inference_batch_norm(), Match(refs={"x": conv.name}))
-            if found is None or found.refs["scale_mul"] != scale_mul.name:
+            found = match(view, out.name, _PATTERN, Match(refs={"x": conv.name}))
+            if found is None or found.refs["scale_mul"] != scale_mul.name or (
+                    "beta" not in found.refs):  # (-mean) * inv: no beta to fold
                 continue
             return ConvBatchNormMatch(
                 conv=conv, interior=tuple(view.node(found.refs[n]) for n in _INTERIOR),
                 gamma=found.refs["gamma"], beta=found.refs["beta"], mean=found.refs["mean"],
-                variance=found.refs["variance"], epsilon=found.values["epsilon"])
+                variance=found.refs["var"], epsilon=found.values["epsilon"])
     return None
 
 
