@@ -252,30 +252,30 @@ def _is_vector(view: GraphView, ref: str) -> bool:
     return (shape is not None and len(shape) == 1) or node.op in ("Squeeze", "Reshape")
 
 
+# tf.nn.moments(x, axes, keepdims=True), Squeezed: the batch statistics of training.
+_MEAN = Op("Squeeze", Op("Mean", Any("x"), Any("axes_m"), bind="mean_k"), bind="mean_sq")
+_VARIANCE = Op("Squeeze", Op("Mean", Op("SquaredDifference", Any("x"), Op(
+    "StopGradient", Any("mean_k"), bind="sg"), bind="sqd"), Any("axes_v"), bind="var_k"),
+    bind="var_sq")
+
+
 def _moments(view: GraphView, mean_ref: str, var_ref: str) -> tuple | None:
     """(x ref, reduction axes, nodes, mean Squeeze, variance Squeeze) if ``mean_ref`` and
     ``var_ref`` are the Squeezed outputs of ``tf.nn.moments``; None otherwise."""
-    mean_sq, var_sq = view.node(mean_ref), view.node(var_ref)
-    if mean_sq is None or var_sq is None or mean_sq.op != "Squeeze" or var_sq.op != "Squeeze":
+    found = match(view, var_ref, _VARIANCE)
+    found = None if found is None else match(view, mean_ref, _MEAN, found)
+    if found is None:
         return None
-    mean_k, var_k = view.node(mean_sq.input[0]), view.node(var_sq.input[0])
-    if mean_k is None or var_k is None or mean_k.op != "Mean" or var_k.op != "Mean":
-        return None
-    sqd = view.node(var_k.input[0])
-    if sqd is None or sqd.op != "SquaredDifference":
-        return None
-    x_ref, sg_ref = sqd.input[0], sqd.input[1]
-    sg = view.node(sg_ref)
-    if sg is None or sg.op != "StopGradient" or view.node(sg.input[0]) is not mean_k:
-        return None
-    if mean_k.input[0] != x_ref:
-        return None
-    axes_m, axes_v = const_value(view, mean_k.input[1]), const_value(view, var_k.input[1])
+    node = {name: view.node(found.refs[name])
+            for name in ("mean_k", "sg", "sqd", "var_k", "mean_sq", "var_sq")}
+    axes_m, axes_v = (const_value(view, found.refs[a]) for a in ("axes_m", "axes_v"))
     if axes_m is None or axes_v is None or sorted(axes_m.ravel()) != sorted(axes_v.ravel()):
         return None
-    if not (mean_k.attr["keep_dims"].b and var_k.attr["keep_dims"].b):
+    if not (node["mean_k"].attr["keep_dims"].b and node["var_k"].attr["keep_dims"].b):
         return None
-    return x_ref, [int(a) for a in axes_m.ravel()], (mean_k, sg, sqd, var_k), mean_sq, var_sq
+    return (found.refs["x"], [int(a) for a in axes_m.ravel()],
+            (node["mean_k"], node["sg"], node["sqd"], node["var_k"]), node["mean_sq"],
+            node["var_sq"])
 
 
 def _sole_consumer_is(ops: tuple[str, ...], name: str) -> Callable[[GraphView, Match], bool]:
