@@ -23,7 +23,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Union
+from typing import Any, Union
 
 import numpy as np
 import tensorflow as tf
@@ -154,6 +154,49 @@ def _set_attr(attr: attr_value_pb2.AttrValue, value: AttrLike) -> None:
     else:
         raise TypeError(f"cannot make an attr of {type(value).__name__} {value!r}; pass an "
                         f"AttrValue or a bool, int, float, str, tf.DType or list of one")
+
+
+def new_node(name: str, op: str, inputs: Sequence[str] = (), device: str = "",
+             **attrs: Any) -> NodeDef:
+    """A NodeDef with plain Python attrs (bool, float, int, bytes, tf.DType, a TensorShape
+    for ``_output_shapes``): the one node builder of the families (a fused node that copies
+    a matched node's attrs is :func:`fused_node`).
+
+    >>> import tensorflow as tf
+    >>> node = new_node("n", "Cast", ["x"], SrcT=tf.int32, DstT=tf.float32, Truncate=False)
+    >>> node.attr["DstT"].type == tf.float32.as_datatype_enum, node.attr["Truncate"].b
+    (True, False)
+    """
+    node = NodeDef(name=name, op=op, device=device)
+    node.input.extend(inputs)
+    for key, value in attrs.items():
+        if isinstance(value, bool):
+            node.attr[key].b = value
+        elif isinstance(value, float):
+            node.attr[key].f = value
+        elif isinstance(value, int):
+            node.attr[key].i = value
+        elif isinstance(value, bytes):
+            node.attr[key].s = value
+        elif isinstance(value, tf.DType):
+            node.attr[key].type = value.as_datatype_enum
+        elif isinstance(value, tf.TensorShape):
+            node.attr[key].list.shape.add().CopyFrom(value.as_proto())
+        else:
+            raise TypeError(f"attr {key}: {value!r}")
+    return node
+
+
+def const_node(name: str, value: np.ndarray, device: str = "") -> NodeDef:
+    """A Const node holding ``value`` (its dtype and shape, ``_output_shapes`` set).
+
+    >>> const_node("half", np.array(0.5, np.float32)).attr["value"].tensor.float_val
+    [0.5]
+    """
+    node = new_node(name, "Const", [], device, dtype=tf.as_dtype(value.dtype),
+                    _output_shapes=tf.TensorShape(value.shape))
+    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
+    return node
 
 
 def fused_node(

@@ -56,7 +56,7 @@ import tensorflow as tf
 
 from fusion.expr import Any, Const, Match, OneOf, Op, Pattern, Where, match
 from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, output_shape, parse_input, tensor_ref
-from fusion.match import blocker, const_value, dtype_name
+from fusion.match import blocker, const_node, const_value, dtype_name, new_node
 from fusion.pattern import RewriteContext, Target, apply_matches, register
 
 
@@ -182,34 +182,6 @@ def _layout(rank: int, axis: int) -> tuple[str, str | None]:
         (2, 1): ("NHWC", "reshape"), (3, 2): ("NHWC", "reshape"),
         (3, 1): ("NCHW", "reshape"),
     }.get((rank, axis), ("", None))
-
-
-def _attr_node(name: str, op: str, inputs: list[str], device: str, **attrs) -> NodeDef:
-    node = NodeDef(name=name, op=op, device=device)
-    node.input.extend(inputs)
-    for key, value in attrs.items():
-        if isinstance(value, bool):
-            node.attr[key].b = value
-        elif isinstance(value, float):
-            node.attr[key].f = value
-        elif isinstance(value, int):
-            node.attr[key].i = value
-        elif isinstance(value, bytes):
-            node.attr[key].s = value
-        elif isinstance(value, tf.DType):
-            node.attr[key].type = value.as_datatype_enum
-        elif isinstance(value, tf.TensorShape):
-            node.attr[key].list.shape.add().CopyFrom(value.as_proto())
-        else:
-            raise TypeError(f"attr {key}: {value!r}")
-    return node
-
-
-def _const(name: str, value: np.ndarray, device: str) -> NodeDef:
-    node = _attr_node(name, "Const", [], device, dtype=tf.as_dtype(value.dtype),
-                      _output_shapes=tf.TensorShape(value.shape))
-    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
-    return node
 
 
 def _set_shapes(node: NodeDef, shapes: list[tuple | None]) -> None:
@@ -505,18 +477,18 @@ def _batch_statistics(view: GraphView, match: BatchNormMatch, fused_name: str, x
         # batch_variance is Bessel-corrected (times n / (n - 1)); Keras averages the biased
         # one: divide by the same factor, computed as the kernel does. (Ops from the Metal
         # plugin's list only: no Mul/Sub there.)
-        new.append(_attr_node(f"{base}/count", "Size", [x4], dev, T=dtype, out_type=tf.int32))
-        new.append(_attr_node(f"{base}/count_f", "Cast", [new[-1].name], dev,
+        new.append(new_node(f"{base}/count", "Size", [x4], dev, T=dtype, out_type=tf.int32))
+        new.append(new_node(f"{base}/count_f", "Cast", [new[-1].name], dev,
                               SrcT=tf.int32, DstT=tf.float32, Truncate=False))
-        new.append(_const(f"{base}/channels", np.array(float(c), np.float32), dev))
-        new.append(_attr_node(f"{base}/n", "RealDiv", [f"{base}/count_f", f"{base}/channels"],
+        new.append(const_node(f"{base}/channels", np.array(float(c), np.float32), dev))
+        new.append(new_node(f"{base}/n", "RealDiv", [f"{base}/count_f", f"{base}/channels"],
                               dev, T=tf.float32))
-        new.append(_const(f"{base}/minus_one", np.array(-1.0, np.float32), dev))
-        new.append(_attr_node(f"{base}/n_minus_1", "AddV2", [f"{base}/n", f"{base}/minus_one"],
+        new.append(const_node(f"{base}/minus_one", np.array(-1.0, np.float32), dev))
+        new.append(new_node(f"{base}/n_minus_1", "AddV2", [f"{base}/n", f"{base}/minus_one"],
                               dev, T=tf.float32))
-        new.append(_attr_node(f"{base}/bessel", "RealDiv", [f"{base}/n", f"{base}/n_minus_1"],
+        new.append(new_node(f"{base}/bessel", "RealDiv", [f"{base}/n", f"{base}/n_minus_1"],
                               dev, T=tf.float32))
-        new.append(_attr_node(f"{base}/batch_variance", "RealDiv",
+        new.append(new_node(f"{base}/batch_variance", "RealDiv",
                               [tensor_ref(fused_name, 2), f"{base}/bessel"], dev, T=tf.float32))
         rewire = [(cn, i, f"{base}/batch_variance" if ref.endswith(":2") else ref)
                   for cn, i, ref in rewire]
@@ -537,25 +509,25 @@ def rewrite_batch_norm(view: GraphView, match: BatchNormMatch) -> NodeDef:
     x_node = view.node(match.x)
     x_shape = output_shape(x_node, parse_input(match.x)[1]) if x_node is not None else None
     if how is not None:
-        new.append(_const(f"{base}/shape4", np.array(_shape4(match, x_shape), np.int32), dev))
-        new.append(_attr_node(f"{base}/to4d", "Reshape", [match.x, new[-1].name], dev,
+        new.append(const_node(f"{base}/shape4", np.array(_shape4(match, x_shape), np.int32), dev))
+        new.append(new_node(f"{base}/to4d", "Reshape", [match.x, new[-1].name], dev,
                               T=dtype, Tshape=tf.int32))
         x4 = new[-1].name
 
     def vector(ref: str | None, fill: float, name: str) -> str:
         if ref is not None:
             return ref
-        new.append(_const(f"{base}/{name}", np.full([c], fill, np.float32), dev))
+        new.append(const_node(f"{base}/{name}", np.full([c], fill, np.float32), dev))
         return new[-1].name
 
     training = match.kind == "training"
     if training:
-        new.append(_const(f"{base}/empty", np.zeros([0], np.float32), dev))
+        new.append(const_node(f"{base}/empty", np.zeros([0], np.float32), dev))
         mean = variance = new[-1].name
     else:
         mean, variance = match.mean, match.variance
     fused_name = tail.name if how is None else f"{base}/FusedBatchNormV3"
-    fused = _attr_node(
+    fused = new_node(
         fused_name, "FusedBatchNormV3",
         [x4, vector(match.gamma, 1.0, "ones"), vector(match.beta, 0.0, "zeros"), mean, variance],
         dev, T=dtype, U=tf.float32, epsilon=match.epsilon, exponential_avg_factor=1.0,
@@ -565,9 +537,9 @@ def rewrite_batch_norm(view: GraphView, match: BatchNormMatch) -> NodeDef:
     _set_shapes(fused, [y_shape, (c,), (c,), (c,), (c,), None])
     new.append(fused)
     if how is not None:
-        new.append(_attr_node(f"{base}/shape", "Shape", [match.x], dev, T=dtype,
+        new.append(new_node(f"{base}/shape", "Shape", [match.x], dev, T=dtype,
                               out_type=tf.int32))
-        new.append(_attr_node(tail.name, "Reshape", [fused_name, new[-1].name], dev, T=dtype,
+        new.append(new_node(tail.name, "Reshape", [fused_name, new[-1].name], dev, T=dtype,
                               Tshape=tf.int32))
     if how is not None and "_output_shapes" in tail.attr:
         new[-1].attr["_output_shapes"].CopyFrom(tail.attr["_output_shapes"])
@@ -724,7 +696,7 @@ def _ex_node(name: str, fused: NodeDef, side_input: str) -> NodeDef:
 
 
 def _identity(name: str, ref: str, like: NodeDef, control: list[str] = ()) -> NodeDef:
-    node = _attr_node(name, "Identity", [ref, *control], like.device,
+    node = new_node(name, "Identity", [ref, *control], like.device,
                       T=tf.as_dtype(like.attr["T"].type))
     if "_output_shapes" in like.attr:
         node.attr["_output_shapes"].list.shape.add().CopyFrom(

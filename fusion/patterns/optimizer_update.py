@@ -45,7 +45,7 @@ from tensorflow.python.framework import op_def_registry
 from fusion.expr import Any, Const, Match, Op, Pattern, Read, match, norm_ref
 from fusion.fragment import choose_rewrite
 from fusion.graph import GraphView, output_shape, parse_input
-from fusion.match import fused_node
+from fusion.match import const_node, fused_node
 from fusion.pattern import Chooser, RewriteContext, Target, apply_matches, register
 
 WRITE_OPS = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"})
@@ -473,15 +473,6 @@ def _unfused_by_name(view: GraphView, claimed: set[str]) -> list[str]:
     return reasons
 
 
-def _const(name: str, dtype: int, value: float) -> NodeDef:
-    node = NodeDef(name=name, op="Const")
-    node.attr["dtype"].type = dtype
-    node.attr["value"].tensor.CopyFrom(
-        tf.make_tensor_proto(np.array(value, dtype=tf.dtypes.as_dtype(dtype).as_numpy_dtype))
-    )
-    return node
-
-
 def rewrite_update(view: GraphView, m: UpdateMatch) -> NodeDef:
     """Replace one matched update by its kernel; returns the fused node."""
     spec = m.spec
@@ -490,7 +481,8 @@ def rewrite_update(view: GraphView, m: UpdateMatch) -> NodeDef:
     inputs: list[str] = []
     for item in spec.inputs:
         if item.startswith("="):
-            const = _const(f"{name}/{item[1:]}", m.dtype, m.found.values[item[1:]])
+            const = const_node(f"{name}/{item[1:]}", np.array(
+                m.found.values[item[1:]], tf.as_dtype(m.dtype).as_numpy_dtype))
             view.add(const)
             inputs.append(const.name)
         else:
