@@ -29,19 +29,11 @@ from typing import Any
 
 from policies.audit import Audit, LayerAudit, audit, check
 from policies.errors import LayerDtypeError, PolicyWarning
-from policies.global_policy import (
-    current,
-    explain,
-    hardware,
-    reset,
-    resolve,
-    scope,
-    set_global,
-    stale_layers,
-)
+from policies.global_policy import explain, reset, resolve, scope, set_global
 from policies.hardware import Choice, Hardware, choose, detect
 from policies.names import POLICY_NAMES
 from policies.safety import make_safe
+from policies.state import current, hardware, stale_layers
 from policies.tune import LayerChoice, TuneResult, tune
 
 

@@ -265,7 +265,7 @@ def audit(model: Any, sample_batch: Any = None, batch_size: int = 8) -> Audit:
     import keras
     import tensorflow as tf
 
-    from policies.global_policy import current, stale_layers
+    from policies.state import current, stale_layers
     from policies.tune import (
         has_graph,
         inputs_of,

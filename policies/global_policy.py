@@ -17,33 +17,15 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from policies.errors import PolicyWarning
-from policies.hardware import Choice, Hardware, choose, detect
+from policies.hardware import Choice, choose
 from policies.names import check_name
-
-
-@dataclasses.dataclass
-class _State:
-    choice: Choice | None = None  # what the last set_global / active scope chose
-    replaced: list = dataclasses.field(default_factory=list)  # global policy objects replaced
-    safe: bool = True  # float32 outputs/softmax/normalization, automatic loss scaling
-    tune: bool = True  # "auto" refines per layer by measurement at compile time
-    hardware: Hardware | None = None
-
-
-_STATE = _State()
-
-
-def hardware() -> Hardware:
-    """This machine's description (detected once)."""
-    if _STATE.hardware is None:
-        _STATE.hardware = detect()
-    return _STATE.hardware
+from policies.state import STATE as _STATE
+from policies.state import current, hardware, keras_global_policy
 
 
 def resolve(name: str) -> Choice:
@@ -76,12 +58,6 @@ def _set_keras(policy: Any) -> None:
     keras.config.set_dtype_policy(policy)
 
 
-def _keras_global() -> Any:
-    import keras
-
-    return keras.config.dtype_policy()
-
-
 def set_global(name: str, *, safe: bool = True, tune: bool = True,
                verbose: bool | None = None) -> Choice:
     """Set the global policy for layers built from now on; return what was chosen and why.
@@ -111,7 +87,7 @@ def set_global(name: str, *, safe: bool = True, tune: bool = True,
     from policies import hook
 
     choice = resolve(name)
-    old = _keras_global()
+    old = keras_global_policy()
     if not any(old is r for r in _STATE.replaced):
         _STATE.replaced.append(old)
     _set_keras(choice.policy)
@@ -136,7 +112,7 @@ def scope(name: str, *, safe: bool = True, tune: bool = True) -> Iterator[Choice
     from policies import hook
 
     choice = resolve(name)
-    previous_policy = _keras_global()
+    previous_policy = keras_global_policy()
     previous = (_STATE.choice, _STATE.safe, _STATE.tune)
     _set_keras(choice.policy)
     _STATE.choice, _STATE.safe, _STATE.tune = choice, bool(safe), bool(tune)
@@ -146,16 +122,6 @@ def scope(name: str, *, safe: bool = True, tune: bool = True) -> Iterator[Choice
     finally:
         _set_keras(previous_policy)
         _STATE.choice, _STATE.safe, _STATE.tune = previous
-
-
-def current() -> str:
-    """The name of the global policy now in force ("auto" shows what it resolved to).
-
-    >>> import policies
-    >>> policies.current()
-    'float32'
-    """
-    return _keras_global().name
 
 
 def explain() -> str:
@@ -169,35 +135,6 @@ def explain() -> str:
     if choice is None or choice.policy != current():
         return f"policies: {current()!r}: Keras's global policy (not set through policies)"
     return str(choice)
-
-
-def settings() -> tuple[Choice | None, bool, bool]:
-    """(last choice, safe, tune) in force."""
-    return _STATE.choice, _STATE.safe, _STATE.tune
-
-
-def stale_layers(model: Any) -> list[tuple[Any, str]]:
-    """Layers of ``model`` built before the last ``set_global`` that keep the old policy.
-
-    Returns (layer, the policy name it keeps) pairs. A layer given an explicit ``dtype=`` is
-    never stale: it holds its own policy object.
-
-    >>> import keras, policies
-    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    >>> _ = policies.set_global("mixed_bfloat16")
-    >>> [name for _, name in policies.stale_layers(model)]
-    ['float32']
-    >>> policies.reset()
-    """
-    from policies.layers import iter_layers
-
-    now = current()
-    stale = []
-    for layer in iter_layers(model):
-        held = layer.dtype_policy
-        if held.name != now and any(held is r for r in _STATE.replaced):
-            stale.append((layer, held.name))
-    return stale
 
 
 def reset() -> None:

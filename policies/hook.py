@@ -49,7 +49,7 @@ def warn_compiled_models() -> None:
 
 
 def _warn_stale(model: Any, stacklevel: int = 4) -> None:
-    from policies.global_policy import current, stale_layers
+    from policies.state import current, stale_layers
 
     stale = stale_layers(model)
     if not stale:
@@ -68,7 +68,7 @@ def _warn_stale(model: Any, stacklevel: int = 4) -> None:
 def prepare(model: Any, optimizer: Any, auto_scale_loss: bool = True) -> Any:
     """Apply the safe defaults to ``model``; return the optimizer compile should use."""
     from policies import safety
-    from policies.global_policy import settings
+    from policies.state import settings
 
     choice, safe, tune_on = settings()
     _warn_stale(model)

@@ -338,8 +338,8 @@ def record_calls(model: Any, layers: list[Any], x: Any,
 
 
 def _default_candidate() -> str:
-    from policies.global_policy import hardware
     from policies.hardware import choose
+    from policies.state import hardware
 
     chosen = choose(hardware()).policy
     return chosen if is_16bit(chosen) else "mixed_bfloat16"
