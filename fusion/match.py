@@ -53,27 +53,6 @@ def const_value(view: GraphView, ref: str) -> np.ndarray | None:
     return tf.make_ndarray(node.attr["value"].tensor)
 
 
-def scalar_value(view: GraphView, ref: str) -> float | None:
-    """The value of a one-element Const at ``ref`` (or of a Cast of one), else None.
-
-    A 16-bit graph often holds a float32 constant behind a Cast (``math_ops.cast(0.044715,
-    x.dtype)``); the value read is the float32 one.
-
-    >>> from fusion.graph import GraphView
-    >>> import tensorflow as tf
-    >>> c = NodeDef(name="c", op="Const")
-    >>> c.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(0.5))
-    >>> view = GraphView([c, NodeDef(name="h", op="Cast", input=["c"])])
-    >>> scalar_value(view, "h"), scalar_value(view, "missing")
-    (0.5, None)
-    """
-    node = view.node(ref)
-    if node is not None and node.op == "Cast":
-        ref = node.input[0]
-    value = const_value(view, ref)
-    return float(value.reshape(())) if value is not None and value.size == 1 else None
-
-
 
 
 def outside_consumers(view: GraphView, node: NodeDef, inside: set[str]) -> list[NodeDef]:
