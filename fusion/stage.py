@@ -142,6 +142,43 @@ def emitted_units(view: Any, scope: str, marks: dict[str, frozenset[str]]) -> li
     return sorted(units.items())
 
 
+def timed_form(forward: Callable[..., Any], shapes: list, dtype: Any, variables: Any = (),
+               watch: bool = True, backward: bool = True) -> Callable[[], Callable[[], None]]:
+    """A tuner candidate (``fusion.pattern.Chooser``): a factory of a runnable that computes
+    ``forward`` on random inputs of ``shapes`` (an unknown dimension: 32) and ``dtype`` and,
+    when ``backward``, the gradient of its squared sum w.r.t. ``variables`` and (``watch``) the
+    inputs: one form of a layer call, forward and backward at the call's shapes.
+
+    >>> import tensorflow as tf
+    >>> run = timed_form(lambda x: x * 2.0, [[None, 3]], tf.float32)()
+    >>> run()
+    """
+
+    def make() -> Callable[[], None]:
+        import tensorflow as tf
+
+        known = [[32 if d is None else int(d) for d in shape] for shape in shapes]
+
+        @tf.function(autograph=False)
+        def step(*inputs):
+            with tf.GradientTape() as tape:
+                if watch:
+                    tape.watch(inputs)
+                loss = tf.reduce_sum(tf.cast(forward(*inputs), tf.float32) ** 2)
+            if not backward:  # inference: the forward alone
+                return [loss]
+            return tape.gradient(loss, [*variables, *(inputs if watch else ())])
+
+        args = [tf.random.normal(s, seed=i + 1, dtype=dtype) for i, s in enumerate(known)]
+
+        def run() -> None:
+            step(*args)[0].numpy()
+
+        return run
+
+    return make
+
+
 def _routed(stage: Stage, hook: Hook) -> Callable[[Any], Any]:
     def make(original: Any) -> Any:
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -37,7 +37,7 @@ from typing import Any
 import tensorflow as tf
 
 from fusion.pattern import PatternStats
-from fusion.stage import Hook, Stage, StageContext, register_stage
+from fusion.stage import Hook, Stage, StageContext, register_stage, timed_form
 
 FAMILY = "attention"
 SCOPE = "tfmx_attention"
@@ -126,29 +126,13 @@ def _candidates(layer: Any, original: Callable, shapes: list, dtype: tf.DType, c
                 forms: list[str]) -> dict:
     """Keras's attention and ``forms``, forward + backward at the call's shapes (no mask)."""
 
-    def factory(form: str | None):
-        def make():
-            @tf.function(autograph=False)
-            def step(q, k, v):
-                with tf.GradientTape() as tape:
-                    tape.watch([q, k, v])
-                    if form is None:
-                        out, _ = original(layer, q, k, v, None, True, False, causal)
-                    else:
-                        out = _emit(form, layer, q, k, v, None, True, causal)
-                    loss = tf.reduce_sum(tf.cast(out, tf.float32) ** 2)
-                return tape.gradient(loss, [q, k, v])
+    def forward(form: str | None) -> Callable[..., Any]:
+        if form is None:
+            return lambda q, k, v: original(layer, q, k, v, None, True, False, causal)[0]
+        return lambda q, k, v: _emit(form, layer, q, k, v, None, True, causal)
 
-            args = [tf.random.normal(s, seed=i, dtype=dtype) for i, s in enumerate(shapes)]
-
-            def run():
-                step(*args)[0].numpy()
-
-            return run
-
-        return make
-
-    return {"einsum": factory(None), **{form: factory(form) for form in forms}}
+    return {name: timed_form(forward(form), shapes, dtype)
+            for name, form in (("einsum", None), *((f, f) for f in forms))}
 
 
 def fused_attention(ctx: StageContext, original: Callable, layer: Any, query: Any, key: Any,
@@ -169,7 +153,7 @@ def fused_attention(ctx: StageContext, original: Callable, layer: Any, query: An
     if form is not None and ctx.chooser is not None:
         from fusion.fragment import shape_text
 
-        shapes = [[32 if d is None else int(d) for d in t.shape] for t in (query, key, value)]
+        shapes = [t.shape for t in (query, key, value)]
         signature = (f"attention q {shape_text(query.shape)} kv {shape_text(key.shape)} "
                      f"{query.dtype.name} causal={bool(use_causal_mask)} "
                      f"dropout={layer._dropout > 0.0}")  # noqa: SLF001

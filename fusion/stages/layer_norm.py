@@ -38,7 +38,7 @@ from typing import Any
 import tensorflow as tf
 
 from fusion.pattern import PatternStats
-from fusion.stage import Hook, Stage, StageContext, register_stage
+from fusion.stage import Hook, Stage, StageContext, register_stage, timed_form
 
 FAMILY = "layer_norm"
 SCOPE = "tfmx_layer_norm"
@@ -157,32 +157,16 @@ def fused_blocker(layer: Any, target: Any) -> str | None:
 def _candidates(layer: Any, original: Callable, inputs: Any, first: int,
                 forms: list[str]) -> dict:
     """Keras's composite and ``forms``, forward + backward at the call's shapes."""
-    shape = [32 if d is None else int(d) for d in inputs.shape]
 
-    def factory(form: str | None):
-        def make():
-            @tf.function(autograph=False)
-            def step(x):
-                with tf.GradientTape() as tape:
-                    tape.watch(x)
-                    if form is not None:
-                        y = FORMS[form][0](x, _value(layer.gamma), _value(layer.beta), first,
-                                           layer.epsilon)
-                    else:
-                        y = original(layer, x)
-                    loss = tf.reduce_sum(tf.cast(y, tf.float32) ** 2)
-                return tape.gradient(loss, [x, *layer.trainable_variables])
+    def forward(form: str | None) -> Callable[[Any], Any]:
+        if form is None:
+            return lambda x: original(layer, x)
+        return lambda x: FORMS[form][0](x, _value(layer.gamma), _value(layer.beta), first,
+                                        layer.epsilon)
 
-            x = tf.random.normal(shape, seed=1, dtype=inputs.dtype)
-
-            def run():
-                step(x)[0].numpy()
-
-            return run
-
-        return make
-
-    return {"composite": factory(None), **{form: factory(form) for form in forms}}
+    return {name: timed_form(forward(form), [inputs.shape], inputs.dtype,
+                             layer.trainable_variables)
+            for name, form in (("composite", None), *((f, f) for f in forms))}
 
 
 def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,

@@ -37,7 +37,7 @@ import warnings
 from typing import Any
 
 from fusion.pattern import PatternStats, Target
-from fusion.stage import Hook, Stage, StageContext, register_stage
+from fusion.stage import Hook, Stage, StageContext, register_stage, timed_form
 
 FAMILY = "rnn"
 SCOPE = "tfmx_rnn_"
@@ -238,46 +238,29 @@ def _layer_candidates(match: RnnMatch, original, sequences, initial_state, train
     import tensorflow as tf
 
     layer = match.layer
-    shape = [32 if d is None else int(d) for d in sequences.shape]
     states = list(initial_state) if isinstance(initial_state, (list, tuple)) else [
         initial_state]
     units = int(states[0].shape[-1])
 
-    def factory(form: RnnForm):
-        def make():
-            @tf.function(autograph=False)
-            def step(x):
-                with tf.GradientTape() as tape:
-                    if input_gradient:
-                        tape.watch(x)
-                    init = [tf.zeros([shape[0], units], x.dtype) for _ in states]
-                    if form.hoisted:
-                        _, outputs, _ = rewrite_rnn_layer(match, x, init, None, training,
-                                                          form.chunks, form.unrolled)
-                    else:
-                        _, outputs, _ = run_keras_loop(layer, original, x, init, None,
-                                                       training, form.unrolled)
-                    loss = tf.reduce_sum(outputs * outputs)
-                if not training:  # inference: the forward alone
-                    return [loss]
-                return tape.gradient(loss, [*layer.trainable_variables,
-                                            *([x] if input_gradient else [])])
+    def forward(form: RnnForm) -> Any:
+        def run(x: Any) -> Any:
+            init = [tf.zeros([tf.shape(x)[0], units], x.dtype) for _ in states]
+            if form.hoisted:
+                return rewrite_rnn_layer(match, x, init, None, training, form.chunks,
+                                         form.unrolled)[1]
+            return run_keras_loop(layer, original, x, init, None, training, form.unrolled)[1]
 
-            x = tf.random.normal(shape, dtype=sequences.dtype, seed=1)
+        return run
 
-            def run():
-                step(x)[0].numpy()
-
-            return run
-
-        return make
-
-    return {name: factory(form) for name, form in cpu_forms(shape[1]).items()}
+    return {name: timed_form(forward(form), [sequences.shape], sequences.dtype,
+                             layer.trainable_variables, watch=input_gradient,
+                             backward=bool(training))
+            for name, form in cpu_forms(sequences.shape[1]).items()}
 
 
 def _tuned_form(match: RnnMatch, original, sequences, initial_state, mask, training,
-                tuner) -> tuple[RnnForm, str]:
-    """The form the tuner measured fastest for this call, and the decision's text."""
+                tuner) -> RnnForm:
+    """The form the tuner measured fastest for this call (the report has the decision)."""
     from tensorflow.python.eager import record
 
     from fusion.fragment import shape_text
@@ -290,8 +273,7 @@ def _tuned_form(match: RnnMatch, original, sequences, initial_state, mask, train
     choice = tuner.choose("rnn", signature, _layer_candidates(
         match, original, sequences, initial_state, training, input_gradient),
         conservative="keras")
-    form = cpu_forms(sequences.shape[1])[choice.choice]
-    return form, f"{match.kind} {signature}: {form.name} kept: {choice.why()}"
+    return cpu_forms(sequences.shape[1])[choice.choice]
 
 
 def forward_stage(ctx: StageContext, original, layer, sequences, initial_state, mask=None,
@@ -309,7 +291,7 @@ def forward_stage(ctx: StageContext, original, layer, sequences, initial_state, 
     form = RnnForm("hoisted", True)
     if match is not None and match.form == "hoisted" and ctx.chooser is not None:
         train = training if isinstance(training, bool) else training is not None
-        form, _ = _tuned_form(match, original, sequences, initial_state, mask, train,
+        form = _tuned_form(match, original, sequences, initial_state, mask, train,
                               ctx.chooser)
         if form.name == "keras":
             match, why = None, "tuned"
