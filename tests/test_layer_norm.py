@@ -140,3 +140,86 @@ def test_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, form
     terms = 6 * (3 * (_terms(16) + 16 + 8) + 12)
     for a, b in zip(models[False].weights, models[True].weights):
         assert_within_rounding(b.numpy(), a.numpy(), terms, what=a.name)
+
+
+RMS_CASES = {  # name: (input shape, layer kwargs)
+    "last_axis": ((4, 6, 16), {}),
+    "two_trailing_axes": ((3, 5, 4, 8), {"axis": [-2, -1]}),
+    "epsilon": ((4, 16), {"epsilon": 1e-3}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RMS_CASES))
+def test_rms_form_and_its_gradient_match_keras(name):
+    shape, kwargs = RMS_CASES[name]
+    rng = np.random.default_rng(0)
+    layer = keras.layers.RMSNormalization(**kwargs)
+    layer.build(shape)
+    layer.scale.assign(rng.standard_normal(layer.scale.shape) * 0.5 + 1.0)
+    x = tf.constant(rng.standard_normal(shape) * 3 + 1, tf.float32)
+    first = stage._first_axis(layer, len(shape))
+
+    @tf.function
+    def run(fused: bool):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            if fused:
+                y = stage.rms_norm_custom(x, stage._value(layer.scale), first, layer.epsilon)
+            else:
+                y = layer(x)
+            loss = tf.reduce_sum(y * tf.sin(y))
+        return [y, *tape.gradient(loss, [x, layer.scale])]
+
+    stock_ops = {n.op for n in run.get_concrete_function(False).graph.as_graph_def().node}
+    fused_ops = {n.op for n in run.get_concrete_function(True).graph.as_graph_def().node}
+    assert "RsqrtGrad" in stock_ops and "RsqrtGrad" not in fused_ops
+    cols = int(np.prod(shape[first:]))
+    for i, (got, expected) in enumerate(zip(run(True), run(False))):
+        terms = _terms(cols) + (0 if i < 2 else int(np.prod(shape[:first])))
+        assert_within_rounding(got.numpy(), expected.numpy(), terms, what=f"output {i}")
+
+
+def test_rms_declines_leading_axes_with_a_reason():
+    layer = keras.layers.RMSNormalization(axis=1)
+    x = tf.zeros([2, 3, 4])
+    layer.build(x.shape)
+    first, reason = stage.find_rms_norm(layer, x)
+    assert first is None and "not the trailing axes" in reason
+
+
+def _rms_decoder(seed: int = 0) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((6, 8))
+    x = keras.layers.Dense(16)(inp)
+    h = keras.layers.RMSNormalization()(x)
+    x = keras.layers.Add()([x, keras.layers.Dense(16, activation="gelu")(h)])
+    x = keras.layers.RMSNormalization(epsilon=1e-5)(x)
+    out = keras.layers.Dense(3, activation="softmax")(keras.layers.GlobalAveragePooling1D()(x))
+    model = keras.Model(inp, out)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss="sparse_categorical_crossentropy")
+    return model
+
+
+def test_rms_fit_matches_stock_with_the_form_in_the_graph_that_ran():
+    from tests.test_keras import ops_that_ran
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((24, 6, 8)).astype("float32")
+    y = rng.integers(0, 3, 24)
+    models = {}
+    for on in (False, True):
+        tfmx.enable(backend="cpu", patterns=["layer_norm"]) if on else tfmx.disable()
+        model = _rms_decoder()
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        models[on] = model
+    ran = ops_that_ran(models[True].train_function)
+    stock = ops_that_ran(models[False].train_function)
+    assert "RsqrtGrad" in stock and "RsqrtGrad" not in ran
+    label = stage.RMS_FORMS["rms custom"][1]
+    stats = tfmx.report().patterns["layer_norm"]
+    assert stats.fused == 2 and set(stats.fused_kinds) == {label} and not stats.declined
+    assert stats.observed[label] >= 2
+    terms = 6 * (3 * (_terms(16) + 16 + 8) + 12)
+    for a, b in zip(models[False].weights, models[True].weights):
+        assert_within_rounding(b.numpy(), a.numpy(), terms, what=a.name)

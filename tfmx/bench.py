@@ -287,6 +287,26 @@ def _vit() -> Any:
     return keras.Model(inp, out, name="vit_3x128")
 
 
+def _decoder() -> Any:
+    """A causal decoder (pre-norm, as GPT/LLaMA-style models): 64 tokens of 32 features
+    projected to 128, 2 blocks of RMSNormalization -> causal MultiHeadAttention (dropout 0.1)
+    -> residual, RMSNormalization -> GELU FFN -> residual; the last token classified."""
+    import keras
+    from keras import layers
+
+    x = inp = keras.Input((64, 32))
+    x = layers.Dense(128)(x)
+    for _ in range(2):
+        h = layers.RMSNormalization()(x)
+        attended = layers.MultiHeadAttention(4, 32, dropout=0.1)(h, h, use_causal_mask=True)
+        x = layers.Add()([x, attended])
+        h = layers.RMSNormalization()(x)
+        x = layers.Add()([x, layers.Dense(128)(layers.Dense(512, activation="gelu")(h))])
+    x = layers.LayerNormalization()(x)
+    out = layers.Dense(10, activation="softmax")(x[:, -1, :])
+    return keras.Model(inp, out, name="decoder_2x128")
+
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -313,6 +333,9 @@ WORKLOADS: dict[str, Workload] = {
         Workload("vit", "ViT: 32x32x3, 4x4 patches (Conv2D) -> 64 tokens x 128, 3 x "
                  "(MultiHeadAttention 4 heads + LayerNorm + GELU FFN 512)", _vit,
                  (32, 32, 3), 10, batch_size=32, rounds=10, steps=5),
+        Workload("decoder", "causal decoder: 64 tokens x 32 features -> 128, 2 x (RMSNorm + "
+                 "causal MultiHeadAttention 4 heads, dropout 0.1 + RMSNorm + GELU FFN 512)",
+                 _decoder, (64, 32), 10, batch_size=32, rounds=10, steps=5),
     )
 }
 
@@ -423,7 +446,7 @@ def run_benchmark(
 
     Args:
         model_name: one of ``WORKLOADS`` (``small_cnn``, ``resnet50``, ``mlp``, ``gelu_mlp``,
-            ``lstm``, ``gru``, ``transformer``, ``vit``).
+            ``lstm``, ``gru``, ``transformer``, ``vit``, ``decoder``).
         rounds, steps, batch_size: default to the workload's (see ``WORKLOADS``).
         modes: any of ``"stock"``, ``"tfmx"``, ``"xla"``.
         warmup: untimed calls per mode before timing (the first one traces).

@@ -15,9 +15,14 @@ autodiff of Keras's composite builds some twenty-five. Which of the three is fas
 the machine and the shape (the CPU kernel transposes NCHW to NHWC), so every layer call is a
 tuner decision (forward and backward at the call's shapes); the conservative form is Keras's
 composite. Declined, with the reason in the
-report: ``rms_scaling=True`` (no mean subtracted: no kernel computes it), normalized axes that
+report: ``rms_scaling=True`` (deprecated in Keras; no kernel computes it), normalized axes that
 are not the trailing ones, float64, a backend without ``FusedBatchNormV3`` in NCHW, an epsilon
 the backend's kernel refuses.
+
+Keras's ``RMSNormalization`` (``x * rsqrt(mean(x^2) + epsilon) * scale``) has no kernel on any
+backend (batch norm subtracts a mean); its one form besides the composite is
+:func:`rms_norm_custom`, the composite forward with a closed-form gradient, again chosen per
+call by the tuner.
 
 Example:
     >>> import keras, numpy as np, tensorflow as tf
@@ -44,6 +49,7 @@ FAMILY = "layer_norm"
 SCOPE = "tfmx_layer_norm"
 LABEL = "LayerNormalization: FusedBatchNormV3 on [1, rows, cols, 1] (NCHW) + gamma, beta"
 CUSTOM_LABEL = "LayerNormalization: composite forward + closed-form custom gradient"
+RMS_LABEL = "RMSNormalization: composite forward + closed-form custom gradient"
 
 
 def layer_norm(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
@@ -113,6 +119,51 @@ def layer_norm_custom(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
 
 FORMS = {"fused": (layer_norm, LABEL), "custom": (layer_norm_custom, CUSTOM_LABEL)}
 """The correct forms besides Keras's composite: name -> (function, report label)."""
+
+
+def rms_norm_custom(x: tf.Tensor, scale: Any, first_axis: int, epsilon: float) -> tf.Tensor:
+    """RMS norm over the axes ``first_axis:`` (``x * rsqrt(mean(x^2) + epsilon) * scale``, as
+    Keras's ``RMSNormalization``) with its gradient in closed form:
+    ``dx = inv * (g - xhat * mean(g * xhat))``, ``g = dy * scale``, ``xhat = x * inv``.
+    No kernel computes RMS norm (batch norm subtracts a mean), so this is the one form besides
+    Keras's composite. Computed in float32 for 16-bit inputs, cast back to ``x``'s dtype.
+
+    >>> import keras, numpy as np
+    >>> x = tf.constant(np.arange(1, 13, dtype="float32").reshape(2, 2, 3))
+    >>> layer = keras.layers.RMSNormalization(epsilon=1e-6)
+    >>> expected = layer(x).numpy()
+    >>> got = rms_norm_custom(x, layer.scale.value, 2, 1e-6).numpy()
+    >>> bool(np.allclose(got, expected, rtol=1e-6))
+    True
+    """
+    dtype = x.dtype
+    x32 = x if dtype == tf.float32 else tf.cast(x, tf.float32)
+    axes = list(range(first_axis, x.shape.rank))
+    leading = list(range(first_axis))
+    args = [] if scale is None else [scale]
+
+    @tf.custom_gradient
+    def norm(x32, *weights):
+        inv = tf.math.rsqrt(tf.reduce_mean(x32 * x32, axes, keepdims=True) + epsilon)
+        xhat = x32 * inv
+        s32 = tf.cast(weights[0], tf.float32) if weights else None
+        y = xhat if s32 is None else xhat * s32
+
+        def grad(dy):
+            g = dy if s32 is None else dy * s32
+            dx = inv * (g - xhat * tf.reduce_mean(g * xhat, axes, keepdims=True))
+            if not weights:
+                return dx
+            return dx, tf.cast(tf.reduce_sum(dy * xhat, leading), weights[0].dtype)
+
+        return y, grad
+
+    y = norm(x32, *args)
+    return y if dtype == tf.float32 else tf.cast(y, dtype)
+
+
+RMS_FORMS = {"rms custom": (rms_norm_custom, RMS_LABEL)}
+"""The correct form of ``RMSNormalization`` besides Keras's composite."""
 
 
 def _value(variable: Any) -> Any:
@@ -203,10 +254,63 @@ def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: 
     return out
 
 
+def find_rms_norm(layer: Any, inputs: Any) -> tuple[int | None, str | None]:
+    """(first normalized axis, None) for an ``RMSNormalization`` call the stage can rewrite,
+    or (None, why)."""
+    ndims = inputs.shape.rank
+    if ndims is None:
+        return None, "input of unknown rank"
+    first = _first_axis(layer, ndims)
+    if first is None:
+        return None, f"normalized axes {layer.axis} are not the trailing axes of a rank-" \
+                     f"{ndims} input"
+    if inputs.dtype.name not in ("float32", "float16", "bfloat16"):
+        return None, f"input dtype {inputs.dtype.name}"
+    return first, None
+
+
+def fused_rms_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
+                   *args: Any, **kwargs: Any) -> Any:
+    """``RMSNormalization.call`` while tfmx traces: the closed-form gradient where the tuner
+    measures it faster than Keras's composite, else the composite with the reason recorded."""
+    if not tf.inside_function() or args or kwargs:
+        return original(layer, inputs, *args, **kwargs)
+    stats = PatternStats(matched=1)
+    inputs = tf.convert_to_tensor(inputs)
+    first, why = find_rms_norm(layer, inputs)
+    function, label = RMS_FORMS["rms custom"]
+    if first is not None and ctx.chooser is not None:
+        from fusion.fragment import shape_text
+
+        signature = (f"RMSNormalization input {shape_text(inputs.shape)} {inputs.dtype.name} "
+                     f"axes {first}")
+        candidates = {
+            "composite": timed_form(lambda x: original(layer, x), [inputs.shape], inputs.dtype,
+                                    layer.trainable_variables),
+            "rms custom": timed_form(lambda x: function(x, _value(layer.scale), first,
+                                                        layer.epsilon),
+                                     [inputs.shape], inputs.dtype, layer.trainable_variables),
+        }
+        if ctx.chooser.choose(FAMILY, signature, candidates, "composite").choice == "composite":
+            first, why = None, f"{signature}: Keras's composite kept: measured faster"
+    if first is None:
+        stats.decline(f"RMSNormalization: {why}")
+        ctx.record(FAMILY, stats)
+        return original(layer, inputs)
+    with tf.name_scope(f"{SCOPE}_rms_custom"):
+        out = function(inputs, _value(layer.scale), first, layer.epsilon)
+    stats.fuse(label)
+    ctx.record(FAMILY, stats)
+    return out
+
+
 STAGE = register_stage(Stage(
     FAMILY,
     "Keras LayerNormalization -> FusedBatchNormV3 on the rows (its registered gradient: "
-    "FusedBatchNormGradV3) + gamma, beta; emitted before differentiation where measured faster",
+    "FusedBatchNormGradV3) + gamma, beta, or a closed-form gradient; RMSNormalization -> a "
+    "closed-form gradient; emitted before differentiation where measured faster",
     (Hook("keras.src.layers.normalization.layer_normalization:LayerNormalization", "call",
-          fused_layer_call),),
+          fused_layer_call),
+     Hook("keras.src.layers.normalization.rms_normalization:RMSNormalization", "call",
+          fused_rms_call)),
 ))
