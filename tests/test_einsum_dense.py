@@ -1,0 +1,158 @@
+"""The einsum_dense stage: Keras EinsumDense contractions as Reshape + MatMul (+ BiasAdd)."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import TRANSCENDENTAL, assert_within_rounding, ops_that_ran
+
+import tfmx
+from fusion.stages import einsum_dense as stage
+
+# Every match rewritten, whatever the tuner would measure here (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("every_rewrite")
+
+
+@pytest.mark.parametrize("equation,split", [
+    ("abc,cde->abde", ("ab", "c", "de")),      # MultiHeadAttention's Q/K/V projections
+    ("abcd,cde->abe", ("ab", "cd", "e")),      # its output projection
+    ("ab,bc->ac", ("a", "b", "c")),            # a Dense
+    ("...b,bc->...c", ("...", "b", "c")),
+    ("abc, cd -> abd", ("ab", "c", "d")),
+    ("abc,dc->abd", None),                     # the kernel transposed
+    ("abc,acd->abd", None),                    # a batch axis shared by both operands
+    ("abc,cd->adb", None),                     # kept axes reordered
+    ("aab,bc->ac", None),                      # a repeated letter (a diagonal)
+    ("abc,cd->abcd", None),                    # nothing contracted
+    ("ab,bc", None),
+])
+def test_split_equation(equation, split):
+    assert stage.split_equation(equation) == split
+
+
+CASES = {  # name: (equation, output shape, bias_axes, activation, input shape)
+    "query_projection": ("abc,cde->abde", (5, 2, 3), "de", None, (4, 5, 6)),
+    "output_projection": ("abcd,cde->abe", (5, 6), "e", None, (4, 5, 2, 3)),
+    "dense_relu": ("ab,bc->ac", (7,), "c", "relu", (4, 6)),
+    "ellipsis_gelu": ("...b,bc->...c", (7,), "c", "gelu", (2, 3, 6)),
+    "partial_bias": ("abc,cde->abde", (5, 2, 3), "e", None, (4, 5, 6)),
+    "leading_bias": ("abc,cde->abde", (5, 2, 3), "d", "tanh", (4, 5, 6)),
+    "no_bias_softmax": ("abc,cde->abde", (5, 2, 3), None, "softmax", (4, 5, 6)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matmul_form_and_its_gradient_match_keras(name):
+    equation, output_shape, bias_axes, activation, shape = CASES[name]
+    rng = np.random.default_rng(0)
+    layer = keras.layers.EinsumDense(equation, output_shape, bias_axes=bias_axes,
+                                     activation=activation)
+    layer.build(shape)
+    for v in layer.weights:
+        v.assign(rng.standard_normal(v.shape) * 0.5)
+    x = tf.constant(rng.standard_normal(shape), tf.float32)
+
+    @tf.function
+    def run(fused: bool):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = stage.as_matmul(layer, x) if fused else layer(x)
+            loss = tf.reduce_sum(y * tf.sin(y))
+        return [y, *tape.gradient(loss, [x, *layer.trainable_variables])]
+
+    ops = {n.op for n in run.get_concrete_function(True).graph.as_graph_def().node}
+    assert "MatMul" in ops and "Einsum" not in ops
+    contracted = int(np.prod(layer.kernel.shape[: len(stage.split_equation(equation)[1])]))
+    rows = int(np.prod(shape)) // contracted
+    for i, (got, expected) in enumerate(zip(run(True), run(False))):
+        # the products sum over the contracted axes (forward, input gradient) or the rows
+        # (kernel gradient); the activation, its gradient and the loss's sin around them
+        terms = (contracted if i < 2 else rows) + 3 * TRANSCENDENTAL + 10
+        assert_within_rounding(got.numpy(), expected.numpy(), terms, what=f"{name} output {i}")
+
+
+def test_declines_with_a_reason():
+    x = tf.zeros([2, 3, 4])
+    transposed = keras.layers.EinsumDense("abc,dc->abd", (3, 5))
+    transposed.build(x.shape)
+    assert "not a tensordot" in stage.find_einsum_dense(transposed, x)
+    quantized = keras.layers.EinsumDense("abc,cd->abd", (3, 5))
+    quantized.build(x.shape)
+    quantized.quantize("int8")
+    assert "quantized" in stage.find_einsum_dense(quantized, x)
+    plain = keras.layers.EinsumDense("abc,cd->abd", (3, 5))
+    plain.build(x.shape)
+    assert stage.find_einsum_dense(plain, x) is None
+    assert "float64" in stage.find_einsum_dense(plain, tf.zeros([2, 3, 4], tf.float64))
+
+
+T, D = 6, 8
+
+
+def _model() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((T, D))
+    attended = keras.layers.MultiHeadAttention(2, 4)(inp, inp, use_causal_mask=True)
+    x = keras.layers.Add()([inp, attended])
+    x = keras.layers.EinsumDense("abc,cd->abd", (T, 16), bias_axes="d", activation="relu")(x)
+    out = keras.layers.Dense(3, activation="softmax")(keras.layers.GlobalAveragePooling1D()(x))
+    model = keras.Model(inp, out)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss="sparse_categorical_crossentropy")
+    return model
+
+
+def test_fit_matches_stock_with_fused_matmuls_in_the_graph_that_ran():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((24, T, D)).astype("float32")
+    y = rng.integers(0, 3, 24)
+    models = {}
+    initial = [v.numpy() for v in _model().weights]
+    for on in (False, True):
+        tfmx.enable(backend="cpu", patterns=["einsum_dense", "contraction"]) if on else \
+            tfmx.disable()
+        model = _model()
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        models[on] = model
+    ran = ops_that_ran(models[True].train_function)
+    assert "_FusedMatMul" in ran  # the projections' MatMul + BiasAdd (+ Relu), fused
+    # Einsum is left only in the attention itself (its own stage is off here): 2 forward
+    (trace,) = [t for t in tfmx.report().traces if t.graph_after is not None][:1]
+    projections = [n for n in trace.graph_after.node
+                   if n.op == "Einsum" and "tfmx_einsum_dense" in n.name]
+    assert not projections
+    stats = tfmx.report().patterns["einsum_dense"]
+    assert stats.fused == 5 and set(stats.fused_kinds) == {stage.LABEL} and not stats.declined
+    assert stats.observed[stage.LABEL] >= 5
+    # 6 steps: projections (D terms), attention (T, softmax), output projection, the
+    # EinsumDense (D), pooling, the Dense; backward twice that
+    step = 3 * (3 * D + 2 * T + TRANSCENDENTAL + 16 + T + 30)
+    moved = {v.path: float(np.max(np.abs(v.numpy() - w0)))
+             for v, w0 in zip(models[False].weights, initial)}
+    for a, b in zip(models[False].weights, models[True].weights):
+        # The key projection's bias adds one constant per score row, which softmax cancels: its
+        # gradient is a sum of the layer's terms that is zero but for rounding, so its scale is
+        # that of the updates of the layer's weights, not its own (rounding-sized) value.
+        layer = a.path.rsplit("/", 1)[0]
+        scale = max([float(np.max(np.abs(a.numpy())))]
+                    + [m for path, m in moved.items() if path.rsplit("/", 1)[0] == layer])
+        assert_within_rounding(b.numpy(), a.numpy(), 6 * step, scale=scale, what=a.path)
+
+
+def test_metal_runs_the_matmul_form_without_tuning():
+    """The Metal plugin has no Einsum kernel: with tuning off the conservative form there is
+    the MatMul one, whose ops the plugin all has."""
+    from tfmx.backends import metal_kernels
+
+    tfmx.enable(backend="metal", patterns=["einsum_dense"], tune="off")
+    model = _model()
+    x = np.zeros((8, T, D), "float32")
+    with pytest.raises(tfmx.BackendUnavailableError):
+        model.fit(x, np.zeros(8, "int32"), batch_size=8, epochs=1, verbose=0)
+    (trace,) = tfmx.report().traces
+    emitted = {n.op for n in trace.graph_after.node if "tfmx_einsum_dense" in n.name}
+    assert "MatMul" in emitted and "Einsum" not in emitted
+    unlisted = {op for op in emitted if op not in metal_kernels() and len(op) > 3}
+    assert unlisted <= {"Placeholder", "ExpandDims"}, unlisted
