@@ -6,6 +6,7 @@ Subcommands::
                [--modes stock tfmx xla] [--policy NAME] [--onednn on|off|both]
                [--output FILE.md] [--json [FILE.json]]
     tfmx recipe NAME [recipe args...]      # e.g. tfmx recipe small_cnn --quick
+    tfmx recipe --list                     # the recipes and what each shows
     tfmx backends [--json]                 # what each backend fuses
     tfmx tune [--export F | --import F [--force] | --clear]   # this machine's tuning cache
 
@@ -16,7 +17,7 @@ Example:
     >>> main(["recipe", "no_such_recipe"])  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    SystemExit: tfmx recipe: unknown recipe 'no_such_recipe'; available: small_cnn...
+    SystemExit: tfmx recipe: unknown recipe 'no_such_recipe'; available: bn_resnet...
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ def _parser() -> argparse.ArgumentParser:
         "recipe", help="run a training recipe: tfmx recipe NAME [args...]",
         description="Run recipes.NAME's main with the remaining arguments.",
     )
-    recipe.add_argument("name", help="recipe name (see recipes/)")
+    recipe.add_argument("--list", action="store_true",
+                        help="list the recipes and what each shows, then exit")
+    recipe.add_argument("name", nargs="?", help="recipe name (tfmx recipe --list)")
     recipe.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the recipe")
 
     backends = sub.add_parser("backends", help="what each backend fuses")
@@ -157,21 +160,55 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recipe(args: argparse.Namespace) -> int:
-    """Run ``python -m recipes.<name>`` in a process of its own: the library never imports
-    its recipes (it only finds where they are)."""
+def recipe_summaries() -> dict[str, str]:
+    """Each runnable recipe (a module of the ``recipes`` package beside tfmx, not starting with
+    ``_``, defining ``main``) -> the first line of its module docstring. Read from the files
+    with ``ast``: the library never imports its recipes.
+
+    >>> summaries = recipe_summaries()
+    >>> "small_cnn" in summaries and summaries["small_cnn"] != ""
+    True
+    """
+    import ast
     import pkgutil
-    import subprocess
 
     spec = importlib.util.find_spec("recipes")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("tfmx recipe: the recipes package is not installed beside tfmx "
                          "(pip install -e . from the project's checkout)")
-    names = sorted(m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)
-                   if not m.name.startswith("_"))
-    if args.name not in names:
+    found: dict[str, str] = {}
+    for info in pkgutil.iter_modules(spec.submodule_search_locations):
+        if info.name.startswith("_") or info.ispkg:
+            continue
+        path = os.path.join(info.module_finder.path, f"{info.name}.py")  # type: ignore[union-attr]
+        try:
+            tree = ast.parse(open(path, encoding="utf-8").read())
+        except (OSError, SyntaxError):
+            continue
+        if not any(isinstance(node, ast.FunctionDef) and node.name == "main"
+                   for node in tree.body):
+            continue
+        doc = (ast.get_docstring(tree) or "").strip()
+        found[info.name] = doc.splitlines()[0] if doc else ""
+    return dict(sorted(found.items()))
+
+
+def _recipe(args: argparse.Namespace) -> int:
+    """Run ``python -m recipes.<name>`` in a process of its own: the library never imports
+    its recipes (it only finds where they are and reads their docstrings)."""
+    import subprocess
+
+    summaries = recipe_summaries()
+    if args.list or not args.name:
+        if not args.list:
+            print("tfmx recipe NAME [args...]: one of", file=sys.stderr)
+        width = max((len(n) for n in summaries), default=0)
+        for name, summary in summaries.items():
+            print(f"{name:<{width}}  {summary}")
+        return 0 if args.list else 2
+    if args.name not in summaries:
         raise SystemExit(f"tfmx recipe: unknown recipe {args.name!r}; available: "
-                         f"{', '.join(names) or '(none)'}")
+                         f"{', '.join(summaries) or '(none)'}")
     return subprocess.call([sys.executable, "-m", f"recipes.{args.name}", *args.args])
 
 

@@ -1,0 +1,206 @@
+"""The tour: the recipes where tfmx shows its worth on a CPU, one table and one picture.
+
+Runs each recipe of :data:`TOUR` in a process of its own (``python -m recipes.NAME --out
+DIR/NAME``, its output kept in ``DIR/NAME.log``), each training stock, tfmx and the stock'
+chaos baseline from the same weights; then prints one table (workload, data, step time stock
+and tfmx interleaved, the ratio, the final held-out metric of each run, and the difference
+against stock's own rounding noise) and writes ``DIR/tour.png`` and ``DIR/tour.json``.
+
+Run it::
+
+    python -m pip install -e ".[recipes]" && python -m recipes.tour   # a few minutes
+    python -m recipes.tour --quick                                     # about a minute
+    python -m recipes.tour --only custom_loop bn_resnet --out /tmp/tour
+
+Example:
+    >>> [name for name, _, _ in TOUR][:2]
+    ['custom_loop', 'bn_resnet']
+    >>> print(format_table([]).splitlines()[0][:28])
+    | workload | data | stock ms
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+#: (recipe, its arguments in the tour, its arguments in the quick tour).
+TOUR: list[tuple[str, list[str], list[str]]] = [
+    ("custom_loop", ["--epochs", "20"], ["--quick", "--epochs", "3", "--depth", "31",
+                                         "--samples", "1400", "--rounds", "5"]),
+    ("bn_resnet", ["--epochs", "6", "--samples", "1500"], ["--quick", "--rounds", "3"]),
+    ("recurrent", ["--epochs", "4", "--samples", "3000"], []),
+    ("transformer", ["--epochs", "4", "--samples", "2000"], ["--quick", "--rounds", "3"]),
+    ("mixed_precision", ["--epochs", "8"], []),
+]
+
+
+def _parser() -> argparse.ArgumentParser:
+    from recipes._common import positive_int
+
+    p = argparse.ArgumentParser(prog="python -m recipes.tour", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true",
+                   help="the small tour: three recipes at --quick sizes (about a minute)")
+    p.add_argument("--only", nargs="+", metavar="RECIPE", choices=[t[0] for t in TOUR],
+                   help="run only these recipes of the tour")
+    p.add_argument("--seed", type=int, default=1234, help="passed to every recipe")
+    p.add_argument("--rounds", type=positive_int, default=None,
+                   help="interleaved timing rounds of every recipe (default: the recipe's)")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="output folder (default runs/tour-<timestamp>)")
+    return p
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def row(metrics: dict[str, Any]) -> dict[str, Any]:
+    """One table row from a recipe's ``metrics.json``."""
+    inter = metrics["timing"]["interleaved"]
+    comp = metrics["comparison"]
+    return {
+        "workload": metrics["recipe"],
+        "data": metrics["data"]["source"].split(" (")[0].split(":")[0],
+        "stock_ms": inter.get("stock", {}).get("median_ms"),
+        "tfmx_ms": inter.get("tfmx", {}).get("median_ms"),
+        "stock_iqr": [inter.get("stock", {}).get(k) for k in ("p25_ms", "p75_ms")],
+        "tfmx_iqr": [inter.get("tfmx", {}).get(k) for k in ("p25_ms", "p75_ms")],
+        "ratio": metrics["timing"]["ratio"],
+        "metric": comp["metric"],
+        "stock": comp["stock"], "tfmx": comp["tfmx"], "baseline": comp["baseline"],
+        "difference": comp["difference"], "noise": comp["noise"],
+        "within_noise": comp["within_noise"],
+        "policy": metrics["args"].get("policy"),
+    }
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The tour's markdown table."""
+    lines = ["| workload | data | stock ms | tfmx ms | tfmx / stock | held-out metric | stock "
+             "| tfmx | stock' | \\|stock - tfmx\\| | \\|stock - stock'\\| (noise) |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        name = r["workload"] + (f" ({r['policy']})" if r.get("policy") else "")
+        flag = "" if r["within_noise"] in (True, None) else " **outside noise**"
+        lines.append(f"| {name} | {r['data']} | {_fmt(r['stock_ms'])} | {_fmt(r['tfmx_ms'])} | "
+                     f"**{_fmt(r['ratio'], 3)}** | {r['metric'][4:]} | {_fmt(r['stock'], 4)} | "
+                     f"{_fmt(r['tfmx'], 4)} | {_fmt(r['baseline'], 4)} | "
+                     f"{_fmt(r['difference'], 4)}{flag} | {_fmt(r['noise'], 4)} |")
+    return "\n".join(lines)
+
+
+def plot(path: Path, rows: Sequence[dict[str, Any]], title: str) -> Path | None:
+    """Two panels: step time relative to stock (p25-p75 bars), and final held-out metric of
+    stock, tfmx and stock'. None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = [r["workload"] for r in rows]
+    xs = range(len(rows))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for offset, key, color, label in ((-0.2, "stock", "#1f77b4", "stock"),
+                                      (0.2, "tfmx", "#d62728", "tfmx")):
+        meds, errs = [], [[], []]
+        for r in rows:
+            base = r["stock_ms"] or 1.0
+            med = (r[f"{key}_ms"] or 0.0) / base
+            lo, hi = ((v or 0.0) / base for v in r[f"{key}_iqr"])
+            meds.append(med)
+            errs[0].append(max(med - lo, 0.0))
+            errs[1].append(max(hi - med, 0.0))
+        a.bar([x + offset for x in xs], meds, 0.4, yerr=errs, capsize=4, color=color,
+              label=label, alpha=0.85)
+        if key == "tfmx":
+            for x, m, r in zip(xs, meds, rows):
+                a.text(x + offset, m + 0.03, f"{m:.2f}\n{_fmt(r['tfmx_ms'], 1)} ms", ha="center",
+                       va="bottom", fontsize=8)
+    a.axhline(1.0, color="black", lw=0.8)
+    a.set_xticks(list(xs), names, rotation=15)
+    a.set_ylabel("step time / stock median (p25-p75)")
+    a.set_ylim(0, max(1.35, a.get_ylim()[1]))
+    a.set_title("training step time, interleaved (lower is faster)")
+    a.legend(loc="lower right", fontsize=8)
+    a.grid(axis="y", alpha=0.3)
+    for offset, key, color, label in ((-0.27, "stock", "#1f77b4", "stock"),
+                                      (0.0, "tfmx", "#d62728", "tfmx"),
+                                      (0.27, "baseline", "#7f7f7f", "stock' (1e-7 noise)")):
+        b.bar([x + offset for x in xs], [r[key] or 0.0 for r in rows], 0.27, color=color,
+              label=label, alpha=0.85)
+    b.set_xticks(list(xs), names, rotation=15)
+    b.set_ylabel("final held-out accuracy")
+    b.set_ylim(0, 1.1)
+    b.set_title("final held-out metric: tfmx against stock's rounding noise")
+    b.legend(loc="upper right", fontsize=8, ncol=3)
+    b.grid(axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the tour; print and return ``{"rows", "table", "png", "out"}``."""
+    args = _parser().parse_args(argv)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or os.path.join("runs", f"tour-{stamp}"))
+    out.mkdir(parents=True, exist_ok=True)
+    plan = [(n, q if args.quick else d) for n, d, q in TOUR
+            if (args.only and n in args.only) or (not args.only and (not args.quick or q))]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
+    rows, start = [], time.perf_counter()
+    print(f"tour: {', '.join(n for n, _ in plan)}; each recipe's output in {out}/<recipe>.log",
+          flush=True)
+    for name, extra in plan:
+        cmd = [sys.executable, "-m", f"recipes.{name}", "--out", str(out / name),
+               "--seed", str(args.seed), *extra]
+        if args.rounds:
+            cmd += ["--rounds", str(args.rounds)]
+        t0 = time.perf_counter()
+        print(f"  {name}: {' '.join(cmd[2:])} ...", end=" ", flush=True)
+        with open(out / f"{name}.log", "w") as log:
+            status = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        if status != 0:
+            print(f"FAILED (exit {status}; see {out / (name + '.log')})")
+            continue
+        r = row(json.loads((out / name / "metrics.json").read_text()))
+        rows.append(r)
+        print(f"{time.perf_counter() - t0:.0f} s, tfmx/stock {_fmt(r['ratio'], 3)}", flush=True)
+    table = format_table(rows)
+    from tfmx.bench import environment
+
+    e = environment()
+    machine = (f"{e['cpu']} (family {e['cpu_family']}, model {e['cpu_model']}), "
+               f"{e['cpu_count']} cores, oneDNN {'on' if e['onednn'] else 'off'}, "
+               f"TensorFlow {e['tensorflow']}, Keras {e['keras']}")
+    print(f"\n{machine}\n\n{table}")
+    noisy = [r["workload"] for r in rows if r["within_noise"] is False]
+    if noisy:
+        print(f"\nWARNING: the tfmx difference is outside stock's rounding noise for "
+              f"{', '.join(noisy)}: see that recipe's log")
+    png = plot(out / "tour.png", rows, f"python -m recipes.tour{' --quick' if args.quick else ''}"
+               f": {machine}")
+    print(f"\nwrote {out / 'tour.json'}" + (f", {png}" if png else
+                                           " (matplotlib is not installed: no PNG)")
+          + f" ({time.perf_counter() - start:.0f} s in all)")
+    result = {"rows": rows, "table": table, "machine": machine,
+              "png": str(png) if png else None, "out": str(out)}
+    (out / "tour.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
