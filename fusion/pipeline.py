@@ -175,6 +175,8 @@ def rewrite(
     new_bodies: dict[str, function_pb2.FunctionDef] = {}
     skipped: dict[str, str] = {}
     for name, fdef in library.items():
+        if compiled_by_xla(fdef):  # XLA fuses it; a fused kernel there has no XLA lowering
+            continue
         try:
             body = FunctionBody(fdef, library)
         except Exception as exc:  # noqa: BLE001 - a body we cannot read stays as it is
@@ -198,6 +200,18 @@ def rewrite(
     return RewriteResult(
         out, stats, time.perf_counter() - start, renames, skipped, dict(view.control_renames)
     )
+
+
+def compiled_by_xla(fdef: function_pb2.FunctionDef) -> bool:
+    """True for a function XLA must compile (``_XlaMustCompile``: a ``jit_compile=True``
+    region and its gradient), which the passes leave as it is.
+
+    >>> f = function_pb2.FunctionDef()
+    >>> f.attr["_XlaMustCompile"].b = True
+    >>> compiled_by_xla(f), compiled_by_xla(function_pb2.FunctionDef())
+    (True, False)
+    """
+    return "_XlaMustCompile" in fdef.attr and fdef.attr["_XlaMustCompile"].b
 
 
 def unused_function_name(base: str) -> str:

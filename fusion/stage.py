@@ -55,6 +55,7 @@ class StageContext:
     families: tuple[str, ...] | None = None
     record: Callable[[str, PatternStats], None] = lambda family, stats: None
     warn: Callable[[str, str], None] = lambda key, message: None
+    xla: bool = False  # a region may be compiled by XLA (cpu, cuda; never metal)
 
     def wants(self, family: str) -> bool:
         return self.families is None or family in self.families
@@ -177,6 +178,38 @@ def timed_form(forward: Callable[..., Any], shapes: list, dtype: Any, variables:
         return run
 
     return make
+
+
+XLA = "xla"  # the name of the XLA-compiled form of a region among a decision's candidates
+XLA_CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})  # how a region is called
+
+
+def xla_region(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as one function compiled by XLA (``jit_compile=True``; TensorFlow compiles its
+    gradient function too), traced with no stage active: XLA fuses the region itself, and
+    the GraphDef passes leave functions XLA must compile as they are.
+
+    >>> import tensorflow as tf
+    >>> region = xla_region(lambda x: tf.nn.relu(x) * 2.0)
+    >>> region(tf.constant([-1.0, 3.0])).numpy().tolist()
+    [0.0, 6.0]
+    """
+    import tensorflow as tf
+
+    def body(*args: Any) -> Any:
+        with tracing(None):
+            return fn(*args)
+
+    return tf.function(body, jit_compile=True, autograph=False)
+
+
+def with_xla(ctx: StageContext, candidates: dict, forward: Callable[..., Any], shapes: list,
+             dtype: Any, variables: Any = ()) -> dict:
+    """``candidates`` plus, where ``ctx`` allows XLA, the region ``forward`` compiled by XLA
+    (:func:`xla_region`), timed as the others (:func:`timed_form`)."""
+    if not ctx.xla:
+        return candidates
+    return {**candidates, XLA: timed_form(xla_region(forward), shapes, dtype, variables)}
 
 
 def _routed(stage: Stage, hook: Hook) -> Callable[[Any], Any]:

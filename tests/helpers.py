@@ -168,3 +168,21 @@ def needs_onednn(state: str):
         return skip(obj) if skip is not None else obj
 
     return apply
+
+
+def assert_models_within_rounding(stock, fused, initial, terms: int) -> None:
+    """Every weight of two models trained from the same ``initial`` weights (a list, in
+    ``weights`` order) within ``terms`` roundings. Each weight's scale is its own magnitude,
+    or the largest change of a weight of the same layer if larger: the key projection's bias
+    of an attention adds one constant per score row, which softmax cancels, so its gradient
+    is a sum of the layer's terms that is zero but for rounding, and its value is
+    rounding-sized while the roundings are the size of the layer's updates."""
+    import numpy as np
+
+    moved = {v.path: float(np.max(np.abs(v.numpy() - w0)))
+             for v, w0 in zip(stock.weights, initial)}
+    for a, b in zip(stock.weights, fused.weights):
+        layer = a.path.rsplit("/", 1)[0]
+        scale = max([float(np.max(np.abs(a.numpy())))]
+                    + [m for path, m in moved.items() if path.rsplit("/", 1)[0] == layer])
+        assert_within_rounding(b.numpy(), a.numpy(), terms, scale=scale, what=a.path)

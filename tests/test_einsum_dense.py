@@ -6,7 +6,12 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import TRANSCENDENTAL, assert_within_rounding, ops_that_ran
+from helpers import (
+    TRANSCENDENTAL,
+    assert_models_within_rounding,
+    assert_within_rounding,
+    ops_that_ran,
+)
 
 import tfmx
 from fusion.stages import einsum_dense as stage
@@ -129,16 +134,7 @@ def test_fit_matches_stock_with_fused_matmuls_in_the_graph_that_ran():
     # 6 steps: projections (D terms), attention (T, softmax), output projection, the
     # EinsumDense (D), pooling, the Dense; backward twice that
     step = 3 * (3 * D + 2 * T + TRANSCENDENTAL + 16 + T + 30)
-    moved = {v.path: float(np.max(np.abs(v.numpy() - w0)))
-             for v, w0 in zip(models[False].weights, initial)}
-    for a, b in zip(models[False].weights, models[True].weights):
-        # The key projection's bias adds one constant per score row, which softmax cancels: its
-        # gradient is a sum of the layer's terms that is zero but for rounding, so its scale is
-        # that of the updates of the layer's weights, not its own (rounding-sized) value.
-        layer = a.path.rsplit("/", 1)[0]
-        scale = max([float(np.max(np.abs(a.numpy())))]
-                    + [m for path, m in moved.items() if path.rsplit("/", 1)[0] == layer])
-        assert_within_rounding(b.numpy(), a.numpy(), 6 * step, scale=scale, what=a.path)
+    assert_models_within_rounding(models[False], models[True], initial, 6 * step)
 
 
 def test_metal_runs_the_matmul_form_without_tuning():

@@ -49,6 +49,7 @@ def context(opts: state.Options | None,
         families=opts.patterns,
         record=lambda family, stats: sink.append((family, stats)),
         warn=state.warn_once,
+        xla=opts.xla_allowed(),
     )
 
 

@@ -31,12 +31,15 @@ class Options:
     atol: float = 1e-5
     tune: str = "auto"  # tfmx.tuner.MODES
     guard: bool = True  # the whole-step guard (tfmx.guard)
-    xla: bool = True  # the guard also tries the XLA-compiled step (cpu, cuda)
+    xla: bool = True  # the guard tries the XLA-compiled step, stages XLA regions (cpu, cuda)
+
+    def xla_allowed(self) -> bool:
+        """XLA may compile steps and regions: asked for, and a backend Keras compiles for."""
+        return self.xla and self.backend.name in ("cpu", "cuda") and self.backend.available
 
     def guard_challengers(self) -> tuple[str, ...]:
         """The forms a whole-step guard tries against stock, in order."""
-        xla = self.xla and self.backend.name in ("cpu", "cuda") and self.backend.available
-        return ("fused", "xla") if xla else ("fused",)
+        return ("fused", "xla") if self.xla_allowed() else ("fused",)
 
 
 _lock = threading.Lock()

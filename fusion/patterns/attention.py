@@ -22,15 +22,16 @@ from __future__ import annotations
 
 from fusion.graph import GraphView
 from fusion.pattern import RewriteContext, register
-from fusion.stage import emitted_units
+from fusion.stage import XLA, XLA_CALLS, emitted_units
 from fusion.stages.attention import LABELS, SCOPE
 
 _MATMULS = frozenset({"BatchMatMulV2", "BatchMatMulV3"})
 
 
 def find_attention_units(view: GraphView) -> list[tuple[str, str]]:
-    """(scope, form) of every attention the stage emitted in ``view`` (with its MatMuls)."""
-    return emitted_units(view, SCOPE, dict.fromkeys(LABELS, _MATMULS))
+    """(scope, form) of every attention the stage emitted in ``view`` (with its MatMuls, or
+    the call of its XLA region)."""
+    return emitted_units(view, SCOPE, {**dict.fromkeys(LABELS, _MATMULS), XLA: XLA_CALLS})
 
 
 @register(

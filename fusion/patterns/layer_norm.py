@@ -23,17 +23,17 @@ from __future__ import annotations
 
 from fusion.graph import GraphView
 from fusion.pattern import RewriteContext, register
-from fusion.stage import emitted_units
-from fusion.stages.layer_norm import FORMS, RMS_FORMS, SCOPE
+from fusion.stage import XLA_CALLS, emitted_units
+from fusion.stages.layer_norm import LABELS, SCOPE
 
 _MARKS = {"fused": frozenset({"FusedBatchNormV3"}), "custom": frozenset({"Rsqrt"}),
-          "rms custom": frozenset({"Rsqrt"})}
-_LABELS = {form: label for form, (_, label) in {**FORMS, **RMS_FORMS}.items()}
+          "rms custom": frozenset({"Rsqrt"}), "xla": XLA_CALLS, "rms xla": XLA_CALLS}
 
 
 def find_layer_norm_units(view: GraphView) -> list[tuple[str, str]]:
     """(scope, form) of every layer or RMS norm the stage emitted in ``view`` whose form's op
-    is there (``FusedBatchNormV3`` for the fused form, the ``Rsqrt`` of the custom ones)."""
+    is there (``FusedBatchNormV3`` for the fused form, the ``Rsqrt`` of the custom ones, the
+    call of an XLA region)."""
     return emitted_units(view, SCOPE, _MARKS)
 
 
@@ -45,4 +45,4 @@ def find_layer_norm_units(view: GraphView) -> list[tuple[str, str]]:
 def layer_norm_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Observe the layer norms the stage rewrote in ``view``."""
     for _, form in find_layer_norm_units(view):
-        ctx.stats.observe(_LABELS[form])
+        ctx.stats.observe(LABELS[form])

@@ -12,6 +12,10 @@ fuse with the score scale where oneDNN is on, in one of two forms the tuner pick
 - ``bmm folded`` (float32 only): the scale folded into the query before the first MatMul (half
   the multiplications at T = S = 2H; one rounding moved).
 
+Where XLA may run (cpu, cuda) and the layer has no dropout, Keras's attention compiled by XLA as
+one region (``fusion.stage.xla_region``: scores, mask, softmax and the weighted sum fused, its
+gradient compiled too) is one more candidate.
+
 A layer with dropout keeps Keras's other path (query scaled, ``_masked_softmax``, its dropout
 layer on the scores) with the Einsums replaced by the same MatMuls, so the dropout layer draws
 its random mask from the same seed stream at the same point: the streams stay the stock ones.
@@ -37,7 +41,16 @@ from typing import Any
 import tensorflow as tf
 
 from fusion.pattern import PatternStats
-from fusion.stage import Hook, Stage, StageContext, register_stage, timed_form
+from fusion.stage import (
+    XLA,
+    Hook,
+    Stage,
+    StageContext,
+    register_stage,
+    timed_form,
+    with_xla,
+    xla_region,
+)
 
 FAMILY = "attention"
 SCOPE = "tfmx_attention"
@@ -46,6 +59,8 @@ LABELS = {
     "bmm folded": "MultiHeadAttention: Transpose + BatchMatMulV2, scale folded into the query",
     "bmm dropout": "MultiHeadAttention (dropout): Transpose + BatchMatMulV2 in place of Einsum, "
                    "Keras's masked softmax and dropout layer",
+    "xla": "MultiHeadAttention: Keras's attention as one XLA-compiled region (forward and "
+           "gradient)",
 }
 
 
@@ -122,17 +137,33 @@ def _emit(form: str, layer: Any, query: Any, key: Any, value: Any, mask: Any, tr
                      layer._inverse_sqrt_key_dim, folded=form == "bmm folded")  # noqa: SLF001
 
 
-def _candidates(layer: Any, original: Callable, shapes: list, dtype: tf.DType, causal: bool,
-                forms: list[str]) -> dict:
-    """Keras's attention and ``forms``, forward + backward at the call's shapes (no mask)."""
+def _candidates(ctx: StageContext, layer: Any, original: Callable, shapes: list,
+                dtype: tf.DType, causal: bool, forms: list[str]) -> dict:
+    """Keras's attention and ``forms``, forward + backward at the call's shapes (no mask);
+    without dropout (whose random stream XLA would not reproduce), Keras's attention compiled
+    by XLA as one region where XLA may run."""
 
     def forward(form: str | None) -> Callable[..., Any]:
         if form is None:
             return lambda q, k, v: original(layer, q, k, v, None, True, False, causal)[0]
         return lambda q, k, v: _emit(form, layer, q, k, v, None, True, causal)
 
-    return {name: timed_form(forward(form), shapes, dtype)
-            for name, form in (("einsum", None), *((f, f) for f in forms))}
+    timed = {name: timed_form(forward(form), shapes, dtype)
+             for name, form in (("einsum", None), *((f, f) for f in forms))}
+    if "bmm dropout" in forms:
+        return timed
+    return with_xla(ctx, timed, forward(None), shapes, dtype)
+
+
+def _xla(layer: Any, original: Callable, query: Any, key: Any, value: Any, mask: Any,
+         training: Any, causal: bool) -> tf.Tensor:
+    """Keras's attention (no dropout) as one XLA-compiled region."""
+
+    def region(q: Any, k: Any, v: Any, *m: Any) -> Any:
+        return original(layer, q, k, v, m[0] if m else None, training, False, causal)[0]
+
+    masks = () if mask is None else (mask,)
+    return xla_region(region)(query, key, value, *masks)
 
 
 def fused_attention(ctx: StageContext, original: Callable, layer: Any, query: Any, key: Any,
@@ -158,7 +189,8 @@ def fused_attention(ctx: StageContext, original: Callable, layer: Any, query: An
                      f"{query.dtype.name} causal={bool(use_causal_mask)} "
                      f"dropout={layer._dropout > 0.0}")  # noqa: SLF001
         form = ctx.chooser.choose(FAMILY, signature, _candidates(
-            layer, original, shapes, query.dtype, bool(use_causal_mask), forms), "einsum").choice
+            ctx, layer, original, shapes, query.dtype, bool(use_causal_mask), forms),
+            "einsum").choice
         if form == "einsum":
             form, why = None, f"{signature}: Keras's Einsums kept: measured faster"
     if form is None:
@@ -166,8 +198,12 @@ def fused_attention(ctx: StageContext, original: Callable, layer: Any, query: An
         ctx.record(FAMILY, stats)
         return keras()
     with tf.name_scope(f"{SCOPE}_{form.replace(' ', '_')}"):
-        out = _emit(form, layer, query, key, value, attention_mask, training,
-                    bool(use_causal_mask))
+        if form == XLA:
+            out = _xla(layer, original, query, key, value, attention_mask, training,
+                       bool(use_causal_mask))
+        else:
+            out = _emit(form, layer, query, key, value, attention_mask, training,
+                        bool(use_causal_mask))
     stats.fuse(LABELS[form])
     ctx.record(FAMILY, stats)
     return out, None

@@ -20,9 +20,11 @@ are not the trailing ones, float64, a backend without ``FusedBatchNormV3`` in NC
 the backend's kernel refuses.
 
 Keras's ``RMSNormalization`` (``x * rsqrt(mean(x^2) + epsilon) * scale``) has no kernel on any
-backend (batch norm subtracts a mean); its one form besides the composite is
+backend (batch norm subtracts a mean); its form besides the composite is
 :func:`rms_norm_custom`, the composite forward with a closed-form gradient, again chosen per
-call by the tuner.
+call by the tuner. Where XLA may run (cpu, cuda, ``tfmx.enable(xla=True)``), either layer's
+composite compiled by XLA as one region (``fusion.stage.xla_region``, its gradient compiled
+too) is one more candidate.
 
 Example:
     >>> import keras, numpy as np, tensorflow as tf
@@ -43,7 +45,16 @@ from typing import Any
 import tensorflow as tf
 
 from fusion.pattern import PatternStats
-from fusion.stage import Hook, Stage, StageContext, register_stage, timed_form
+from fusion.stage import (
+    XLA,
+    Hook,
+    Stage,
+    StageContext,
+    register_stage,
+    timed_form,
+    with_xla,
+    xla_region,
+)
 
 FAMILY = "layer_norm"
 SCOPE = "tfmx_layer_norm"
@@ -205,53 +216,72 @@ def fused_blocker(layer: Any, target: Any) -> str | None:
                           float(layer.epsilon))
 
 
-def _candidates(layer: Any, original: Callable, inputs: Any, first: int,
-                forms: list[str]) -> dict:
-    """Keras's composite and ``forms``, forward + backward at the call's shapes."""
+XLA_LABELS = {"xla": "LayerNormalization: one XLA-compiled region (forward and gradient)",
+              "rms xla": "RMSNormalization: one XLA-compiled region (forward and gradient)"}
+LABELS = {**{f: label for f, (_, label) in FORMS.items()},
+          **{f: label for f, (_, label) in RMS_FORMS.items()}, **XLA_LABELS}
+"""Every form's report label, by its name in the stage's scopes (``tfmx_layer_norm_<form>``)."""
 
-    def forward(form: str | None) -> Callable[[Any], Any]:
-        if form is None:
-            return lambda x: original(layer, x)
-        return lambda x: FORMS[form][0](x, _value(layer.gamma), _value(layer.beta), first,
-                                        layer.epsilon)
 
-    return {name: timed_form(forward(form), [inputs.shape], inputs.dtype,
-                             layer.trainable_variables)
-            for name, form in (("composite", None), *((f, f) for f in forms))}
+def _rewrite(ctx: StageContext, original: Callable, layer: Any, inputs: tf.Tensor,
+             first: int | None, why: str | None, forms: dict[str, Callable], prefix: str,
+             signature: str) -> Any:
+    """The one flow of both hooks: ``forms`` (name -> ``emit(x)``, the first the form taken
+    without a tuner) against Keras's composite and, where XLA may run, the composite compiled
+    as one region; the tuner's pick emitted under ``tfmx_layer_norm_<prefix><form>``, or
+    Keras's composite with the reason recorded."""
+    stats = PatternStats(matched=1)
+    what = signature.split(" ", 1)[0]
+    form = next(iter(forms)) if first is not None else None
+
+    def keras_form(x: Any) -> Any:
+        return original(layer, x)
+
+    if form is not None and ctx.chooser is not None:
+        timed = {name: timed_form(f, [inputs.shape], inputs.dtype, layer.trainable_variables)
+                 for name, f in {"composite": keras_form, **forms}.items()}
+        timed = with_xla(ctx, timed, keras_form, [inputs.shape], inputs.dtype,
+                         layer.trainable_variables)
+        form = ctx.chooser.choose(FAMILY, signature, timed, "composite").choice
+        if form == "composite":
+            form, why = None, f"{signature}: Keras's composite kept: measured faster"
+    if form is None:
+        stats.decline(f"{what}: {why}")
+        ctx.record(FAMILY, stats)
+        return original(layer, inputs)
+    emit = xla_region(keras_form) if form == XLA else forms[form]
+    with tf.name_scope(f"{SCOPE}_{(prefix + form).replace(' ', '_')}"):
+        out = emit(inputs)
+    stats.fuse(LABELS[prefix + form])
+    ctx.record(FAMILY, stats)
+    return out
 
 
 def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
                      *args: Any, **kwargs: Any) -> Any:
-    """``LayerNormalization.call`` while tfmx traces: the fused form where it is correct and
-    (by the tuner) faster, else Keras's composite with the reason recorded."""
+    """``LayerNormalization.call`` while tfmx traces: the fused, closed-form or XLA form
+    where it is correct and (by the tuner) faster, else Keras's composite with the reason
+    recorded."""
     if not tf.inside_function() or args or kwargs:
         return original(layer, inputs, *args, **kwargs)
-    stats = PatternStats(matched=1)
+    from fusion.fragment import shape_text
+
     inputs = tf.convert_to_tensor(inputs)
     first, why = find_layer_norm(layer, inputs, ctx.target)
-    kernel_why = fused_blocker(layer, ctx.target)
-    forms = ["custom"] if kernel_why else ["fused", "custom"]
-    form = forms[0]
-    if first is not None and ctx.chooser is not None:
-        from fusion.fragment import shape_text
+    names = ["custom"] if fused_blocker(layer, ctx.target) else ["fused", "custom"]
 
-        signature = (f"LayerNormalization input {shape_text(inputs.shape)} {inputs.dtype.name} "
-                     f"axes {first}: center={layer.center} scale={layer.scale}")
-        form = ctx.chooser.choose(FAMILY, signature, _candidates(
-            layer, original, inputs, first, forms), "composite").choice
-        if form == "composite":
-            first, why = None, f"{signature}: Keras's composite kept: measured faster"
-    if first is None:
-        stats.decline(f"LayerNormalization: {why}")
-        ctx.record(FAMILY, stats)
-        return original(layer, inputs)
-    function, label = FORMS[form]
-    with tf.name_scope(f"{SCOPE}_{form}"):
-        out = function(inputs, _value(layer.gamma), _value(layer.beta), first, layer.epsilon)
-    out = tf.cast(out, layer.compute_dtype)
-    stats.fuse(label)
-    ctx.record(FAMILY, stats)
-    return out
+    def emit(name: str) -> Callable[[Any], Any]:
+        def form(x: Any) -> Any:
+            out = FORMS[name][0](x, _value(layer.gamma), _value(layer.beta), first,
+                                 layer.epsilon)
+            return tf.cast(out, layer.compute_dtype)
+
+        return form
+
+    signature = (f"LayerNormalization input {shape_text(inputs.shape)} {inputs.dtype.name} "
+                 f"axes {first}: center={layer.center} scale={layer.scale}")
+    return _rewrite(ctx, original, layer, inputs, first, why, {n: emit(n) for n in names}, "",
+                    signature)
 
 
 def find_rms_norm(layer: Any, inputs: Any) -> tuple[int | None, str | None]:
@@ -271,37 +301,23 @@ def find_rms_norm(layer: Any, inputs: Any) -> tuple[int | None, str | None]:
 
 def fused_rms_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
                    *args: Any, **kwargs: Any) -> Any:
-    """``RMSNormalization.call`` while tfmx traces: the closed-form gradient where the tuner
-    measures it faster than Keras's composite, else the composite with the reason recorded."""
+    """``RMSNormalization.call`` while tfmx traces: the closed-form gradient or the XLA
+    region where the tuner measures it faster than Keras's composite, else the composite with
+    the reason recorded."""
     if not tf.inside_function() or args or kwargs:
         return original(layer, inputs, *args, **kwargs)
-    stats = PatternStats(matched=1)
+    from fusion.fragment import shape_text
+
     inputs = tf.convert_to_tensor(inputs)
     first, why = find_rms_norm(layer, inputs)
-    function, label = RMS_FORMS["rms custom"]
-    if first is not None and ctx.chooser is not None:
-        from fusion.fragment import shape_text
 
-        signature = (f"RMSNormalization input {shape_text(inputs.shape)} {inputs.dtype.name} "
-                     f"axes {first}")
-        candidates = {
-            "composite": timed_form(lambda x: original(layer, x), [inputs.shape], inputs.dtype,
-                                    layer.trainable_variables),
-            "rms custom": timed_form(lambda x: function(x, _value(layer.scale), first,
-                                                        layer.epsilon),
-                                     [inputs.shape], inputs.dtype, layer.trainable_variables),
-        }
-        if ctx.chooser.choose(FAMILY, signature, candidates, "composite").choice == "composite":
-            first, why = None, f"{signature}: Keras's composite kept: measured faster"
-    if first is None:
-        stats.decline(f"RMSNormalization: {why}")
-        ctx.record(FAMILY, stats)
-        return original(layer, inputs)
-    with tf.name_scope(f"{SCOPE}_rms_custom"):
-        out = function(inputs, _value(layer.scale), first, layer.epsilon)
-    stats.fuse(label)
-    ctx.record(FAMILY, stats)
-    return out
+    def custom(x: Any) -> Any:
+        return rms_norm_custom(x, _value(layer.scale), first, layer.epsilon)
+
+    signature = f"RMSNormalization input {shape_text(inputs.shape)} {inputs.dtype.name} " \
+                f"axes {first}"
+    return _rewrite(ctx, original, layer, inputs, first, why, {"custom": custom}, "rms ",
+                    signature)
 
 
 STAGE = register_stage(Stage(

@@ -1,0 +1,133 @@
+"""XLA-compiled regions as a tuner candidate: a layer norm, an RMS norm or an attention block
+compiled by XLA as one function (its gradient too), where the tuner measures it faster."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import TRANSCENDENTAL, assert_models_within_rounding
+
+import fusion
+import tfmx
+from fusion.stage import XLA
+from fusion.stages import attention, layer_norm
+
+
+class _PickXla:
+    """Takes the XLA region wherever it is a candidate, and records whether it was."""
+
+    def __init__(self) -> None:
+        self.offered: dict[str, bool] = {}
+
+    def choose(self, family, signature, candidates, conservative):
+        from fusion.pattern import RewriteAlways
+
+        self.offered[signature] = XLA in candidates
+        if XLA in candidates:
+            candidates = {XLA: None}
+        return RewriteAlways().choose(family, signature, candidates, conservative)
+
+
+def _xla_functions(fn) -> list:
+    """The functions XLA must compile in every graph Keras's step function traced."""
+    fn = getattr(fn, "__wrapped__", fn)
+    found = []
+    for target in [fn] + [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]:
+        for cf in getattr(target, "_list_all_concrete_functions", lambda: [])():
+            found += [f for f in cf.graph.as_graph_def().library.function
+                      if fusion.pipeline.compiled_by_xla(f)]
+    return found
+
+
+T, D = 6, 8
+
+
+def _model(kind: str, dropout: float = 0.0) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((T, D))
+    x = keras.layers.Dense(16)(inp)
+    if kind == "layer_norm":
+        x = keras.layers.LayerNormalization()(x)
+    elif kind == "rms_norm":
+        x = keras.layers.RMSNormalization()(x)
+    else:
+        x = keras.layers.Add()([x, keras.layers.MultiHeadAttention(2, 4, dropout=dropout)(
+            x, x, use_causal_mask=True)])
+    out = keras.layers.Dense(3, activation="softmax")(keras.layers.GlobalAveragePooling1D()(x))
+    model = keras.Model(inp, out)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss="sparse_categorical_crossentropy")
+    return model
+
+
+LABELS = {"layer_norm": layer_norm.LABELS["xla"], "rms_norm": layer_norm.LABELS["rms xla"],
+          "attention": attention.LABELS["xla"]}
+
+
+@pytest.mark.parametrize("kind", sorted(LABELS))
+def test_fit_with_an_xla_region_matches_stock(monkeypatch, kind):
+    from tfmx import state
+
+    chooser = _PickXla()
+    monkeypatch.setattr(state, "tuner", lambda: chooser)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((24, T, D)).astype("float32")
+    y = rng.integers(0, 3, 24)
+    family = "attention" if kind == "attention" else "layer_norm"
+    models = {}
+    initial = [v.numpy() for v in _model(kind).weights]
+    for on in (False, True):
+        tfmx.enable(backend="cpu", patterns=[family], guard=False) if on else tfmx.disable()
+        model = _model(kind)
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        models[on] = model
+    assert chooser.offered and all(chooser.offered.values())
+    # the region and its gradient, compiled by XLA, in the function that ran
+    assert len(_xla_functions(models[True].train_function)) >= 2
+    assert not _xla_functions(models[False].train_function)
+    stats = tfmx.report().patterns[family]
+    assert stats.fused == 1 and set(stats.fused_kinds) == {LABELS[kind]}, tfmx.report()
+    assert stats.observed[LABELS[kind]] >= 1
+    # XLA fuses and reorders the region's sums: 6 steps of the Dense (D terms), the region
+    # (its reductions over 16 values, softmax over T), pooling and the Dense; backward twice
+    step = 3 * (D + 2 * 16 + T + TRANSCENDENTAL + 16 + T + 20)
+    assert_models_within_rounding(models[False], models[True], initial, 6 * step)
+
+
+def test_no_xla_region_with_dropout_or_with_xla_off(monkeypatch):
+    """Dropout's random stream inside XLA is not the stock one; ``xla=False`` means none."""
+    from tfmx import state
+
+    chooser = _PickXla()
+    monkeypatch.setattr(state, "tuner", lambda: chooser)
+    x, y = np.zeros((8, T, D), "float32"), np.zeros(8, "int32")
+    tfmx.enable(backend="cpu", patterns=["attention"], guard=False)
+    _model("attention", dropout=0.5).fit(x, y, batch_size=8, epochs=1, verbose=0)
+    tfmx.enable(backend="cpu", patterns=["layer_norm"], guard=False, xla=False)
+    _model("layer_norm").fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert len(chooser.offered) == 2 and not any(chooser.offered.values()), chooser.offered
+
+
+def test_passes_leave_functions_xla_compiles_as_they_are():
+    """A fused kernel inside a jit_compile function would have no XLA lowering: the GraphDef
+    passes rewrite the step around the region, never inside it."""
+    w = tf.Variable(tf.random.normal([4, 4], seed=1))
+    b = tf.Variable(tf.zeros([4]))
+    region = tf.function(lambda x: tf.nn.relu(tf.nn.bias_add(tf.matmul(x, w), b)),
+                         jit_compile=True, autograph=False)
+
+    def step(x):
+        return tf.nn.relu(tf.nn.bias_add(tf.matmul(region(x), w), b))
+
+    tfmx.enable(backend="cpu", patterns=["contraction"], guard=False)
+    fn = tfmx.function(step)
+    x = tf.random.normal([3, 4], seed=2)
+    np.testing.assert_allclose(fn(x).numpy(), step(x).numpy(), rtol=1e-6)
+    (trace,) = tfmx.report().traces
+    assert any(n.op == "_FusedMatMul" for n in trace.graph_after.node)  # outside: fused
+    (compiled,) = [f for f in trace.graph_after.library.function
+                   if fusion.pipeline.compiled_by_xla(f)]
+    ops = {n.op for n in compiled.node_def}
+    assert "MatMul" in ops and "_FusedMatMul" not in ops
