@@ -247,6 +247,12 @@ def schedule(peak: float, total_steps: int) -> Any:
         0.0, decay_steps=max(total_steps - warmup, 1), warmup_target=peak, warmup_steps=warmup)
 
 
+def progress_verbosity(args: argparse.Namespace) -> int:
+    """Keras's ``verbose``: progress bars (1) on a terminal, one line per epoch (2) with
+    ``--quick`` or when the output goes to a file or pipe (bars would fill it with redraws)."""
+    return 2 if args.quick or not sys.stdout.isatty() else 1
+
+
 def default_compile(model: Any, args: argparse.Namespace, total_steps: int) -> Any:
     """Adam on :func:`schedule` (peak ``args.lr``), sparse categorical cross-entropy,
     accuracy."""
@@ -322,7 +328,7 @@ def fit_run(recipe: Recipe, args: argparse.Namespace, data: Dataset, run: str,
     start = time.perf_counter()
     history = model.fit(
         data.x_train, data.y_train, batch_size=args.batch_size, epochs=args.epochs,
-        validation_data=(data.x_val, data.y_val), verbose=2 if args.quick else 1,
+        validation_data=(data.x_val, data.y_val), verbose=progress_verbosity(args),
         callbacks=[_batch_timer(batch_ms), tensorboard_callback(args.out, run)],
     ).history
     seconds = time.perf_counter() - start
