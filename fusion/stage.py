@@ -65,7 +65,8 @@ class StageContext:
 class Hook:
     """One method a stage routes: ``owner`` names the class as ``"module:Class"`` (imported
     when the hook is installed), ``handler(ctx, original, instance, *args, **kwargs)`` runs in
-    its place inside a trace."""
+    its place inside a trace. ``owner`` may name a module instead (``"package:module"``): its
+    function ``attribute`` is routed, and the handler gets the function's arguments."""
 
     owner: str
     attribute: str

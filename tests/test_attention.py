@@ -132,3 +132,56 @@ def test_metal_plan_runs_attention_on_ops_the_plugin_has():
     unlisted = {op for op in emitted if op not in metal_kernels() and len(op) > 3}
     # TensorFlow's core registers ExpandDims (a shape op) for every device type
     assert unlisted <= {"Placeholder", "ExpandDims"}, unlisted
+
+
+class _SelfAttention(keras.layers.Layer):
+    """A user's layer calling keras.ops.dot_product_attention (grouped heads, a bias)."""
+
+    def __init__(self, causal: bool, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.causal = causal
+
+    def build(self, shape):
+        self.q = self.add_weight(shape=(D, 2 * HEADS * KEY_DIM), initializer="glorot_uniform")
+        self.kv = self.add_weight(shape=(D, 2 * HEADS * KEY_DIM), initializer="glorot_uniform")
+        self.bias = self.add_weight(shape=(1, 2 * HEADS, T, T), initializer="random_normal")
+
+    def call(self, x):
+        batch = keras.ops.shape(x)[0]
+        q = keras.ops.reshape(keras.ops.matmul(x, self.q), (batch, T, 2 * HEADS, KEY_DIM))
+        kv = keras.ops.reshape(keras.ops.matmul(x, self.kv), (batch, T, HEADS, 2 * KEY_DIM))
+        k, v = kv[..., :KEY_DIM], kv[..., KEY_DIM:]  # two query heads per key/value head
+        out = keras.ops.dot_product_attention(q, k, v, bias=self.bias, is_causal=self.causal)
+        return keras.ops.reshape(out, (batch, T, 2 * HEADS * KEY_DIM))
+
+
+@pytest.mark.parametrize("form", ["bmm", "bmm folded"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ops_dot_product_attention_matches_stock(monkeypatch, form, causal):
+    from tests.test_keras import ops_that_ran
+    from tfmx import state
+
+    monkeypatch.setattr(state, "tuner", lambda: _Pick(form))
+    x, y = _data()
+    models = {}
+    for on in (False, True):
+        tfmx.enable(backend="cpu", patterns=["attention"], guard=False) if on else \
+            tfmx.disable()
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((T, D))
+        h = _SelfAttention(causal)(inp)
+        out = keras.layers.Dense(3, activation="softmax")(
+            keras.layers.GlobalAveragePooling1D()(h))
+        model = keras.Model(inp, out)
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                      loss="sparse_categorical_crossentropy")
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        models[on] = model
+    assert "BatchMatMulV2" in ops_that_ran(models[True].train_function)
+    assert "Einsum" not in ops_that_ran(models[True].train_function)
+    label = stage.LABELS[f"sdpa {form}"]
+    stats = tfmx.report().patterns["attention"]
+    assert stats.fused == 1 and set(stats.fused_kinds) == {label}, tfmx.report()
+    assert stats.observed[label] >= 1
+    for a, b in zip(models[False].weights, models[True].weights):
+        assert_within_rounding(b.numpy(), a.numpy(), FIT, what=a.name)

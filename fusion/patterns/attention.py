@@ -31,7 +31,8 @@ _MATMULS = frozenset({"BatchMatMulV2", "BatchMatMulV3"})
 def find_attention_units(view: GraphView) -> list[tuple[str, str]]:
     """(scope, form) of every attention the stage emitted in ``view`` (with its MatMuls, or
     the call of its XLA region)."""
-    return emitted_units(view, SCOPE, {**dict.fromkeys(LABELS, _MATMULS), XLA: XLA_CALLS})
+    return emitted_units(view, SCOPE, {**dict.fromkeys(LABELS, _MATMULS), XLA: XLA_CALLS,
+                                          "sdpa xla": XLA_CALLS})
 
 
 @register(

@@ -16,6 +16,10 @@ Where XLA may run (cpu, cuda) and the layer has no dropout, Keras's attention co
 one region (``fusion.stage.xla_region``: scores, mask, softmax and the weighted sum fused, its
 gradient compiled too) is one more candidate.
 
+``keras.ops.dot_product_attention`` called by a layer of the user's own goes through the same
+forms (its TensorFlow core, ``_dot_product_attention_xla``, is routed: bias, mask, causal mask,
+grouped heads and a given scale as Keras computes them; report labels ``dot_product_attention``).
+
 A layer with dropout keeps Keras's other path (query scaled, ``_masked_softmax``, its dropout
 layer on the scores) with the Einsums replaced by the same MatMuls, so the dropout layer draws
 its random mask from the same seed stream at the same point: the streams stay the stock ones.
@@ -61,6 +65,10 @@ LABELS = {
                    "Keras's masked softmax and dropout layer",
     "xla": "MultiHeadAttention: Keras's attention as one XLA-compiled region (forward and "
            "gradient)",
+    "sdpa bmm": "dot_product_attention: Transpose + BatchMatMulV2 in place of Einsum",
+    "sdpa bmm folded": "dot_product_attention: Transpose + BatchMatMulV2, scale folded into the "
+                       "query",
+    "sdpa xla": "dot_product_attention: one XLA-compiled region (forward and gradient)",
 }
 
 
@@ -69,10 +77,10 @@ def _heads_first(x: tf.Tensor) -> tf.Tensor:
 
 
 def attention(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: Any, causal: bool,
-              scale: float, folded: bool = False) -> tf.Tensor:
+              scale: Any, folded: bool = False, bias: Any = None) -> tf.Tensor:
     """Keras's ``dot_product_attention`` of ``[B, T, N, H]`` heads (mask ``[B, N, T, S]``
-    broadcastable, or None), as batched MatMuls; ``folded`` scales the query instead of the
-    logits."""
+    broadcastable, or None; ``bias`` added to the scaled logits, or None), as batched MatMuls;
+    ``folded`` scales the query instead of the logits."""
     from keras.src.backend.tensorflow.nn import _apply_masks
 
     dtype = query.dtype
@@ -82,6 +90,8 @@ def attention(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: Any, cau
     logits = tf.cast(logits, tf.float32)  # Keras: logits in at least float32
     if not folded:
         logits = logits * tf.cast(scale, tf.float32)
+    if bias is not None:
+        logits = logits + tf.cast(bias, logits.dtype)
     probs = tf.cast(tf.nn.softmax(_apply_masks(logits, mask, causal), axis=-1), key.dtype)
     return _heads_first(tf.matmul(probs, _heads_first(value)))
 
@@ -209,10 +219,64 @@ def fused_attention(ctx: StageContext, original: Callable, layer: Any, query: An
     return out, None
 
 
+def fused_dot_product_attention(ctx: StageContext, original: Callable, query: Any, key: Any,
+                                value: Any, bias: Any, mask: Any, is_causal: bool,
+                                scale: Any) -> Any:
+    """``keras.ops.dot_product_attention``'s core on TensorFlow (``_dot_product_attention_xla``
+    of ``keras.src.backend.tensorflow.nn``, called with ``[B, T, N, H]`` heads of one dtype,
+    grouped heads already repeated, the scale resolved) while tfmx traces: the batched-MatMul
+    forms (or one XLA region) where the tuner measures them faster than its Einsums."""
+
+    def keras(*args: Any) -> Any:
+        q, k, v = args or (query, key, value)
+        return original(q, k, v, bias, mask, is_causal, scale)
+
+    if not tf.inside_function():
+        return keras()
+    stats = PatternStats(matched=1)
+    why = None if query.dtype.name in ("float32", "float16", "bfloat16") else \
+        f"compute dtype {query.dtype.name}"
+    forms = [] if why else (["bmm", "bmm folded"] if query.dtype == tf.float32 else ["bmm"])
+
+    def emit(form: str) -> Callable[..., Any]:
+        if form == XLA:
+            return xla_region(keras)
+        return lambda q, k, v: attention(q, k, v, mask, bool(is_causal), scale,
+                                         folded=form == "bmm folded", bias=bias)
+
+    form = forms[0] if forms else None
+    if form is not None and ctx.chooser is not None:
+        from fusion.fragment import shape_text
+
+        shapes = [t.shape for t in (query, key, value)]
+        signature = (f"dot_product_attention q {shape_text(query.shape)} kv "
+                     f"{shape_text(key.shape)} {query.dtype.name} causal={bool(is_causal)} "
+                     f"bias={bias is not None} mask={mask is not None}")
+        timed = {"einsum": timed_form(keras, shapes, query.dtype),
+                 **{f: timed_form(emit(f), shapes, query.dtype) for f in forms}}
+        timed = with_xla(ctx, timed, keras, shapes, query.dtype)
+        form = ctx.chooser.choose(FAMILY, signature, timed, "einsum").choice
+        if form == "einsum":
+            form, why = None, f"{signature}: Keras's Einsums kept: measured faster"
+    if form is None:
+        stats.decline(f"dot_product_attention: {why}")
+        ctx.record(FAMILY, stats)
+        return keras()
+    with tf.name_scope(f"{SCOPE}_sdpa_{form.replace(' ', '_')}"):
+        out = emit(form)(query, key, value)
+    stats.fuse(LABELS[f"sdpa {form}"])
+    ctx.record(FAMILY, stats)
+    return out
+
+
 STAGE = register_stage(Stage(
     FAMILY,
-    "Keras MultiHeadAttention's dot-product attention -> Transpose + BatchMatMulV2 (scale "
-    "folded where measured faster), Keras's masks, softmax and dropout stream unchanged",
+    "Keras MultiHeadAttention's dot-product attention and keras.ops.dot_product_attention -> "
+    "Transpose + BatchMatMulV2 (scale folded, or one XLA region, where measured faster), "
+    "Keras's masks, softmax and dropout stream unchanged",
     (Hook("keras.src.layers.attention.multi_head_attention:MultiHeadAttention",
-          "_compute_attention", fused_attention),),
+          "_compute_attention", fused_attention),
+     # keras.ops.dot_product_attention's TensorFlow core, a module function
+     Hook("keras.src.backend.tensorflow:nn", "_dot_product_attention_xla",
+          fused_dot_product_attention)),
 ))
