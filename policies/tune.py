@@ -15,10 +15,13 @@ its 16-bit output with the float32 one, and keep 16 bit only where it is faster 
 Each layer's two variants are timed interleaved by ``tfmx.tuner`` (medians; the machine may be
 shared and noisy), which caches the times per machine: the next process, and ``"auto"`` at the
 next compile, reuse them (``TFMX_TUNE=off`` measures nothing and keeps float32). Then the
-whole model's forward + gradient is timed with the
-per-layer choice against all-float32 (``check_model``): if the choice is not faster as a whole
-(a layer alone can be faster in 16 bit while the casts and the rest of the step eat the gain),
-every layer goes back to float32. Timing is injectable (``timer=``, called with the model and
+whole model's forward + gradient is timed (``check_model``) in float32, with the per-layer
+choice, and with every layer whose 16-bit output is accurate in 16 bit (the block candidate:
+a layer timed alone pays the casts at its borders, which a run of 16-bit layers does not, so
+16 bit can pay for a block where it pays for no layer alone). The fastest of the 16-bit
+assignments is kept if it beats float32 by ``margin``; otherwise every layer goes back to
+float32 (a layer alone can be faster in 16 bit while the casts and the rest of the step eat
+the gain). Timing is injectable (``timer=``, called with the model and
 "float32" / "tuned" for that check) so the choice can be tested with made-up numbers.
 
 Example:
@@ -29,7 +32,8 @@ Example:
     ...                           keras.layers.Dense(2, name="out")], name="seq")
     >>> fake = {("a", "float32"): 2.0, ("a", "mixed_bfloat16"): 1.0,
     ...         ("b", "float32"): 1.0, ("b", "mixed_bfloat16"): 3.0,
-    ...         ("seq", "float32"): 4.0, ("seq", "tuned"): 3.0}  # the whole-model check
+    ...         ("seq", "float32"): 4.0, ("seq", "tuned"): 3.0,  # the whole-model check
+    ...         ("seq", "broad"): 3.5}
     >>> result = tune(model, np.ones((4, 8), "float32"), policy="mixed_bfloat16",
     ...               timer=lambda layer, policy, run: fake[(layer.name, policy)])
     >>> result.chosen()
@@ -96,6 +100,8 @@ class TuneResult:
     applied: bool
     model_float32_ms: float | None = None  # whole-model check: all float32
     model_tuned_ms: float | None = None  # whole-model check: the per-layer choice
+    model_broad_ms: float | None = None  # whole-model check: every accurate layer in 16 bit
+    model_choice: str | None = None  # "float32", "tuned" or "broad": what the check kept
 
     def chosen(self) -> dict[str, str]:
         """layer name -> policy name."""
@@ -107,7 +113,8 @@ class TuneResult:
     def to_dict(self) -> dict:
         return {"policy": self.policy, "tolerance": self.tolerance, "margin": self.margin,
                 "applied": self.applied, "model_float32_ms": self.model_float32_ms,
-                "model_tuned_ms": self.model_tuned_ms,
+                "model_tuned_ms": self.model_tuned_ms, "model_broad_ms": self.model_broad_ms,
+                "model_choice": self.model_choice,
                 "layers": [c.as_dict() for c in self.layers]}
 
     def __str__(self) -> str:
@@ -121,10 +128,15 @@ class TuneResult:
         lines = [f"policies.tune: {self.policy} vs float32 (tolerance {self.tolerance:g}, "
                  f"margin {self.margin:.0%}); {len(self.low_precision_layers())}/"
                  f"{len(self.layers)} layers in 16 bit"]
-        if self.model_float32_ms is not None and self.model_tuned_ms is not None:
-            lines.append(f"whole model, forward + gradient: float32 {self.model_float32_ms:.3f} "
-                         f"ms, per-layer choice {self.model_tuned_ms:.3f} ms "
-                         f"({self.model_tuned_ms / self.model_float32_ms:.2f}x)")
+        if self.model_float32_ms is not None:
+            parts = [f"float32 {self.model_float32_ms:.3f} ms"]
+            for label, value in (("per-layer choice", self.model_tuned_ms),
+                                 ("every accurate layer in 16 bit", self.model_broad_ms)):
+                if value is not None:
+                    parts.append(f"{label} {value:.3f} ms "
+                                 f"({value / self.model_float32_ms:.2f}x)")
+            lines.append(f"whole model, forward + gradient: {', '.join(parts)}; kept: "
+                         f"{self.model_choice}")
         lines.append("")
         for r in [head, *rows]:
             lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
@@ -517,9 +529,10 @@ def _tune(model: Any, x: Any, top: list[Any], candidates: list[Any], policy: str
         decided[id(layer)] = chosen
         choices.append(LayerChoice(layer.name, cls, chosen, "tuned", why, t32, t16, error))
     result = TuneResult(policy, choices, tolerance, margin, applied=apply)
-    if check_model and any(is_16bit(c.policy) for c in choices if c.kind != "kept"):
-        _check_whole_model(model, top, decided, x, timer or default_timer, margin, rounds,
-                           result)
+    broad = _broad(top, choices, decided, policy, tolerance)
+    if check_model and any(is_16bit(p) for p in (*decided.values(), *broad.values())):
+        _check_whole_model(model, top, decided, broad, x, timer or default_timer, margin,
+                           rounds, result)
     if apply:
         by_name = {layer.name: layer for layer in top}
         for c in choices:
@@ -561,21 +574,62 @@ def _tuner_times(layer: Any, inputs: Any, policy: str, run32: Callable[[], Any],
     return dict(decision.times_ms), None
 
 
-def _check_whole_model(model: Any, top: list[Any], decided: dict[int, str], x: Any,
-                       timer: Timer, margin: float, rounds: int, result: TuneResult) -> None:
-    """Time the whole model with the choice against all-float32; fall back if not faster."""
+def _broad(top: list[Any], choices: list[LayerChoice], decided: dict[int, str], policy: str,
+           tolerance: float) -> dict[int, str]:
+    """The block-level candidate: every tuned layer whose 16-bit output is accurate in 16 bit
+    (whether or not it was faster alone: a layer timed alone pays the casts at its borders,
+    which a run of 16-bit layers does not), followers following, safety and kept layers as
+    decided."""
+    by_name = {c.layer: c for c in choices}
+    broad: dict[int, str] = {}
+    for layer in top:
+        c = by_name[layer.name]
+        if c.kind == "tuned" and c.error is not None and c.error <= tolerance \
+                and c.float32_ms is not None:
+            broad[id(layer)] = policy
+        elif c.kind == "follower":
+            feeders = [broad.get(id(p), "float32") for p in producers(layer)]
+            broad[id(layer)] = policy if feeders and all(is_16bit(p) for p in feeders) \
+                else "float32"
+        else:
+            broad[id(layer)] = decided[id(layer)]
+    return broad
+
+
+def _check_whole_model(model: Any, top: list[Any], decided: dict[int, str],
+                       broad: dict[int, str], x: Any, timer: Timer, margin: float, rounds: int,
+                       result: TuneResult) -> None:
+    """Time the whole model (forward + gradient) in float32, with the per-layer choice and
+    with every accurate layer in 16 bit (``broad``); keep the fastest of the 16-bit ones if
+    it beats float32 by ``margin``, else float32 everywhere."""
     all32 = {key: "float32" for key in decided}
-    runs = {"float32": _model_runner(model, top, all32, x),
-            "tuned": _model_runner(model, top, decided, x)}
+    runs = {"float32": _model_runner(model, top, all32, x)}
+    if any(is_16bit(p) for p in decided.values()):
+        runs["tuned"] = _model_runner(model, top, decided, x)
+    if broad != decided and any(is_16bit(p) for p in broad.values()):
+        runs["broad"] = _model_runner(model, top, broad, x)
     times = _interleaved(timer, model, runs, rounds)
-    result.model_float32_ms, result.model_tuned_ms = times["float32"], times["tuned"]
-    ratio = times["tuned"] / times["float32"]
-    if ratio < 1.0 - margin:
+    result.model_float32_ms = times["float32"]
+    result.model_tuned_ms, result.model_broad_ms = times.get("tuned"), times.get("broad")
+    best = min((k for k in runs if k != "float32"), key=lambda k: times[k])
+    ratio = times[best] / times["float32"]
+    if ratio >= 1.0 - margin:
+        result.model_choice = "float32"
+        for c in result.layers:
+            if c.kind != "kept" and is_16bit(c.policy):
+                c.policy = "float32"
+                c.reason += f"; but the whole model ran {ratio:.2f}x float32 with it: float32"
         return
+    result.model_choice = best
+    if best == "tuned":
+        return
+    by_id = {id(layer): layer.name for layer in top}
+    chosen = {by_id[k]: v for k, v in broad.items()}
     for c in result.layers:
-        if c.kind != "kept" and is_16bit(c.policy):
-            c.policy = "float32"
-            c.reason += f"; but the whole model ran {ratio:.2f}x float32 with it: float32"
+        if c.kind in ("tuned", "follower") and chosen[c.layer] != c.policy:
+            c.policy = chosen[c.layer]
+            c.reason += (f"; in 16 bit with the others: the whole model ran {ratio:.2f}x "
+                         "float32 so")
 
 
 def reset_step_functions(model: Any) -> None:

@@ -47,7 +47,9 @@ def injected(table):
 
 FAST_SLOW = {("fast", "float32"): 2e-3, ("fast", BF16): 1e-3,
              ("slow", "float32"): 1e-3, ("slow", BF16): 3e-3,
-             ("tunable", "float32"): 4e-3, ("tunable", "tuned"): 3e-3}  # whole-model check
+             # the whole-model check: float32, the per-layer choice, every accurate layer
+             ("tunable", "float32"): 4e-3, ("tunable", "tuned"): 3e-3,
+             ("tunable", "broad"): 3.5e-3}
 
 
 def test_tune_keeps_16bit_where_faster_and_float32_where_slower():
@@ -78,7 +80,8 @@ def test_tune_keeps_16bit_where_faster_and_float32_where_slower():
 
 def test_tune_margin_and_tolerance_keep_float32():
     model = model_for_tuning()
-    table = {**FAST_SLOW, ("fast", BF16): 1.98e-3}  # 1% faster: under the 5% margin
+    # 1% faster: under the margin; nor is the whole model with every layer in 16 bit faster
+    table = {**FAST_SLOW, ("fast", BF16): 1.98e-3, ("tunable", "broad"): 3.9e-3}
     result = policies.tune(model, policy=BF16, timer=injected(table)[0], apply=False)
     assert result.chosen()["fast"] == "float32" and "not faster" in result.layers[0].reason
     assert model.get_layer("fast").compute_dtype == "float32"  # apply=False
@@ -89,7 +92,8 @@ def test_tune_margin_and_tolerance_keep_float32():
 
 def test_tune_falls_back_to_float32_when_the_whole_model_is_not_faster():
     model = model_for_tuning()
-    table = {**FAST_SLOW, ("tunable", "tuned"): 3.9e-3}  # 0.975x: under the 10% margin
+    table = {**FAST_SLOW, ("tunable", "tuned"): 3.9e-3,  # 0.975x: under the 10% margin
+             ("tunable", "broad"): 3.95e-3}
     result = policies.tune(model, policy=BF16, timer=injected(table)[0])
     assert set(result.chosen().values()) == {"float32"}
     fast = next(c for c in result.layers if c.layer == "fast")
@@ -98,6 +102,25 @@ def test_tune_falls_back_to_float32_when_the_whole_model_is_not_faster():
     skipped = policies.tune(model, policy=BF16, timer=injected(table)[0], check_model=False,
                             apply=False)
     assert skipped.chosen()["fast"] == BF16 and skipped.model_tuned_ms is None
+
+
+def test_tune_keeps_16bit_as_a_block_where_no_layer_pays_alone():
+    """Alone, each layer pays the casts at its borders; a run of 16-bit layers does not: where
+    the whole model with every accurate layer in 16 bit beats float32 by the margin, it is
+    kept though no layer was faster alone."""
+    model = model_for_tuning()
+    table = {**FAST_SLOW, ("fast", BF16): 2.1e-3, ("tunable", "broad"): 3e-3}
+    result = policies.tune(model, policy=BF16, timer=injected(table)[0])
+    assert result.chosen() == {"fast": BF16, "act_after_fast": BF16, "slow": BF16,
+                               "act_after_slow": BF16, "out": "float32"}
+    assert result.model_choice == "broad" and result.model_tuned_ms is None
+    assert "whole model ran 0.75x float32" in result.layers[0].reason
+    assert model.get_layer("slow").compute_dtype == "bfloat16"
+    assert "every accurate layer in 16 bit 3.000 ms (0.75x); kept: broad" in str(result)
+    # a layer whose 16-bit output is not accurate stays float32 in the block too
+    strict = policies.tune(model_for_tuning(), policy=BF16, timer=injected(table)[0],
+                           tolerance=1e-9)
+    assert set(strict.chosen().values()) == {"float32"}
 
 
 def test_tune_with_real_timer_runs_and_decides_every_layer():
@@ -267,7 +290,8 @@ def test_tune_and_audit_take_layers_with_several_inputs_and_keyword_arguments():
     model = keras.Model(inp, out, name="encoder")
     table = {("proj", "float32"): 1e-3, ("proj", BF16): 2e-3,
              ("mha", "float32"): 3e-3, ("mha", BF16): 1e-3,
-             ("encoder", "float32"): 4e-3, ("encoder", "tuned"): 3e-3}
+             ("encoder", "float32"): 4e-3, ("encoder", "tuned"): 3e-3,
+             ("encoder", "broad"): 3.5e-3}
     result = policies.tune(model, policy=BF16, timer=injected(table)[0], apply=False)
     chosen = {c.layer: (c.policy, c.kind) for c in result.layers}
     assert chosen["mha"] == (BF16, "tuned"), result
