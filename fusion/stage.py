@@ -103,20 +103,46 @@ def stages() -> list[Stage]:
     return list(_STAGES.values())
 
 
+_GRAPH_CONTEXT = "_tfmx_stage_context"  # on the graph a tracing() block traces
+
+
 def active() -> StageContext | None:
-    """The context of the tfmx trace in progress on this thread, or None outside one."""
-    return getattr(_local, "context", None)
+    """The context of the tfmx trace in progress on this thread, or None outside one. A thread
+    that never entered :func:`tracing` (a ``MirroredStrategy`` replica thread, which traces
+    each replica's part of ``strategy.run`` into its caller's graph) sees the context of the
+    graph it traces into, or of the graphs that graph is traced in."""
+    ctx = getattr(_local, "context", _local)
+    if ctx is not _local:
+        return ctx
+    from tensorflow.python.framework import ops
+
+    graph = ops.get_default_graph()
+    while graph is not None:
+        if hasattr(graph, _GRAPH_CONTEXT):
+            return getattr(graph, _GRAPH_CONTEXT)
+        graph = getattr(graph, "outer_graph", None)
+    return None
 
 
 @contextlib.contextmanager
 def tracing(ctx: StageContext | None) -> Iterator[None]:
-    """Inside this block (on this thread), patched methods run their stage's handler."""
+    """Inside this block (on this thread, and on the replica threads of the graph it traces),
+    patched methods run their stage's handler."""
+    from tensorflow.python.framework import ops
+
     previous = active()
+    graph = ops.get_default_graph()
+    before = getattr(graph, _GRAPH_CONTEXT, _local)
     _local.context = ctx
+    setattr(graph, _GRAPH_CONTEXT, ctx)
     try:
         yield
     finally:
         _local.context = previous
+        if before is _local:
+            delattr(graph, _GRAPH_CONTEXT)
+        else:
+            setattr(graph, _GRAPH_CONTEXT, before)
 
 
 GRADIENT_SCOPES = ("gradient_tape/", "gradients/")
