@@ -28,8 +28,8 @@ Example:
     >>> args = p.parse_args(["--epochs", "3", "--tfmx-only", "--out", "/tmp/tfmx-demo"])
     >>> args.epochs, args.compare
     (3, False)
-    >>> within_noise(0.90, 0.91, 0.905, floor=0.001)
-    (False, 0.01, 0.005)
+    >>> within_noise(0.90, 0.93, 0.905, floor=0.001)
+    (False, 0.03, 0.005)
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ STOCK, TFMX, BASELINE = "stock", "tfmx", "stock'"
 PERTURBATION = 1e-7
 #: The top-level keys of every ``metrics.json``.
 METRICS_KEYS = ("recipe", "summary", "args", "data", "runs", "timing", "comparison",
-                "environment", "tfmx_report", "outputs")
+                "environment", "tfmx_report", "outputs", "seconds")
 
 
 @dataclasses.dataclass
@@ -565,6 +565,11 @@ def _print_comparison(result: dict[str, Any]) -> None:
     print(f"|stock - tfmx| = {comp['difference']:.4f}   |stock - stock'| = {comp['noise']:.4f}"
           f"   (stock' = stock from weights x (1 + {PERTURBATION:g} noise): float32 rounding "
           "alone)")
+    vl = comp["val_loss"]
+    if vl["noise"] is not None:
+        print(f"final val_loss: stock {vl['stock']:.6f}, tfmx {vl['tfmx']:.6f}, stock' "
+              f"{vl['baseline']:.6f}: |stock - tfmx| = {vl['difference']:.2e}, "
+              f"|stock - stock'| = {vl['noise']:.2e}")
     if comp["within_noise"]:
         print("the tfmx difference is within the noise of float32 rounding")
     else:
@@ -629,6 +634,15 @@ def run(recipe: Recipe, argv: Sequence[str] | None = None) -> dict[str, Any]:
             inside, _, noise = within_noise(comparison["stock"], comparison["tfmx"],
                                             comparison["baseline"], comparison["floor"])
             comparison["within_noise"], comparison["noise"] = inside, noise
+    losses = {r: runs[r]["epochs"][-1].get("val_loss") if runs[r]["epochs"] else None
+              for r in runs}
+    comparison["val_loss"] = {"stock": losses.get(STOCK), "tfmx": losses.get(TFMX),
+                              "baseline": losses.get(BASELINE), "difference": None,
+                              "noise": None}
+    if losses.get(STOCK) is not None and losses.get(TFMX) is not None:
+        comparison["val_loss"]["difference"] = abs(losses[TFMX] - losses[STOCK])
+        if losses.get(BASELINE) is not None:
+            comparison["val_loss"]["noise"] = abs(losses[BASELINE] - losses[STOCK])
     result: dict[str, Any] = {
         "recipe": recipe.name,
         "summary": recipe.summary,

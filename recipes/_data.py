@@ -16,8 +16,8 @@ Every fallback is printed (:func:`announce`), never silent. Each loader returns 
 
 Example:
     >>> text = stdlib_text(max_chars=2000)
-    >>> len(text) <= 2000 and "def " in text
-    True
+    >>> len(text)
+    2000
     >>> x, y = char_windows(encode(text), seq_len=16, samples=8, seed=0)
     >>> x.shape, y.shape, bool((x[:, 1:] == y[:, :-1]).all())
     ((8, 16), (8, 16), True)

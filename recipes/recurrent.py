@@ -70,7 +70,7 @@ RECIPE = Recipe(
     summary=(__doc__ or "").strip().splitlines()[0].rstrip("."),
     load=load,
     build=build,
-    defaults={"epochs": 6, "batch_size": 64, "samples": 8000, "lr": 3e-3, "cell": "gru",
+    defaults={"epochs": 6, "batch_size": 64, "samples": 8000, "lr": 1e-2, "cell": "gru",
               "seq_len": 50, "units": 128, "rounds": 8, "steps": 5},
     quick={"epochs": 1, "batch_size": 32, "samples": 256, "seq_len": 20, "units": 32,
            "rounds": 2, "steps": 2},

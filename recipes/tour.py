@@ -63,6 +63,10 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _sci(value: Any) -> str:
+    return "-" if value is None else f"{value:.1e}"
+
+
 def row(metrics: dict[str, Any]) -> dict[str, Any]:
     """One table row from a recipe's ``metrics.json``."""
     inter = metrics["timing"]["interleaved"]
@@ -79,6 +83,7 @@ def row(metrics: dict[str, Any]) -> dict[str, Any]:
         "stock": comp["stock"], "tfmx": comp["tfmx"], "baseline": comp["baseline"],
         "difference": comp["difference"], "noise": comp["noise"],
         "within_noise": comp["within_noise"],
+        "loss_difference": comp["val_loss"]["difference"], "loss_noise": comp["val_loss"]["noise"],
         "policy": metrics["args"].get("policy"),
     }
 
@@ -86,15 +91,17 @@ def row(metrics: dict[str, Any]) -> dict[str, Any]:
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """The tour's markdown table."""
     lines = ["| workload | data | stock ms | tfmx ms | tfmx / stock | held-out metric | stock "
-             "| tfmx | stock' | \\|stock - tfmx\\| | \\|stock - stock'\\| (noise) |",
-             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+             "| tfmx | stock' | \\|stock - tfmx\\| | \\|stock - stock'\\| (noise) "
+             "| val loss \\|stock - tfmx\\| | val loss noise |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         name = r["workload"] + (f" ({r['policy']})" if r.get("policy") else "")
         flag = "" if r["within_noise"] in (True, None) else " **outside noise**"
         lines.append(f"| {name} | {r['data']} | {_fmt(r['stock_ms'])} | {_fmt(r['tfmx_ms'])} | "
                      f"**{_fmt(r['ratio'], 3)}** | {r['metric'][4:]} | {_fmt(r['stock'], 4)} | "
                      f"{_fmt(r['tfmx'], 4)} | {_fmt(r['baseline'], 4)} | "
-                     f"{_fmt(r['difference'], 4)}{flag} | {_fmt(r['noise'], 4)} |")
+                     f"{_fmt(r['difference'], 4)}{flag} | {_fmt(r['noise'], 4)} | "
+                     f"{_sci(r.get('loss_difference'))} | {_sci(r.get('loss_noise'))} |")
     return "\n".join(lines)
 
 
@@ -124,9 +131,9 @@ def plot(path: Path, rows: Sequence[dict[str, Any]], title: str) -> Path | None:
         a.bar([x + offset for x in xs], meds, 0.4, yerr=errs, capsize=4, color=color,
               label=label, alpha=0.85)
         if key == "tfmx":
-            for x, m, r in zip(xs, meds, rows):
-                a.text(x + offset, m + 0.03, f"{m:.2f}\n{_fmt(r['tfmx_ms'], 1)} ms", ha="center",
-                       va="bottom", fontsize=8)
+            for x, m, top, r in zip(xs, meds, errs[1], rows):
+                a.text(x + offset, m + top + 0.02, f"{m:.2f}\n{_fmt(r['tfmx_ms'], 1)} ms",
+                       ha="center", va="bottom", fontsize=8)
     a.axhline(1.0, color="black", lw=0.8)
     a.set_xticks(list(xs), names, rotation=15)
     a.set_ylabel("step time / stock median (p25-p75)")
@@ -139,6 +146,9 @@ def plot(path: Path, rows: Sequence[dict[str, Any]], title: str) -> Path | None:
                                       (0.27, "baseline", "#7f7f7f", "stock' (1e-7 noise)")):
         b.bar([x + offset for x in xs], [r[key] or 0.0 for r in rows], 0.27, color=color,
               label=label, alpha=0.85)
+    for x, r in zip(xs, rows):
+        if r["tfmx"] is not None:
+            b.text(x, r["tfmx"] + 0.01, f"{r['tfmx']:.3f}", ha="center", va="bottom", fontsize=8)
     b.set_xticks(list(xs), names, rotation=15)
     b.set_ylabel("final held-out accuracy")
     b.set_ylim(0, 1.1)

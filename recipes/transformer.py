@@ -79,7 +79,7 @@ RECIPE = Recipe(
     summary=(__doc__ or "").strip().splitlines()[0].rstrip("."),
     load=load,
     build=build,
-    defaults={"epochs": 6, "batch_size": 32, "samples": 4000, "lr": 2e-3, "seq_len": 64,
+    defaults={"epochs": 6, "batch_size": 32, "samples": 4000, "lr": 5e-3, "seq_len": 64,
               "width": 128, "blocks": 2, "rounds": 8, "steps": 5},
     quick={"epochs": 1, "batch_size": 16, "samples": 256, "seq_len": 32, "width": 64,
            "blocks": 1, "rounds": 2, "steps": 2},
