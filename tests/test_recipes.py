@@ -320,3 +320,13 @@ def test_recipes_docstring_examples_run(name):
 def test_runs_folder_is_ignored_by_git():
     assert "/runs/" in (ROOT / ".gitignore").read_text().split()
     assert os.path.basename(_common.__file__).startswith("_")  # not listed as a recipe
+
+
+def test_tfmx_recipe_name_passes_its_arguments_to_the_recipe():
+    proc = subprocess.run([sys.executable, "-m", "tfmx", "recipe", "bn_resnet", "--help"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "python -m recipes.bn_resnet" in proc.stdout and "--bn-momentum" in proc.stdout
+    for flag in ("--epochs", "--batch-size", "--seed", "--policy", "--compare", "--tfmx-only",
+                 "--quick", "--out"):
+        assert flag in proc.stdout
