@@ -688,11 +688,3 @@ def _jsonable(value: Any) -> Any:
         return value.tolist()
     return str(value)
 
-
-def summary_line(path: str | Path) -> str:
-    """The first line of a Python file's module docstring (what ``tfmx recipe --list`` shows),
-    read with ``ast`` without importing the file."""
-    import ast
-
-    doc = ast.get_docstring(ast.parse(Path(path).read_text())) or ""
-    return doc.strip().splitlines()[0] if doc.strip() else ""
