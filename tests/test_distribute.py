@@ -1,7 +1,9 @@
-"""tfmx under tf.distribute (issue 16): MirroredStrategy on two logical CPUs.
+"""tfmx under tf.distribute (issue 16): MirroredStrategy on two logical CPUs, and
+MultiWorkerMirroredStrategy with two worker processes on loopback.
 
-Each case runs a script of tests/scripts/ in a subprocess, bounded by :data:`TIMEOUT`: logical
-devices must be configured before TensorFlow initialises its devices.
+Each case runs scripts of tests/scripts/ in subprocesses, each bounded by :data:`TIMEOUT` and
+killed in ``finally``: logical devices must be configured before TensorFlow initialises its
+devices, and each worker of a cluster is a process (``TF_CONFIG`` names its task).
 
 Parity, stock vs tfmx from the same initial weights. The runs differ only where tfmx computes
 something in another rounding order; per training step and per value these are (float32):
@@ -24,9 +26,14 @@ Conv2D+BatchNorm (27 terms and the scale's product) and the LayerNormalization (
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +44,7 @@ from parity import _one_minus_error
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
 TIMEOUT = 240  # seconds, per subprocess
+BOUND = 60  # seconds: a worker whose peer died must have failed by then
 
 LAYER_NORM_ROUNDINGS = (2 * 16 + 5) + (2 * 16 + 8 + 5)
 ADAM_ROUNDINGS = 19 + 3 + 4
@@ -111,7 +119,7 @@ def test_mirrored_two_replicas_fit_evaluate_predict_and_custom_loop_match_stock(
 
 
 def test_mirrored_synchronized_batch_norm_is_declined_and_tuner_measures_once(tmp_path):
-    env = dict(__import__("os").environ, TFMX_CACHE_DIR=str(tmp_path))  # measured afresh
+    env = dict(os.environ, TFMX_CACHE_DIR=str(tmp_path))  # measured afresh
     result = run_script("mirrored_model.py", "tuned", env=env)
     _check_mirrored(result)
     report = result["fused"]["report"]
@@ -123,5 +131,151 @@ def test_mirrored_synchronized_batch_norm_is_declined_and_tuner_measures_once(tm
     assert any(g["function"] == "step" for g in report["guards"]), report["guards"]
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([__file__, "-q"]))
+# -- MultiWorkerMirroredStrategy: two workers, each a process, on loopback --------------------
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` loopback ports free now (bound together, so distinct, then released)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+
+
+@contextlib.contextmanager
+def workers(tmp_path: Path, *args: str, count: int = 2) -> Iterator[list[subprocess.Popen]]:
+    """Start ``count`` workers of tests/scripts/multi_worker.py (``args``; worker i writes
+    its result to tmp_path/worker{i}.json, its output to worker{i}.out and .err), each with
+    its TF_CONFIG on loopback; killed on the way out."""
+    ports = free_ports(count)
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+    procs = []
+    try:
+        for index in range(count):
+            env = dict(os.environ, TF_CONFIG=json.dumps(
+                {"cluster": cluster, "task": {"type": "worker", "index": index}}))
+            with open(tmp_path / f"worker{index}.out", "w") as out, \
+                    open(tmp_path / f"worker{index}.err", "w") as err:
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(SCRIPTS / "multi_worker.py"), args[0],
+                     str(tmp_path / f"worker{index}.json"), *args[1:]],
+                    cwd=ROOT, env=env, stdout=out, stderr=err))
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def _stderr(tmp_path: Path, index: int) -> str:
+    return (tmp_path / f"worker{index}.err").read_text()[-4000:]
+
+
+def run_workers(tmp_path: Path, *args: str, count: int = 2) -> list[dict]:
+    """Run a cluster to the end (bounded by :data:`TIMEOUT`); each worker's result."""
+    deadline = time.monotonic() + TIMEOUT
+    with workers(tmp_path, *args, count=count) as procs:
+        for index, proc in enumerate(procs):
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"worker {index} still running after {TIMEOUT} s")
+            assert proc.returncode == 0, _stderr(tmp_path, index)
+    return [json.loads((tmp_path / f"worker{i}.json").read_text()) for i in range(count)]
+
+
+def test_multi_worker_custom_loop_and_fit_under_tfmx_match_stock(tmp_path):
+    results = run_workers(tmp_path, "train")
+    steps = 2 * 4
+    for result in results:
+        names, reference = result["names"], result["custom_stock"]["state"]
+        # the custom loop, stock (tf.function) and in tfmx.function
+        assert_states_within_rounding(names, reference, result["custom_fused"]["state"], steps)
+        assert_within_rounding(result["custom_fused"]["losses"],
+                               result["custom_stock"]["losses"], steps * PER_STEP)
+        assert "_FusedMatMul" in result["custom_fused"]["ops"]
+        assert "CollectiveReduceV2" in result["custom_fused"]["ops"]
+        # stock model.fit fails across workers (keras-team/keras#20585)...
+        error = result["fit_stock"].get("error", "")
+        assert "PerReplica" in error and "unsupported type" in error, error[:500]
+        # ... and works under tfmx, rewrites on or none: the custom loop's computation
+        for kind in ("fit_fused", "fit_no_rewrite"):
+            fit = result[kind]
+            assert "error" not in fit, fit.get("error")
+            assert_states_within_rounding(names, reference, fit["state"], steps)
+            assert "CollectiveReduceV2" in fit["ops"]["train"]
+            assert "CollectiveGatherV2" in fit["ops"]["predict"]  # predict gathers the workers'
+        fused = result["fit_fused"]
+        assert "_FusedMatMul" in fused["ops"]["train"]
+        assert "_FusedConv2D" in fused["ops"]["test"] and "_FusedConv2D" in fused["ops"]["predict"]
+        assert_within_rounding(fused["predict"], result["fit_no_rewrite"]["predict"],
+                               steps * PER_STEP + FORWARD, what="predict")
+        assert_within_rounding(fused["evaluate"], result["fit_no_rewrite"]["evaluate"],
+                               steps * PER_STEP + FORWARD, what="evaluate")
+        # no timing picks a form across workers: every decision the stock form, once each
+        decisions = fused["report"]["decisions"]
+        assert decisions and all("several workers" in d["source"] and d["choice"] in
+                                 ("composite", "keras") for d in decisions), decisions
+        keys = [(d["family"], d["signature"]) for d in decisions]
+        assert len(keys) == len(set(keys))
+    # the workers hold the same trained weights (BatchNormalization's moving statistics are
+    # each worker's own, from its own batches, in stock Keras too)
+    for a, b, name in zip(results[0]["fit_fused"]["state"], results[1]["fit_fused"]["state"],
+                          results[0]["names"]):
+        if "moving_" not in name:
+            assert np.array_equal(a, b), name
+
+
+def test_multi_worker_killed_worker_makes_the_other_fail_with_a_clear_error(tmp_path):
+    with workers(tmp_path, "fault") as procs:
+        survivor, victim = procs
+        deadline = time.monotonic() + TIMEOUT
+        while "step 5\n" not in (tmp_path / "worker0.out").read_text():  # the cluster trains
+            assert survivor.poll() is None and victim.poll() is None, _stderr(tmp_path, 0)
+            assert time.monotonic() < deadline, "the cluster did not train"
+            time.sleep(0.1)
+        victim.kill()
+        killed = time.monotonic()
+        try:
+            survivor.wait(timeout=BOUND)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the surviving worker still runs {BOUND} s after its peer was killed")
+        elapsed = time.monotonic() - killed
+    result = json.loads((tmp_path / "worker0.json").read_text())
+    error = result["error"]
+    assert elapsed < BOUND and result["steps"] >= 5
+    # the dead peer named: "task:1" stopped sending heartbeats (the coordination service), its
+    # connection was reset, or the collective timed out (CommunicationOptions' timeout)
+    assert error.startswith(("UnavailableError", "DeadlineExceededError", "AbortedError"))
+    assert "task:1" in error and "Collective ops is aborted" in error, error
+
+
+def test_multi_worker_checkpoint_restores_and_continues_the_loss_curve(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    full = run_workers(tmp_path / "a", "checkpoint", str(ckpt), "8", "0")  # steps 1-8
+    resumed = run_workers(tmp_path / "b", "checkpoint", str(ckpt), "4", "4")  # 5-8, restarted
+    for before, after in zip(full, resumed):
+        assert after["start"] == 4
+        # the same graphs from the same state on the same batches: the same numbers
+        assert after["losses"] == before["losses"][4:], (before["losses"], after["losses"])
+        assert "_FusedMatMul" in after["ops"]
+    assert full[0]["losses"][-1] < full[0]["losses"][0]  # it trains
+    # one process with two replicas (MirroredStrategy, no TF_CONFIG) restores the two
+    # workers' checkpoint and goes on: each replica's batch norm sees the half batch a worker
+    # saw, so the numbers are the same but for the all-reduce's rounding
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "multi_worker.py"), "checkpoint",
+         str(tmp_path / "one.json"), str(ckpt), "4", "4"],
+        cwd=ROOT, env={**{k: v for k, v in os.environ.items() if k != "TF_CONFIG"},
+                       "TFMX_TUNE": "off"},  # the stock forms, as the two workers ran
+        capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    one = json.loads((tmp_path / "one.json").read_text())
+    assert one["start"] == 4
+    assert_within_rounding(one["losses"], full[0]["losses"][4:], 4 * PER_STEP,
+                           what="losses of one process after restore")

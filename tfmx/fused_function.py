@@ -220,7 +220,7 @@ class FusedFunction:
                                 "disagreed with the stock step on its first call; it runs "
                                 "stock from now on")
             return out
-        if opts.guard and entry.changed and tf.executing_eagerly():
+        if opts.guard and entry.changed and tf.executing_eagerly() and not state.multi_worker():
             if entry.guard is None:  # called eagerly (a custom loop, predict): a trial
                 entry.guard = guard.make_guard(self.name, opts, entry.stock_ops,
                                                entry.signature, state.tuning_cache())

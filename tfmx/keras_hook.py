@@ -165,12 +165,70 @@ def _make_builder(kind: str, attr: str) -> Any:
     return wrap
 
 
+# -- model.fit under MultiWorkerMirroredStrategy (keras-team/keras#20585) ---------------------
+# Stock Keras 3 fails there twice, both in keras/src/backend/tensorflow/trainer.py, only when
+# the strategy spans several workers (``_collective_all_reduce_multi_worker``):
+# 1. ``_maybe_symbolic_build`` all-reduces the first batch, a nest of PerReplica values, with
+#    ``strategy.reduce("MEAN", batch, axis=None)``, eagerly, to get the shapes and dtypes the
+#    symbolic build needs. Across workers that path converts the whole nest to one tensor:
+#    "Attempt to convert a value (PerReplica:...) with an unsupported type". The build reads
+#    only shapes and dtypes, which a replica's own batch has (a mean over replicas keeps them).
+# 2. ``reduce_per_replica`` reduces the step's logs (scalars) with ``strategy.reduce("MEAN",
+#    v, axis=0)``: a reduction over dimension 0 of a scalar ("Invalid reduction dimension 0").
+#    The mean over replicas, which MirroredStrategy's path computes, is ``axis=None``.
+# While tfmx is enabled these two run as below across workers, and as Keras's elsewhere.
+
+
+def _multi_worker_strategy(strategy: Any) -> bool:
+    return bool(_trainer_module()._collective_all_reduce_multi_worker(strategy))
+
+
+def _first_replica(strategy: Any, batch: Any) -> Any:
+    """Each DistributedValues leaf of ``batch`` as its first local replica's tensor."""
+    import tensorflow as tf
+    from keras.src import tree
+
+    return tree.map_structure(
+        lambda v: (strategy.experimental_local_results(v)[0]
+                   if isinstance(v, tf.distribute.DistributedValues) else v), batch)
+
+
+def _symbolic_build_wrapper(original: Any) -> Any:
+    @functools.wraps(original)
+    def build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
+        strategy = self._distribute_strategy
+        if strategy is None or not _multi_worker_strategy(strategy):
+            return original(self, iterator=iterator, data_batch=data_batch)
+        if iterator is not None:
+            for _, _, it in iterator:
+                data_batch = _first_replica(strategy, next(it))  # no collective: shapes only
+                break
+        with strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+
+    return build
+
+
+def _reduce_wrapper(original: Any) -> Any:
+    @functools.wraps(original)
+    def reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
+        if reduction in ("auto", "mean") and _multi_worker_strategy(strategy):
+            from keras.src import tree
+
+            return tree.map_structure(lambda v: strategy.reduce("MEAN", v, axis=None), values)
+        return original(values, strategy, reduction)
+
+    return reduce_per_replica
+
+
 def install() -> None:
     """Patch Keras's TensorFlow trainer and the stages' layer methods once (idempotent)."""
     stage.install()
     trainer = _trainer_class()
     for kind, attr in _KINDS.items():
         patches.install(GROUP, trainer, f"make_{kind}_function", _make_builder(kind, attr))
+    patches.install(GROUP, trainer, "_maybe_symbolic_build", _symbolic_build_wrapper)
+    patches.install(GROUP, _trainer_module(), "reduce_per_replica", _reduce_wrapper)
 
 
 def uninstall() -> None:

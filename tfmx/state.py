@@ -74,16 +74,43 @@ def tuner() -> Any:
     opts = _options
     if opts is None:
         return None
-    key = (_generation, opts.backend.name)
+    several = multi_worker()
+    key = (_generation, opts.backend.name, several)
     found = _tuners.get(key)
     if found is None:
         from tfmx.tuner import Tuner, TuningCache
 
-        cache = None if opts.tune == "off" else TuningCache.for_backend(opts.backend.name)
-        found = Tuner(opts.tune, cache, on_decision=lambda d: _report.add_decision(d))
+        if several:  # every worker must trace the same step: no timing may pick its form
+            found = Tuner("off", None, on_decision=lambda d: _report.add_decision(d),
+                          off_reason=MULTI_WORKER)
+            _report.note(f"tuner: {MULTI_WORKER}")
+        else:
+            cache = None if opts.tune == "off" else TuningCache.for_backend(opts.backend.name)
+            found = Tuner(opts.tune, cache, on_decision=lambda d: _report.add_decision(d))
         _tuners.clear()
         _tuners[key] = found
     return found
+
+
+MULTI_WORKER = ("several workers: each decision takes the form stock TensorFlow runs, measured "
+                "nothing, and the whole-step guard is off (timings differ from worker to "
+                "worker, and the workers must run the same step)")
+
+
+def multi_worker() -> bool:
+    """True when this process runs collectives with other processes: a
+    ``MultiWorkerMirroredStrategy`` (or another cluster) with more than one task configured.
+
+    >>> multi_worker()
+    False
+    """
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    server_def = getattr(ctx, "_collective_ops_server_def", None) or ctx.get_server_def()
+    if server_def is None:
+        return False
+    return sum(len(job.tasks) for job in server_def.cluster.job) > 1
 
 
 def tuning_cache() -> Any:

@@ -305,12 +305,15 @@ class Tuner:
         timer: how candidates are timed (:func:`measure`; tests inject timings).
         budget: seconds this tuner may spend measuring (None: :func:`budget_seconds`).
         on_decision: called with every :class:`Decision` (the report records them).
+        off_reason: why mode ``"off"`` measures nothing, as decisions record it.
     """
 
     def __init__(self, mode: str | None = None, cache: TuningCache | None = None,
                  timer: Timer | None = None, budget: float | None = None,
-                 on_decision: Callable[[Decision], None] | None = None) -> None:
+                 on_decision: Callable[[Decision], None] | None = None,
+                 off_reason: str = "tune=off") -> None:
         self.mode = resolve_mode(mode)
+        self.off_reason = off_reason
         self.cache = cache
         self.timer = timer or measure
         self.budget = budget_seconds() if budget is None else budget
@@ -348,7 +351,7 @@ class Tuner:
                             f"conservative ({why})")
 
         if self.mode == "off":
-            return fallback("tune=off")
+            return fallback(self.off_reason)
         if self.cache is not None:
             cached = self.cache.get(f"{family}|{signature}")
             if cached is not None and cached.choice in candidates:
