@@ -201,8 +201,9 @@ def _symbolic_build_wrapper(original: Any) -> Any:
             return original(self, iterator=iterator, data_batch=data_batch)
         if iterator is not None:
             for _, _, it in iterator:
-                data_batch = _first_replica(strategy, next(it))  # no collective: shapes only
+                data_batch = next(it)
                 break
+        data_batch = _first_replica(strategy, data_batch)  # no collective: shapes only
         with strategy.scope():
             self._symbolic_build(data_batch=data_batch)
 
