@@ -279,3 +279,26 @@ def test_multi_worker_checkpoint_restores_and_continues_the_loss_curve(tmp_path)
     assert one["start"] == 4
     assert_within_rounding(one["losses"], full[0]["losses"][4:], 4 * PER_STEP,
                            what="losses of one process after restore")
+
+
+def test_multi_worker_fit_patches_come_and_go_with_tfmx_and_leave_one_process_alone():
+    import keras.src.backend.tensorflow.trainer as trainer
+    import tensorflow as tf
+
+    import tfmx
+    from tfmx import state
+
+    original = (trainer.reduce_per_replica, trainer.TensorFlowTrainer._maybe_symbolic_build)
+    tfmx.enable(backend="cpu")
+    try:
+        assert trainer.reduce_per_replica is not original[0]
+        assert trainer.TensorFlowTrainer._maybe_symbolic_build is not original[1]
+        assert not state.multi_worker()
+        # one process: Keras's own reduction (the mean of the replicas' values)
+        values = {"loss": tf.constant(2.0)}
+        out = trainer.reduce_per_replica(values, tf.distribute.get_strategy(), "auto")
+        assert float(out["loss"]) == 2.0
+    finally:
+        tfmx.disable()
+    assert (trainer.reduce_per_replica, trainer.TensorFlowTrainer._maybe_symbolic_build) == \
+        original
