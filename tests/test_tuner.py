@@ -79,6 +79,20 @@ def test_a_failing_candidate_or_a_spent_budget_takes_the_conservative_form():
         Tuner("auto", None, _fail).choose("f", "s", {"a": None}, conservative="z")
 
 
+def test_a_cached_decision_between_other_forms_is_measured_again(cache_dir):
+    """A newer tfmx may offer a form the cached decision never weighed (an XLA region, say):
+    the decision is measured again, and stored."""
+    cache = TuningCache.for_backend("cpu")
+    first = Tuner("auto", cache, _timer({"a": 2.0, "b": 1.0}))
+    assert first.choose("f", "s", {"a": None, "b": None}, "a").choice == "b"
+    again = Tuner("auto", TuningCache.for_backend("cpu"), _fail)
+    assert again.choose("f", "s", {"b": None, "a": None}, "a").source == "cached"
+    more = Tuner("auto", TuningCache.for_backend("cpu"), _timer({"a": 2.0, "b": 1.0, "c": 0.5}))
+    d = more.choose("f", "s", {"a": None, "b": None, "c": None}, "a")
+    assert (d.choice, d.source) == ("c", "measured")
+    assert TuningCache.for_backend("cpu").get("f|s").choice == "c"
+
+
 def test_mode_and_budget_from_the_environment(monkeypatch):
     monkeypatch.setenv("TFMX_TUNE", "cached")
     assert Tuner().mode == "cached"

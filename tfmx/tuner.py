@@ -354,7 +354,8 @@ class Tuner:
             return fallback(self.off_reason)
         if self.cache is not None:
             cached = self.cache.get(f"{family}|{signature}")
-            if cached is not None and cached.choice in candidates:
+            # a decision made between other forms (a newer tfmx offers more) is made again
+            if cached is not None and set(cached.candidates) == set(candidates):
                 return cached
         if self.mode == "cached":
             return fallback("not in the cache; tune=cached")
