@@ -51,7 +51,7 @@ import numpy as np
 
 from recipes._data import Dataset
 
-STOCK, TFMX, BASELINE = "stock", "tfmx", "stock'"
+STOCK, TFMX, BASELINE, XLA = "stock", "tfmx", "stock'", "xla"
 #: The relative size of the chaos baseline's weight perturbation.
 PERTURBATION = 1e-7
 #: The top-level keys of every ``metrics.json``.
@@ -70,7 +70,7 @@ class Recipe:
     metric compared at the end. ``defaults`` and ``quick`` give the sizes (``epochs``,
     ``batch_size``, ``samples``, ``rounds``, ``steps``, ``lr`` and any recipe extra).
     ``extra_args(parser)`` adds recipe flags. ``train`` replaces ``fit`` (custom loops): see
-    :func:`fit_run` for its signature.
+    :func:`fit_run` for its signature; ``xla_step`` then replaces :func:`xla_fit_step`.
     """
 
     name: str
@@ -85,6 +85,7 @@ class Recipe:
     extra_args: Callable[[argparse.ArgumentParser], None] | None = None
     default_policy: str | None = None
     train: Callable[..., RunRecord] | None = None
+    xla_step: Callable[..., tuple[Any, Any]] | None = None
     description: str = ""
 
 
@@ -170,6 +171,10 @@ def parser(recipe: Recipe) -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the stock' run (stock from weights perturbed by 1e-7): no "
                         "noise estimate")
+    p.add_argument("--xla", action="store_true",
+                   help="also time the step compiled by XLA (jit_compile=True, built from the "
+                        "same weights, not trained) interleaved with stock and tfmx: the best "
+                        "alternative a user has without tfmx")
     p.add_argument("--quick", action="store_true", help="a small run (tests, CI)")
     p.add_argument("--rounds", type=positive_int, default=None,
                    help=f"interleaved timing rounds ({default('rounds')})")
@@ -317,7 +322,6 @@ def fit_run(recipe: Recipe, args: argparse.Namespace, data: Dataset, run: str,
     """Build, compile and ``fit`` one run from ``weights`` (the switch and the policy are
     already set by the caller); what :attr:`Recipe.train` replaces."""
     import keras
-    import tensorflow as tf
 
     model = recipe.build(args, data)
     steps_per_epoch = len(data.x_train) // args.batch_size
@@ -332,11 +336,32 @@ def fit_run(recipe: Recipe, args: argparse.Namespace, data: Dataset, run: str,
         callbacks=[_batch_timer(batch_ms), tensorboard_callback(args.out, run)],
     ).history
     seconds = time.perf_counter() - start
-    n = steps_per_epoch * args.batch_size
-    dataset = tf.data.Dataset.from_tensor_slices((data.x_train[:n], data.y_train[:n]))
-    dataset = dataset.batch(args.batch_size, drop_remainder=True).repeat()
+    dataset = timing_dataset(data, args.batch_size)
     return RunRecord(model, {k: [float(v) for v in vs] for k, vs in history.items()}, batch_ms,
                      model.train_function, lambda _mode: iter(dataset), seconds)
+
+
+def timing_dataset(data: Dataset, batch_size: int) -> Any:
+    """The training data as full batches, repeating: what the interleaved timing feeds."""
+    import tensorflow as tf
+
+    n = (len(data.x_train) // batch_size) * batch_size
+    dataset = tf.data.Dataset.from_tensor_slices((data.x_train[:n], data.y_train[:n]))
+    return dataset.batch(batch_size, drop_remainder=True).repeat()
+
+
+def xla_fit_step(recipe: Recipe, args: argparse.Namespace, data: Dataset,
+                 weights: list[np.ndarray]) -> tuple[Any, Any]:
+    """The recipe's model compiled with ``jit_compile=True`` from ``weights`` (tfmx disabled;
+    not trained): its train function and an iterator factory, for the interleaved timing."""
+    model = recipe.build(args, data)
+    steps = len(data.x_train) // args.batch_size
+    (recipe.compile or default_compile)(model, args, steps * args.epochs)
+    model.jit_compile = True
+    model.set_weights(weights)
+    model.make_train_function(force=True)
+    dataset = timing_dataset(data, args.batch_size)
+    return model.train_function, lambda _mode: iter(dataset)
 
 
 def perturbed(weights: list[np.ndarray], seed: int,
@@ -356,13 +381,10 @@ def perturbed(weights: list[np.ndarray], seed: int,
     return out
 
 
-def _train_all(recipe: Recipe, args: argparse.Namespace, data: Dataset) -> dict[str, RunRecord]:
-    import keras
-
+def _train_all(recipe: Recipe, args: argparse.Namespace, data: Dataset,
+               initial: list[np.ndarray]) -> dict[str, RunRecord]:
     import tfmx
 
-    keras.utils.set_random_seed(args.seed)
-    initial = recipe.build(args, data).get_weights()
     plan = [TFMX]
     if args.compare:
         plan = [STOCK, TFMX] + ([] if args.no_baseline else [BASELINE])
@@ -384,21 +406,33 @@ def _train_all(recipe: Recipe, args: argparse.Namespace, data: Dataset) -> dict[
     return records
 
 
-def _time_interleaved(records: dict[str, RunRecord], args: argparse.Namespace) -> dict:
-    """The traced step functions of stock and tfmx, timed interleaved (tfmx enabled)."""
+def _time_interleaved(recipe: Recipe, records: dict[str, RunRecord], args: argparse.Namespace,
+                      data: Dataset, initial: list[np.ndarray]) -> dict:
+    """The traced step functions of stock and tfmx (and XLA's with ``--xla``), timed
+    interleaved (tfmx enabled)."""
     import tfmx
     from tfmx.bench import time_step_functions
 
-    timed = [r for r in (STOCK, TFMX) if r in records and records[r].step_fn is not None]
-    if not timed:
+    fns = {r: records[r].step_fn for r in (STOCK, TFMX)
+           if r in records and records[r].step_fn is not None}
+    iterators = {r: records[r].iterator for r in fns}
+    if not fns:
         return {}
+    if args.xla:
+        tfmx.disable()
+        context: Any = contextlib.nullcontext()
+        if args.policy:
+            import policies
+
+            context = policies.scope(args.policy)
+        print("\n== xla (jit_compile=True; timed only) ==", flush=True)
+        with context:
+            fns[XLA], iterators[XLA] = (recipe.xla_step or xla_fit_step)(recipe, args, data,
+                                                                          initial)
     tfmx.enable()
-    timing = time_step_functions(
-        {r: records[r].step_fn for r in timed},
-        lambda mode: records[mode].iterator(mode),
-        rounds=args.rounds, steps=args.steps,
-    )
-    return {r: {k: v for k, v in t.items()} for r, t in timing.items()}
+    timing = time_step_functions(fns, lambda mode: iterators[mode](mode), rounds=args.rounds,
+                                 steps=args.steps)
+    return {r: dict(t) for r, t in timing.items()}
 
 
 # -- numbers ---------------------------------------------------------------------------------
@@ -485,7 +519,7 @@ def plot(path: Path, result: dict[str, Any]) -> Path | None:
     runs = result["runs"]
     metric = result["comparison"]["metric"]
     train_metric = metric[4:] if metric.startswith("val_") else metric
-    colors = {STOCK: "#1f77b4", TFMX: "#d62728", BASELINE: "#7f7f7f"}
+    colors = {STOCK: "#1f77b4", TFMX: "#d62728", BASELINE: "#7f7f7f", XLA: "#2ca02c"}
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
     for ax, (key, title) in zip(axes[:2], (("loss", "loss"), (train_metric, train_metric))):
         for run, rec in runs.items():
@@ -502,17 +536,18 @@ def plot(path: Path, result: dict[str, Any]) -> Path | None:
     ax = axes[2]
     groups = [("in fit", {r: rec["fit_step_ms"] for r, rec in runs.items()}),
               ("interleaved", result["timing"].get("interleaved", {}))]
-    width = 0.8 / max(len(runs), 1)
+    bars = list(runs) + ([XLA] if XLA in groups[1][1] else [])
+    width = 0.8 / max(len(bars), 1)
     for g, (_label, by_run) in enumerate(groups):
-        for i, run in enumerate(runs):
+        for i, run in enumerate(bars):
             t = by_run.get(run)
             if not t or t.get("median_ms") is None:
                 continue
             med, lo, hi = t["median_ms"], t["p25_ms"], t["p75_ms"]
-            x = g + (i - (len(runs) - 1) / 2) * width
+            x = g + (i - (len(bars) - 1) / 2) * width
             ax.bar(x, med, width * 0.9, color=colors.get(run),
                    yerr=[[med - lo], [hi - med]], capsize=4,
-                   label=run if g == 0 else None, alpha=0.85)
+                   label=run if g == 0 or run == XLA else None, alpha=0.85)
             ax.text(x, hi, f"{med:.1f}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(groups)), [g[0] for g in groups])
     ax.set_ylabel("ms per training step (median, p25-p75)")
@@ -554,6 +589,12 @@ def _print_comparison(result: dict[str, Any]) -> None:
         print(f"\nstep time tfmx/stock: {timing['ratio']:.3f} interleaved "
               f"({timing['rounds']} rounds x {timing['steps']} steps, warm-up excluded), "
               f"{timing['fit_ratio']:.3f} in fit (epochs after the first)")
+    xla = timing.get("interleaved", {}).get(XLA)
+    if xla is not None and timing.get("best_alternative"):
+        best = timing["best_alternative"]
+        print(f"XLA (jit_compile=True) {xla['median_ms']:.2f} ms (compile "
+              f"{xla['first_call_s']:.1f} s); best alternative {best['mode']} "
+              f"{best['ms']:.2f} ms; tfmx / best {timing['ratio_to_best']:.3f}")
     if comp.get("tfmx") is None or comp.get("stock") is None:
         return
     m = comp["metric"]
@@ -602,10 +643,14 @@ def run(recipe: Recipe, argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"{args.epochs} epoch(s), batch {args.batch_size}, peak lr {args.lr}, seed {args.seed}"
           f", policy {args.policy or 'float32'} (tfmx run); output {args.out}", flush=True)
     try:
-        records = _train_all(recipe, args, data)
+        import keras
+
+        keras.utils.set_random_seed(args.seed)
+        initial = recipe.build(args, data).get_weights()
+        records = _train_all(recipe, args, data, initial)
         report = tfmx.report()
         print("\n" + str(report))
-        interleaved = _time_interleaved(records, args)
+        interleaved = _time_interleaved(recipe, records, args, data, initial)
     finally:
         tfmx.enable() if was_enabled else tfmx.disable()
     runs: dict[str, Any] = {}
@@ -620,9 +665,14 @@ def run(recipe: Recipe, argv: Sequence[str] | None = None) -> dict[str, Any]:
                                                                     "first_call_s")}
                                               for r, t in interleaved.items()},
                               "rounds": args.rounds, "steps": args.steps,
-                              "ratio": None, "fit_ratio": None}
+                              "ratio": None, "fit_ratio": None, "best_alternative": None,
+                              "ratio_to_best": None}
     if STOCK in interleaved and TFMX in interleaved:
         timing["ratio"] = interleaved[TFMX]["median_ms"] / interleaved[STOCK]["median_ms"]
+        best = min((m for m in (STOCK, XLA) if m in interleaved),
+                   key=lambda m: interleaved[m]["median_ms"])
+        timing["best_alternative"] = {"mode": best, "ms": interleaved[best]["median_ms"]}
+        timing["ratio_to_best"] = interleaved[TFMX]["median_ms"] / interleaved[best]["median_ms"]
     fits = {r: runs[r]["fit_step_ms"]["median_ms"] for r in (STOCK, TFMX) if r in runs}
     if fits.get(STOCK) and fits.get(TFMX):
         timing["fit_ratio"] = fits[TFMX] / fits[STOCK]

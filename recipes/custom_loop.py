@@ -149,11 +149,37 @@ def train(recipe: Recipe, args: argparse.Namespace, data: _data.Dataset, run_nam
         batch_ms.append(times)
     board.on_train_end()
     seconds = time.perf_counter() - start
-    n = steps * args.batch_size
-    fixed = [(tf.constant(data.x_train[i:i + args.batch_size]),
-              tf.constant(y_train[i:i + args.batch_size])) for i in range(0, n, args.batch_size)]
+    fixed = _fixed_batches(data, args.batch_size)
     return RunRecord(model, history, batch_ms, lambda it: step(*next(it)),
                      lambda _mode: itertools.cycle(fixed), seconds)
+
+
+def xla_step(recipe: Recipe, args: argparse.Namespace, data: _data.Dataset,
+             weights: list[np.ndarray]) -> tuple[Any, Any]:
+    """The same step under ``tf.function(jit_compile=True)`` from ``weights`` (not trained),
+    for ``--xla``'s interleaved timing."""
+    import functools
+
+    import keras
+    import tensorflow as tf
+
+    model = build(args, data)
+    model.set_weights(weights)
+    steps = len(data.x_train) // args.batch_size
+    optimizer = keras.optimizers.Adam(schedule(args.lr, steps * args.epochs))
+    optimizer.build(model.trainable_variables)
+    step = make_step(model, optimizer, functools.partial(tf.function, jit_compile=True))
+    fixed = _fixed_batches(data, args.batch_size)
+    return (lambda it: step(*next(it))), (lambda _mode: itertools.cycle(fixed))
+
+
+def _fixed_batches(data: _data.Dataset, batch_size: int) -> list[tuple[Any, Any]]:
+    import tensorflow as tf
+
+    n = (len(data.x_train) // batch_size) * batch_size
+    y = data.y_train.astype(np.int32)
+    return [(tf.constant(data.x_train[i:i + batch_size]), tf.constant(y[i:i + batch_size]))
+            for i in range(0, n, batch_size)]
 
 
 RECIPE = Recipe(
@@ -162,6 +188,7 @@ RECIPE = Recipe(
     load=load,
     build=build,
     train=train,
+    xla_step=xla_step,
     defaults={"epochs": 30, "batch_size": 32, "samples": 4000, "lr": 1e-3, "depth": 31,
               "rounds": 15, "steps": 20},
     quick={"epochs": 2, "batch_size": 32, "samples": 256, "depth": 8, "rounds": 2,

@@ -2,9 +2,11 @@
 
 Runs each recipe of :data:`TOUR` in a process of its own (``python -m recipes.<name> --out
 DIR/<name>``, its output kept in ``DIR/<name>.log``), each training stock, tfmx and the stock'
-chaos baseline from the same weights; then prints one table (workload, data, step time stock
-and tfmx interleaved, the ratio, the final held-out metric of each run, and the difference
-against stock's own rounding noise) and writes ``DIR/tour.png`` and ``DIR/tour.json``.
+chaos baseline from the same weights, and (``--xla``, not in the quick tour) times XLA's
+compiled step beside them; then prints one table (workload, data, step time stock, XLA and
+tfmx interleaved, the ratios to stock and to the best alternative, the final held-out metric
+of each run, and the difference against stock's own rounding noise) and writes
+``DIR/tour.png`` and ``DIR/tour.json``.
 
 Run it::
 
@@ -34,12 +36,12 @@ from typing import Any
 
 #: (recipe, its arguments in the tour, its arguments in the quick tour).
 TOUR: list[tuple[str, list[str], list[str]]] = [
-    ("custom_loop", ["--epochs", "20"], ["--quick", "--epochs", "3", "--depth", "31",
+    ("custom_loop", ["--epochs", "20", "--xla"], ["--quick", "--epochs", "3", "--depth", "31",
                                          "--samples", "1400", "--rounds", "5"]),
-    ("bn_resnet", ["--epochs", "6", "--samples", "1500"], ["--quick", "--rounds", "3"]),
-    ("recurrent", ["--epochs", "4", "--samples", "3000"], []),
-    ("transformer", ["--epochs", "4", "--samples", "2000"], ["--quick", "--rounds", "3"]),
-    ("mixed_precision", ["--epochs", "8"], []),
+    ("bn_resnet", ["--epochs", "6", "--samples", "1500", "--xla"], ["--quick", "--rounds", "3"]),
+    ("recurrent", ["--epochs", "4", "--samples", "3000", "--xla"], []),
+    ("transformer", ["--epochs", "4", "--samples", "2000", "--xla"], ["--quick", "--rounds", "3"]),
+    ("mixed_precision", ["--epochs", "8", "--xla"], []),
 ]
 
 
@@ -78,7 +80,11 @@ def row(metrics: dict[str, Any]) -> dict[str, Any]:
         "tfmx_ms": inter.get("tfmx", {}).get("median_ms"),
         "stock_iqr": [inter.get("stock", {}).get(k) for k in ("p25_ms", "p75_ms")],
         "tfmx_iqr": [inter.get("tfmx", {}).get(k) for k in ("p25_ms", "p75_ms")],
+        "xla_iqr": [inter.get("xla", {}).get(k) for k in ("p25_ms", "p75_ms")],
+        "xla_ms": inter.get("xla", {}).get("median_ms"),
+        "best": metrics["timing"].get("best_alternative"),
         "ratio": metrics["timing"]["ratio"],
+        "ratio_to_best": metrics["timing"].get("ratio_to_best"),
         "metric": comp["metric"],
         "stock": comp["stock"], "tfmx": comp["tfmx"], "baseline": comp["baseline"],
         "difference": comp["difference"], "noise": comp["noise"],
@@ -91,15 +97,19 @@ def row(metrics: dict[str, Any]) -> dict[str, Any]:
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """The tour's markdown table."""
-    lines = ["| workload | data | stock ms | tfmx ms | tfmx / stock | held-out metric | stock "
-             "| tfmx | stock' | \\|stock - tfmx\\| | \\|stock - stock'\\| (noise) "
-             "| val loss \\|stock - tfmx\\| | val loss noise |",
-             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| workload | data | stock ms | XLA ms | tfmx ms | tfmx / stock | best alternative "
+             "| tfmx / best | held-out metric | stock | tfmx | stock' | \\|stock - tfmx\\| "
+             "| \\|stock - stock'\\| (noise) | val loss \\|stock - tfmx\\| | val loss noise |",
+             "|---|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         name = r["workload"] + (f" ({r['policy']})" if r.get("policy") else "")
         flag = "" if r["within_noise"] in (True, None) else " **outside noise**"
-        lines.append(f"| {name} | {r['data']} | {_fmt(r['stock_ms'])} | {_fmt(r['tfmx_ms'])} | "
-                     f"**{_fmt(r['ratio'], 3)}** | {r['metric'][4:]} | {_fmt(r['stock'], 4)} | "
+        best = r.get("best") or {}
+        best_text = f"{best['mode']} {best['ms']:.2f}" if best else "-"
+        lines.append(f"| {name} | {r['data']} | {_fmt(r['stock_ms'])} | {_fmt(r.get('xla_ms'))} "
+                     f"| {_fmt(r['tfmx_ms'])} | **{_fmt(r['ratio'], 3)}** | {best_text} | "
+                     f"{_fmt(r.get('ratio_to_best'), 3)} | {r['metric'][4:]} | "
+                     f"{_fmt(r['stock'], 4)} | "
                      f"{_fmt(r['tfmx'], 4)} | {_fmt(r['baseline'], 4)} | "
                      f"{_fmt(r['difference'], 4)}{flag} | {_fmt(r['noise'], 4)} | "
                      f"{_sci(r.get('loss_difference'))}"
@@ -121,17 +131,21 @@ def plot(path: Path, rows: Sequence[dict[str, Any]], title: str) -> Path | None:
     names = [r["workload"] for r in rows]
     xs = range(len(rows))
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for offset, key, color, label in ((-0.2, "stock", "#1f77b4", "stock"),
-                                      (0.2, "tfmx", "#d62728", "tfmx")):
+    modes = [("stock", "#1f77b4", "stock"), ("tfmx", "#d62728", "tfmx")]
+    if any(r.get("xla_ms") for r in rows):
+        modes.insert(1, ("xla", "#2ca02c", "XLA (jit_compile)"))
+    width = 0.8 / len(modes)
+    for i, (key, color, label) in enumerate(modes):
+        offset = (i - (len(modes) - 1) / 2) * width
         meds, errs = [], [[], []]
         for r in rows:
             base = r["stock_ms"] or 1.0
-            med = (r[f"{key}_ms"] or 0.0) / base
-            lo, hi = ((v or 0.0) / base for v in r[f"{key}_iqr"])
+            med = (r.get(f"{key}_ms") or 0.0) / base
+            lo, hi = ((v or 0.0) / base for v in r.get(f"{key}_iqr", [None, None]))
             meds.append(med)
             errs[0].append(max(med - lo, 0.0))
             errs[1].append(max(hi - med, 0.0))
-        a.bar([x + offset for x in xs], meds, 0.4, yerr=errs, capsize=4, color=color,
+        a.bar([x + offset for x in xs], meds, width * 0.95, yerr=errs, capsize=3, color=color,
               label=label, alpha=0.85)
         if key == "tfmx":
             for x, m, top, r in zip(xs, meds, errs[1], rows):
@@ -142,7 +156,7 @@ def plot(path: Path, rows: Sequence[dict[str, Any]], title: str) -> Path | None:
     a.set_ylabel("step time / stock median (p25-p75)")
     a.set_ylim(0, max(1.35, a.get_ylim()[1]))
     a.set_title("training step time, interleaved (lower is faster)")
-    a.legend(loc="lower right", fontsize=8)
+    a.legend(loc="lower right", fontsize=8, framealpha=0.95)
     a.grid(axis="y", alpha=0.3)
     for offset, key, color, label in ((-0.27, "stock", "#1f77b4", "stock"),
                                       (0.0, "tfmx", "#d62728", "tfmx"),

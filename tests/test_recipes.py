@@ -30,7 +30,7 @@ SMALLER = {
     "recurrent": ["--samples", "128", "--seq-len", "12", "--units", "16"],
     "transformer": ["--samples", "128", "--seq-len", "16", "--width", "32"],
     "mixed_precision": ["--samples", "256", "--width", "64"],
-    "custom_loop": ["--samples", "256", "--depth", "4"],
+    "custom_loop": ["--samples", "256", "--depth", "4", "--xla"],
 }
 
 
@@ -84,7 +84,10 @@ def test_recipe_quick_run_writes_metrics_png_and_tensorboard(name, tmp_path, res
             assert epoch["step_ms_p25"] <= epoch["step_ms"] <= epoch["step_ms_p75"]
         assert run["fit_step_ms"]["median_ms"] > 0 and run["seconds"] > 0
     timing = metrics["timing"]
-    assert set(timing["interleaved"]) == {"stock", "tfmx"}
+    assert set(timing["interleaved"]) == {"stock", "tfmx", *(["xla"] if "--xla" in
+                                                              SMALLER[name] else [])}
+    assert timing["best_alternative"]["mode"] in timing["interleaved"]
+    assert isinstance(timing["ratio_to_best"], float)
     assert timing["interleaved"]["stock"]["median_ms"] > 0
     assert isinstance(timing["ratio"], float) and timing["ratio"] > 0
     assert isinstance(timing["fit_ratio"], float)
