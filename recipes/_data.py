@@ -9,7 +9,7 @@ Sources, best first:
 - real data every installation carries: the Python standard library's own source text
   (:func:`stdlib_text`, a character-level corpus) and scikit-learn's bundled 8x8 handwritten
   digits (:func:`digits`, when scikit-learn is installed: ``pip install -e ".[recipes]"``);
-- synthetic data (``recipes.small_cnn.make_data``) as the last resort.
+- synthetic data (:func:`make_data`, the small CNN's stripe images) as the last resort.
 
 Every fallback is printed (:func:`announce`), never silent. Each loader returns a
 :class:`Dataset` holding the arrays and a ``source`` line saying where they came from.
@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pickle
 import socket
@@ -326,14 +327,51 @@ def digits(limit: int | None = None, val_fraction: float = 0.2, seed: int = 0,
                    "scikit-learn digits (1797 real 8x8 handwritten digits)")
 
 
+STRIPE_CLASSES = 10
+STRIPE_SHAPE = (32, 32, 3)
+
+
+def make_data(
+    samples: int, seed: int = 1234, noise: float = 2.5
+) -> tuple[np.ndarray, np.ndarray]:
+    """Synthetic 10-class images with learnable structure; deterministic for a seed.
+
+    Class ``c`` has stripes at angle ``c * 18`` degrees, a class colour tint and a bright
+    blob; phase, blob position and noise are random per image.
+
+    >>> x, y = make_data(100, seed=1)
+    >>> sorted(set(y.tolist())) == list(range(10))
+    True
+    >>> bool(np.all(np.isfinite(x)))
+    True
+    """
+    rng = np.random.default_rng(seed)
+    h, w, c = STRIPE_SHAPE
+    y = rng.integers(0, STRIPE_CLASSES, size=samples)
+    yy, xx = np.meshgrid(np.arange(h, dtype=np.float32), np.arange(w, dtype=np.float32),
+                         indexing="ij")
+    angles = y * (math.pi / STRIPE_CLASSES)
+    freq = 2 * math.pi / 6.0
+    phase = rng.uniform(0, 2 * math.pi, size=samples)
+    proj = (xx[None] * np.cos(angles)[:, None, None] + yy[None] * np.sin(angles)[:, None, None])
+    stripes = np.sin(freq * proj + phase[:, None, None]).astype(np.float32)
+    tints = np.random.default_rng(0).uniform(0.3, 1.0, size=(STRIPE_CLASSES, c)).astype(np.float32)
+    cy, cx = rng.uniform(6, h - 6, size=samples), rng.uniform(6, w - 6, size=samples)
+    blob = np.exp(-((yy[None] - cy[:, None, None]) ** 2 + (xx[None] - cx[:, None, None]) ** 2)
+                  / (2 * 3.0**2)).astype(np.float32)
+    x = stripes[..., None] * tints[y][:, None, None, :] + blob[..., None] * tints[
+        (y + 3) % STRIPE_CLASSES][:, None, None, :]
+    x += rng.normal(0.0, noise, size=x.shape).astype(np.float32)
+    return x.astype(np.float32), y.astype(np.int32)
+
+
+
 def synthetic_images(samples: int, val_samples: int, seed: int, noise: float = 2.5) -> Dataset:
-    """``recipes.small_cnn.make_data``: 10 classes of 32x32x3 stripe images (learnable).
+    """:func:`make_data`'s 10 classes of 32x32x3 stripe images (learnable) as a Dataset.
 
     >>> synthetic_images(20, 5, seed=0).x_val.shape
     (5, 32, 32, 3)
     """
-    from recipes.small_cnn import make_data
-
     x, y = make_data(samples + val_samples, seed=seed, noise=noise)
     return Dataset(x[:samples], y[:samples], x[samples:], y[samples:], 10,
                    f"synthetic 32x32x3 stripe images (noise {noise})")
