@@ -127,8 +127,12 @@ def test_mirrored_synchronized_batch_norm_is_declined_and_tuner_measures_once(tm
                for why in report["patterns"]["batch_norm"]["declined"])
     decisions = report["decisions"]
     assert decisions and all(d["source"] == "measured" for d in decisions), decisions
-    # the custom loop's eager calls under the strategy get the whole-step guard's trial
-    assert any(g["function"] == "step" for g in report["guards"]), report["guards"]
+    # the whole-step guard's trial for fit's and evaluate's steps (Keras's loop called with a
+    # distributed iterator) and for the custom loop's eager calls, all replicas in one process
+    kept = {g["function"]: g["kept"] for g in report["guards"]}
+    # (the script makes the fused step 50 ms slower in the trials: stock is kept)
+    assert kept["Sequential.train_step"] == kept["step"] == "stock", kept
+    assert "Sequential.test_step" in kept
 
 
 # -- MultiWorkerMirroredStrategy: two workers, each a process, on loopback --------------------

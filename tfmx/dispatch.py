@@ -9,8 +9,9 @@ whole graph after tfmx's rewrite. :class:`IteratorDispatch` does the lookup once
 type: the first call of each goes through the ``tf.function`` (tracing, variable creation,
 retracing rules all TensorFlow's), later calls go to the ConcreteFunction that call ran. It
 steps aside (calls the ``tf.function``) for anything but an eager call with one ``tf.data``
-iterator: distributed iterators, extra arguments, ``tf.config.run_functions_eagerly(True)``,
-calls inside a graph.
+iterator or one distributed iterator of a strategy within this process (MirroredStrategy):
+the distributed iterators of several workers, extra arguments,
+``tf.config.run_functions_eagerly(True)``, calls inside a graph.
 
 It is also where the whole-step guard (:mod:`tfmx.guard`) runs for ``fit`` and ``evaluate``:
 when the traced loop embeds a step tfmx changed, the same loop is traced again with tfmx's step
@@ -44,8 +45,18 @@ from typing import Any
 
 import tensorflow as tf
 from tensorflow.python.data.ops import iterator_ops
+from tensorflow.python.distribute import input_lib
 
-from tfmx import guard
+from tfmx import guard, state
+
+
+def _dispatchable(iterator: Any) -> bool:
+    """A ``tf.data`` iterator, or a distributed iterator of a strategy whose replicas are all
+    in this process (MirroredStrategy): one call runs every replica, so this process alone
+    picks the form. Not across several workers, which must all run the same step."""
+    if isinstance(iterator, iterator_ops.OwnedIterator):
+        return True
+    return isinstance(iterator, input_lib.DistributedIterator) and not state.multi_worker()
 
 
 @dataclasses.dataclass
@@ -73,7 +84,7 @@ class IteratorDispatch:
         return getattr(self._function, name)
 
     def __call__(self, iterator: Any, *args: Any, **kwargs: Any) -> Any:
-        if (args or kwargs or not isinstance(iterator, iterator_ops.OwnedIterator)
+        if (args or kwargs or not _dispatchable(iterator)
                 or not tf.executing_eagerly() or tf.config.functions_run_eagerly()):
             return self._function(iterator, *args, **kwargs)
         spec = iterator._type_spec

@@ -145,7 +145,18 @@ def xla_pruned(backend: str, ops: Mapping[str, int]) -> str | None:
     True
     >>> xla_pruned("cuda", {"Conv2D": 1}) is None
     True
+
+    A step that reduces across replicas (``tf.distribute``: its collectives) is not tried:
+    XLA compiles the step for one device, and under MirroredStrategy it failed on the other
+    replicas' variables (one batch of Keras's loop would be lost to each failed trial).
+
+    >>> xla_pruned("cpu", {"CollectiveReduceV2": 2, "MatMul": 6})[:34]
+    'the step reduces across replicas ('
     """
+    collectives = sorted(op for op in ops if op.startswith(("Collective", "Nccl")))
+    if collectives:
+        return (f"the step reduces across replicas ({', '.join(collectives)}): XLA compiles "
+                "one device's step")
     convolutions = sum(n for op, n in ops.items() if op in CONVOLUTIONS)
     others = sum(n for op, n in ops.items() if op in OTHER_CONTRACTIONS)
     if backend == "cpu" and convolutions and convolutions >= others:

@@ -9,7 +9,8 @@ Run by tests/test_distribute.py in a subprocess (logical devices must be configu
 TensorFlow initialises its devices). ``python mirrored_model.py [plain|tuned]``: ``plain``
 has every match rewritten (tests/conftest.py every_rewrite) and the whole-step guard off;
 ``tuned`` builds its BatchNormalization with ``synchronized=True`` and lets the tuner measure
-(in the caller's TFMX_CACHE_DIR) and the whole-step guard run, as a user's script would.
+(in the caller's TFMX_CACHE_DIR) and the whole-step guard run, as a user's script would, its
+trials seeing a fused step made slower (tfmx.guard.set_test_delay) so that they decide.
 """
 
 import json
@@ -31,7 +32,7 @@ from dist_common import BATCH, build, data, keras_ops, names_of, run_custom, sta
 import fusion  # noqa: E402
 import tfmx  # noqa: E402
 from fusion.pattern import RewriteAlways  # noqa: E402
-from tfmx import state  # noqa: E402
+from tfmx import guard, state  # noqa: E402
 
 PATTERNS = [p for p in fusion.available_patterns() if p != "onednn"]  # helpers.exact_patterns
 
@@ -72,4 +73,6 @@ def run(fused: bool) -> dict:
 
 if MODE == "plain":
     state.tuner = RewriteAlways  # every match rewritten (tests/conftest.py every_rewrite)
+else:  # the guard's trials see a fused step 50 ms slower: they keep stock after 3 pairs
+    guard.set_test_delay(fused=0.05)
 print(json.dumps({"stock": run(False), "fused": run(True)}))
