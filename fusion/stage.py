@@ -131,17 +131,19 @@ def tracing(ctx: StageContext | None) -> Iterator[None]:
     from tensorflow.python.framework import ops
 
     previous = active()
-    graph = ops.get_default_graph()
+    # a function's graph only: the process-wide graph of eager code is every thread's
+    graph = ops.get_default_graph() if ops.inside_function() else None
     before = getattr(graph, _GRAPH_CONTEXT, _local)
     _local.context = ctx
-    setattr(graph, _GRAPH_CONTEXT, ctx)
+    if graph is not None:
+        setattr(graph, _GRAPH_CONTEXT, ctx)
     try:
         yield
     finally:
         _local.context = previous
-        if before is _local:
+        if graph is not None and before is _local:
             delattr(graph, _GRAPH_CONTEXT)
-        else:
+        elif graph is not None:
             setattr(graph, _GRAPH_CONTEXT, before)
 
 
