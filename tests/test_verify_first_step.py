@@ -48,6 +48,17 @@ def test_a_wrong_fused_step_warns_and_training_goes_on_as_stock(monkeypatch, cap
         np.testing.assert_allclose(f, s, rtol=1e-5, atol=1e-6)
 
 
+def test_across_several_workers_a_disagreement_raises_instead(monkeypatch):
+    """One worker falling back to stock alone would run other collectives than the others:
+    there "first-step" raises on the worker that saw the disagreement."""
+    from tfmx import state
+
+    monkeypatch.setattr(state, "multi_worker", lambda: True)
+    _wrong_rewrite(monkeypatch)
+    with pytest.raises(tfmx.VerificationError):
+        _fit(lambda: tfmx.enable(backend="cpu", verify="first-step", guard=False, tune="off"))
+
+
 def test_eager_calls_warn_once_and_run_stock(monkeypatch):
     _wrong_rewrite(monkeypatch)
     w = tf.Variable(tf.ones([4, 4]))

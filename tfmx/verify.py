@@ -32,6 +32,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfmx import state
 from tfmx.errors import VerificationError
 
 MARKER = "tfmx verify failed"
@@ -67,7 +68,9 @@ def verified_call(entry: Any, args: tuple, kwargs: dict, opts: Any, name: str,
                   reference: Any) -> Any:
     """Call ``entry.fused`` after checking it once against ``reference`` (the function traced
     without tfmx; see module doc)."""
-    fallback = opts.verify == FALLBACK
+    # Across several workers one worker falling back alone would run other collectives than
+    # the rest: there a disagreement raises on the worker that saw it, as verify=True does.
+    fallback = opts.verify == FALLBACK and not state.multi_worker()
     if entry.verify_flag is None:
         with tf.init_scope():
             # 0: not yet checked, 1: checked and equal, 2: disagreed (fallback: run stock)
