@@ -6,7 +6,9 @@ it reports, its default and ``--quick`` sizes); :func:`run` does the rest:
 1. Flags in the style of keras-cv's and timm's training scripts (:func:`parser`):
    ``--epochs``, ``--batch-size``, ``--seed``, ``--policy``, ``--compare`` (the default) or
    ``--tfmx-only``, ``--quick``, ``--out DIR``, ``--rounds``, ``--samples``,
-   ``--no-baseline``; bad values stop with an argparse error before anything is built, and an
+   ``--no-baseline``, ``--workers N`` (N local workers under MultiWorkerMirroredStrategy,
+   the tfmx run only: :mod:`recipes._workers`); bad values stop with an argparse error before
+   anything is built, and an
    unknown ``--policy`` raises ValueError (``policies.names.check_name``) before training.
 2. Runs from the same initial weights, each after ``keras.utils.set_random_seed(seed)`` (same
    shuffling): ``stock`` (``tfmx.disable()``), ``tfmx`` (``tfmx.enable()``, under
@@ -49,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from recipes import _workers
 from recipes._data import Dataset
 
 STOCK, TFMX, BASELINE, XLA = "stock", "tfmx", "stock'", "xla"
@@ -180,6 +183,10 @@ def parser(recipe: Recipe) -> argparse.ArgumentParser:
                    help=f"interleaved timing rounds ({default('rounds')})")
     p.add_argument("--out", metavar="DIR", default=None,
                    help=f"output folder (default runs/{recipe.name}-<timestamp>)")
+    p.add_argument("--workers", type=positive_int, default=1,
+                   help="train with N local worker processes under MultiWorkerMirroredStrategy "
+                        "(loopback; the tfmx run only: Keras's own fit fails under several "
+                        "workers, keras-team/keras#20585); default 1")
     if recipe.extra_args:
         recipe.extra_args(p)
     return p
@@ -212,6 +219,11 @@ def parse(recipe: Recipe, argv: Sequence[str] | None) -> argparse.Namespace:
         args.out = _writable_dir(args.out or os.path.join("runs", f"{recipe.name}-{stamp}"))
     except OSError as err:
         p.error(f"argument --out: cannot write to {args.out!r} ({err.strerror or err})")
+    if args.workers > 1 and recipe.train is not None:
+        p.error(f"argument --workers: recipes.{recipe.name} runs its own training loop, which "
+                "--workers does not distribute; it takes --workers 1 only")
+    if _workers.in_worker():  # the tfmx run alone, every step a collective of the workers
+        args.compare, args.no_baseline, args.xla = False, True, False
     return args
 
 
@@ -317,15 +329,24 @@ class _EpochScalars:
         return EpochScalars()
 
 
+_strategy: list[Any] = []  # the worker's MultiWorkerMirroredStrategy, once made (recipes._workers)
+
+
+def strategy_scope() -> Any:
+    """The worker's strategy scope (models built and compiled in it), else a null context."""
+    return _strategy[0].scope() if _strategy else contextlib.nullcontext()
+
+
 def fit_run(recipe: Recipe, args: argparse.Namespace, data: Dataset, run: str,
             weights: list[np.ndarray]) -> RunRecord:
     """Build, compile and ``fit`` one run from ``weights`` (the switch and the policy are
     already set by the caller); what :attr:`Recipe.train` replaces."""
     import keras
 
-    model = recipe.build(args, data)
-    steps_per_epoch = len(data.x_train) // args.batch_size
-    (recipe.compile or default_compile)(model, args, steps_per_epoch * args.epochs)
+    with strategy_scope():
+        model = recipe.build(args, data)
+        steps_per_epoch = len(data.x_train) // args.batch_size
+        (recipe.compile or default_compile)(model, args, steps_per_epoch * args.epochs)
     model.set_weights(weights)
     keras.utils.set_random_seed(args.seed)  # the same shuffling in every run
     batch_ms: list[list[float]] = []
@@ -633,6 +654,11 @@ def run(recipe: Recipe, argv: Sequence[str] | None = None) -> dict[str, Any]:
     SystemExit: 2
     """
     args = parse(recipe, argv)
+    if args.workers > 1 and not _workers.in_worker():
+        return _workers.launch(recipe.name, list(sys.argv[1:] if argv is None else argv),
+                               args.workers, args.out)
+    if _workers.in_worker() and not _strategy:
+        _strategy.append(_workers.strategy())  # before TensorFlow runs anything else
     start = time.perf_counter()
     import tfmx
 
@@ -646,11 +672,14 @@ def run(recipe: Recipe, argv: Sequence[str] | None = None) -> dict[str, Any]:
         import keras
 
         keras.utils.set_random_seed(args.seed)
-        initial = recipe.build(args, data).get_weights()
+        with strategy_scope():
+            initial = recipe.build(args, data).get_weights()
         records = _train_all(recipe, args, data, initial)
         report = tfmx.report()
         print("\n" + str(report))
-        interleaved = _time_interleaved(recipe, records, args, data, initial)
+        # under several workers each step is a collective of all of them: fit's times only
+        interleaved = {} if _strategy else _time_interleaved(recipe, records, args, data,
+                                                              initial)
     finally:
         tfmx.enable() if was_enabled else tfmx.disable()
     runs: dict[str, Any] = {}

@@ -176,6 +176,35 @@ def test_an_unknown_policy_is_refused_before_training(tmp_path):
         main(["--quick", "--policy", "bf16", "--out", str(tmp_path)])
 
 
+def test_workers_refused_for_a_recipe_with_its_own_loop(capsys, tmp_path):
+    from recipes.custom_loop import main
+
+    with pytest.raises(SystemExit):
+        main(["--quick", "--workers", "2", "--out", str(tmp_path)])
+    assert "argument --workers: recipes.custom_loop runs its own training loop" in \
+        capsys.readouterr().err
+
+
+def test_workers_two_local_workers_train_the_tfmx_run(tmp_path):
+    """--workers 2: two processes on loopback under MultiWorkerMirroredStrategy train the tfmx
+    run (Keras's own fit fails there); the chief writes metrics.json, the other its log."""
+    env = {**os.environ, _data.OFFLINE_ENV: "1"}
+    env.pop("TFMX_RECIPE_WORKER", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipes.small_cnn", "--quick", "--samples", "128",
+         "--epochs", "1", "--batch-size", "32", "--workers", "2", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert set(metrics["runs"]) == {"tfmx"} and metrics["args"]["workers"] == 2
+    loss = metrics["runs"]["tfmx"]["epochs"][-1]["loss"]
+    assert np.isfinite(loss)
+    assert metrics["tfmx_report"]["fused"] > 0
+    assert "several workers" in json.dumps(metrics["tfmx_report"])  # under the strategy
+    assert (tmp_path / "worker-1.log").exists()
+    assert json.loads((tmp_path / "worker-1" / "metrics.json").read_text())["runs"]["tfmx"]
+
+
 def test_recipe_extras_are_validated(capsys, tmp_path):
     from recipes.recurrent import main
 
@@ -313,6 +342,7 @@ def test_digits_when_scikit_learn_is_installed():
 
 # -- docstring examples of the recipes package -----------------------------------------------
 @pytest.mark.parametrize("name", ["recipes", "recipes._data", "recipes._common",
+                                  "recipes._workers",
                                   *(f"recipes.{n}" for n in recipes.available())])
 def test_recipes_docstring_examples_run(name):
     module = importlib.import_module(name)
