@@ -46,22 +46,9 @@ def build(args: argparse.Namespace, data: _data.Dataset) -> Any:
     """``tfmx bench``'s bn_resnet architecture (uncompiled), its batch norms with
     ``--bn-momentum`` (0.9): Keras's default 0.99 leaves the moving statistics, which the
     held-out evaluation uses, far from the data's after a few hundred steps."""
-    import keras
-    from keras import layers
+    from tfmx.bench import bn_resnet_model
 
-    def conv_bn(x: Any, filters: int, kernel: int = 3, strides: int = 1) -> Any:
-        x = layers.Conv2D(filters, kernel, strides=strides, padding="same", use_bias=False)(x)
-        return layers.BatchNormalization(momentum=args.bn_momentum)(x)
-
-    inp = keras.Input((32, 32, 3))
-    x = layers.ReLU()(conv_bn(inp, 32))
-    y = conv_bn(layers.ReLU()(conv_bn(x, 32)), 32)
-    x = layers.ReLU()(layers.Add()([x, y]))
-    y = conv_bn(layers.ReLU()(conv_bn(x, 64, strides=2)), 64)
-    x = layers.ReLU()(layers.Add()([conv_bn(x, 64, kernel=1, strides=2), y]))
-    x = layers.GlobalAveragePooling2D()(x)
-    out = layers.Dense(data.num_classes, activation="softmax")(x)
-    return keras.Model(inp, out, name="bn_resnet")
+    return bn_resnet_model(data.num_classes, momentum=args.bn_momentum)
 
 
 def _extra(p: argparse.ArgumentParser) -> None:

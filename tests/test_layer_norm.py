@@ -109,12 +109,14 @@ class _Pick:
         return RewriteAlways().choose(family, signature, {self.form: None}, conservative)
 
 
-@pytest.mark.parametrize("form", sorted(stage.FORMS))
-def test_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, form):
-    from tests.test_keras import ops_that_ran
-    from tfmx import state
+# 6 steps of a forward over 16 values, the backward and the update
+FIT_TERMS = 6 * (3 * (_terms(16) + 16 + 8) + 12)
 
-    monkeypatch.setattr(state, "tuner", lambda: _Pick(form))
+
+def _fit_stock_and_fused(build) -> tuple[dict, set, set]:
+    """``build()`` trained stock and with the layer_norm family from the same seed: the two
+    models (False: stock, True: tfmx) and the ops each step function ran."""
+    from tests.test_keras import ops_that_ran
 
     rng = np.random.default_rng(1)
     x = rng.standard_normal((24, 6, 8)).astype("float32")
@@ -122,24 +124,33 @@ def test_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, form
     models = {}
     for on in (False, True):
         tfmx.enable(backend="cpu", patterns=["layer_norm"]) if on else tfmx.disable()
-        model = _encoder()
+        model = build()
         model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
         models[on] = model
-    ran = ops_that_ran(models[True].train_function)
-    stock = ops_that_ran(models[False].train_function)
+    return (models, ops_that_ran(models[True].train_function),
+            ops_that_ran(models[False].train_function))
+
+
+def _assert_fused_twice_and_within_rounding(models: dict, label: str) -> None:
+    stats = tfmx.report().patterns["layer_norm"]
+    assert stats.fused == 2 and set(stats.fused_kinds) == {label} and not stats.declined
+    assert stats.observed[label] >= 2
+    for a, b in zip(models[False].weights, models[True].weights):
+        assert_within_rounding(b.numpy(), a.numpy(), FIT_TERMS, what=a.name)
+
+
+@pytest.mark.parametrize("form", sorted(stage.FORMS))
+def test_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, form):
+    from tfmx import state
+
+    monkeypatch.setattr(state, "tuner", lambda: _Pick(form))
+    models, ran, stock = _fit_stock_and_fused(_encoder)
     if form == "fused":
         assert {"FusedBatchNormV3", "FusedBatchNormGradV3"} <= ran
         assert "FusedBatchNormV3" not in stock
     else:  # the closed-form gradient: no autodiff of Rsqrt, fewer ops than Keras's
         assert "RsqrtGrad" in stock and "RsqrtGrad" not in ran
-    label = stage.FORMS[form][1]
-    stats = tfmx.report().patterns["layer_norm"]
-    assert stats.fused == 2 and set(stats.fused_kinds) == {label} and not stats.declined
-    assert stats.observed[label] >= 2
-    # 6 steps of a forward over 16 values, the backward and the update
-    terms = 6 * (3 * (_terms(16) + 16 + 8) + 12)
-    for a, b in zip(models[False].weights, models[True].weights):
-        assert_within_rounding(b.numpy(), a.numpy(), terms, what=a.name)
+    _assert_fused_twice_and_within_rounding(models, stage.FORMS[form][1])
 
 
 RMS_CASES = {  # name: (input shape, layer kwargs)
@@ -202,24 +213,6 @@ def _rms_decoder(seed: int = 0) -> keras.Model:
 
 
 def test_rms_fit_matches_stock_with_the_form_in_the_graph_that_ran():
-    from tests.test_keras import ops_that_ran
-
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((24, 6, 8)).astype("float32")
-    y = rng.integers(0, 3, 24)
-    models = {}
-    for on in (False, True):
-        tfmx.enable(backend="cpu", patterns=["layer_norm"]) if on else tfmx.disable()
-        model = _rms_decoder()
-        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
-        models[on] = model
-    ran = ops_that_ran(models[True].train_function)
-    stock = ops_that_ran(models[False].train_function)
+    models, ran, stock = _fit_stock_and_fused(_rms_decoder)
     assert "RsqrtGrad" in stock and "RsqrtGrad" not in ran
-    label = stage.RMS_FORMS["rms custom"][1]
-    stats = tfmx.report().patterns["layer_norm"]
-    assert stats.fused == 2 and set(stats.fused_kinds) == {label} and not stats.declined
-    assert stats.observed[label] >= 2
-    terms = 6 * (3 * (_terms(16) + 16 + 8) + 12)
-    for a, b in zip(models[False].weights, models[True].weights):
-        assert_within_rounding(b.numpy(), a.numpy(), terms, what=a.name)
+    _assert_fused_twice_and_within_rounding(models, stage.RMS_FORMS["rms custom"][1])

@@ -200,15 +200,21 @@ def _resnet50() -> Any:
     return keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
 
 
-def _bn_resnet() -> Any:
-    """A small ResNet-style CNN with batch norm: 7 convolutions, each followed by
-    BatchNormalization, two residual blocks (one downsampling, with a projection)."""
+def bn_resnet_model(num_classes: int = 10, momentum: float = 0.99) -> Any:
+    """The ``bn_resnet`` workload's model (uncompiled; also ``recipes.bn_resnet``'s): a small
+    ResNet-style CNN on 32x32x3 with batch norm, 7 convolutions each followed by
+    BatchNormalization (``momentum``), two residual blocks (one downsampling, with a
+    projection).
+
+    >>> bn_resnet_model(3).output_shape  # doctest: +SKIP
+    (None, 3)
+    """
     import keras
     from keras import layers
 
     def conv_bn(x: Any, filters: int, kernel: int = 3, strides: int = 1) -> Any:
         x = layers.Conv2D(filters, kernel, strides=strides, padding="same", use_bias=False)(x)
-        return layers.BatchNormalization()(x)
+        return layers.BatchNormalization(momentum=momentum)(x)
 
     inp = keras.Input((32, 32, 3))
     x = layers.ReLU()(conv_bn(inp, 32))
@@ -217,8 +223,12 @@ def _bn_resnet() -> Any:
     y = conv_bn(layers.ReLU()(conv_bn(x, 64, strides=2)), 64)
     x = layers.ReLU()(layers.Add()([conv_bn(x, 64, kernel=1, strides=2), y]))
     x = layers.GlobalAveragePooling2D()(x)
-    out = layers.Dense(10, activation="softmax")(x)
+    out = layers.Dense(num_classes, activation="softmax")(x)
     return keras.Model(inp, out, name="bn_resnet")
+
+
+def _bn_resnet() -> Any:
+    return bn_resnet_model()
 
 
 def _dense_stack(depth: int, width: int, activation: str, inputs: int) -> Callable[[], Any]:

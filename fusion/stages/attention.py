@@ -176,10 +176,35 @@ def _xla(layer: Any, original: Callable, query: Any, key: Any, value: Any, mask:
     return xla_region(region)(query, key, value, *masks)
 
 
+def _rewrite(ctx: StageContext, what: str, why: str | None, forms: list[str],
+             signature: Callable[[], str], candidates: Callable[[], dict],
+             keras: Callable[[], Any], emit: Callable[[str], Any], prefix: str = "") -> Any:
+    """The flow both hooks share: without a tuner the first of ``forms``, else the tuner's
+    pick between Keras's Einsums and ``candidates()``; emitted by ``emit(form)`` under
+    ``tfmx_attention_<prefix><form>``, or Keras's computation with the reason recorded."""
+    stats = PatternStats(matched=1)
+    form = forms[0] if forms and why is None else None
+    if form is not None and ctx.chooser is not None:
+        chosen = signature()
+        form = ctx.chooser.choose(FAMILY, chosen, candidates(), "einsum").choice
+        if form == "einsum":
+            form, why = None, f"{chosen}: Keras's Einsums kept: measured faster"
+    if form is None:
+        stats.decline(f"{what}: {why}")
+        ctx.record(FAMILY, stats)
+        return keras()
+    with tf.name_scope(f"{SCOPE}_{(prefix + form).replace(' ', '_')}"):
+        out = emit(form)
+    stats.fuse(LABELS[prefix + form])
+    ctx.record(FAMILY, stats)
+    return out
+
+
 def fused_attention(ctx: StageContext, original: Callable, layer: Any, query: Any, key: Any,
                     value: Any, attention_mask: Any = None, training: Any = None,
                     return_attention_scores: bool = False, use_causal_mask: bool = False) -> Any:
     """``MultiHeadAttention._compute_attention`` while tfmx traces (the stage's handler)."""
+    causal = bool(use_causal_mask)
 
     def keras() -> Any:
         return original(layer, query, key, value, attention_mask, training,
@@ -187,36 +212,25 @@ def fused_attention(ctx: StageContext, original: Callable, layer: Any, query: An
 
     if not tf.inside_function():
         return keras()
-    stats = PatternStats(matched=1)
     why = find_attention(layer, query, return_attention_scores)
-    forms = [] if why else _forms(layer, query)
-    form = forms[0] if forms else None
-    if form is not None and ctx.chooser is not None:
+
+    def signature() -> str:
         from fusion.fragment import shape_text
 
-        shapes = [t.shape for t in (query, key, value)]
-        signature = (f"attention q {shape_text(query.shape)} kv {shape_text(key.shape)} "
-                     f"{query.dtype.name} causal={bool(use_causal_mask)} "
-                     f"dropout={layer._dropout > 0.0}")  # noqa: SLF001
-        form = ctx.chooser.choose(FAMILY, signature, _candidates(
-            ctx, layer, original, shapes, query.dtype, bool(use_causal_mask), forms),
-            "einsum").choice
-        if form == "einsum":
-            form, why = None, f"{signature}: Keras's Einsums kept: measured faster"
-    if form is None:
-        stats.decline(f"MultiHeadAttention: {why}")
-        ctx.record(FAMILY, stats)
-        return keras()
-    with tf.name_scope(f"{SCOPE}_{form.replace(' ', '_')}"):
+        return (f"attention q {shape_text(query.shape)} kv {shape_text(key.shape)} "
+                f"{query.dtype.name} causal={causal} "
+                f"dropout={layer._dropout > 0.0}")  # noqa: SLF001
+
+    def emit(form: str) -> Any:
         if form == XLA:
-            out = _xla(layer, original, query, key, value, attention_mask, training,
-                       bool(use_causal_mask))
-        else:
-            out = _emit(form, layer, query, key, value, attention_mask, training,
-                        bool(use_causal_mask))
-    stats.fuse(LABELS[form])
-    ctx.record(FAMILY, stats)
-    return out, None
+            return _xla(layer, original, query, key, value, attention_mask, training,
+                        causal), None
+        return _emit(form, layer, query, key, value, attention_mask, training, causal), None
+
+    forms = [] if why else _forms(layer, query)
+    return _rewrite(ctx, "MultiHeadAttention", why, forms, signature, lambda: _candidates(
+        ctx, layer, original, [t.shape for t in (query, key, value)], query.dtype, causal,
+        forms), keras, emit)
 
 
 def fused_dot_product_attention(ctx: StageContext, original: Callable, query: Any, key: Any,
@@ -233,40 +247,31 @@ def fused_dot_product_attention(ctx: StageContext, original: Callable, query: An
 
     if not tf.inside_function():
         return keras()
-    stats = PatternStats(matched=1)
     why = None if query.dtype.name in ("float32", "float16", "bfloat16") else \
         f"compute dtype {query.dtype.name}"
     forms = [] if why else (["bmm", "bmm folded"] if query.dtype == tf.float32 else ["bmm"])
 
-    def emit(form: str) -> Callable[..., Any]:
+    def form_of(form: str) -> Callable[..., Any]:
         if form == XLA:
             return xla_region(keras)
         return lambda q, k, v: attention(q, k, v, mask, bool(is_causal), scale,
                                          folded=form == "bmm folded", bias=bias)
 
-    form = forms[0] if forms else None
-    if form is not None and ctx.chooser is not None:
+    def signature() -> str:
         from fusion.fragment import shape_text
 
+        return (f"dot_product_attention q {shape_text(query.shape)} kv "
+                f"{shape_text(key.shape)} {query.dtype.name} causal={bool(is_causal)} "
+                f"bias={bias is not None} mask={mask is not None}")
+
+    def candidates() -> dict:
         shapes = [t.shape for t in (query, key, value)]
-        signature = (f"dot_product_attention q {shape_text(query.shape)} kv "
-                     f"{shape_text(key.shape)} {query.dtype.name} causal={bool(is_causal)} "
-                     f"bias={bias is not None} mask={mask is not None}")
         timed = {"einsum": timed_form(keras, shapes, query.dtype),
-                 **{f: timed_form(emit(f), shapes, query.dtype) for f in forms}}
-        timed = with_xla(ctx, timed, keras, shapes, query.dtype)
-        form = ctx.chooser.choose(FAMILY, signature, timed, "einsum").choice
-        if form == "einsum":
-            form, why = None, f"{signature}: Keras's Einsums kept: measured faster"
-    if form is None:
-        stats.decline(f"dot_product_attention: {why}")
-        ctx.record(FAMILY, stats)
-        return keras()
-    with tf.name_scope(f"{SCOPE}_sdpa_{form.replace(' ', '_')}"):
-        out = emit(form)(query, key, value)
-    stats.fuse(LABELS[f"sdpa {form}"])
-    ctx.record(FAMILY, stats)
-    return out
+                 **{f: timed_form(form_of(f), shapes, query.dtype) for f in forms}}
+        return with_xla(ctx, timed, keras, shapes, query.dtype)
+
+    return _rewrite(ctx, "dot_product_attention", why, forms, signature, candidates, keras,
+                    lambda form: form_of(form)(query, key, value), prefix="sdpa ")
 
 
 STAGE = register_stage(Stage(

@@ -191,10 +191,9 @@ def _first_axis(layer: Any, ndims: int) -> int | None:
     return axes[0]
 
 
-def find_layer_norm(layer: Any, inputs: Any, target: Any) -> tuple[int | None, str | None]:
-    """(first normalized axis, None) for a layer call this stage can fuse, or (None, why)."""
-    if getattr(layer, "rms_scaling", False):
-        return None, "rms_scaling=True (scales by the variance, no mean subtracted: no kernel)"
+def find_rms_norm(layer: Any, inputs: Any) -> tuple[int | None, str | None]:
+    """(first normalized axis, None) for an ``RMSNormalization`` call the stage can rewrite,
+    or (None, why): trailing normalized axes of a float input (what both layers' forms need)."""
     ndims = inputs.shape.rank
     if ndims is None:
         return None, "input of unknown rank"
@@ -202,10 +201,16 @@ def find_layer_norm(layer: Any, inputs: Any, target: Any) -> tuple[int | None, s
     if first is None:
         return None, f"normalized axes {layer.axis} are not the trailing axes of a rank-" \
                      f"{ndims} input"
-    dtype = inputs.dtype.name
-    if dtype not in ("float32", "float16", "bfloat16"):
-        return None, f"input dtype {dtype}"
+    if inputs.dtype.name not in ("float32", "float16", "bfloat16"):
+        return None, f"input dtype {inputs.dtype.name}"
     return first, None
+
+
+def find_layer_norm(layer: Any, inputs: Any, target: Any) -> tuple[int | None, str | None]:
+    """(first normalized axis, None) for a layer call this stage can fuse, or (None, why)."""
+    if getattr(layer, "rms_scaling", False):
+        return None, "rms_scaling=True (scales by the variance, no mean subtracted: no kernel)"
+    return find_rms_norm(layer, inputs)
 
 
 def fused_blocker(layer: Any, target: Any) -> str | None:
@@ -282,21 +287,6 @@ def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: 
                  f"axes {first}: center={layer.center} scale={layer.scale}")
     return _rewrite(ctx, original, layer, inputs, first, why, {n: emit(n) for n in names}, "",
                     signature)
-
-
-def find_rms_norm(layer: Any, inputs: Any) -> tuple[int | None, str | None]:
-    """(first normalized axis, None) for an ``RMSNormalization`` call the stage can rewrite,
-    or (None, why)."""
-    ndims = inputs.shape.rank
-    if ndims is None:
-        return None, "input of unknown rank"
-    first = _first_axis(layer, ndims)
-    if first is None:
-        return None, f"normalized axes {layer.axis} are not the trailing axes of a rank-" \
-                     f"{ndims} input"
-    if inputs.dtype.name not in ("float32", "float16", "bfloat16"):
-        return None, f"input dtype {inputs.dtype.name}"
-    return first, None
 
 
 def fused_rms_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
