@@ -77,7 +77,8 @@ def enable(
             stock unless the fused one is faster (:mod:`tfmx.guard`). None: ``$TFMX_GUARD``
             (default on).
         xla: the guard also times the step compiled by XLA (cpu and cuda; never metal) and
-            keeps it where it is faster still. None: ``$TFMX_XLA`` (default on).
+            keeps it where it is faster still, and the stages offer XLA-compiled regions (a
+            layer norm, an attention) to the tuner. None: ``$TFMX_XLA`` (default on).
 
     Global and idempotent: calling it again replaces the settings; models compiled before
     rebuild their step functions on next use. Bad names raise ValueError listing the choices.
