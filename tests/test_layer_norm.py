@@ -30,12 +30,11 @@ CASES = {  # name: (input shape, layer kwargs)
 }
 
 
-@pytest.mark.parametrize("form", sorted(stage.FORMS))
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_each_form_and_its_gradient_match_keras(name, form):
-    shape, kwargs = CASES[name]
+def _against_keras(layer, shape, form):
+    """``layer`` built for ``shape`` with random weights, and ``run(fused)``: its output and
+    the gradients of a loss w.r.t. the input and the weights, through ``form(x, first)``
+    (fused) or Keras's call; ``first`` the first normalized axis."""
     rng = np.random.default_rng(0)
-    layer = keras.layers.LayerNormalization(**kwargs)
     layer.build(shape)
     for v in layer.weights:
         v.assign(rng.standard_normal(v.shape) * 0.5 + 1.0)
@@ -46,21 +45,31 @@ def test_each_form_and_its_gradient_match_keras(name, form):
     def run(fused: bool):
         with tf.GradientTape() as tape:
             tape.watch(x)
-            if fused:
-                y = stage.FORMS[form][0](x, stage._value(layer.gamma),
-                                         stage._value(layer.beta), first, layer.epsilon)
-            else:
-                y = layer(x)
+            y = form(x, first) if fused else layer(x)
             loss = tf.reduce_sum(y * tf.sin(y))
         return [y, *tape.gradient(loss, [x, *layer.trainable_variables])]
 
-    graph = run.get_concrete_function(True).graph.as_graph_def()
-    assert any(n.op == "FusedBatchNormV3" for n in graph.node) == (form == "fused")
+    return run, first
+
+
+def _assert_outputs_within_rounding(run, shape, first) -> None:
     cols = int(np.prod(shape[first:]))
     for i, (got, expected) in enumerate(zip(run(True), run(False))):
         # the weight gradients sum over every row too
         terms = _terms(cols) + (0 if i < 2 else int(np.prod(shape[:first])))
         assert_within_rounding(got.numpy(), expected.numpy(), terms, what=f"output {i}")
+
+
+@pytest.mark.parametrize("form", sorted(stage.FORMS))
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_form_and_its_gradient_match_keras(name, form):
+    shape, kwargs = CASES[name]
+    layer = keras.layers.LayerNormalization(**kwargs)
+    run, first = _against_keras(layer, shape, lambda x, first: stage.FORMS[form][0](
+        x, stage._value(layer.gamma), stage._value(layer.beta), first, layer.epsilon))
+    graph = run.get_concrete_function(True).graph.as_graph_def()
+    assert any(n.op == "FusedBatchNormV3" for n in graph.node) == (form == "fused")
+    _assert_outputs_within_rounding(run, shape, first)
 
 
 @pytest.mark.parametrize("make,why", [
@@ -163,31 +172,13 @@ RMS_CASES = {  # name: (input shape, layer kwargs)
 @pytest.mark.parametrize("name", sorted(RMS_CASES))
 def test_rms_form_and_its_gradient_match_keras(name):
     shape, kwargs = RMS_CASES[name]
-    rng = np.random.default_rng(0)
     layer = keras.layers.RMSNormalization(**kwargs)
-    layer.build(shape)
-    layer.scale.assign(rng.standard_normal(layer.scale.shape) * 0.5 + 1.0)
-    x = tf.constant(rng.standard_normal(shape) * 3 + 1, tf.float32)
-    first = stage._first_axis(layer, len(shape))
-
-    @tf.function
-    def run(fused: bool):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            if fused:
-                y = stage.rms_norm_custom(x, stage._value(layer.scale), first, layer.epsilon)
-            else:
-                y = layer(x)
-            loss = tf.reduce_sum(y * tf.sin(y))
-        return [y, *tape.gradient(loss, [x, layer.scale])]
-
+    run, first = _against_keras(layer, shape, lambda x, first: stage.rms_norm_custom(
+        x, stage._value(layer.scale), first, layer.epsilon))
     stock_ops = {n.op for n in run.get_concrete_function(False).graph.as_graph_def().node}
     fused_ops = {n.op for n in run.get_concrete_function(True).graph.as_graph_def().node}
     assert "RsqrtGrad" in stock_ops and "RsqrtGrad" not in fused_ops
-    cols = int(np.prod(shape[first:]))
-    for i, (got, expected) in enumerate(zip(run(True), run(False))):
-        terms = _terms(cols) + (0 if i < 2 else int(np.prod(shape[:first])))
-        assert_within_rounding(got.numpy(), expected.numpy(), terms, what=f"output {i}")
+    _assert_outputs_within_rounding(run, shape, first)
 
 
 def test_rms_declines_leading_axes_with_a_reason():
