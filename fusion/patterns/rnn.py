@@ -80,7 +80,7 @@ def find_rnn_units(view: GraphView) -> list[RnnUnit]:
             or any(op in u.ops for op in UNIT_OPS)]
 
 
-UNROLLED_FORMS = ("_keras_unrolled", "_unrolled")  # scope suffixes, longest first
+UNROLLED_FORMS = ("_keras_unrolled", "_wavefront", "_unrolled")  # scope suffixes, longest first
 
 
 def _kind_form(unit: RnnUnit) -> tuple[str, str]:
@@ -97,7 +97,7 @@ def _check_unit(view: GraphView, unit: RnnUnit, target: Target) -> tuple[str | N
     label = KIND_LABELS.get((kind, form))
     if label is None:
         return None, f"{kind}: unexpected {form} form"
-    if form in ("unrolled", "keras_unrolled"):
+    if form in ("unrolled", "keras_unrolled", "wavefront"):
         loops = [n for op in ("While", "StatelessWhile") for n in unit.ops.get(op, ())]
         if loops or "MatMul" not in unit.ops:
             return None, f"{kind}: {form} form with a loop or no MatMul under {unit.scope}"

@@ -69,6 +69,10 @@ _CPU_FORMS = {
 }
 KIND_LABELS = {(kind, form): f"{name}: {text}"
                for kind, name in _KIND_NAMES.items() for form, text in _CPU_FORMS.items()}
+KIND_LABELS[("lstm", "wavefront")] = ("LSTM -> LSTM: the layer below and this one unrolled "
+                                      "as one wavefront, custom gradient")
+KIND_LABELS[("gru", "wavefront")] = ("GRU -> GRU (reset_after=True): the layer below and this "
+                                     "one unrolled as one wavefront, custom gradient")
 KIND_LABELS[("lstm", "cudnn")] = "LSTM: CudnnRNNV3 (+ CudnnRNNBackpropV3 by its gradient)"
 KIND_LABELS[("gru", "cudnn")] = "GRU: CudnnRNNV3 (+ CudnnRNNBackpropV3 by its gradient)"
 
@@ -229,31 +233,30 @@ def run_keras_loop(layer, original, sequences, initial_state, mask, training, un
         layer.unroll = saved
 
 
-def _layer_candidates(match: RnnMatch, original, sequences, initial_state, training,
-                      input_gradient=True):
+def _zero_states(match: RnnMatch, x: Any) -> list:
+    """A layer's zero initial states for the batch of ``x``."""
+    import tensorflow as tf
+
+    units, count = match.layer.cell.units, 2 if match.kind == "lstm" else 1
+    return [tf.zeros([tf.shape(x)[0], units], x.dtype) for _ in range(count)]
+
+
+def _run_form(match: RnnMatch, original, form: RnnForm, x: Any, training) -> Any:
+    """The outputs of ``match``'s layer on ``x`` from zero states in ``form``."""
+    init = _zero_states(match, x)
+    if form.hoisted:
+        return rewrite_rnn_layer(match, x, init, None, training, form.chunks, form.unrolled)[1]
+    return run_keras_loop(match.layer, original, x, init, None, training, form.unrolled)[1]
+
+
+def _layer_candidates(match: RnnMatch, original, sequences, training, input_gradient=True):
     """The forms of one layer call, each a factory of a runnable forward (+ backward when
     ``training``) at the call's shapes (unknown batch 32): :func:`cpu_forms`.
     ``input_gradient``: whether the backward computes the gradient of the sequences too (not
     for a layer reading the model's inputs)."""
-    import tensorflow as tf
-
-    layer = match.layer
-    states = list(initial_state) if isinstance(initial_state, (list, tuple)) else [
-        initial_state]
-    units = int(states[0].shape[-1])
-
-    def forward(form: RnnForm) -> Any:
-        def run(x: Any) -> Any:
-            init = [tf.zeros([tf.shape(x)[0], units], x.dtype) for _ in states]
-            if form.hoisted:
-                return rewrite_rnn_layer(match, x, init, None, training, form.chunks,
-                                         form.unrolled)[1]
-            return run_keras_loop(layer, original, x, init, None, training, form.unrolled)[1]
-
-        return run
-
-    return {name: timed_form(forward(form), [sequences.shape], sequences.dtype,
-                             layer.trainable_variables, watch=input_gradient,
+    return {name: timed_form(lambda x, form=form: _run_form(match, original, form, x, training),
+                             [sequences.shape], sequences.dtype,
+                             match.layer.trainable_variables, watch=input_gradient,
                              backward=bool(training))
             for name, form in cpu_forms(sequences.shape[1]).items()}
 
@@ -271,9 +274,132 @@ def _tuned_form(match: RnnMatch, original, sequences, initial_state, mask, train
                  f"sequences={match.layer.return_sequences} mask={mask is not None} "
                  f"training={bool(training)} input_gradient={input_gradient}")
     choice = tuner.choose("rnn", signature, _layer_candidates(
-        match, original, sequences, initial_state, training, input_gradient),
-        conservative="keras")
+        match, original, sequences, training, input_gradient), conservative="keras")
     return cpu_forms(sequences.shape[1])[choice.choice]
+
+
+# -- stacked layers: the wavefront pair -------------------------------------------------------
+WAVEFRONT = "wavefront"
+PAIR_KINDS = ("lstm", "gru")  # GRU(reset_after=False) has no pair form
+_BELOW = "_tfmx_rnn_below"  # on the traced graph: {outputs.ref(): Below}
+
+
+@dataclasses.dataclass(frozen=True)
+class Below:
+    """A layer call whose output sequence the next layer may read, with what the wavefront
+    needs to run it again beside that layer (its inputs, states and the form it took)."""
+
+    match: RnnMatch
+    original: Any
+    form: RnnForm
+    sequences: Any
+    initial_state: tuple
+
+
+def _pairable(match: RnnMatch, sequences, mask, training: bool) -> bool:
+    """Whether a layer call fits in a wavefront pair, as the layer below or above: a static
+    length the unrolled form takes, no mask, forwards, no dropout, training."""
+    layer = match.layer
+    steps = sequences.shape[1]
+    return (training and mask is None and match.kind in PAIR_KINDS and not layer.go_backwards
+            and not layer.cell.dropout and steps is not None
+            and 1 < steps <= MAX_UNROLLED_STEPS)
+
+
+def _remember_below(match: RnnMatch | None, original, form: RnnForm, sequences, initial_state,
+                    mask, training: bool, outputs) -> None:
+    """Note a layer call whose outputs another layer may read as its upper half of a pair."""
+    if match is None or match.form != "hoisted" or not match.layer.return_sequences:
+        return
+    if not _pairable(match, sequences, mask, training) or not hasattr(outputs, "graph"):
+        return
+    states = initial_state if isinstance(initial_state, (list, tuple)) else [initial_state]
+    below = getattr(outputs.graph, _BELOW, None)
+    if below is None:
+        below = {}
+        setattr(outputs.graph, _BELOW, below)
+    below[outputs.ref()] = Below(match, original, form, sequences, tuple(states))
+
+
+def _below(match: RnnMatch, sequences, mask, training: bool) -> Below | None:
+    """The layer call of the same kind whose outputs are this call's ``sequences``, if the
+    two can run as one wavefront."""
+    if not hasattr(sequences, "graph") or not _pairable(match, sequences, mask, training):
+        return None
+    below = getattr(sequences.graph, _BELOW, {}).get(sequences.ref())
+    return below if below is not None and below.match.kind == match.kind else None
+
+
+def _own_zeros(states, sequences) -> list:
+    """``states`` with each zero fill rebuilt at ``sequences``' batch: Keras's initial state
+    of the layer above takes its batch size from the shape of the layer below's outputs, which
+    would keep that layer's own loop running beside the wavefront only to give a shape."""
+    import tensorflow as tf
+
+    def own(state):
+        op = getattr(state, "op", None)
+        if op is None or op.type != "Fill" or tf.get_static_value(op.inputs[1]) != 0:
+            return state
+        return tf.zeros([tf.shape(sequences)[0], state.shape[-1]], state.dtype)
+
+    return [own(state) for state in states]
+
+
+def rewrite_rnn_pair(low: RnnMatch, up: RnnMatch, sequences, low_states, up_states):
+    """Emit the wavefront of ``low`` -> ``up`` over ``low``'s input ``sequences``: ``up``'s
+    Keras ``inner_loop`` result (:mod:`fusion.stages.rnn_wavefront`)."""
+    import tensorflow as tf
+
+    from fusion.stages import rnn_wavefront as w
+
+    def weights(match: RnnMatch) -> tuple:
+        cell = match.layer.cell
+        return (cell.kernel.value, cell.recurrent_kernel.value,
+                None if cell.bias is None else cell.bias.value)
+
+    return_sequences = up.layer.return_sequences
+    with tf.name_scope(SCOPE + up.kind + "_" + WAVEFRONT):
+        if up.kind == "lstm":
+            return w.lstm_pair(sequences, list(low_states), weights(low), list(up_states),
+                               weights(up), return_sequences)
+        return w.gru_pair(sequences, low_states[0], weights(low), up_states[0], weights(up),
+                          return_sequences)
+
+
+def _pair_candidates(below: Below, up: RnnMatch, original, form: RnnForm):
+    """The two ways to run a stacked pair, timed at the lower layer's input shape: layer by
+    layer (each in the form its own decision took) or one wavefront."""
+    from tensorflow.python.eager import record
+
+    def layers(x: Any) -> Any:
+        low_out = _run_form(below.match, below.original, below.form, x, True)
+        return _run_form(up, original, form, low_out, True)
+
+    def wave(x: Any) -> Any:
+        return rewrite_rnn_pair(below.match, up, x, _zero_states(below.match, x),
+                                _zero_states(up, x))[1]
+
+    variables = [*below.match.layer.trainable_variables, *up.layer.trainable_variables]
+    watch = record.should_record_backprop([below.sequences])
+    return {name: timed_form(run, [below.sequences.shape], below.sequences.dtype, variables,
+                             watch=watch)
+            for name, run in (("layers", layers), (WAVEFRONT, wave))}, watch
+
+
+def _pair_chosen(chooser, below: Below, up: RnnMatch, original, form: RnnForm) -> bool:
+    """Whether the wavefront runs this pair: the tuner's measurement (the report has it), or
+    the rewritten form itself without a chooser."""
+    if chooser is None:
+        return True
+    from fusion.fragment import shape_text
+
+    low = below.match.layer
+    candidates, watch = _pair_candidates(below, up, original, form)
+    signature = (f"{up.kind} pair input {shape_text(below.sequences.shape)} units "
+                 f"{low.cell.units}->{up.layer.cell.units} bias={low.use_bias},"
+                 f"{up.layer.use_bias} sequences={up.layer.return_sequences} "
+                 f"input_gradient={watch} below={below.form.name} above={form.name}")
+    return chooser.choose("rnn", signature, candidates, conservative="layers").choice == WAVEFRONT
 
 
 def forward_stage(ctx: StageContext, original, layer, sequences, initial_state, mask=None,
@@ -283,24 +409,54 @@ def forward_stage(ctx: StageContext, original, layer, sequences, initial_state, 
 
     On cpu ``ctx.chooser`` (``tfmx.tuner``) decides between the forms of :func:`cpu_forms`
     (Keras's loop or the hoisted one, looped in a few chunkings or unrolled; Keras's cell
-    unrolled) by timing them at the call's shapes; None: the hoisted loop."""
+    unrolled) by timing them at the call's shapes; None: the hoisted loop. A layer reading
+    the output sequence of the layer below it (``LSTM(return_sequences=True) -> LSTM``) may
+    run with it as one unrolled wavefront (:func:`rewrite_rnn_pair`), when the chooser measures
+    that faster than the two layers one after the other."""
+    found, why = find_rnn_layer(layer, ctx.target)
+    form = RnnForm("hoisted", True)
+    train = training if isinstance(training, bool) else training is not None
+    if found is not None and found.form == "hoisted" and ctx.chooser is not None:
+        form = _tuned_form(found, original, sequences, initial_state, mask, train, ctx.chooser)
+    result = _emit(ctx, found, why, form, original, layer, sequences, initial_state, mask,
+                   training)
+    _remember_below(found, original, form, sequences, initial_state, mask, train, result[1])
+    return result
+
+
+def _emit(ctx: StageContext, match: RnnMatch | None, why: str | None, form: RnnForm, original,
+          layer, sequences, initial_state, mask, training):
+    """The layer call in ``form`` (or as part of a pair with the layer below), recorded."""
     import tensorflow as tf
 
     stats = PatternStats(matched=1)
-    match, why = find_rnn_layer(layer, ctx.target)
-    form = RnnForm("hoisted", True)
-    if match is not None and match.form == "hoisted" and ctx.chooser is not None:
-        train = training if isinstance(training, bool) else training is not None
-        form = _tuned_form(match, original, sequences, initial_state, mask, train,
-                              ctx.chooser)
-        if form.name == "keras":
-            match, why = None, "tuned"
-        elif not form.hoisted:  # Keras's cell, unrolled: measured faster than every loop
-            stats.fuse(KIND_LABELS[(match.kind, "keras_unrolled")])
+    train = training if isinstance(training, bool) else training is not None
+    below = None if match is None or match.form != "hoisted" else _below(match, sequences,
+                                                                         mask, train)
+    if below is not None and _pair_chosen(ctx.chooser, below, match, original, form):
+        try:
+            states = initial_state if isinstance(initial_state, (list, tuple)) else [
+                initial_state]
+            result = rewrite_rnn_pair(below.match, match, below.sequences,
+                                      below.initial_state, _own_zeros(states, below.sequences))
+        except Exception as exc:  # noqa: BLE001 - never break training: the layers run
+            stats.errors.append(f"{layer.name}: {type(exc).__name__}: {exc}")
+            warnings.warn(f"tfmx rnn: {layer.name} with the layer below: "
+                          f"{type(exc).__name__}: {exc}; the layers run one by one",
+                          stacklevel=3)
+        else:
+            stats.fuse(KIND_LABELS[(match.kind, WAVEFRONT)])
             ctx.record(FAMILY, stats)
-            with tf.name_scope(SCOPE + match.kind + "_keras_unrolled"):
-                return run_keras_loop(layer, original, sequences, initial_state, mask,
-                                      training, unrolled=True)
+            return result
+    if match is not None and form.name == "keras":
+        match, why = None, "tuned"
+    elif match is not None and not form.hoisted and form.unrolled:
+        # Keras's cell, unrolled: measured faster than every loop
+        stats.fuse(KIND_LABELS[(match.kind, "keras_unrolled")])
+        ctx.record(FAMILY, stats)
+        with tf.name_scope(SCOPE + match.kind + "_keras_unrolled"):
+            return run_keras_loop(layer, original, sequences, initial_state, mask,
+                                  training, unrolled=True)
     if match is not None:
         try:
             result = rewrite_rnn_layer(match, sequences, initial_state, mask, training,
@@ -309,7 +465,7 @@ def forward_stage(ctx: StageContext, original, layer, sequences, initial_state, 
             why = "error"
             stats.errors.append(f"{layer.name}: {type(exc).__name__}: {exc}")
             warnings.warn(f"tfmx rnn: {layer.name}: {type(exc).__name__}: {exc}; "
-                          "Keras's own loop runs", stacklevel=2)
+                          "Keras's own loop runs", stacklevel=3)
         else:
             stats.fuse(KIND_LABELS[(match.kind, "unrolled" if form.unrolled else match.form)])
             ctx.record(FAMILY, stats)

@@ -98,7 +98,7 @@ LOOPED = Steps(False)
 UNROLLED = Steps(True)
 
 
-def _or_zeros(grad: tf.Tensor | None, like: tf.Tensor) -> tf.Tensor:
+def or_zeros(grad: tf.Tensor | None, like: tf.Tensor) -> tf.Tensor:
     return tf.zeros_like(like) if grad is None else grad
 
 
@@ -107,7 +107,7 @@ def _shifted(first: tf.Tensor, seq: tf.Tensor) -> tf.Tensor:
     return tf.concat([first[None], seq[:-1]], axis=0)
 
 
-def _flat(x: tf.Tensor) -> tf.Tensor:
+def flat(x: tf.Tensor) -> tf.Tensor:
     return tf.reshape(x, [-1, tf.shape(x)[-1]])
 
 
@@ -168,20 +168,33 @@ def _plus_output_grad(dh, dseq, s):
 
 
 # -- LSTM ------------------------------------------------------------------------------------
+def lstm_gates(z, c, saving):
+    """One LSTM step from its pre-activations ``z`` [B, 4H] (gates i, f, c, o) and the cell
+    state ``c``: ``([h, c_new], saved)``, ``saved`` what :func:`lstm_gates_back` reads."""
+    zi, zf, zg, zo = tf.split(z, 4, axis=1)
+    i, f, g, o = tf.sigmoid(zi), tf.sigmoid(zf), tf.tanh(zg), tf.sigmoid(zo)
+    c_new = f * c + i * g
+    tc = tf.tanh(c_new)
+    if not saving:
+        return [o * tc, c_new], ()
+    # dc_new = dc + dh * p1; dz = [dc_new, dc_new, dc_new, dh] * fac
+    p1 = o * (1.0 - tc * tc)
+    fac = tf.concat([g * _sig_grad(i), c * _sig_grad(f), i * (1.0 - g * g),
+                     tc * _sig_grad(o)], axis=1)
+    return [o * tc, c_new], (tf.concat([p1, f, fac], axis=1),)
+
+
+def lstm_gates_back(dh, dc, saved, units):
+    """The backward of :func:`lstm_gates`: ``(dz, dc_prev)`` from the gradients of its new
+    ``h`` and ``c`` and what it saved."""
+    p1, f, fac = tf.split(saved, [units, units, 4 * units], axis=1)
+    dcn = dc + dh * p1
+    return tf.concat([dcn, dcn, dcn, dh], axis=1) * fac, dcn * f
+
+
 def _lstm_cell(rk, saving):
     def cell(x_t, h, c):
-        z = x_t + tf.matmul(h, rk)
-        zi, zf, zg, zo = tf.split(z, 4, axis=1)
-        i, f, g, o = tf.sigmoid(zi), tf.sigmoid(zf), tf.tanh(zg), tf.sigmoid(zo)
-        c_new = f * c + i * g
-        tc = tf.tanh(c_new)
-        if not saving:
-            return [o * tc, c_new], ()
-        # dc_new = dc + dh * p1; dz = [dc_new, dc_new, dc_new, dh] * fac
-        p1 = o * (1.0 - tc * tc)
-        fac = tf.concat([g * _sig_grad(i), c * _sig_grad(f), i * (1.0 - g * g),
-                         tc * _sig_grad(o)], axis=1)
-        return [o * tc, c_new], (tf.concat([p1, f, fac], axis=1),)
+        return lstm_gates(x_t + tf.matmul(h, rk), c, saving)
 
     return cell
 
@@ -216,7 +229,7 @@ def _lstm_core(xps, h0, c0, rk, masks, sequence=True, training=True, steps=LOOPE
 
         def grad(*d_out):
             d_hs, d_ht, d_ct = d_out if sequence else (None, *d_out)
-            dh, dc = _or_zeros(d_ht, h_t), _or_zeros(d_ct, c_t)
+            dh, dc = or_zeros(d_ht, h_t), or_zeros(d_ct, c_t)
             d_seqs = [None] * k if d_hs is None else tf.split(
                 d_hs, [tf.shape(x)[0] for x in xps], axis=0)
             rk_t = tf.transpose(rk)  # MatMul with transpose_b is ~1.6x slower here
@@ -226,7 +239,7 @@ def _lstm_core(xps, h0, c0, rk, masks, sequence=True, training=True, steps=LOOPE
                 h_first = h0 if j == 0 else chunks[j - 1][1][-1]
                 dh, dc, dxps[j] = _lstm_backward(n, rec, d_seqs[j], masks[j], xps[j].dtype,
                                                  units, rk_t, dh, dc, steps)
-                drks.append(tf.matmul(_flat(_shifted(h_first, hs_j)), _flat(dxps[j]),
+                drks.append(tf.matmul(flat(_shifted(h_first, hs_j)), flat(dxps[j]),
                                       transpose_a=True))
             return (*dxps, dh, dc, tf.add_n(drks))
 
@@ -242,15 +255,12 @@ def _lstm_backward(n, rec, d_hs, mask, dtype, units, rk_t, d_ht, d_ct, steps):
     def back(t, dh, dc, dzs):
         s = n - 1 - t
         dh = _plus_output_grad(dh, dseq, s)
-        p1, f, fac = tf.split(rec.read(s), [units, units, 4 * units], axis=1)
         dhn, dcn = dh, dc
         if mf is not None:
             m = mf.read(s)
             dhn, dcn = dh * m, dc * m
-        dcn = dcn + dhn * p1
-        dz = tf.concat([dcn, dcn, dcn, dhn], axis=1) * fac
+        dz, dc_prev = lstm_gates_back(dhn, dcn, rec.read(s), units)
         dh_prev = tf.matmul(dz, rk_t)
-        dc_prev = dcn * f
         if mf is not None:
             dh_prev, dc_prev = dh_prev + dh * (1.0 - m), dc_prev + dc * (1.0 - m)
         return t + 1, dh_prev, dc_prev, dzs.write(s, dz)
@@ -260,7 +270,7 @@ def _lstm_backward(n, rec, d_hs, mask, dtype, units, rk_t, d_ht, d_ct, steps):
 
 
 # -- GRU -------------------------------------------------------------------------------------
-def _gru_after_cell(rk, brec, saving):
+def gru_after_cell(rk, brec, saving):
     def cell(x_t, h):
         inner = tf.matmul(h, rk) + brec
         x_z, x_r, x_h = tf.split(x_t, 3, axis=1)
@@ -287,7 +297,7 @@ def _gru_core_after(xps, h0, rk, brec, masks, sequence=True, training=True, step
         h, hs = h0, []
         for j in range(k):
             _, (h,), hs_j, _ = _forward(xps[j], (h,), masks[j],
-                                        _gru_after_cell(rk, brec, False), sequence, 0, steps)
+                                        gru_after_cell(rk, brec, False), sequence, 0, steps)
             hs.append(hs_j)
         return (tf.concat(hs, 0), h) if sequence else h
 
@@ -297,7 +307,7 @@ def _gru_core_after(xps, h0, rk, brec, masks, sequence=True, training=True, step
         h, chunks = h0, []
         for j in range(k):
             n, (h,), hs_j, (rec,) = _forward(xps[j], (h,), masks[j],
-                                             _gru_after_cell(rk, brec, True), True, 1, steps)
+                                             gru_after_cell(rk, brec, True), True, 1, steps)
             chunks.append((n, hs_j, rec))
         h_t = h
         hs = tf.concat([hs_j for _, hs_j, _ in chunks], 0)
@@ -305,7 +315,7 @@ def _gru_core_after(xps, h0, rk, brec, masks, sequence=True, training=True, step
 
         def grad(*d_out):
             d_hs, d_ht = d_out if sequence else (None, *d_out)
-            dh = _or_zeros(d_ht, h_t)
+            dh = or_zeros(d_ht, h_t)
             d_seqs = [None] * k if d_hs is None else tf.split(
                 d_hs, [tf.shape(x)[0] for x in xps], axis=0)
             rk_t = tf.transpose(rk)
@@ -315,7 +325,7 @@ def _gru_core_after(xps, h0, rk, brec, masks, sequence=True, training=True, step
                 h_first = h0 if j == 0 else chunks[j - 1][1][-1]
                 dh, dxps[j], dinner = _gru_after_backward(n, rec, d_seqs[j], masks[j],
                                                           xps[j].dtype, units, rk_t, dh, steps)
-                drks.append(tf.matmul(_flat(_shifted(h_first, hs_j)), dinner,
+                drks.append(tf.matmul(flat(_shifted(h_first, hs_j)), dinner,
                                       transpose_a=True))
                 dbrecs.append(tf.reduce_sum(dinner, axis=0))
             return (*dxps, dh, tf.add_n(drks), tf.add_n(dbrecs))
@@ -323,6 +333,15 @@ def _gru_core_after(xps, h0, rk, brec, masks, sequence=True, training=True, step
         return ((hs, h_t) if sequence else h_t), grad
 
     return core(*xps, h0, rk, brec)
+
+
+def gru_after_back(dh, saved, units, rk_t):
+    """The backward of one GRU(reset_after=True) step (:func:`gru_after_cell`) from the
+    gradient of its new ``h``: ``(dh_prev, d_inner, d_candidate)``; the gradient of its input
+    projection is ``[d_inner[:, :2H], d_candidate]``."""
+    fac, z, pz = tf.split(saved, [3 * units, units, units], axis=1)
+    dinner = tf.tile(dh, [1, 3]) * fac
+    return dh * z + tf.matmul(dinner, rk_t), dinner, dh * pz
 
 
 def _gru_after_backward(n, rec, d_hs, mask, dtype, units, rk_t, d_ht, steps):
@@ -333,18 +352,16 @@ def _gru_after_backward(n, rec, d_hs, mask, dtype, units, rk_t, d_ht, steps):
     def back(t, dh, dis, dahs):
         s = n - 1 - t
         dh = _plus_output_grad(dh, dseq, s)
-        fac, z, pz = tf.split(rec.read(s), [3 * units, units, units], axis=1)
         dhn = dh if mf is None else dh * mf.read(s)
-        dinner = tf.tile(dhn, [1, 3]) * fac
-        dh_prev = dhn * z + tf.matmul(dinner, rk_t)
+        dh_prev, dinner, dah = gru_after_back(dhn, rec.read(s), units, rk_t)
         if mf is not None:
             dh_prev = dh_prev + (dh - dhn)
-        return t + 1, dh_prev, dis.write(s, dinner), dahs.write(s, dhn * pz)
+        return t + 1, dh_prev, dis.write(s, dinner), dahs.write(s, dah)
 
     dh0, dis, dahs = steps.loop(n, back, (d_ht, steps.array(dtype, n), steps.array(dtype, n)))
     dinner = dis.stack()
     dxp = tf.concat([dinner[..., : 2 * units], dahs.stack()], axis=2)
-    return dh0, dxp, _flat(dinner)
+    return dh0, dxp, flat(dinner)
 
 
 def _gru_before_cell(rk_zr, rk_h, saving):
@@ -383,7 +400,7 @@ def _gru_core_before(xp, h0, rk, mask, sequence=True, training=True, steps=LOOPE
 
         def grad(*d_out):
             d_hs, d_ht = d_out if sequence else (None, *d_out)
-            d_ht = _or_zeros(d_ht, h_t)
+            d_ht = or_zeros(d_ht, h_t)
             dseq, mf = _backward_reads(d_hs, mask, xp.dtype, steps)
             rk_h_t, rk_zr_t = tf.transpose(rk_h), tf.transpose(rk_zr)
 
@@ -402,9 +419,9 @@ def _gru_core_before(xp, h0, rk, mask, sequence=True, training=True, steps=LOOPE
 
             dh0, dxs = steps.loop(n, back, (d_ht, steps.array(xp.dtype, n)))
             dxp = dxs.stack()
-            d_zr, d_h = _flat(dxp[..., : 2 * units]), _flat(dxp[..., 2 * units:])
-            drk = tf.concat([tf.matmul(_flat(_shifted(h0, hs)), d_zr, transpose_a=True),
-                             tf.matmul(_flat(rhs.stack()), d_h, transpose_a=True)], axis=1)
+            d_zr, d_h = flat(dxp[..., : 2 * units]), flat(dxp[..., 2 * units:])
+            drk = tf.concat([tf.matmul(flat(_shifted(h0, hs)), d_zr, transpose_a=True),
+                             tf.matmul(flat(rhs.stack()), d_h, transpose_a=True)], axis=1)
             return dxp, dh0, drk
 
         return ((hs, h_t) if sequence else h_t), grad
@@ -434,7 +451,7 @@ def _chunks(steps: int | None, chunks: int | None = None) -> list[tuple[int | No
     return list(zip(edges[:-1], edges[1:]))
 
 
-def _project(x, kernel, bias):
+def project(x, kernel, bias):
     """The hoisted input projection: every timestep in one MatMul (+ BiasAdd)."""
     shape = tf.shape(x)
     xp = tf.matmul(tf.reshape(x, [-1, x.shape[-1]]), kernel)
@@ -469,7 +486,7 @@ def lstm_sequence(sequences, h0, c0, mask, kernel, recurrent_kernel, bias,
     """
     x, m = _time_major(sequences, mask, go_backwards)
     spans = _chunks(x.shape[0], chunks)
-    xps = [_project(x[a:b], kernel, bias) for a, b in spans]
+    xps = [project(x[a:b], kernel, bias) for a, b in spans]
     masks = [None if m is None else m[a:b] for a, b in spans]
     out = _lstm_core(xps, h0, c0, recurrent_kernel, masks, return_sequences, training,
                      UNROLLED if unrolled else LOOPED)
@@ -493,12 +510,12 @@ def gru_sequence(sequences, h0, mask, kernel, recurrent_kernel, bias, reset_afte
         else:
             in_bias, rec_bias = bias[0], bias[1]
         spans = _chunks(x.shape[0], chunks)
-        out = _gru_core_after([_project(x[a:b], kernel, in_bias) for a, b in spans], h0,
+        out = _gru_core_after([project(x[a:b], kernel, in_bias) for a, b in spans], h0,
                               recurrent_kernel, rec_bias,
                               [None if m is None else m[a:b] for a, b in spans],
                               return_sequences, training, steps)
     else:
-        out = _gru_core_before(_project(x, kernel, bias), h0, recurrent_kernel, m,
+        out = _gru_core_before(project(x, kernel, bias), h0, recurrent_kernel, m,
                                return_sequences, training, steps)
     hs, h_t = out if return_sequences else (None, out)
     last, outputs = _outputs(hs, h_t, m, return_sequences, zero_output_for_mask)
