@@ -17,6 +17,15 @@ How it measures ("measure, do not guess"):
    set to ``1`` or ``0``; the child checks the state took effect and hands its results back as
    JSON. States run one after the other; the modes within a state are interleaved as above.
    Without ``onednn`` everything runs in this process, in its current state.
+5. Replicas (``run_benchmarks(..., replicas=N)``, ``tfmx bench --replicas N``; default 1: one
+   device, no strategy): each measuring process splits its CPU into N logical devices before
+   TensorFlow runs anything (:func:`split_cpu`) and builds and compiles every mode's model in a
+   ``tf.distribute.MirroredStrategy`` over them, fed a distributed dataset; the global batch
+   stays the workload's (each replica gets batch / N). The same modes with 1 replica (no
+   strategy) are built in the same process and interleaved with them in the same rounds, so
+   :func:`compare_replicas` sets tfmx / stock with N replicas against 1 replica's (issue 16:
+   within :data:`REPLICA_TOLERANCE`). XLA's step and ``policy="auto"`` cannot run under the
+   strategy: :func:`check_replicas` says so and what to pass instead.
 
 The output (:func:`format_markdown`):
 
@@ -43,6 +52,10 @@ The output (:func:`format_markdown`):
   ``vs XLA`` (the ratios within one process: tfmx/stock, tfmx/xla, xla/stock), first call
   (trace, rewrite or compile) seconds; then each traced function's rewrite, and how many
   chains/updates tfmx fused, per state.
+- With N > 1 replicas: a line saying how they ran (:func:`format_replica_setup`), the rows and
+  sections per replica count ("1 replica", "N replicas"), and after the summary table
+  tfmx / stock with 1 and with N replicas per workload, their difference and whether it is
+  within 0.05 (:func:`format_replicas`).
 
 Keras's step function is an outer ``tf.function`` that calls tfmx's rewritten step, so the
 rewrite is baked in when it is traced; tfmx is kept enabled while timing anyway, so that a
@@ -94,7 +107,8 @@ def time_step_functions(
     """Time step functions interleaved: median ms per call over ``rounds``, warm-up excluded.
 
     Args:
-        fns: mode name -> a step function taking an iterator (e.g. ``model.train_function``).
+        fns: mode name (or any key, e.g. (mode, replicas)) -> a step function taking an
+            iterator (e.g. ``model.train_function``).
         iterator_factory: called once per mode with the mode name; returns that mode's
             (repeating) iterator, e.g. ``lambda mode: iter(dataset.repeat())``.
         rounds: interleaved rounds; each round times ``steps`` calls of every mode, in an
@@ -378,18 +392,20 @@ def _optimizer(name: str) -> Any:
 
 
 def _build(workload: Workload, mode: str, seed: int, weights: list | None,
-           policy: str | None = None, optimizer: str = "adam") -> Any:
+           policy: str | None = None, optimizer: str = "adam", strategy: Any = None,
+           dataset: Any = None) -> Any:
     import contextlib
 
     import keras
 
-    if policy is not None and mode != "stock":
-        import policies
+    with contextlib.ExitStack() as stack:
+        if strategy is not None:  # variables mirrored over the replicas' devices
+            stack.enter_context(strategy.scope())
+        if policy is not None and mode != "stock":
+            import policies
 
-        context: Any = policies.scope(policy)
-    else:
-        context = contextlib.nullcontext()
-    with context:  # built and compiled under the policy (its compile hook tunes and guards)
+            # built and compiled under the policy (its compile hook tunes and guards)
+            stack.enter_context(policies.scope(policy))
         keras.utils.set_random_seed(seed)
         model = workload.build()
         if weights is not None:
@@ -400,6 +416,11 @@ def _build(workload: Workload, mode: str, seed: int, weights: list | None,
             metrics=["accuracy"],
             jit_compile=(mode == "xla"),
         )
+        if strategy is not None:
+            # What fit does before its first step under a strategy: the optimizer's slots and
+            # the metrics' variables created here, in the strategy's scope, not in the
+            # replicas' trace (where creating a mirrored variable fails).
+            model._maybe_symbolic_build(data_batch=next(iter(dataset)))
     return model
 
 
@@ -440,17 +461,112 @@ def environment() -> dict[str, Any]:
     }
 
 
+# -- replicas: a MirroredStrategy over logical CPU devices -------------------------------------
+REPLICA_TOLERANCE = 0.05  # issue 16: tfmx / stock under N replicas within this of 1 replica's
+# What cannot run inside a MirroredStrategy over logical CPUs, and what to do instead.
+_XLA_UNDER_REPLICAS = (
+    "the xla mode cannot run with replicas > 1: Keras's jit_compile=True step under a "
+    "MirroredStrategy reads a replica's variables from another logical CPU, which XLA refuses "
+    "('Trying to access resource ... located in device CPU:1 from device CPU:0'); pass "
+    "--modes stock tfmx (without --modes, --replicas N > 1 measures stock and tfmx)")
+_AUTO_UNDER_REPLICAS = (
+    "--policy auto cannot run with replicas > 1: its per-layer tuning reads the layers' "
+    "variables outside the replica context, which a MirroredStrategy's variables refuse (it "
+    "would fall back to one policy everywhere); pass a fixed policy (float32, mixed_float16, "
+    "mixed_bfloat16)")
+
+
+def replica_modes(replicas: int) -> tuple[str, ...]:
+    """The modes measured when none are asked for: every mode with one replica, stock and tfmx
+    with more (XLA's step cannot run under the strategy: :func:`check_replicas`).
+
+    >>> replica_modes(1), replica_modes(2)
+    (('stock', 'tfmx', 'xla'), ('stock', 'tfmx'))
+    """
+    return MODES if replicas == 1 else tuple(m for m in MODES if m != "xla")
+
+
+def check_replicas(replicas: Any, modes: Sequence[str] = ("stock", "tfmx"),
+                   policy: str | None = None, batch_sizes: Mapping[str, int] | None = None,
+                   ) -> None:
+    """ValueError, saying what to do, if ``replicas`` cannot be measured with these options.
+
+    ``replicas`` must be an int >= 1; above 1 the ``xla`` mode and ``policy="auto"`` cannot run
+    under the strategy, and each workload's global batch (``batch_sizes``: name -> batch) must
+    split evenly over the replicas.
+
+    >>> check_replicas(2, ["stock", "tfmx"], batch_sizes={"mlp": 32})
+    >>> check_replicas(0)
+    Traceback (most recent call last):
+    ...
+    ValueError: replicas must be an integer >= 1 (1: one device, no strategy), got 0
+    >>> check_replicas(3, batch_sizes={"mlp": 32})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: mlp's batch of 32 does not split over 3 replicas: ...
+    """
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be an integer >= 1 (1: one device, no strategy), got "
+                         f"{replicas!r}")
+    if replicas == 1:
+        return
+    if "xla" in modes:
+        raise ValueError(_XLA_UNDER_REPLICAS)
+    if policy == "auto":
+        raise ValueError(_AUTO_UNDER_REPLICAS)
+    for name, batch in (batch_sizes or {}).items():
+        if batch % replicas:
+            raise ValueError(f"{name}'s batch of {batch} does not split over {replicas} "
+                             f"replicas: pass --batch-size a multiple of {replicas} (the "
+                             f"global batch; each replica gets batch / {replicas})")
+
+
+def split_cpu(replicas: int) -> list[str]:
+    """Split this process's physical CPU into ``replicas`` logical CPU devices; their names.
+
+    TensorFlow allows it only before it initialises its devices (before any op runs): a
+    process that already ran TensorFlow gets a RuntimeError saying so, unless its CPU is
+    already split that way. The devices share the process's thread pools (the same cores).
+    """
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu)
+    if len(current or [None]) != replicas:
+        try:
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(replicas)])
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"tfmx bench: {replicas} replicas need the CPU split into {replicas} logical "
+                f"devices before TensorFlow runs anything, and this process has already run "
+                f"TensorFlow ({err}); run the benchmark in a new process (the tfmx bench "
+                f"command does, as does onednn='on'/'off'/'both')") from None
+    return [d.name for d in tf.config.list_logical_devices("CPU")[:replicas]]
+
+
+def _strategy(replicas: int) -> Any:
+    """None for one replica (Keras's default, as without --replicas); else a MirroredStrategy
+    over ``replicas`` logical CPUs of this process (:func:`split_cpu`)."""
+    if replicas == 1:
+        return None
+    import tensorflow as tf
+
+    return tf.distribute.MirroredStrategy(split_cpu(replicas))
+
+
 def run_benchmark(
     model_name: str,
     rounds: int | None = None,
     steps: int | None = None,
-    modes: Sequence[str] = MODES,
+    modes: Sequence[str] | None = None,
     batch_size: int | None = None,
     warmup: int = 2,
     seed: int = 0,
     backend: str | None = None,
     optimizer: str = "adam",
     policy: str | None = None,
+    replicas: int = 1,
 ) -> dict[str, Any]:
     """Benchmark one workload's training step in each mode, interleaved; return the numbers.
 
@@ -458,17 +574,24 @@ def run_benchmark(
         model_name: one of ``WORKLOADS`` (``small_cnn``, ``resnet50``, ``mlp``, ``gelu_mlp``,
             ``lstm``, ``gru``, ``transformer``, ``vit``, ``decoder``).
         rounds, steps, batch_size: default to the workload's (see ``WORKLOADS``).
-        modes: any of ``"stock"``, ``"tfmx"``, ``"xla"``.
+        modes: any of ``"stock"``, ``"tfmx"``, ``"xla"``; None: :func:`replica_modes` (all
+            three with one replica).
         warmup: untimed calls per mode before timing (the first one traces).
         backend: passed to ``tfmx.enable`` (None detects this machine's).
         optimizer: one of ``OPTIMIZERS`` (Keras defaults; AdamW with weight_decay=0.004).
         policy: a ``policies`` name ("auto", "mixed_bfloat16", ...) the non-stock modes are
             built and compiled under; stock stays float32. Recorded as ``policy`` and
             ``policy_choice`` (what it resolved to and why) and, for "auto", ``tuned``.
+        replicas: 1 (default): one device, no strategy. N > 1: every mode's model built and
+            compiled in a ``tf.distribute.MirroredStrategy`` over N logical CPUs of this
+            process (:func:`split_cpu`: before TensorFlow runs anything), fed a distributed
+            dataset; ``batch_size`` stays the global batch, each replica gets batch / N.
+            :func:`check_replicas` says what cannot run so. :func:`run_benchmarks` with
+            ``replicas=N`` also measures 1 replica, interleaved.
 
-    Returns a dict with ``model``, ``batch_size``, ``rounds``, ``steps``, ``modes`` (per-mode
-    timing from :func:`time_step_functions`), ``ratios`` (``"tfmx/stock"``, ``"xla/stock"``,
-    ``"tfmx/xla"``, those whose modes ran),
+    Returns a dict with ``model``, ``batch_size``, ``replicas``, ``rounds``, ``steps``,
+    ``modes`` (per-mode timing from :func:`time_step_functions`), ``ratios`` (``"tfmx/stock"``,
+    ``"xla/stock"``, ``"tfmx/xla"``, those whose modes ran),
     ``rewrite`` (one entry per traced function from ``tfmx.report()``: status, nodes, seconds),
     ``fused`` and ``env``. tfmx's enabled state is restored afterwards.
 
@@ -476,22 +599,41 @@ def run_benchmark(
     >>> r["ratios"]["tfmx/stock"] > 0  # doctest: +SKIP
     True
     """
+    return _measure(model_name, (replicas,), rounds=rounds, steps=steps, modes=modes,
+                    batch_size=batch_size, warmup=warmup, seed=seed, backend=backend,
+                    optimizer=optimizer, policy=policy)[0]
+
+
+def _measure(model_name: str, counts: Sequence[int], rounds: int | None = None,
+             steps: int | None = None, modes: Sequence[str] | None = None,
+             batch_size: int | None = None, warmup: int = 2, seed: int = 0,
+             backend: str | None = None, optimizer: str = "adam", policy: str | None = None,
+             ) -> list[dict[str, Any]]:
+    """:func:`run_benchmark` at each replica count of ``counts``, every (mode, count) step
+    timed interleaved with the others in one :func:`time_step_functions`: one result per
+    count. ``modes`` None: :func:`replica_modes` of the largest count."""
     import tfmx
     from tfmx import state
 
     if model_name not in WORKLOADS:
         raise ValueError(f"unknown model {model_name!r}; choose one of {tuple(WORKLOADS)}")
+    modes = replica_modes(max(counts)) if modes is None else modes
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise ValueError(f"unknown mode(s) {bad}; choose from {MODES}")
     workload = WORKLOADS[model_name]
     batch_size = batch_size or workload.batch_size
+    for n in counts:
+        check_replicas(n, modes, policy, {model_name: batch_size})
     rounds = rounds or workload.rounds
     steps = steps or workload.steps
+    strategies = {n: _strategy(n) for n in counts}  # first: the CPU split before any op
     previous = state.options()
     # stock first (built and traced with tfmx off), then tfmx and xla with tfmx on.
     ordered = [m for m in MODES if m in modes]
     dataset = _dataset(workload, batch_size, seed)
+    feeds = {n: dataset if s is None else s.experimental_distribute_dataset(dataset)
+             for n, s in strategies.items()}
     report = None
     choice = None
     if policy is not None:
@@ -499,66 +641,103 @@ def run_benchmark(
 
         choice = policies.resolve(policy)
     try:
-        fns, first_trace, layer_policies = _step_functions(
-            workload, ordered, dataset, seed, backend, policy, optimizer)
-        if "tfmx" in fns or "xla" in fns:
+        fns, first_trace, layer_policies, spans = _step_functions(
+            workload, ordered, strategies, feeds, dataset, seed, backend, policy, optimizer)
+        if "tfmx" in ordered or "xla" in ordered:
             tfmx.enable(backend=backend)  # same options as above: a no-op, traces stay valid
-        report = tfmx.report() if "tfmx" in fns else None
-        timing = time_step_functions(fns, lambda mode: iter(dataset), rounds, steps, warmup)
+        report = tfmx.report() if "tfmx" in ordered else None
+        timing = time_step_functions(fns, lambda key: iter(feeds[key[1]]), rounds, steps,
+                                     warmup)
     finally:
         if previous is None:
             tfmx.disable()
         else:
             tfmx.enable(backend=previous.backend.name, patterns=previous.patterns,
                         verify=previous.verify)
-    for mode in timing:
-        timing[mode]["first_call_s"] = first_trace[mode]
+    env = environment()
+    results = []
+    for n in counts:
+        by_mode = {mode: {**timing[(mode, n)], "first_call_s": first_trace[(mode, n)]}
+                   for mode in ordered}
+        part = _report_part(report, spans.get(n))
+        results.append({
+            "model": model_name,
+            "description": workload.description,
+            "optimizer": optimizer,
+            "batch_size": batch_size,
+            "replicas": n,
+            "devices": list(strategies[n].extended.worker_devices) if strategies[n] else None,
+            "rounds": rounds,
+            "steps": steps,
+            "warmup": warmup,
+            "modes": by_mode,
+            "ratios": _ratios(by_mode),
+            **part,
+            "env": env,
+            "policy": policy,
+            "policy_choice": str(choice) if choice else None,
+            "layer_policies": {mode: layer_policies[(mode, n)] for mode in ordered},
+        })
+    return results
+
+
+def _report_position(report: Any) -> tuple[int, int, int, int]:
+    """How much ``report`` holds: traces, guards, tuner decisions, fused chains/updates."""
+    return len(report.traces), len(report.guards), len(report.decisions), report.fused()
+
+
+def _report_part(report: Any, span: tuple[tuple, tuple | None] | None) -> dict[str, Any]:
+    """What ``report`` recorded within ``span`` (:func:`_report_position` at its start, and at
+    its end or None: up to now): the traces, guards, tuner decisions and fused count of one
+    replica count's tfmx step."""
+    if report is None or span is None:
+        return {"rewrite": [], "guard": [], "tuned": 0, "fused": None}
+    start, end = span
+    end = end or _report_position(report)
     return {
-        "model": model_name,
-        "description": workload.description,
-        "optimizer": optimizer,
-        "batch_size": batch_size,
-        "rounds": rounds,
-        "steps": steps,
-        "warmup": warmup,
-        "modes": timing,
-        "ratios": _ratios(timing),
-        "rewrite": [t.as_dict() for t in report.traces] if report else [],
-        "guard": [dataclasses.asdict(g.summary()) for g in report.guards] if report else [],
-        "tuned": len(report.decisions) if report else 0,
-        "fused": report.fused() if report else None,
-        "env": environment(),
-        "policy": policy,
-        "policy_choice": str(choice) if choice else None,
-        "layer_policies": layer_policies,
+        "rewrite": [t.as_dict() for t in report.traces[start[0]:end[0]]],
+        "guard": [dataclasses.asdict(g.summary()) for g in report.guards[start[1]:end[1]]],
+        "tuned": end[2] - start[2],
+        "fused": end[3] - start[3],
     }
 
 
-def _step_functions(workload: Workload, ordered: Sequence[str], dataset: Any, seed: int,
-                    backend: str | None, policy: str | None, optimizer: str,
-                    ) -> tuple[dict[str, Callable[[Any], Any]], dict[str, float], dict]:
-    """Each mode's model built from the same weights and its train step traced (tfmx off for
-    stock, on for the others): (step functions, first-call seconds, layer policies)."""
+def _step_functions(workload: Workload, ordered: Sequence[str], strategies: Mapping[int, Any],
+                    feeds: Mapping[int, Any], dataset: Any, seed: int, backend: str | None,
+                    policy: str | None, optimizer: str) -> tuple[dict, dict, dict, dict]:
+    """Each (mode, replica count)'s model built from the same weights and its train step
+    traced (tfmx off for stock, on for the others): (step functions, first-call seconds,
+    layer policies), keyed by (mode, count), and per count the span of ``tfmx.report()``
+    its tfmx step's build recorded (:func:`_report_part`)."""
     import tfmx
 
-    fns: dict[str, Callable[[Any], Any]] = {}
-    first_trace: dict[str, float] = {}
-    layer_policies: dict[str, dict[str, int]] = {}
+    fns: dict[tuple[str, int], Callable[[Any], Any]] = {}
+    first_trace: dict[tuple[str, int], float] = {}
+    layer_policies: dict[tuple[str, int], dict[str, int]] = {}
+    spans: dict[int, Any] = {}
     weights = None
+    open_span = None  # the count whose tfmx step was built last, its span not yet closed
     for mode in ordered:
-        tfmx.disable() if mode == "stock" else tfmx.enable(backend=backend)
-        model = _build(workload, mode, seed, weights, policy, optimizer)
-        layer_policies[mode] = _layer_policies(model)
-        weights = weights if weights is not None else model.get_weights()
-        model.make_train_function()
-        fn = model.train_function
-        t0 = time.perf_counter()  # trace now, while the switch is right for this mode
-        sync(fn(iter(dataset)))
-        first_trace[mode] = time.perf_counter() - t0
-        if mode == "tfmx":
-            _settle_guards(fn, dataset)
-        fns[mode] = fn
-    return fns, first_trace, layer_policies
+        for n, strategy in strategies.items():
+            tfmx.disable() if mode == "stock" else tfmx.enable(backend=backend)
+            position = _report_position(tfmx.report())
+            if open_span is not None:
+                spans[open_span] = (spans[open_span][0], position)
+                open_span = None
+            if mode == "tfmx":
+                spans[n], open_span = (position, None), n
+            model = _build(workload, mode, seed, weights, policy, optimizer, strategy, dataset)
+            layer_policies[(mode, n)] = _layer_policies(model)
+            weights = weights if weights is not None else model.get_weights()
+            model.make_train_function()
+            fn = model.train_function
+            t0 = time.perf_counter()  # trace now, while the switch is right for this mode
+            sync(fn(iter(feeds[n])))
+            first_trace[(mode, n)] = time.perf_counter() - t0
+            if mode == "tfmx":
+                _settle_guards(fn, feeds[n])
+            fns[(mode, n)] = fn
+    return fns, first_trace, layer_policies, spans
 
 
 def _ratios(timing: dict[str, dict]) -> dict[str, float]:
@@ -672,7 +851,7 @@ def _run_child(state: str, models: Sequence[str], options: Mapping[str, Any]) ->
     return results
 
 
-def run_benchmarks(models: Sequence[str], onednn: str | None = None,
+def run_benchmarks(models: Sequence[str], onednn: str | None = None, replicas: int = 1,
                    **options: Any) -> list[dict[str, Any]]:
     """:func:`run_benchmark` for each of ``models``, here or once per oneDNN state.
 
@@ -682,10 +861,15 @@ def run_benchmarks(models: Sequence[str], onednn: str | None = None,
             ``"both"``: one new process per state (:func:`child_command`), one after the
             other (never two at once: they would share the cores); their results are tagged
             ``"isolated": True``.
+        replicas: 1 (default): one device, no strategy. N > 1: each workload measured under
+            N replicas (:func:`run_benchmark`) and, interleaved with it in the same process,
+            with 1 replica (no strategy): :func:`compare_replicas`. Checked first
+            (:func:`check_replicas`): a ValueError says what cannot run and what to do.
         options: keyword arguments of :func:`run_benchmark` (``rounds``, ``modes``, ...).
 
-    Returns one :func:`run_benchmark` result per state and model (state "on" first); each
-    records its state in ``env["onednn"]`` (see :func:`onednn_state`).
+    Returns one :func:`run_benchmark` result per state, model and replica count (state "on"
+    first, 1 replica before N); each records its state in ``env["onednn"]`` (see
+    :func:`onednn_state`) and its count in ``replicas``.
 
     >>> results = run_benchmarks(["mlp"], onednn="both", rounds=2, steps=3)  # doctest: +SKIP
     >>> [(r["model"], onednn_state(r)) for r in results]  # doctest: +SKIP
@@ -694,13 +878,20 @@ def run_benchmarks(models: Sequence[str], onednn: str | None = None,
     unknown = [m for m in models if m not in WORKLOADS]
     if unknown:
         raise ValueError(f"unknown model(s) {unknown}; choose from {tuple(WORKLOADS)}")
+    modes = options.get("modes") or replica_modes(replicas)
+    check_replicas(replicas, modes, options.get("policy"),
+                   {m: options.get("batch_size") or WORKLOADS[m].batch_size for m in models})
     if onednn is not None:
-        return [r for state in onednn_states(onednn) for r in _run_child(state, models, options)]
+        child_options = {**options, "replicas": replicas} if replicas != 1 else options
+        return [r for state in onednn_states(onednn)
+                for r in _run_child(state, models, child_options)]
     results = []
+    counts = (1,) if replicas == 1 else (1, replicas)
     for name in models:
-        print(f"benchmarking {name} ({', '.join(options.get('modes', MODES))}) ...",
+        print(f"benchmarking {name} ({', '.join(modes)}"
+              f"{'' if replicas == 1 else f'; 1 and {replicas} replicas, interleaved'}) ...",
               file=sys.stderr, flush=True)
-        results.append(run_benchmark(name, **options))
+        results.extend(_measure(name, counts, **{**options, "modes": modes}))
     return results
 
 
@@ -722,10 +913,12 @@ def onednn_state(result: Mapping[str, Any]) -> str:
 
 
 def _by_workload(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Mapping[str, Any]]]:
-    """Results grouped per workload (model, optimizer, policy, batch): state -> result."""
+    """Results grouped per workload (model, optimizer, policy, batch, replicas): state ->
+    result."""
     groups: list[tuple[tuple, dict[str, Mapping[str, Any]]]] = []
     for r in results:
-        key = (r["model"], r.get("optimizer", "adam"), r.get("policy"), r.get("batch_size"))
+        key = (r["model"], r.get("optimizer", "adam"), r.get("policy"), r.get("batch_size"),
+               r.get("replicas", 1))
         state = onednn_state(r)
         for k, by_state in groups:
             if k == key and state not in by_state:
@@ -771,6 +964,7 @@ def compare(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             "optimizer": first.get("optimizer", "adam"),
             "policy": first.get("policy"),
             "batch_size": first.get("batch_size"),
+            "replicas": first.get("replicas", 1),
             "ms": ms,
             "best_alternative": ({"ms": best[0], "mode": best[1], "onednn": best[2]}
                                  if best else None),
@@ -782,15 +976,72 @@ def compare(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _tfmx_vs_stock(result: Mapping[str, Any]) -> float | None:
+    modes = result["modes"]
+    if "tfmx" not in modes or "stock" not in modes:
+        return None
+    return modes["tfmx"]["median_ms"] / modes["stock"]["median_ms"]
+
+
+def compare_replicas(results: Iterable[Mapping[str, Any]],
+                     tolerance: float = REPLICA_TOLERANCE) -> list[dict[str, Any]]:
+    """Per workload and oneDNN state measured with 1 and with N > 1 replicas: tfmx / stock at
+    each (medians of the same process), the difference (N's minus 1's: above 0, a smaller
+    speed-up under N replicas) and whether it is within ``tolerance`` (issue 16's 0.05).
+
+    >>> def run(n, stock, tfmx):
+    ...     return {"model": "mlp", "replicas": n, "env": {"onednn": True},
+    ...             "modes": {"stock": {"median_ms": stock}, "tfmx": {"median_ms": tfmx}}}
+    >>> row, = compare_replicas([run(1, 10.0, 8.0), run(2, 20.0, 17.0)])
+    >>> row["replicas"], row["tfmx_vs_stock_1"], row["tfmx_vs_stock_n"]
+    (2, 0.8, 0.85)
+    >>> round(row["difference"], 3), row["within"]
+    (0.05, True)
+    """
+    single: dict[tuple, Mapping[str, Any]] = {}
+    several: list[tuple[tuple, Mapping[str, Any]]] = []
+    for r in results:
+        key = (r["model"], r.get("optimizer", "adam"), r.get("policy"), r.get("batch_size"),
+               onednn_state(r))
+        if r.get("replicas", 1) == 1:
+            single.setdefault(key, r)
+        else:
+            several.append((key, r))
+    rows = []
+    for key, r in several:
+        if key not in single:
+            continue
+        one, many = _tfmx_vs_stock(single[key]), _tfmx_vs_stock(r)
+        difference = many - one if one is not None and many is not None else None
+        rows.append({
+            "model": key[0], "optimizer": key[1], "policy": key[2], "batch_size": key[3],
+            "onednn": key[4], "replicas": r["replicas"],
+            "tfmx_vs_stock_1": one, "tfmx_vs_stock_n": many, "difference": difference,
+            "tolerance": tolerance,
+            # rounded as printed, so that a table's 0.050 reads as within 0.05
+            "within": (None if difference is None
+                       else round(abs(difference), 3) <= tolerance),
+        })
+    return rows
+
+
 def results_document(results: Sequence[Mapping[str, Any]],
                      onednn: str | None = None) -> dict[str, Any]:
-    """What ``tfmx bench --json`` writes: the choice, every result and :func:`compare`'s rows.
+    """What ``tfmx bench --json`` writes: the choice, every result and :func:`compare`'s rows;
+    with results under several replicas, also :func:`compare_replicas`'s as ``replicas``.
 
     >>> sorted(results_document([], "both"))
     ['comparison', 'onednn', 'results']
     """
-    return {"onednn": onednn or "process", "results": list(results),
-            "comparison": compare(results)}
+    document = {"onednn": onednn or "process", "results": list(results),
+                "comparison": compare(results)}
+    if _several_replicas(results):
+        document["replicas"] = compare_replicas(results)
+    return document
+
+
+def _several_replicas(results: Iterable[Mapping[str, Any]]) -> bool:
+    return any(r.get("replicas", 1) > 1 for r in results)
 
 
 # -- output ----------------------------------------------------------------------------------
@@ -890,11 +1141,9 @@ def format_comparison(results: Iterable[Mapping[str, Any]]) -> str:
     align = ["---"] + ["---:"] * len(columns) + ["---"] + ["---:"] * (len(header) - len(columns)
                                                                       - 2)
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    replicas = any(row["replicas"] > 1 for row in rows)
     for row in rows:
-        what = [row["optimizer"]]
-        what += [f"batch {row['batch_size']}"] if row["batch_size"] else []
-        what += [f"policy {row['policy']}"] if row["policy"] else []
-        cells = [f"{row['model']} ({', '.join(what)})"]
+        cells = [_workload_label(row, replicas)]
         cells += [_ms(row["ms"].get(m, {}).get(s)) for m, s in columns]
         best = row["best_alternative"]
         cells.append(f"{_ms(best['ms'])} {MODE_LABELS[best['mode']]}{_state_suffix(best['onednn'])}"
@@ -908,11 +1157,106 @@ def format_comparison(results: Iterable[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _format_workload(by_state: Mapping[str, Mapping[str, Any]]) -> str:
+def _workload_label(row: Mapping[str, Any], replicas: bool = False) -> str:
+    """``mlp (adam, batch 32)``: the model, optimizer, batch, policy, and with ``replicas``
+    the replica count (``mlp (adam, batch 32, 2 replicas)``)."""
+    what = [row.get("optimizer", "adam")]
+    what += [f"batch {row['batch_size']}"] if row.get("batch_size") else []
+    what += [f"policy {row['policy']}"] if row.get("policy") else []
+    if replicas:
+        n = row.get("replicas", 1)
+        what.append(f"{n} replica{'s' if n > 1 else ''}")
+    return f"{row['model']} ({', '.join(what)})"
+
+
+def _replica_words(result: Mapping[str, Any]) -> str:
+    """``, 2 replicas (16 each)`` or ``, 1 replica``."""
+    n = result.get("replicas", 1)
+    if n == 1:
+        return ", 1 replica"
+    each = f" ({result['batch_size'] // n} each)" if result.get("batch_size") else ""
+    return f", {n} replicas{each}"
+
+
+def _replica_counts(results: Iterable[Mapping[str, Any]]) -> str:
+    """The replica counts above 1 measured, ``2`` or ``2/4``; empty if none."""
+    return "/".join(str(c) for c in sorted({r["replicas"] for r in results
+                                            if r.get("replicas", 1) > 1}))
+
+
+def format_replica_setup(results: Iterable[Mapping[str, Any]]) -> str:
+    """One markdown line: how the results under several replicas ran (empty if none).
+
+    >>> print(format_replica_setup([{"replicas": 2, "modes": {"stock": {}}}]))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    _2 replicas: a tf.distribute.MirroredStrategy over 2 logical CPU devices that split this
+    process's CPU (tf.config.set_logical_device_configuration, in each measuring process),
+    every mode's model built and compiled in its scope; the global batch is the workload's,
+    each replica gets batch / 2. 1 replica: no strategy (as without --replicas), in the same
+    process, interleaved with the 2-replica steps. XLA not measured: Keras's jit_compile=True
+    step cannot run under the strategy._
+    """
+    results = list(results)
+    n = _replica_counts(results)
+    if not n:
+        return ""
+    xla = any("xla" in r["modes"] for r in results if r.get("replicas", 1) > 1)
+    return (f"_{n} replicas: a tf.distribute.MirroredStrategy over {n} logical CPU devices "
+            f"that split this process's CPU (tf.config.set_logical_device_configuration, in "
+            f"each measuring process), every mode's model built and compiled in its scope; "
+            f"the global batch is the workload's, each replica gets batch / {n}. 1 replica: "
+            f"no strategy (as without --replicas), in the same process, interleaved with the "
+            f"{n}-replica steps."
+            + ("" if xla else " XLA not measured: Keras's jit_compile=True step cannot run "
+               "under the strategy.") + "_")
+
+
+def format_replicas(results: Iterable[Mapping[str, Any]],
+                    tolerance: float = REPLICA_TOLERANCE) -> str:
+    """Per workload and oneDNN state, tfmx / stock with 1 and with N replicas and their
+    difference, flagged against ``tolerance`` (:func:`compare_replicas`); a sentence, then
+    the table. Empty without results under several replicas.
+
+    >>> def run(n, stock, tfmx):
+    ...     return {"model": "mlp", "batch_size": 32, "replicas": n, "env": {"onednn": True},
+    ...             "modes": {"stock": {"median_ms": stock}, "tfmx": {"median_ms": tfmx}}}
+    >>> print(format_replicas([run(1, 10.0, 8.0), run(2, 20.0, 18.0)]))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    Does tfmx's speed-up hold under 2 replicas? tfmx / stock with 1 and with 2 replicas
+    (medians of the same process); within 0.05: the 2-replica ratio within 0.05 of the
+    1-replica ratio.
+    <BLANKLINE>
+    | workload | oneDNN | tfmx / stock, 1 replica | tfmx / stock, 2 replicas | difference |
+      within 0.05 |
+    |---|---|---:|---:|---:|---|
+    | mlp (adam, batch 32) | on | 0.800 | 0.900 | +0.100 | no: smaller speed-up |
+    """
+    results = list(results)
+    n = _replica_counts(results)
+    if not n:
+        return ""
+    lines = [f"Does tfmx's speed-up hold under {n} replicas? tfmx / stock with 1 and with {n} "
+             f"replicas (medians of the same process); within {tolerance:g}: the {n}-replica "
+             f"ratio within {tolerance:g} of the 1-replica ratio.", "",
+             f"| workload | oneDNN | tfmx / stock, 1 replica | tfmx / stock, {n} replicas | "
+             f"difference | within {tolerance:g} |", "|---|---|---:|---:|---:|---|"]
+    for row in compare_replicas(results, tolerance):
+        d = row["difference"]
+        flag = ("-" if d is None else "yes" if row["within"]
+                else f"no: {'smaller' if d > 0 else 'larger'} speed-up")
+        label = _workload_label(row, replicas="/" in n)
+        lines.append(f"| {label} | {row['onednn'] if row['onednn'] != '?' else '-'} | "
+                     f"{_ratio(row['tfmx_vs_stock_1'])} | {_ratio(row['tfmx_vs_stock_n'])} | "
+                     f"{'-' if d is None else f'{d:+.3f}'} | {flag} |")
+    return "\n".join(lines)
+
+
+def _format_workload(by_state: Mapping[str, Mapping[str, Any]], replicas: bool = False) -> str:
     """One workload's section: per state and mode, the timing and the in-process ratios."""
     r = next(iter(by_state.values()))
     lines = [
-        f"### {r['model']} ({r.get('optimizer', 'adam')}): batch {r['batch_size']}, "
+        f"### {r['model']} ({r.get('optimizer', 'adam')}): batch {r['batch_size']}"
+        f"{_replica_words(r) if replicas else ''}, "
         f"{r['rounds']} interleaved rounds x "
         f"{r['steps']} steps (warm-up {r['warmup']} excluded)",
         "",
@@ -1007,31 +1351,44 @@ def format_markdown(results: Mapping[str, Any] | Iterable[Mapping[str, Any]]) ->
         head.append(format_environment(env))
     if format_onednn(results):
         head.append(format_onednn(results))
+    replicas = _several_replicas(results)
+    if replicas:
+        head.append(format_replica_setup(results))
     head += ["Median ms per training step. Best alternative: the fastest of stock and XLA "
              "measured" + (", in any oneDNN state" if len(
                  {onednn_state(r) for r in results}) > 1 else "") + "; tfmx / best below 1: "
              "tfmx is faster.", format_comparison(results)]
-    blocks = ["\n\n".join(head)] + [_format_workload(g) for g in _by_workload(results)]
+    if replicas:
+        head.append(format_replicas(results))
+    blocks = ["\n\n".join(head)] + [_format_workload(g, replicas)
+                                     for g in _by_workload(results)]
     return "\n\n".join(blocks) + "\n"
 
 
 __all__ = [
     "MODES",
     "ONEDNN_CHOICES",
+    "REPLICA_TOLERANCE",
     "WORKLOADS",
     "Workload",
     "child_command",
+    "check_replicas",
     "compare",
+    "compare_replicas",
     "environment",
     "format_comparison",
     "format_environment",
     "format_markdown",
     "format_onednn",
+    "format_replica_setup",
+    "format_replicas",
     "onednn_state",
     "onednn_states",
+    "replica_modes",
     "results_document",
     "run_benchmark",
     "run_benchmarks",
+    "split_cpu",
     "time_step_functions",
 ]
 

@@ -4,7 +4,7 @@ Subcommands::
 
     tfmx bench [--model M [M ...]] [--rounds N] [--steps N] [--batch-size B]
                [--modes stock tfmx xla] [--policy NAME] [--onednn on|off|both]
-               [--output FILE.md] [--json [FILE.json]]
+               [--replicas N] [--output FILE.md] [--json [FILE.json]]
     tfmx recipe NAME [recipe args...]      # e.g. tfmx recipe small_cnn --quick
     tfmx recipe --list                     # the recipes and what each shows
     tfmx backends [--json]                 # what each backend fuses
@@ -28,6 +28,19 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+
+
+def _replicas(text: str) -> int:
+    """``--replicas``'s value: an integer >= 1, else argparse's error saying so."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a replica count: pass an integer >= 1 (1: one device, no "
+            f"strategy; 2: a MirroredStrategy over 2 logical CPUs)")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,8 +68,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="steps per mode per round (default: per workload)")
     bench.add_argument("--batch-size", type=int, default=None,
                        help="batch size (default: per workload)")
-    bench.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, metavar="MODE",
-                       help="modes to run (default: stock tfmx xla)")
+    bench.add_argument("--modes", nargs="+", default=None, choices=MODES, metavar="MODE",
+                       help="modes to run (default: stock tfmx xla; with --replicas N > 1: "
+                            "stock tfmx)")
     bench.add_argument("--warmup", type=int, default=2, help="untimed calls per mode (default 2)")
     bench.add_argument("--backend", default=None, help="tfmx backend (default: detect)")
     bench.add_argument("--optimizer", default="adam",
@@ -70,6 +84,11 @@ def _parser() -> argparse.ArgumentParser:
                             "TF_ENABLE_ONEDNN_OPTS=1 (on) or =0 (off), or both, and compare "
                             "against the fastest of stock and XLA in any state (default: "
                             "this process, in its current state)")
+    bench.add_argument("--replicas", type=_replicas, default=1, metavar="N",
+                       help="split the CPU into N logical devices and build every mode's model "
+                            "in a MirroredStrategy over them (global batch unchanged: batch / "
+                            "N per replica); N > 1 also measures 1 replica, interleaved, and "
+                            "compares tfmx / stock between them (default 1: no strategy)")
     bench.add_argument("--output", metavar="FILE.md", default=None,
                        help="also append the table to this markdown file (created if missing)")
     bench.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE.json",
@@ -132,15 +151,30 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from tfmx.bench import format_markdown, results_document, run_benchmarks
+    from tfmx.bench import (
+        WORKLOADS,
+        check_replicas,
+        format_markdown,
+        replica_modes,
+        results_document,
+        run_benchmarks,
+    )
 
+    modes = list(args.modes or replica_modes(args.replicas))
+    try:  # before anything runs: what cannot run under --replicas, and what to do
+        check_replicas(args.replicas, modes, args.policy,
+                       {m: args.batch_size or WORKLOADS[m].batch_size for m in args.model})
+    except ValueError as err:
+        raise SystemExit(f"tfmx bench: {err}") from None
     try:
         results = run_benchmarks(
             args.model, onednn=args.onednn, rounds=args.rounds, steps=args.steps,
-            modes=list(args.modes), batch_size=args.batch_size, warmup=args.warmup,
+            modes=modes, batch_size=args.batch_size, warmup=args.warmup,
             backend=args.backend, optimizer=args.optimizer, policy=args.policy,
+            replicas=args.replicas,
         )
-    except RuntimeError as err:  # a oneDNN state's process failed; it printed why
+    except RuntimeError as err:  # a oneDNN state's process failed (it printed why), or the
+        # CPU could not be split into logical devices
         raise SystemExit(str(err)) from None
     table = format_markdown(results)
     print(table)
