@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 
 import keras
@@ -460,3 +461,36 @@ def test_cudnn_form_gives_keras_mask_semantics_for_any_mask(go_backwards, zero_o
 def test_find_declines_with_a_reason(make, backend, code):
     match, why = rnn.find_rnn_layer(make(), get_backend(backend))
     assert match is None and why == code and code in rnn.DECLINE_REASONS
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_tuner_candidates_of_a_dropout_layer_run_and_leave_its_random_stream(kind):
+    layer = (L if kind == "lstm" else G)(H, dropout=0.3, return_sequences=True)
+    layer.build((B, T, F_IN))
+    match, _ = rnn.find_rnn_layer(layer, get_backend("cpu"))
+    state = layer.cell.seed_generator.state
+    before = state.numpy().copy()
+    ran = []
+
+    def measure(candidates):  # as tfmx.tuner does: built and run eagerly on a thread of its own
+        for make in candidates.values():
+            make()()
+            ran.append(make)
+
+    @tf.function
+    def step(x, tune: bool):
+        layer.cell.get_dropout_mask(x[:, 0, :])  # what Keras's call configures, then traced
+        if tune:
+            candidates = rnn._layer_candidates(match, type(layer).inner_loop, x, True)
+            with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+                pool.submit(measure, candidates).result()
+        layer.cell.reset_dropout_mask()
+        return x
+
+    x = tf.zeros([B, T, F_IN])
+    step(x, False)
+    one_step = state.numpy() - before  # the draw of the step's own mask
+    step(x, True)  # no candidate reads the mask of the step's graph
+    assert len(ran) == len(rnn.cpu_forms(T))
+    # nor draws from the layer's seed generator: the training's masks stay stock's
+    np.testing.assert_array_equal(state.numpy() - before, 2 * one_step)

@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Any
@@ -242,11 +243,15 @@ def _zero_states(match: RnnMatch, x: Any) -> list:
 
 
 def _run_form(match: RnnMatch, original, form: RnnForm, x: Any, training) -> Any:
-    """The outputs of ``match``'s layer on ``x`` from zero states in ``form``."""
+    """The outputs of ``match``'s layer on ``x`` from zero states in ``form`` (a tuner
+    candidate: any input dropout a stand-in mask)."""
     init = _zero_states(match, x)
-    if form.hoisted:
-        return rewrite_rnn_layer(match, x, init, None, training, form.chunks, form.unrolled)[1]
-    return run_keras_loop(match.layer, original, x, init, None, training, form.unrolled)[1]
+    with _stand_in_dropout([match.layer], x):
+        if form.hoisted:
+            return rewrite_rnn_layer(match, x, init, None, training, form.chunks,
+                                     form.unrolled)[1]
+        return run_keras_loop(match.layer, original, x, init, None, training,
+                              form.unrolled)[1]
 
 
 def _layer_candidates(match: RnnMatch, original, sequences, training, input_gradient=True):
@@ -298,12 +303,11 @@ class Below:
 
 def _pairable(match: RnnMatch, sequences, mask, training: bool) -> bool:
     """Whether a layer call fits in a wavefront pair, as the layer below or above: a static
-    length the unrolled form takes, no mask, forwards, no dropout, training."""
+    length the unrolled form takes, no mask, forwards, training (input dropout is fine)."""
     layer = match.layer
     steps = sequences.shape[1]
     return (training and mask is None and match.kind in PAIR_KINDS and not layer.go_backwards
-            and not layer.cell.dropout and steps is not None
-            and 1 < steps <= MAX_UNROLLED_STEPS)
+            and steps is not None and 1 < steps <= MAX_UNROLLED_STEPS)
 
 
 def _remember_below(match: RnnMatch | None, original, form: RnnForm, sequences, initial_state,
@@ -314,11 +318,41 @@ def _remember_below(match: RnnMatch | None, original, form: RnnForm, sequences, 
     if not _pairable(match, sequences, mask, training) or not hasattr(outputs, "graph"):
         return
     states = initial_state if isinstance(initial_state, (list, tuple)) else [initial_state]
+    dropout = _dropout_mask(match, sequences)
+    if dropout is not None:  # the mask this call's Keras step applied (one for every step)
+        sequences = sequences * dropout[:, None, :]
     below = getattr(outputs.graph, _BELOW, None)
     if below is None:
         below = {}
         setattr(outputs.graph, _BELOW, below)
     below[outputs.ref()] = Below(match, original, form, sequences, tuple(states))
+
+
+def _dropout_mask(match: RnnMatch, sequences) -> Any:
+    """The input dropout mask Keras configured for this training call (None without
+    dropout): ``[B, features]``, the same for every step."""
+    cell = match.layer.cell
+    return cell.get_dropout_mask(sequences[:, 0, :]) if cell.dropout else None
+
+
+@contextlib.contextmanager
+def _stand_in_dropout(layers, x) -> Any:
+    """While a tuner candidate is traced in a function of its own: each layer's input dropout
+    mask a deterministic stand-in of the same shape (``x``'s batch), never the mask Keras
+    configured in the step being traced (a tensor of another graph) nor a draw from the
+    layer's seed generator (which would move the training's random stream)."""
+    import tensorflow as tf
+
+    cells = [layer.cell for layer in layers if layer.cell.dropout]
+    saved = [getattr(cell, "_dropout_mask", None) for cell in cells]
+    try:
+        for cell in cells:
+            width = int(cell.kernel.shape[0])
+            cell._dropout_mask = tf.fill([tf.shape(x)[0], width], 1.0 / (1.0 - cell.dropout))
+        yield
+    finally:
+        for cell, mask in zip(cells, saved):
+            cell._dropout_mask = mask
 
 
 def _below(match: RnnMatch, sequences, mask, training: bool) -> Below | None:
@@ -345,9 +379,11 @@ def _own_zeros(states, sequences) -> list:
     return [own(state) for state in states]
 
 
-def rewrite_rnn_pair(low: RnnMatch, up: RnnMatch, sequences, low_states, up_states):
-    """Emit the wavefront of ``low`` -> ``up`` over ``low``'s input ``sequences``: ``up``'s
-    Keras ``inner_loop`` result (:mod:`fusion.stages.rnn_wavefront`)."""
+def rewrite_rnn_pair(low: RnnMatch, up: RnnMatch, sequences, low_states, up_states,
+                     up_dropout=None):
+    """Emit the wavefront of ``low`` -> ``up`` over ``low``'s input ``sequences`` (its
+    dropout applied): ``up``'s Keras ``inner_loop`` result (:mod:`fusion.stages.rnn_wavefront`);
+    ``up_dropout``: ``up``'s input dropout mask or None."""
     import tensorflow as tf
 
     from fusion.stages import rnn_wavefront as w
@@ -361,9 +397,9 @@ def rewrite_rnn_pair(low: RnnMatch, up: RnnMatch, sequences, low_states, up_stat
     with tf.name_scope(SCOPE + up.kind + "_" + WAVEFRONT):
         if up.kind == "lstm":
             return w.lstm_pair(sequences, list(low_states), weights(low), list(up_states),
-                               weights(up), return_sequences)
+                               weights(up), return_sequences, up_dropout)
         return w.gru_pair(sequences, low_states[0], weights(low), up_states[0], weights(up),
-                          return_sequences)
+                          return_sequences, up_dropout)
 
 
 def _pair_candidates(below: Below, up: RnnMatch, original, form: RnnForm):
@@ -376,8 +412,11 @@ def _pair_candidates(below: Below, up: RnnMatch, original, form: RnnForm):
         return _run_form(up, original, form, low_out, True)
 
     def wave(x: Any) -> Any:
-        return rewrite_rnn_pair(below.match, up, x, _zero_states(below.match, x),
-                                _zero_states(up, x))[1]
+        with _stand_in_dropout([below.match.layer, up.layer], x):
+            low_mask, up_mask = (_dropout_mask(m, x) for m in (below.match, up))
+            dropped = x if low_mask is None else x * low_mask[:, None, :]
+            return rewrite_rnn_pair(below.match, up, dropped, _zero_states(below.match, x),
+                                    _zero_states(up, x), up_mask)[1]
 
     variables = [*below.match.layer.trainable_variables, *up.layer.trainable_variables]
     watch = record.should_record_backprop([below.sequences])
@@ -437,8 +476,10 @@ def _emit(ctx: StageContext, match: RnnMatch | None, why: str | None, form: RnnF
         try:
             states = initial_state if isinstance(initial_state, (list, tuple)) else [
                 initial_state]
+            up_dropout = _dropout_mask(match, sequences) if train else None
             result = rewrite_rnn_pair(below.match, match, below.sequences,
-                                      below.initial_state, _own_zeros(states, below.sequences))
+                                      below.initial_state, _own_zeros(states, below.sequences),
+                                      up_dropout)
         except Exception as exc:  # noqa: BLE001 - never break training: the layers run
             stats.errors.append(f"{layer.name}: {type(exc).__name__}: {exc}")
             warnings.warn(f"tfmx rnn: {layer.name} with the layer below: "

@@ -14,8 +14,8 @@ layer's input projection is hoisted (one MatMul over every timestep); the upper 
 recurrent MatMuls are one (``[h_low, h_up] @ [kernel; recurrent_kernel]``) for an LSTM, two for
 a GRU(reset_after=True), whose gates keep the two apart.
 
-Scope: a static number of timesteps, no mask, neither layer going backwards, no dropout between
-or inside (the rnn stage checks it and records why it declines otherwise).
+Scope: a static number of timesteps, no mask, neither layer going backwards; input dropout
+(one mask for every step, as Keras's cuDNN path) on either layer, no recurrent dropout.
 
 Example:
     >>> import numpy as np, tensorflow as tf
@@ -53,6 +53,11 @@ def _time_major_projection(sequences: tf.Tensor, kernel, bias) -> tf.Tensor:
     return project(tf.transpose(sequences, [1, 0, 2]), kernel, bias)
 
 
+def _dropped(x: tf.Tensor, mask: tf.Tensor | None) -> tf.Tensor:
+    """``x`` times the dropout ``mask`` (a constant of the pair: no gradient), or ``x``."""
+    return x if mask is None else x * mask
+
+
 def _keras_outputs(hs: tf.Tensor | None, h_t: tf.Tensor, sequences: tf.Tensor):
     """Keras's ``(last_output, outputs)`` of the upper layer from its states ``hs`` [T, B, H]
     (None: the final state only)."""
@@ -65,12 +70,14 @@ def _keras_outputs(hs: tf.Tensor | None, h_t: tf.Tensor, sequences: tf.Tensor):
 
 def lstm_pair(sequences: tf.Tensor, low_states: Sequence[tf.Tensor], low_weights: Sequence,
               up_states: Sequence[tf.Tensor], up_weights: Sequence,
-              return_sequences: bool = False):
+              return_sequences: bool = False, up_dropout: tf.Tensor | None = None):
     """``LSTM(return_sequences=True) -> LSTM`` as one wavefront: the upper layer's Keras
     ``inner_loop`` result ``(last_output, outputs, [h, c])``.
 
-    ``*_states``: ``(h0, c0)`` of each layer; ``*_weights``: ``(kernel, recurrent_kernel,
-    bias or None)``; ``return_sequences``: the upper layer's.
+    ``sequences``: the lower layer's input (its dropout already applied); ``*_states``:
+    ``(h0, c0)`` of each layer; ``*_weights``: ``(kernel, recurrent_kernel, bias or None)``;
+    ``return_sequences``: the upper layer's; ``up_dropout``: the upper layer's input dropout
+    mask ([B, H] of the lower layer, one for every step, as Keras's cuDNN path), or None.
     """
     (k1, r1, b1), (k2, r2, b2) = low_weights, up_weights
     units1, units2 = int(r1.shape[0]), int(r2.shape[0])
@@ -86,7 +93,7 @@ def lstm_pair(sequences: tf.Tensor, low_states: Sequence[tf.Tensor], low_weights
         for t in range(steps):
             before1.append(h1)
             (h1, c1), (s1,) = lstm_gates(xs[t] + tf.matmul(h1, r1), c1, True)
-            ins2.append(tf.concat([h1, h2], axis=1))
+            ins2.append(tf.concat([_dropped(h1, up_dropout), h2], axis=1))
             (h2, c2), (s2,) = lstm_gates(tf.nn.bias_add(tf.matmul(ins2[-1], w2), b2), c2, True)
             saved1.append(s1)
             saved2.append(s2)
@@ -105,6 +112,7 @@ def lstm_pair(sequences: tf.Tensor, low_states: Sequence[tf.Tensor], low_weights
                     dh2 = dh2 + d_seq[t]
                 dz2s[t], dc2 = lstm_gates_back(dh2, dc2, saved2[t], units2)
                 d_low, dh2 = tf.split(tf.matmul(dz2s[t], w2_t), [units1, units2], axis=1)
+                d_low = _dropped(d_low, up_dropout)
                 dz1s[t], dc1 = lstm_gates_back(dh1 + d_low, dc1, saved1[t], units1)
                 dh1 = tf.matmul(dz1s[t], r1_t)
             dz1, dz2 = tf.stack(dz1s), tf.concat(dz2s, axis=0)
@@ -129,12 +137,13 @@ def _gru_biases(bias, units: int, dtype) -> tuple[tf.Tensor, tf.Tensor]:
 
 
 def gru_pair(sequences: tf.Tensor, low_state: tf.Tensor, low_weights: Sequence,
-             up_state: tf.Tensor, up_weights: Sequence, return_sequences: bool = False):
+             up_state: tf.Tensor, up_weights: Sequence, return_sequences: bool = False,
+             up_dropout: tf.Tensor | None = None):
     """``GRU(return_sequences=True) -> GRU`` (both ``reset_after=True``) as one wavefront:
     the upper layer's Keras ``inner_loop`` result ``(last_output, outputs, [h])``.
 
     ``*_state``: each layer's ``h0``; ``*_weights``: ``(kernel, recurrent_kernel, bias or
-    None)``, the bias ``[2, 3H]`` as Keras keeps it.
+    None)``, the bias ``[2, 3H]`` as Keras keeps it; the rest as :func:`lstm_pair`.
     """
     (k1, r1, bias1), (k2, r2, bias2) = low_weights, up_weights
     units1, units2 = int(r1.shape[0]), int(r2.shape[0])
@@ -151,9 +160,9 @@ def gru_pair(sequences: tf.Tensor, low_state: tf.Tensor, low_weights: Sequence,
         for t in range(steps):
             before1.append(h1)
             (h1,), (s1,) = low(xs[t], h1)
-            hs1.append(h1)
+            hs1.append(_dropped(h1, up_dropout))
             before2.append(h2)
-            (h2,), (s2,) = up(tf.nn.bias_add(tf.matmul(h1, k2), bin2), h2)
+            (h2,), (s2,) = up(tf.nn.bias_add(tf.matmul(hs1[-1], k2), bin2), h2)
             saved1.append(s1)
             saved2.append(s2)
         hs2 = before2[1:] + [h2]
@@ -170,7 +179,7 @@ def gru_pair(sequences: tf.Tensor, low_state: tf.Tensor, low_weights: Sequence,
                     dh2 = dh2 + d_seq[t]
                 dh2, di2s[t], dcand2 = gru_after_back(dh2, saved2[t], units2, r2_t)
                 dx2s[t] = tf.concat([di2s[t][:, : 2 * units2], dcand2], axis=1)
-                d_low = tf.matmul(dx2s[t], k2_t)
+                d_low = _dropped(tf.matmul(dx2s[t], k2_t), up_dropout)
                 dh1, di1s[t], dcand1 = gru_after_back(dh1 + d_low, saved1[t], units1, r1_t)
                 dx1s[t] = tf.concat([di1s[t][:, : 2 * units1], dcand1], axis=1)
             di1, dx2, di2 = (tf.concat(d, axis=0) for d in (di1s, dx2s, di2s))
