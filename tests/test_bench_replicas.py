@@ -1,9 +1,10 @@
 """tfmx bench --replicas N: parsing and validation, the 1-vs-N comparison, and one tiny real run.
 
 Everything but the last test runs on hand-made results or before anything is measured; the last
-runs one tiny real benchmark (mlp, 1 round of 1 step, stock and tfmx at 1 and 2 replicas) in a
-subprocess: the CPU must be split into logical devices before TensorFlow initialises its devices
-(as tests/test_distribute.py's scripts do), which this pytest process has long done.
+runs one tiny real benchmark (mlp and gelu_mlp, 1 round of 1 step, stock and tfmx at 1 and 2
+replicas, ~40 s on 2 cores) in a subprocess: the CPU must be split into logical devices before
+TensorFlow initialises its devices (as tests/test_distribute.py's scripts do), which this pytest
+process has long done. Two workloads, because two in one process once mixed their all-reduces.
 """
 
 from __future__ import annotations
@@ -189,22 +190,24 @@ def test_one_replica_output_is_unchanged():
 def test_tiny_real_run_with_two_replicas(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "tfmx", "bench", "--model", "mlp", "--replicas", "2",
+        [sys.executable, "-m", "tfmx", "bench", "--model", "mlp", "gelu_mlp", "--replicas", "2",
          "--rounds", "1", "--steps", "1", "--warmup", "1", "--json", str(out)],
         cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert any(line.startswith("_2 replicas: a tf.distribute.MirroredStrategy") for line in lines)
-    assert any(line.startswith("| mlp (adam, batch 32, 1 replica) |") for line in lines)
-    assert any(line.startswith("| mlp (adam, batch 32, 2 replicas) |") for line in lines)
-    row = next(line for line in lines if line.startswith("| mlp (adam, batch 32) | on"))
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    one, two, difference = (float(c) for c in cells[2:5])
-    assert one > 0 and two > 0 and difference == pytest.approx(two - one, abs=2e-3)
-    assert cells[5] == "yes" or cells[5].startswith("no: ")
+    for workload in ("mlp (adam, batch 32", "gelu_mlp (adam, batch 256"):
+        assert any(line.startswith(f"| {workload}, 1 replica) |") for line in lines)
+        assert any(line.startswith(f"| {workload}, 2 replicas) |") for line in lines)
+        row = next(line for line in lines if line.startswith(f"| {workload}) | on"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        one, two, difference = (float(c) for c in cells[2:5])
+        assert one > 0 and two > 0 and difference == pytest.approx(two - one, abs=2e-3)
+        assert cells[5] == "yes" or cells[5].startswith("no: ")
     doc = json.loads(out.read_text())
-    assert [(r["replicas"], r["devices"]) for r in doc["results"]] == [
-        (1, None), (2, ["/job:localhost/replica:0/task:0/device:CPU:0",
-                        "/job:localhost/replica:0/task:0/device:CPU:1"])]
+    two_cpus = ["/job:localhost/replica:0/task:0/device:CPU:0",
+                "/job:localhost/replica:0/task:0/device:CPU:1"]
+    assert [(r["model"], r["replicas"], r["devices"]) for r in doc["results"]] == [
+        ("mlp", 1, None), ("mlp", 2, two_cpus), ("gelu_mlp", 1, None), ("gelu_mlp", 2, two_cpus)]
     assert all(set(r["modes"]) == {"stock", "tfmx"} for r in doc["results"])
-    assert doc["replicas"][0]["replicas"] == 2
+    assert [r["replicas"] for r in doc["replicas"]] == [2, 2]

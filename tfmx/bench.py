@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import platform
@@ -545,9 +546,13 @@ def split_cpu(replicas: int) -> list[str]:
     return [d.name for d in tf.config.list_logical_devices("CPU")[:replicas]]
 
 
+@functools.cache
 def _strategy(replicas: int) -> Any:
     """None for one replica (Keras's default, as without --replicas); else a MirroredStrategy
-    over ``replicas`` logical CPUs of this process (:func:`split_cpu`)."""
+    over ``replicas`` logical CPUs of this process (:func:`split_cpu`), one per process for
+    every workload: two strategies of one process hand out the same collective instance keys,
+    and the runtime then takes one model's all-reduce for the other's ("Shape mismatch in the
+    collective instance")."""
     if replicas == 1:
         return None
     import tensorflow as tf
