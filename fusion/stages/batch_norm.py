@@ -60,9 +60,57 @@ def _layer_decline(layer: Any, mask: Any) -> str | None:
         return "renorm=True (batch renormalization)"
     if getattr(layer, "virtual_batch_size", None):
         return "virtual_batch_size (ghost batch norm)"
-    if tf.distribute.has_strategy():
-        return "inside a tf.distribute strategy (per-replica variables)"
     return None
+
+
+def _replica_decline(layer: Any, inputs: Any, ctx: StageContext) -> str | None:
+    """Why a layer inside a ``tf.distribute`` strategy cannot take :func:`_replica_call`."""
+    from fusion.patterns.batch_norm import kernel_blocker
+
+    rank = inputs.shape.rank
+    if rank is None or rank < 2 or layer.axis % rank != rank - 1:
+        return ("inside a tf.distribute strategy, channels on an axis other than the last "
+                "(per-replica variables: only the channels-last form is emitted there)")
+    if inputs.dtype.name not in ("float32", "float16", "bfloat16"):
+        return f"inside a tf.distribute strategy, {inputs.dtype.name} inputs"
+    return kernel_blocker(ctx.target, "FusedBatchNormV3", "float32", "NHWC", True,
+                          int(inputs.shape[-1]), layer.epsilon)
+
+
+def _replica_forward(layer: Any, inputs: Any) -> tuple[Any, Any, Any]:
+    """Keras's training forward with ``FusedBatchNormV3`` emitted directly in the replica's
+    graph (the tape records it with its registered gradient): (outputs, batch mean, biased
+    batch variance). Inside a strategy the scratch-graph splice cannot run: the layer's
+    variables are per-replica, and assigning them is the strategy's business
+    (:func:`_replica_update`)."""
+    from keras import ops
+
+    x = ops.cast(inputs, "float32")  # Keras computes batch norm in float32
+    channels = int(x.shape[-1])
+    x4 = x if x.shape.rank == 4 else tf.reshape(x, [-1, 1, 1, channels])
+    gamma = ops.cast(layer.gamma, "float32") if layer.scale else tf.ones([channels])
+    beta = ops.cast(layer.beta, "float32") if layer.center else tf.zeros([channels])
+    empty = tf.zeros([0], tf.float32)
+    y, mean, bessel_variance = tf.raw_ops.FusedBatchNormV3(
+        x=x4, scale=gamma, offset=beta, mean=empty, variance=empty, epsilon=layer.epsilon,
+        exponential_avg_factor=1.0, data_format="NHWC", is_training=True)[:3]
+    # the kernel's variance is Bessel-corrected (times n / (n - 1)); Keras averages the biased
+    n = tf.cast(tf.size(x4), tf.float32) / float(channels)
+    variance = bessel_variance / (n / (n - 1.0))
+    out = y if x.shape.rank == 4 else tf.reshape(y, tf.shape(x))
+    return ops.cast(out, layer.compute_dtype), mean, variance
+
+
+def _replica_update(layer: Any, mean: Any, variance: Any) -> None:
+    """The moving statistics, assigned through the layer's own variables by Keras's own
+    expressions: the strategy treats them as it treats stock's."""
+    from keras import ops
+
+    momentum = layer.momentum
+    moving_mean = ops.cast(layer.moving_mean, "float32")
+    moving_variance = ops.cast(layer.moving_variance, "float32")
+    layer.moving_mean.assign(moving_mean * momentum + mean * (1.0 - momentum))
+    layer.moving_variance.assign(moving_variance * momentum + variance * (1.0 - momentum))
 
 
 def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
@@ -83,11 +131,28 @@ def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: 
         return stock()
     stats = PatternStats()
     why = _layer_decline(layer, mask)
+    replica = why is None and tf.distribute.has_strategy()
+    if replica:
+        inputs = tf.convert_to_tensor(inputs)
+        why = _replica_decline(layer, inputs, ctx) if is_training else (
+            "inside a tf.distribute strategy, not training (the moving statistics)")
     if why is not None:
         stats.matched += 1
         stats.decline(f"BatchNorm: {why}")
         ctx.record(PATTERN, stats)
         return stock()
+    if replica:
+        stats.matched += 1
+        try:
+            out, mean, variance = _replica_forward(layer, inputs)
+        except Exception as exc:  # noqa: BLE001 - never break training: nothing assigned yet
+            stats.errors.append(f"{layer.name}: replica form: {type(exc).__name__}: {exc}")
+            ctx.record(PATTERN, stats)
+            return stock()
+        _replica_update(layer, mean, variance)
+        stats.fuse("FusedBatchNormV3(training, float32)")
+        ctx.record(PATTERN, stats)
+        return out
     try:
         plan, stats = _rewrite(layer, original, inputs, training, ctx)
     except Exception as exc:  # noqa: BLE001 - never break training because of tfmx
