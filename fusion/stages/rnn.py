@@ -146,6 +146,11 @@ def find_rnn_layer(layer: Any, target: Target) -> tuple[RnnMatch | None, str | N
     return RnnMatch(kind, kernels.form, layer, swap_zr=kernels.gru_gates_rzh), None
 
 
+def _state_list(initial_state) -> list:
+    """A layer call's initial states as a list (Keras passes one tensor or several)."""
+    return list(initial_state) if isinstance(initial_state, (list, tuple)) else [initial_state]
+
+
 def rewrite_rnn_layer(match: RnnMatch, sequences, initial_state, mask, training=False,
                       chunks=None, unrolled=False):
     """Emit ``match``'s form of the layer's inner loop; Keras's ``(last, outputs, states)``.
@@ -159,8 +164,7 @@ def rewrite_rnn_layer(match: RnnMatch, sequences, initial_state, mask, training=
     layer, cell = match.layer, match.layer.cell
     if isinstance(mask, (list, tuple)):
         mask = mask[0]
-    states = list(initial_state) if isinstance(initial_state, (list, tuple)) else [
-        initial_state]
+    states = _state_list(initial_state)
     with tf.name_scope(SCOPE + match.kind + ("_unrolled" if unrolled else "")):
         if training and cell.dropout:  # Keras's cuDNN path: one input mask for every step
             dp_mask = cell.get_dropout_mask(sequences[:, 0, :])
@@ -317,7 +321,7 @@ def _remember_below(match: RnnMatch | None, original, form: RnnForm, sequences, 
         return
     if not _pairable(match, sequences, mask, training) or not hasattr(outputs, "graph"):
         return
-    states = initial_state if isinstance(initial_state, (list, tuple)) else [initial_state]
+    states = _state_list(initial_state)
     dropout = _dropout_mask(match, sequences)
     if dropout is not None:  # the mask this call's Keras step applied (one for every step)
         sequences = sequences * dropout[:, None, :]
@@ -474,8 +478,7 @@ def _emit(ctx: StageContext, match: RnnMatch | None, why: str | None, form: RnnF
                                                                          mask, train)
     if below is not None and _pair_chosen(ctx.chooser, below, match, original, form):
         try:
-            states = initial_state if isinstance(initial_state, (list, tuple)) else [
-                initial_state]
+            states = _state_list(initial_state)
             up_dropout = _dropout_mask(match, sequences) if train else None
             result = rewrite_rnn_pair(below.match, match, below.sequences,
                                       below.initial_state, _own_zeros(states, below.sequences),

@@ -53,6 +53,12 @@ def _time_major_projection(sequences: tf.Tensor, kernel, bias) -> tf.Tensor:
     return project(tf.transpose(sequences, [1, 0, 2]), kernel, bias)
 
 
+def _weight_gradient(inputs: list, d: tf.Tensor) -> tf.Tensor:
+    """A kernel's gradient over every step as one MatMul: the steps' inputs ([B, K] each),
+    stacked, against the pre-activations' gradients [T * B, G]."""
+    return tf.matmul(tf.concat(inputs, axis=0), d, transpose_a=True)
+
+
 def _dropped(x: tf.Tensor, mask: tf.Tensor | None) -> tf.Tensor:
     """``x`` times the dropout ``mask`` (a constant of the pair: no gradient), or ``x``."""
     return x if mask is None else x * mask
@@ -120,12 +126,9 @@ def lstm_pair(sequences: tf.Tensor, low_states: Sequence[tf.Tensor], low_weights
                 dz1s[t], dc1 = lstm_gates_back(dh1 + d_low, dc1, saved1[t], units1)
                 dh1 = tf.matmul(dz1s[t], r1_t)
             dz1, dz2 = tf.stack(dz1s), tf.concat(dz2s, axis=0)
-
-            def wgrad(states, d):
-                return tf.matmul(tf.concat(states, axis=0), d, transpose_a=True)
-
-            return (dz1, dh1, dc1, dh2, dc2, wgrad(before1, flat(dz1)), wgrad(ins2, dz2),
-                    wgrad(before2, dz2), tf.reduce_sum(dz2, axis=0))
+            return (dz1, dh1, dc1, dh2, dc2, _weight_gradient(before1, flat(dz1)),
+                    _weight_gradient(ins2, dz2), _weight_gradient(before2, dz2),
+                    tf.reduce_sum(dz2, axis=0))
 
         return ((tf.stack(hs2), h_t, c_t) if return_sequences else (h_t, c_t)), grad
 
@@ -190,12 +193,9 @@ def gru_pair(sequences: tf.Tensor, low_state: tf.Tensor, low_weights: Sequence,
                 dh1, di1s[t], dcand1 = gru_after_back(dh1 + d_low, saved1[t], units1, r1_t)
                 dx1s[t] = tf.concat([di1s[t][:, : 2 * units1], dcand1], axis=1)
             di1, dx2, di2 = (tf.concat(d, axis=0) for d in (di1s, dx2s, di2s))
-
-            def wgrad(states, d):
-                return tf.matmul(tf.concat(states, axis=0), d, transpose_a=True)
-
-            return (tf.stack(dx1s), dh1, dh2, wgrad(before1, di1), tf.reduce_sum(di1, axis=0),
-                    wgrad(hs1, dx2), tf.reduce_sum(dx2, axis=0), wgrad(before2, di2),
+            return (tf.stack(dx1s), dh1, dh2, _weight_gradient(before1, di1),
+                    tf.reduce_sum(di1, axis=0), _weight_gradient(hs1, dx2),
+                    tf.reduce_sum(dx2, axis=0), _weight_gradient(before2, di2),
                     tf.reduce_sum(di2, axis=0))
 
         return ((tf.stack(hs2), h_t) if return_sequences else h_t), grad
