@@ -981,13 +981,6 @@ def compare(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _tfmx_vs_stock(result: Mapping[str, Any]) -> float | None:
-    modes = result["modes"]
-    if "tfmx" not in modes or "stock" not in modes:
-        return None
-    return modes["tfmx"]["median_ms"] / modes["stock"]["median_ms"]
-
-
 def compare_replicas(results: Iterable[Mapping[str, Any]],
                      tolerance: float = REPLICA_TOLERANCE) -> list[dict[str, Any]]:
     """Per workload and oneDNN state measured with 1 and with N > 1 replicas: tfmx / stock at
@@ -1016,7 +1009,7 @@ def compare_replicas(results: Iterable[Mapping[str, Any]],
     for key, r in several:
         if key not in single:
             continue
-        one, many = _tfmx_vs_stock(single[key]), _tfmx_vs_stock(r)
+        one, many = (_ratios(x["modes"]).get("tfmx/stock") for x in (single[key], r))
         difference = many - one if one is not None and many is not None else None
         rows.append({
             "model": key[0], "optimizer": key[1], "policy": key[2], "batch_size": key[3],
