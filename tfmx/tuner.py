@@ -53,7 +53,7 @@ MODES = ("auto", "cached", "off")
 ENV_MODE = "TFMX_TUNE"
 ENV_DIR = "TFMX_CACHE_DIR"
 ENV_BUDGET = "TFMX_TUNE_BUDGET"
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: candidates timed with a tf.square loss (1's Pow loss slowed some)
 
 DEFAULT_BUDGET_S = 6.0
 """Seconds one rewrite may spend measuring (``TFMX_TUNE_BUDGET``); what is left unmeasured
