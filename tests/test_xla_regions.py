@@ -1,5 +1,5 @@
-"""XLA-compiled regions as a tuner candidate: a layer norm, an RMS norm or an attention block
-compiled by XLA as one function (its gradient too), where the tuner measures it faster."""
+"""XLA-compiled regions as a tuner candidate: a layer norm, an RMS norm, a GELU or an attention
+block compiled by XLA as one function (its gradient too), where the tuner measures it faster."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from helpers import TRANSCENDENTAL, assert_models_within_rounding
 import fusion
 import tfmx
 from fusion.stage import XLA
-from fusion.stages import attention, layer_norm
+from fusion.stages import attention, gelu, layer_norm
 
 
 class _PickXla:
@@ -52,6 +52,8 @@ def _model(kind: str, dropout: float = 0.0) -> keras.Model:
         x = keras.layers.LayerNormalization()(x)
     elif kind == "rms_norm":
         x = keras.layers.RMSNormalization()(x)
+    elif kind == "gelu":
+        x = keras.layers.Dense(16, activation="gelu")(x)
     else:
         x = keras.layers.Add()([x, keras.layers.MultiHeadAttention(2, 4, dropout=dropout)(
             x, x, use_causal_mask=True)])
@@ -63,7 +65,9 @@ def _model(kind: str, dropout: float = 0.0) -> keras.Model:
 
 
 LABELS = {"layer_norm": layer_norm.LABELS["xla"], "rms_norm": layer_norm.LABELS["rms xla"],
-          "attention": attention.LABELS["xla"]}
+          "gelu": gelu.LABELS[XLA], "attention": attention.LABELS["xla"]}
+FAMILIES = {"layer_norm": "layer_norm", "rms_norm": "layer_norm", "gelu": "gelu",
+            "attention": "attention"}
 
 
 @pytest.mark.parametrize("kind", sorted(LABELS))
@@ -75,7 +79,7 @@ def test_fit_with_an_xla_region_matches_stock(monkeypatch, kind):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((24, T, D)).astype("float32")
     y = rng.integers(0, 3, 24)
-    family = "attention" if kind == "attention" else "layer_norm"
+    family = FAMILIES[kind]
     models = {}
     initial = [v.numpy() for v in _model(kind).weights]
     for on in (False, True):

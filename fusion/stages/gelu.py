@@ -1,0 +1,164 @@
+"""The gelu stage: GELU trained with its derivative in closed form, or as one XLA region.
+
+Keras's GELU (``activation="gelu"``, ``keras.activations.gelu``, ``keras.ops.gelu``) runs on
+TensorFlow as ``tf.nn.gelu``: ``0.5 * x * erfc(-x / sqrt(2))`` (exact) or
+``0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3)))`` (``approximate=True``). Autodiff of
+either builds some ten elementwise ops in the backward pass, each a pass over a tensor as large
+as the feed-forward layer's output (``[tokens, 4 * width]`` in a transformer: the largest
+activations of the step). In training the contraction family cannot fold the GELU into the
+MatMul's ``_FusedMatMul`` (its gradient reads the pre-activation, which the fused op does not
+output), so this stage rewrites it before differentiation:
+
+- ``custom``: the forward with the cumulative distribution kept, ``cdf = 0.5 + 0.5 * erf(x /
+  sqrt(2))``, ``y = x * cdf``, and the derivative in closed form, ``dy/dx = cdf + x * pdf(x)``
+  (``pdf(x) = exp(-x^2 / 2) / sqrt(2 pi)``); for the tanh approximation
+  ``dy/dx = 0.5 * (1 + t) + 0.5 * x * (1 - t^2) * sqrt(2 / pi) * (1 + 3 * 0.044715 * x^2)``.
+- ``xla`` (cpu and cuda with ``tfmx.enable(xla=True)``, never metal): the ``custom`` form
+  compiled by XLA as one region, its forward one fused loop and its gradient another.
+
+Which is fastest depends on the machine and the shape, so every call is a tuner decision
+(forward and backward at the call's shapes) against the composite, the conservative form.
+Without a gradient tape recording (inference) the stage leaves the composite as it is: the
+contraction family then fuses it into the MatMul as ``_FusedMatMul`` (``GeluExact``). Declined,
+with the reason in the report: inputs that are not float32, float16 or bfloat16.
+
+Example:
+    >>> import numpy as np, tensorflow as tf
+    >>> from fusion.stages.gelu import gelu_custom
+    >>> x = tf.constant(np.linspace(-4.0, 4.0, 9, dtype="float32"))
+    >>> with tf.GradientTape() as tape:
+    ...     _ = tape.watch(x)
+    ...     y = gelu_custom(x, approximate=False)
+    >>> dx = tape.gradient(y, x)
+    >>> with tf.GradientTape() as tape:
+    ...     _ = tape.watch(x)
+    ...     expected = tf.nn.gelu(x, approximate=False)
+    >>> bool(np.allclose(y, expected, atol=1e-6))
+    True
+    >>> bool(np.allclose(dx, tape.gradient(expected, x), atol=1e-6))
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.python.eager import execute
+
+from fusion.pattern import PatternStats
+from fusion.stage import (
+    XLA,
+    Hook,
+    Stage,
+    StageContext,
+    register_stage,
+    timed_form,
+    with_xla,
+    xla_region,
+)
+
+FAMILY = "gelu"
+SCOPE = "tfmx_gelu"
+LABELS = {"custom": "GELU: closed-form derivative (custom gradient)",
+          XLA: "GELU: one XLA-compiled region (forward and gradient)"}
+"""Every form's report label, by its name in the stage's scopes (``tfmx_gelu_<form>``)."""
+
+_SQRT_HALF = 1.0 / math.sqrt(2.0)
+_PDF = 1.0 / math.sqrt(2.0 * math.pi)  # the standard normal density at 0
+_TANH_K = math.sqrt(2.0 / math.pi)
+_TANH_A = 0.044715
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def gelu_custom(x: tf.Tensor, approximate: bool = False) -> tf.Tensor:
+    """GELU of ``x`` (as ``tf.nn.gelu``) with its derivative in closed form, computed in
+    ``x``'s dtype: the forward keeps what the derivative needs (the normal CDF, or the tanh of
+    the approximation), so the backward is ~5 elementwise ops instead of autodiff's ~10."""
+    dtype = x.dtype
+
+    def const(value: float) -> tf.Tensor:
+        return tf.constant(value, dtype)
+
+    @tf.custom_gradient
+    def exact(x: tf.Tensor) -> Any:
+        cdf = const(0.5) + const(0.5) * tf.math.erf(x * const(_SQRT_HALF))
+
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            return dy * (cdf + x * (const(_PDF) * tf.exp(const(-0.5) * tf.square(x))))
+
+        return x * cdf, grad
+
+    @tf.custom_gradient
+    def tanh_form(x: tf.Tensor) -> Any:
+        square = tf.square(x)
+        t = tf.tanh(const(_TANH_K) * x * (const(1.0) + const(_TANH_A) * square))
+        half = const(0.5) + const(0.5) * t
+
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            slope = const(0.5 * _TANH_K) * (const(1.0) - t * t) * (
+                const(1.0) + const(3.0 * _TANH_A) * square)
+            return dy * (half + x * slope)
+
+        return x * half, grad
+
+    return tanh_form(x) if approximate else exact(x)
+
+
+def _decline(x: Any) -> str | None:
+    """Why the stage leaves this GELU to the composite, or None."""
+    if x.dtype.name not in _DTYPES:
+        return f"input dtype {x.dtype.name}"
+    if x.shape.rank is None:
+        return "input of unknown rank"
+    return None
+
+
+def fused_gelu(ctx: StageContext, original: Callable, x: Any, approximate: bool = True) -> Any:
+    """Keras's TensorFlow ``gelu`` (``keras.src.backend.tensorflow.nn.gelu``) while tfmx
+    traces: the closed-form derivative or an XLA region where the tuner measures it faster than
+    the composite and a gradient tape records it; else the composite."""
+    if not tf.inside_function() or not execute.must_record_gradient():
+        return original(x, approximate)  # inference: contraction fuses it into the MatMul
+    from fusion.fragment import shape_text
+
+    x = tf.convert_to_tensor(x)
+    approximate = bool(approximate)
+    stats = PatternStats(matched=1)
+    signature = f"gelu input {shape_text(x.shape)} {x.dtype.name} approximate={approximate}"
+    why = _decline(x)
+
+    def composite(v: Any) -> Any:
+        return original(v, approximate)
+
+    def custom(v: Any) -> Any:
+        return gelu_custom(v, approximate)
+
+    form = None if why else "custom"
+    if form is not None and ctx.chooser is not None:
+        timed = {"composite": timed_form(composite, [x.shape], x.dtype),
+                 "custom": timed_form(custom, [x.shape], x.dtype)}
+        timed = with_xla(ctx, timed, custom, [x.shape], x.dtype)
+        form = ctx.chooser.choose(FAMILY, signature, timed, "composite").choice
+        if form == "composite":
+            form, why = None, "the composite kept: measured faster"
+    if form is None:
+        stats.decline(f"{signature}: {why}")
+        ctx.record(FAMILY, stats)
+        return original(x, approximate)
+    emit = xla_region(custom) if form == XLA else custom
+    with tf.name_scope(f"{SCOPE}_{form}"):
+        out = emit(x)
+    stats.fuse(LABELS[form])
+    ctx.record(FAMILY, stats)
+    return out
+
+
+STAGE = register_stage(Stage(
+    FAMILY,
+    "Keras GELU (exact or tanh) in training -> a closed-form derivative (custom gradient) or "
+    "one XLA region, where measured faster than autodiff of the composite",
+    (Hook("keras.src.backend.tensorflow:nn", "gelu", fused_gelu),),
+))

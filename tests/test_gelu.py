@@ -1,0 +1,95 @@
+"""The gelu stage: GELU in training with its derivative in closed form."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import TRANSCENDENTAL, assert_models_within_rounding, assert_within_rounding
+
+import tfmx
+from fusion.stages import gelu as stage
+
+# Every match rewritten, whatever the tuner would measure here (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("every_rewrite")
+
+# Roundings of one GELU and its derivative (erf or tanh, exp, some ten multiplies and adds);
+# either side's, so twice.
+GELU_TERMS = 2 * (2 * TRANSCENDENTAL + 12)
+
+
+def _value_and_gradient(fn, x: tf.Tensor) -> list[np.ndarray]:
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = fn(x)
+        loss = tf.reduce_sum(tf.cast(y, tf.float32) * tf.sin(tf.cast(x, tf.float32)))
+    return [y.numpy().astype(np.float64), tape.gradient(loss, x).numpy().astype(np.float64)]
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_value_and_derivative_match_tensorflow(approximate, dtype):
+    x = tf.cast(tf.constant(np.linspace(-7.0, 7.0, 4001), tf.float32), dtype)
+    got = _value_and_gradient(lambda v: stage.gelu_custom(v, approximate), x)
+    want = _value_and_gradient(lambda v: tf.nn.gelu(v, approximate=approximate), x)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_within_rounding(g, w, GELU_TERMS, dtype=dtype, what=f"output {i}")
+
+
+def test_declines_what_it_cannot_take():
+    assert "float64" in stage._decline(tf.zeros([2], tf.float64))
+    assert stage._decline(tf.zeros([2, 3], tf.bfloat16)) is None
+
+
+def _model(seed: int = 0) -> keras.Model:
+    """Every way Keras reaches its GELU: a Dense activation, an Activation layer, and
+    ``keras.ops.gelu`` (approximate by default) in a custom layer."""
+
+    class TanhGelu(keras.layers.Layer):
+        def call(self, x):
+            return keras.ops.gelu(x)
+
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((8,))
+    x = keras.layers.Dense(16, activation="gelu")(inp)
+    x = keras.layers.Activation("gelu")(keras.layers.Dense(16)(x))
+    x = TanhGelu()(keras.layers.Dense(16)(x))
+    out = keras.layers.Dense(3, activation="softmax")(x)
+    model = keras.Model(inp, out)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss="sparse_categorical_crossentropy")
+    return model
+
+
+def test_fit_matches_stock_with_the_closed_form_in_the_graph_that_ran():
+    from tests.test_keras import ops_that_ran
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((32, 8)).astype("float32") * 2
+    y = rng.integers(0, 3, 32)
+    initial = [v.numpy() for v in _model().weights]
+    models = {}
+    for on in (False, True):
+        tfmx.enable(backend="cpu", patterns=["gelu"], guard=False) if on else tfmx.disable()
+        models[on] = _model()
+        models[on].fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    ran, stock = ops_that_ran(models[True].train_function), \
+        ops_that_ran(models[False].train_function)
+    assert {"Erf", "Tanh"} <= ran and "Erf" not in stock  # stock's exact GELU runs Erfc
+    stats = tfmx.report().patterns["gelu"]
+    assert stats.fused == 3 and set(stats.fused_kinds) == {stage.LABELS["custom"]}, stats
+    assert stats.observed[stage.LABELS["custom"]] >= 3
+    # 8 steps of three Dense layers of 8-16 terms, their GELUs and derivatives, the softmax
+    step = 3 * (8 + 16 + 16 + 16) + 3 * GELU_TERMS + 20
+    assert_models_within_rounding(models[False], models[True], initial, 8 * step)
+
+
+def test_inference_keeps_the_composite_for_the_matmul_fusion():
+    """Without a tape the stage leaves GELU alone: contraction folds it into _FusedMatMul."""
+    tfmx.enable(backend="cpu", patterns=["gelu", "contraction"], guard=False)
+    model = _model()
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype("float32")
+    want = model(x).numpy()
+    np.testing.assert_allclose(model.predict(x, verbose=0), want, atol=1e-5)
+    assert "gelu" not in tfmx.report().patterns or not tfmx.report().patterns["gelu"].fused
