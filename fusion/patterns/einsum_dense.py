@@ -1,7 +1,8 @@
 """The einsum_dense family's GraphDef pass: what the einsum_dense stage emitted, observed.
 
 The rewrite happens before differentiation, in the stage ``fusion.stages.einsum_dense``
-(Keras ``EinsumDense`` -> ``Reshape`` + ``MatMul`` + ``BiasAdd``). This pass finds the stage's
+(Keras ``EinsumDense`` -> ``Reshape`` + ``MatMul`` + ``BiasAdd``; a self-attention's three
+projections -> one ``MatMul``). This pass finds the stage's
 units under their name scope in the traced graph, the MatMul plain or already fused with its
 bias by the contraction family, and reports them as observed; calls the stage declined were
 recorded by the stage itself.
@@ -24,14 +25,16 @@ from __future__ import annotations
 from fusion.graph import GraphView
 from fusion.pattern import RewriteContext, register
 from fusion.stage import emitted_units
-from fusion.stages.einsum_dense import LABEL, SCOPE
+from fusion.stages.einsum_dense import LABEL, SCOPE, SHARED_LABEL
 
-_MARKS = {"matmul": frozenset({"MatMul", "_FusedMatMul"})}
+_MATMULS = frozenset({"MatMul", "_FusedMatMul"})
+_MARKS = {"matmul": _MATMULS, "shared": _MATMULS}
+_LABELS = {"matmul": LABEL, "shared": SHARED_LABEL}
 
 
 def find_einsum_dense_units(view: GraphView) -> list[tuple[str, str]]:
-    """(scope, form) of every EinsumDense the stage emitted in ``view`` whose MatMul (plain
-    or fused) is there."""
+    """(scope, form) of every EinsumDense (``matmul``) or set of attention projections
+    (``shared``) the stage emitted in ``view`` whose MatMul (plain or fused) is there."""
     return emitted_units(view, SCOPE, _MARKS)
 
 
@@ -42,5 +45,5 @@ def find_einsum_dense_units(view: GraphView) -> list[tuple[str, str]]:
 )
 def einsum_dense_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Observe the EinsumDense calls the stage rewrote in ``view``."""
-    for _ in find_einsum_dense_units(view):
-        ctx.stats.observe(LABEL)
+    for _, form in find_einsum_dense_units(view):
+        ctx.stats.observe(_LABELS[form])

@@ -34,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +46,8 @@ from fusion.stage import Hook, Stage, StageContext, register_stage, timed_form
 FAMILY = "einsum_dense"
 SCOPE = "tfmx_einsum_dense"
 LABEL = "EinsumDense: Reshape + MatMul (+ BiasAdd) in place of Einsum"
+SHARED_LABEL = "MultiHeadAttention: query, key and value projections as one MatMul"
+_pending = threading.local()  # .outputs: id(EinsumDense) -> its output, computed in advance
 
 
 def split_equation(equation: str) -> tuple[str, str, str] | None:
@@ -126,7 +129,12 @@ def find_einsum_dense(layer: Any, inputs: Any) -> str | None:
 def fused_einsum_dense_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
                             *args: Any, **kwargs: Any) -> Any:
     """``EinsumDense.call`` while tfmx traces: the MatMul form where it is correct and (by the
-    tuner) faster, else Keras's Einsum with the reason recorded."""
+    tuner) faster, else Keras's Einsum with the reason recorded. A projection that
+    :func:`fused_attention_call` already computed (in one MatMul with its siblings) returns
+    that output."""
+    done = getattr(_pending, "outputs", {}).pop(id(layer), None)
+    if done is not None:
+        return done
     if not tf.inside_function():
         return original(layer, inputs, *args, **kwargs)
     stats = PatternStats(matched=1)
@@ -161,9 +169,129 @@ def fused_einsum_dense_call(ctx: StageContext, original: Callable, layer: Any, i
     return out
 
 
+def _projections(layer: Any) -> tuple[Any, Any, Any]:
+    """A ``MultiHeadAttention``'s query, key and value ``EinsumDense`` layers."""
+    return layer._query_dense, layer._key_dense, layer._value_dense  # noqa: SLF001
+
+
+def find_shared_projection(layer: Any, query: Any, value: Any, key: Any) -> str | None:
+    """Why this ``MultiHeadAttention`` call keeps three projections, or None when its query,
+    key and value are one tensor projected by three ``EinsumDense`` of one tensordot equation
+    with flat biases (all or none), no activation and the input's dtype: one MatMul of the
+    input with the three kernels side by side computes all three."""
+    if query is not value or (key is not None and key is not value):
+        return "query, key and value are not one tensor (cross-attention)"
+    if getattr(layer, "_use_gate", False):
+        return "gated attention (a fourth projection of the query)"
+    denses = _projections(layer)
+    for dense in denses:
+        why = find_einsum_dense(dense, query)
+        if why is not None:
+            return why
+    if len({d.equation for d in denses}) != 1:
+        return "the projections' equations differ"
+    _, contracted, _ = split_equation(denses[0].equation)
+    biases = [d.bias is not None for d in denses]
+    if len(set(biases)) != 1:
+        return "some projections have a bias and some not"
+    for dense in denses:
+        if dense.activation is not None and getattr(dense.activation, "__name__", "") != \
+                "linear":
+            return f"a projection has the activation {dense.activation.__name__}"
+        kernel = _tensor(dense.kernel)
+        if kernel.dtype != query.dtype:
+            return f"input {query.dtype.name} and kernel {kernel.dtype.name} differ"
+        if dense.bias is not None and \
+                dense.bias.shape != kernel.shape[len(contracted):]:
+            return "a bias over some of the kept axes only"
+    return None
+
+
+def shared_projection(layer: Any, x: tf.Tensor) -> list[tf.Tensor]:
+    """The query, key and value projections of ``x`` (a ``MultiHeadAttention``'s, accepted by
+    :func:`find_shared_projection`) as one ``MatMul`` of ``x`` viewed ``[rows, features]`` with
+    the three kernels concatenated (+ one ``BiasAdd``), split back into the three outputs:
+    the backward is one MatMul for the input's gradient (no sum of three) and one for the
+    kernels'.
+
+    >>> import keras, numpy as np
+    >>> mha = keras.layers.MultiHeadAttention(2, 3)
+    >>> x = tf.random.normal([2, 5, 4], seed=1)
+    >>> _ = mha(x, x)
+    >>> q, k, v = shared_projection(mha, x)
+    >>> bool(np.allclose(q, mha._query_dense(x), atol=1e-6)), q.shape.as_list()
+    (True, [2, 5, 2, 3])
+    """
+    denses = _projections(layer)
+    _, contracted, _ = split_equation(denses[0].equation)
+    kernels = [_tensor(d.kernel) for d in denses]
+    cols = math.prod(kernels[0].shape.as_list()[: len(contracted)])
+    kept = [k.shape.as_list()[len(contracted):] for k in kernels]
+    widths = [math.prod(dims) for dims in kept]
+    y = tf.matmul(tf.reshape(x, [-1, cols]), tf.concat(
+        [tf.reshape(k, [cols, n]) for k, n in zip(kernels, widths)], 1))
+    if denses[0].bias is not None:
+        y = tf.nn.bias_add(y, tf.concat([tf.reshape(_tensor(d.bias), [-1]) for d in denses], 0))
+    leading = x.shape[: x.shape.rank - len(contracted)]
+    dynamic = tf.shape(x)[: x.shape.rank - len(contracted)]
+    outs = []
+    for part, dims in zip(tf.split(y, widths, axis=1), kept):
+        out = tf.reshape(part, tf.concat([dynamic, dims], 0))
+        out.set_shape(leading.concatenate(dims))
+        outs.append(out)
+    return outs
+
+
+def fused_attention_call(ctx: StageContext, original: Callable, layer: Any, query: Any,
+                         value: Any, key: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """``MultiHeadAttention.call`` while tfmx traces: a self-attention's three projections as
+    one MatMul (:func:`shared_projection`) where the tuner measures it faster than three, the
+    rest of Keras's call as it is (its projections then return what was computed)."""
+    if not tf.inside_function() or args:
+        return original(layer, query, value, key, *args, **kwargs)
+    why = find_shared_projection(layer, query, value, key)
+    stats = PatternStats(matched=1)
+    denses = _projections(layer)
+    if why is None and ctx.chooser is not None:
+        from fusion.fragment import shape_text
+
+        x = tf.convert_to_tensor(query)
+        variables = [v for d in denses for v in d.trainable_variables]
+
+        def separate(v: Any) -> Any:
+            return tf.stack([tf.reduce_sum(tf.square(as_matmul(d, v))) for d in denses])
+
+        def shared(v: Any) -> Any:
+            return tf.stack([tf.reduce_sum(tf.square(o)) for o in shared_projection(layer, v)])
+
+        signature = (f"MultiHeadAttention projections {denses[0].equation} input "
+                     f"{shape_text(x.shape)} {x.dtype.name} widths "
+                     f"{[math.prod(d.kernel.shape[1:]) for d in denses]}")
+        candidates = {"separate": timed_form(separate, [x.shape], x.dtype, variables),
+                      "shared": timed_form(shared, [x.shape], x.dtype, variables)}
+        if ctx.chooser.choose(FAMILY, signature, candidates, "separate").choice == "separate":
+            why = f"{signature}: three MatMuls kept: measured faster"
+    if why is not None:
+        stats.decline(f"MultiHeadAttention projections: {why}")
+        ctx.record(FAMILY, stats)
+        return original(layer, query, value, key, **kwargs)
+    with tf.name_scope(f"{SCOPE}_shared"):
+        outs = shared_projection(layer, tf.convert_to_tensor(query))
+    stats.fuse(SHARED_LABEL)
+    ctx.record(FAMILY, stats)
+    before = getattr(_pending, "outputs", {})
+    _pending.outputs = {**before, **{id(d): out for d, out in zip(denses, outs)}}
+    try:
+        return original(layer, query, value, key, **kwargs)
+    finally:
+        _pending.outputs = before
+
+
 STAGE = register_stage(Stage(
     FAMILY,
     "Keras EinsumDense (MultiHeadAttention's projections) -> Reshape + MatMul (+ BiasAdd, "
     "which the contraction family fuses) where the equation is a tensordot and measured faster",
-    (Hook("keras.src.layers.core.einsum_dense:EinsumDense", "call", fused_einsum_dense_call),),
+    (Hook("keras.src.layers.core.einsum_dense:EinsumDense", "call", fused_einsum_dense_call),
+     Hook("keras.src.layers.attention.multi_head_attention:MultiHeadAttention", "call",
+          fused_attention_call)),
 ))
