@@ -27,14 +27,28 @@ def _value_and_gradient(fn, x: tf.Tensor) -> list[np.ndarray]:
     return [y.numpy().astype(np.float64), tape.gradient(loss, x).numpy().astype(np.float64)]
 
 
-@pytest.mark.parametrize("approximate", [False, True])
+@pytest.mark.parametrize("form", ["exact", "exact erfc", "approximate"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_value_and_derivative_match_tensorflow(approximate, dtype):
+def test_value_and_derivative_match_tensorflow(form, dtype):
+    approximate = form == "approximate"
     x = tf.cast(tf.constant(np.linspace(-7.0, 7.0, 4001), tf.float32), dtype)
-    got = _value_and_gradient(lambda v: stage.gelu_custom(v, approximate), x)
+    got = _value_and_gradient(
+        lambda v: stage.gelu_custom(v, approximate, erfc=form == "exact erfc"), x)
     want = _value_and_gradient(lambda v: tf.nn.gelu(v, approximate=approximate), x)
     for i, (g, w) in enumerate(zip(got, want)):
         assert_within_rounding(g, w, GELU_TERMS, dtype=dtype, what=f"output {i}")
+    if form == "exact erfc":  # TensorFlow's own forward, bit for bit
+        np.testing.assert_array_equal(got[0], want[0])
+
+
+def test_a_backend_without_erf_gets_the_erfc_form():
+    from fusion.stage import StageContext
+    from tfmx.backends import get_backend
+
+    assert list(stage._forms(StageContext(get_backend("cpu")), False)) == \
+        ["custom", "custom erfc"]
+    assert list(stage._forms(StageContext(get_backend("metal")), False)) == ["custom erfc"]
+    assert list(stage._forms(StageContext(get_backend("metal")), True)) == ["custom"]
 
 
 def test_declines_what_it_cannot_take():

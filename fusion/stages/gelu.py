@@ -11,7 +11,9 @@ output), so this stage rewrites it before differentiation:
 
 - ``custom``: the forward with the cumulative distribution kept, ``cdf = 0.5 + 0.5 * erf(x /
   sqrt(2))``, ``y = x * cdf``, and the derivative in closed form, ``dy/dx = cdf + x * pdf(x)``
-  (``pdf(x) = exp(-x^2 / 2) / sqrt(2 pi)``); for the tanh approximation
+  (``pdf(x) = exp(-x^2 / 2) / sqrt(2 pi)``); ``custom erfc`` the same with TensorFlow's own CDF,
+  ``0.5 * erfc(-x / sqrt(2))`` (its forward equals the composite's bit for bit; on this
+  project's Zen 4 Erfc runs at half Erf's speed); for the tanh approximation
   ``dy/dx = 0.5 * (1 + t) + 0.5 * x * (1 - t^2) * sqrt(2 / pi) * (1 + 3 * 0.044715 * x^2)``.
 - ``xla`` (cpu and cuda with ``tfmx.enable(xla=True)``, never metal): the ``custom`` form
   compiled by XLA as one region, its forward one fused loop and its gradient another.
@@ -63,6 +65,7 @@ from fusion.stage import (
 FAMILY = "gelu"
 SCOPE = "tfmx_gelu"
 LABELS = {"custom": "GELU: closed-form derivative (custom gradient)",
+          "custom erfc": "GELU: closed-form derivative (custom gradient), TensorFlow's Erfc CDF",
           XLA: "GELU: one XLA-compiled region (forward and gradient)"}
 """Every form's report label, by its name in the stage's scopes (``tfmx_gelu_<form>``)."""
 
@@ -73,10 +76,13 @@ _TANH_A = 0.044715
 _DTYPES = ("float32", "float16", "bfloat16")
 
 
-def gelu_custom(x: tf.Tensor, approximate: bool = False) -> tf.Tensor:
+def gelu_custom(x: tf.Tensor, approximate: bool = False, erfc: bool = False) -> tf.Tensor:
     """GELU of ``x`` (as ``tf.nn.gelu``) with its derivative in closed form, computed in
     ``x``'s dtype: the forward keeps what the derivative needs (the normal CDF, or the tanh of
-    the approximation), so the backward is ~5 elementwise ops instead of autodiff's ~10."""
+    the approximation), so the backward is ~5 elementwise ops instead of autodiff's ~10.
+    The exact CDF is ``0.5 + 0.5 * erf(x / sqrt(2))``, or with ``erfc`` TensorFlow's own
+    ``0.5 * erfc(-x / sqrt(2))`` (the forward then equals ``tf.nn.gelu``'s bit for bit; a
+    backend may have one kernel and not the other: tensorflow-metal lists Erfc, not Erf)."""
     dtype = x.dtype
 
     def const(value: float) -> tf.Tensor:
@@ -84,12 +90,18 @@ def gelu_custom(x: tf.Tensor, approximate: bool = False) -> tf.Tensor:
 
     @tf.custom_gradient
     def exact(x: tf.Tensor) -> Any:
-        cdf = const(0.5) + const(0.5) * tf.math.erf(x * const(_SQRT_HALF))
+        if erfc:  # tf.nn.gelu's own expression and order: (0.5 * x) * erfc(-x * c)
+            tail = tf.math.erfc(-x * const(_SQRT_HALF))
+            y = const(0.5) * x * tail
+        else:
+            cdf = const(0.5) + const(0.5) * tf.math.erf(x * const(_SQRT_HALF))
+            y = x * cdf
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
-            return dy * (cdf + x * (const(_PDF) * tf.exp(const(-0.5) * tf.square(x))))
+            density = x * (const(_PDF) * tf.exp(const(-0.5) * tf.square(x)))
+            return dy * ((const(0.5) * tail if erfc else cdf) + density)
 
-        return x * cdf, grad
+        return y, grad
 
     @tf.custom_gradient
     def tanh_form(x: tf.Tensor) -> Any:
@@ -116,6 +128,19 @@ def _decline(x: Any) -> str | None:
     return None
 
 
+def _forms(ctx: StageContext, approximate: bool) -> dict[str, Callable[[Any], Any]]:
+    """The closed forms ``ctx``'s backend runs, by name (the first is the one taken without a
+    tuner): the exact GELU's CDF through Erf and through Erfc where the backend has each
+    kernel, the tanh approximation's one form."""
+    if approximate:
+        return {"custom": lambda v: gelu_custom(v, True)}
+    forms = {}
+    if ctx.target.runs_op("Erf"):
+        forms["custom"] = lambda v: gelu_custom(v, False)
+    forms["custom erfc"] = lambda v: gelu_custom(v, False, erfc=True)
+    return forms
+
+
 def fused_gelu(ctx: StageContext, original: Callable, x: Any, approximate: bool = True) -> Any:
     """Keras's TensorFlow ``gelu`` (``keras.src.backend.tensorflow.nn.gelu``) while tfmx
     traces: the closed-form derivative or an XLA region where the tuner measures it faster than
@@ -133,14 +158,12 @@ def fused_gelu(ctx: StageContext, original: Callable, x: Any, approximate: bool 
     def composite(v: Any) -> Any:
         return original(v, approximate)
 
-    def custom(v: Any) -> Any:
-        return gelu_custom(v, approximate)
-
-    form = None if why else "custom"
+    forms = _forms(ctx, approximate)
+    form = None if why else next(iter(forms))
     if form is not None and ctx.chooser is not None:
         timed = {"composite": timed_form(composite, [x.shape], x.dtype),
-                 "custom": timed_form(custom, [x.shape], x.dtype)}
-        timed = with_xla(ctx, timed, custom, [x.shape], x.dtype)
+                 **{name: timed_form(f, [x.shape], x.dtype) for name, f in forms.items()}}
+        timed = with_xla(ctx, timed, forms[form], [x.shape], x.dtype)
         form = ctx.chooser.choose(FAMILY, signature, timed, "composite").choice
         if form == "composite":
             form, why = None, "the composite kept: measured faster"
@@ -148,8 +171,8 @@ def fused_gelu(ctx: StageContext, original: Callable, x: Any, approximate: bool 
         stats.decline(f"{signature}: {why}")
         ctx.record(FAMILY, stats)
         return original(x, approximate)
-    emit = xla_region(custom) if form == XLA else custom
-    with tf.name_scope(f"{SCOPE}_{form}"):
+    emit = xla_region(next(iter(forms.values()))) if form == XLA else forms[form]
+    with tf.name_scope(f"{SCOPE}_{form.replace(' ', '_')}"):
         out = emit(x)
     stats.fuse(LABELS[form])
     ctx.record(FAMILY, stats)
