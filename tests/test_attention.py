@@ -89,7 +89,9 @@ def test_forms_match_keras_dot_product_attention_and_its_gradient():
     from keras.src.backend.tensorflow.nn import _dot_product_attention_xla
 
     q, k, v = (tf.random.normal([3, 5, 2, 4], seed=s) for s in (1, 2, 3))
-    mask = tf.constant(np.random.default_rng(0).random((3, 1, 5, 5)) > 0.3)
+    keep = np.random.default_rng(0).random((3, 1, 5, 5)) > 0.3
+    keep[0, 0, 2, :] = False  # a row masked entirely: Keras's softmax of it is uniform
+    mask = tf.constant(keep)
 
     def grads(fn):
         with tf.GradientTape() as tape:
@@ -185,3 +187,26 @@ def test_ops_dot_product_attention_matches_stock(monkeypatch, form, causal):
     assert stats.observed[label] >= 1
     for a, b in zip(models[False].weights, models[True].weights):
         assert_within_rounding(b.numpy(), a.numpy(), FIT, what=a.name)
+
+
+@pytest.mark.onednn_on
+def test_onednn_fuses_the_added_causal_mask_into_the_batched_matmul(tmp_path):
+    """The mask is added (``mask_adder``), not selected: TensorFlow's oneDNN pass then runs the
+    scores' MatMul, scale and mask as one ``_MklFusedBatchMatMulV2`` (seen in a profile: the
+    fusion happens when the graph runs, after tracing)."""
+    import glob
+
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    q, k, v = (tf.random.normal([2, 6, 2, 4], seed=s) for s in (1, 2, 3))
+    run = tf.function(lambda q, k, v: stage.attention(q, k, v, None, True, 0.5))
+    run(q, k, v)
+    tf.profiler.experimental.start(str(tmp_path))
+    run(q, k, v)
+    tf.profiler.experimental.stop()
+    space = xplane_pb2.XSpace()
+    with open(glob.glob(f"{tmp_path}/**/*.xplane.pb", recursive=True)[0], "rb") as f:
+        space.ParseFromString(f.read())
+    kernels = {plane.event_metadata[e.metadata_id].name.rsplit(":", 1)[-1]
+               for plane in space.planes for line in plane.lines for e in line.events}
+    assert "_MklFusedBatchMatMulV2" in kernels, sorted(kernels)

@@ -7,8 +7,10 @@ transpose their operands on every call. This stage emits the same arithmetic as 
 fuse with the score scale where oneDNN is on, in one of two forms the tuner picks per call:
 
 - ``bmm``: Keras's order exactly: logits in the compute dtype, cast to float32, times the scale,
-  Keras's own masking (``_apply_masks``: the attention mask and ``use_causal_mask``), softmax in
-  float32, cast back, the second MatMul;
+  Keras's own masking (``_apply_masks``: the attention mask and ``use_causal_mask``; a causal
+  mask alone added instead of selected, :func:`mask_adder`, which oneDNN's pass fuses with the
+  MatMul and the scale into ``_MklFusedBatchMatMulV2``), softmax in float32, cast back, the
+  second MatMul;
 - ``bmm folded`` (float32 only): the scale folded into the query before the first MatMul (half
   the multiplications at T = S = 2H; one rounding moved).
 
@@ -21,7 +23,9 @@ forms (its TensorFlow core, ``_dot_product_attention_xla``, is routed: bias, mas
 grouped heads and a given scale as Keras computes them; report labels ``dot_product_attention``).
 
 A layer with dropout keeps Keras's other path (query scaled, ``_masked_softmax``, its dropout
-layer on the scores) with the Einsums replaced by the same MatMuls, so the dropout layer draws
+layer on the scores) with the Einsums replaced by the same MatMuls and the mask added before
+Keras's softmax instead of selected (the masked probabilities zeroed after it as Keras does,
+unless the mask is a causal one alone), so the dropout layer draws
 its random mask from the same seed stream at the same point: the streams stay the stock ones.
 Declined, with the reason in the report: ``return_attention_scores=True``, attention over
 other axes than the sequence (``attention_axes``), ``flash_attention``, float64.
@@ -76,12 +80,43 @@ def _heads_first(x: tf.Tensor) -> tf.Tensor:
     return tf.transpose(x, [0, 2, 1, 3])  # [B, T, N, H] -> [B, N, T, H]
 
 
+def mask_adder(mask: Any, causal: bool, queries: Any, keys: Any, large_negative: tf.Tensor,
+               ) -> tf.Tensor | None:
+    """``0`` where the scores are kept and ``large_negative`` where masked, as small as the
+    masks are (``[1, 1, T, S]`` for a causal mask alone), or None without a mask: added to
+    the scores in place of Keras's ``where(mask, scores, large_negative)`` over the full
+    ``[B, N, T, S]`` (for which Keras first builds a full boolean tensor). Kept scores are
+    unchanged (``s + 0``); a masked one becomes ``large_negative + s``, whose exponential
+    after the row's maximum is subtracted is 0 as Keras's is, so the softmax and its gradient
+    are the same for every row with a kept score, and oneDNN's graph pass can fuse the add
+    into the batched MatMul (``_MklFusedBatchMatMulV2``). A row masked entirely would differ
+    in its gradient (an add passes one, Keras's select none): callers use the adder where no
+    row can be (a causal mask alone) or zero such rows' probabilities after the softmax, as
+    Keras's ``Softmax`` layer does.
+
+    >>> adder = mask_adder(None, True, 3, 3, tf.constant(-1e9))
+    >>> adder.shape.as_list(), adder.numpy()[0, 0, 0].tolist()
+    ([1, 1, 3, 3], [0.0, -1000000000.0, -1000000000.0])
+    """
+    keep = None if mask is None else tf.cast(mask, tf.bool)
+    if causal:
+        band = tf.linalg.band_part(tf.ones(tf.stack([queries, keys]), tf.bool), -1, 0)
+        band = band[None, None, :, :]
+        keep = band if keep is None else tf.logical_and(keep, band)
+    if keep is None:
+        return None
+    return tf.where(keep, tf.zeros([], large_negative.dtype), large_negative)
+
+
 def attention(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: Any, causal: bool,
               scale: Any, folded: bool = False, bias: Any = None) -> tf.Tensor:
     """Keras's ``dot_product_attention`` of ``[B, T, N, H]`` heads (mask ``[B, N, T, S]``
     broadcastable, or None; ``bias`` added to the scaled logits, or None), as batched MatMuls;
-    ``folded`` scales the query instead of the logits."""
-    from keras.src.backend.tensorflow.nn import _apply_masks
+    ``folded`` scales the query instead of the logits. A causal mask alone is added
+    (:func:`mask_adder`), so the scale, bias and mask follow the MatMul as Mul and Add; other
+    masks go through Keras's ``_apply_masks`` (a row masked entirely would get a gradient
+    through an add, where Keras's select gives it none)."""
+    from keras.src.backend.tensorflow.nn import _apply_masks, _get_large_negative
 
     dtype = query.dtype
     if folded:
@@ -92,7 +127,13 @@ def attention(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: Any, cau
         logits = logits * tf.cast(scale, tf.float32)
     if bias is not None:
         logits = logits + tf.cast(bias, logits.dtype)
-    probs = tf.cast(tf.nn.softmax(_apply_masks(logits, mask, causal), axis=-1), key.dtype)
+    if mask is None and causal:
+        shape = tf.shape(logits)
+        logits = logits + mask_adder(None, True, shape[2], shape[3],
+                                     _get_large_negative(logits.dtype))
+    else:
+        logits = _apply_masks(logits, mask, causal)
+    probs = tf.cast(tf.nn.softmax(logits, axis=-1), key.dtype)
     return _heads_first(tf.matmul(probs, _heads_first(value)))
 
 
@@ -109,15 +150,34 @@ def _expanded_mask(layer: Any, mask: Any) -> Any:
 def _with_dropout(layer: Any, query: Any, key: Any, value: Any, mask: Any, training: Any,
                   causal: bool) -> tf.Tensor:
     """Keras's explicit-scores path (a layer with dropout), its Einsums as batched MatMuls."""
+    given = mask
     if causal:
         causal_mask = layer._compute_causal_mask(query, value)  # noqa: SLF001
         mask = causal_mask if mask is None else tf.logical_and(tf.cast(mask, tf.bool),
                                                                causal_mask)
     query = query * tf.cast(layer._inverse_sqrt_key_dim, query.dtype)  # noqa: SLF001
     scores = tf.matmul(_heads_first(query), _heads_first(key), transpose_b=True)
-    scores = layer._masked_softmax(scores, mask)  # noqa: SLF001
+    scores = _masked_softmax(layer, scores, mask, causal_only=causal and given is None)
     scores = layer._dropout_layer(scores, training=training)  # noqa: SLF001
     return _heads_first(tf.matmul(scores, _heads_first(value)))
+
+
+def _masked_softmax(layer: Any, scores: tf.Tensor, mask: Any, causal_only: bool) -> tf.Tensor:
+    """Keras's ``layer._masked_softmax`` (its ``Softmax`` layer with the mask) with the mask
+    added (:func:`mask_adder`, Keras's ``Softmax`` large negative) instead of selected. Keras
+    then zeroes the masked probabilities (a row masked entirely would be uniform); a causal
+    mask alone masks no row entirely, and its masked probabilities are already 0, so that
+    select is left out there."""
+    from keras.src.layers.activations.softmax import _large_negative_number
+
+    if mask is None:
+        return layer._masked_softmax(scores, None)  # noqa: SLF001
+    for _ in range(len(scores.shape) - len(mask.shape)):  # Keras's expansion, heads axis
+        mask = tf.expand_dims(mask, -len(layer._attention_axes) * 2 - 1)  # noqa: SLF001
+    keep = mask if mask.dtype == tf.bool else mask > tf.cast(0.5, mask.dtype)
+    large_negative = tf.constant(_large_negative_number(scores.dtype), scores.dtype)
+    probs = layer._softmax(scores + mask_adder(keep, False, None, None, large_negative))  # noqa: SLF001
+    return probs if causal_only else tf.where(keep, probs, tf.zeros([], probs.dtype))
 
 
 def find_attention(layer: Any, query: Any, return_scores: bool) -> str | None:
