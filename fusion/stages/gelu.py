@@ -90,16 +90,20 @@ def gelu_custom(x: tf.Tensor, approximate: bool = False, erfc: bool = False) -> 
 
     @tf.custom_gradient
     def exact(x: tf.Tensor) -> Any:
+        t = x * const(_SQRT_HALF)  # x / sqrt(2): the CDF's argument, kept for the density
         if erfc:  # tf.nn.gelu's own expression and order: (0.5 * x) * erfc(-x * c)
-            tail = tf.math.erfc(-x * const(_SQRT_HALF))
+            tail = tf.math.erfc(-t)
             y = const(0.5) * x * tail
+            cdf = const(0.5) * tail  # for the derivative (in y, halving could lose a bit)
         else:
-            cdf = const(0.5) + const(0.5) * tf.math.erf(x * const(_SQRT_HALF))
+            cdf = const(0.5) + const(0.5) * tf.math.erf(t)
             y = x * cdf
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
-            density = x * (const(_PDF) * tf.exp(const(-0.5) * tf.square(x)))
-            return dy * ((const(0.5) * tail if erfc else cdf) + density)
+            # x * pdf(x) = t * exp(-t^2) / sqrt(pi): Square, Neg, Exp is a chain of unary ops,
+            # which Grappler runs as one pass (_UnaryOpsComposition)
+            density = const(_PDF / _SQRT_HALF) * (t * tf.exp(-tf.square(t)))
+            return dy * (cdf + density)
 
         return y, grad
 
