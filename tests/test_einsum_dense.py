@@ -167,6 +167,18 @@ def test_shared_projection_matches_keras_and_declines_cross_attention():
     assert stage.find_shared_projection(mha, x, x, None) is None
     assert "cross-attention" in stage.find_shared_projection(mha, x, other, None)
     assert "cross-attention" in stage.find_shared_projection(mha, x, x, other)
+
+    seen = []
+
+    @tf.function
+    def casts(x):  # a mixed-precision policy casts query and value one by one
+        a, b, c = tf.cast(x, tf.float16), tf.cast(x, tf.float16), tf.cast(x, tf.bfloat16)
+        seen.extend([stage._same_tensor(a, b), stage._same_tensor(a, c),
+                     stage._same_tensor(a, x)])
+        return a
+
+    casts.get_concrete_function(tf.TensorSpec([2, T, D]))
+    assert seen == [True, False, False]
     with tf.GradientTape() as tape:
         got = stage.shared_projection(mha, x)
         loss = tf.add_n([tf.reduce_sum(g * tf.sin(g)) for g in got])

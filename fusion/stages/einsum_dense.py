@@ -174,12 +174,22 @@ def _projections(layer: Any) -> tuple[Any, Any, Any]:
     return layer._query_dense, layer._key_dense, layer._value_dense  # noqa: SLF001
 
 
+def _same_tensor(a: Any, b: Any) -> bool:
+    """``a`` is ``b``, or both are casts of one tensor to one dtype (a mixed-precision policy
+    casts each of a layer's inputs on its own)."""
+    if a is b:
+        return True
+    ops = [getattr(t, "op", None) for t in (a, b)]
+    return all(op is not None and op.type == "Cast" for op in ops) and \
+        ops[0].inputs[0] is ops[1].inputs[0] and a.dtype == b.dtype
+
+
 def find_shared_projection(layer: Any, query: Any, value: Any, key: Any) -> str | None:
     """Why this ``MultiHeadAttention`` call keeps three projections, or None when its query,
     key and value are one tensor projected by three ``EinsumDense`` of one tensordot equation
     with flat biases (all or none), no activation and the input's dtype: one MatMul of the
     input with the three kernels side by side computes all three."""
-    if query is not value or (key is not None and key is not value):
+    if not _same_tensor(query, value) or (key is not None and not _same_tensor(key, value)):
         return "query, key and value are not one tensor (cross-attention)"
     if getattr(layer, "_use_gate", False):
         return "gated attention (a fourth projection of the query)"
@@ -264,9 +274,10 @@ def fused_attention_call(ctx: StageContext, original: Callable, layer: Any, quer
         def shared(v: Any) -> Any:
             return tf.stack([tf.reduce_sum(tf.square(o)) for o in shared_projection(layer, v)])
 
+        contracted = len(split_equation(denses[0].equation)[1])
         signature = (f"MultiHeadAttention projections {denses[0].equation} input "
                      f"{shape_text(x.shape)} {x.dtype.name} widths "
-                     f"{[math.prod(d.kernel.shape[1:]) for d in denses]}")
+                     f"{[math.prod(d.kernel.shape[contracted:]) for d in denses]}")
         candidates = {"separate": timed_form(separate, [x.shape], x.dtype, variables),
                       "shared": timed_form(shared, [x.shape], x.dtype, variables)}
         if ctx.chooser.choose(FAMILY, signature, candidates, "separate").choice == "separate":
