@@ -246,6 +246,49 @@ def with_xla(ctx: StageContext, candidates: dict, forward: Callable[..., Any], s
     return {**candidates, XLA: timed_form(xla_region(forward), shapes, dtype, variables)}
 
 
+def rewrite_call(ctx: StageContext, family: str, scope: str, labels: dict[str, str], *,
+                 what: str, why: str | None, forms: list[str], signature: Callable[[], str],
+                 candidates: Callable[[], dict], conservative: str, kept: str,
+                 keras: Callable[[], Any], emit: Callable[[str], Any], prefix: str = "") -> Any:
+    """The flow every stage hook shares: without a tuner the first of ``forms``; with one, the
+    tuner's pick between ``conservative`` and ``candidates()`` (factories by form name, timed
+    under ``signature()``); the form emitted by ``emit(form)`` under ``<scope>_<prefix><form>``
+    and recorded as fused with its label, or ``keras()`` with the reason recorded (``why``, or
+    that ``kept``, the conservative form, measured faster). ``forms`` is empty, or ``why``
+    given, where the call cannot be rewritten.
+
+    >>> from fusion.pattern import PlainTarget, RewriteAlways
+    >>> seen = []
+    >>> ctx = StageContext(PlainTarget("cpu"), RewriteAlways(),
+    ...                    record=lambda family, stats: seen.append(dict(stats.fused_kinds)))
+    >>> rewrite_call(ctx, "demo", "tfmx_demo", {"fast": "demo: the fast form"}, what="demo",
+    ...              why=None, forms=["fast"], signature=lambda: "demo x",
+    ...              candidates=lambda: {"slow": None, "fast": None}, conservative="slow",
+    ...              kept="the slow form", keras=lambda: "slow", emit=lambda form: form)
+    'fast'
+    >>> seen
+    [{'demo: the fast form': 1}]
+    """
+    import tensorflow as tf
+
+    stats = PatternStats(matched=1)
+    form = forms[0] if forms and why is None else None
+    if form is not None and ctx.chooser is not None:
+        chosen = signature()
+        form = ctx.chooser.choose(family, chosen, candidates(), conservative).choice
+        if form == conservative:
+            form, why = None, f"{chosen}: {kept} kept: measured faster"
+    if form is None:
+        stats.decline(f"{what}: {why}")
+        ctx.record(family, stats)
+        return keras()
+    with tf.name_scope(f"{scope}_{(prefix + form).replace(' ', '_')}"):
+        out = emit(form)
+    stats.fuse(labels[prefix + form])
+    ctx.record(family, stats)
+    return out
+
+
 def _routed(stage: Stage, hook: Hook) -> Callable[[Any], Any]:
     def make(original: Any) -> Any:
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:

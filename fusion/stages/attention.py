@@ -48,13 +48,13 @@ from typing import Any
 
 import tensorflow as tf
 
-from fusion.pattern import PatternStats
 from fusion.stage import (
     XLA,
     Hook,
     Stage,
     StageContext,
     register_stage,
+    rewrite_call,
     timed_form,
     with_xla,
     xla_region,
@@ -239,25 +239,11 @@ def _xla(layer: Any, original: Callable, query: Any, key: Any, value: Any, mask:
 def _rewrite(ctx: StageContext, what: str, why: str | None, forms: list[str],
              signature: Callable[[], str], candidates: Callable[[], dict],
              keras: Callable[[], Any], emit: Callable[[str], Any], prefix: str = "") -> Any:
-    """The flow both hooks share: without a tuner the first of ``forms``, else the tuner's
-    pick between Keras's Einsums and ``candidates()``; emitted by ``emit(form)`` under
-    ``tfmx_attention_<prefix><form>``, or Keras's computation with the reason recorded."""
-    stats = PatternStats(matched=1)
-    form = forms[0] if forms and why is None else None
-    if form is not None and ctx.chooser is not None:
-        chosen = signature()
-        form = ctx.chooser.choose(FAMILY, chosen, candidates(), "einsum").choice
-        if form == "einsum":
-            form, why = None, f"{chosen}: Keras's Einsums kept: measured faster"
-    if form is None:
-        stats.decline(f"{what}: {why}")
-        ctx.record(FAMILY, stats)
-        return keras()
-    with tf.name_scope(f"{SCOPE}_{(prefix + form).replace(' ', '_')}"):
-        out = emit(form)
-    stats.fuse(LABELS[prefix + form])
-    ctx.record(FAMILY, stats)
-    return out
+    """Both hooks' flow (:func:`fusion.stage.rewrite_call`) against Keras's Einsums, emitted
+    under ``tfmx_attention_<prefix><form>``."""
+    return rewrite_call(ctx, FAMILY, SCOPE, LABELS, what=what, why=why, forms=forms,
+                        signature=signature, candidates=candidates, conservative="einsum",
+                        kept="Keras's Einsums", keras=keras, emit=emit, prefix=prefix)
 
 
 def fused_attention(ctx: StageContext, original: Callable, layer: Any, query: Any, key: Any,

@@ -50,13 +50,13 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.eager import execute
 
-from fusion.pattern import PatternStats
 from fusion.stage import (
     XLA,
     Hook,
     Stage,
     StageContext,
     register_stage,
+    rewrite_call,
     timed_form,
     with_xla,
     xla_region,
@@ -155,32 +155,22 @@ def fused_gelu(ctx: StageContext, original: Callable, x: Any, approximate: bool 
 
     x = tf.convert_to_tensor(x)
     approximate = bool(approximate)
-    stats = PatternStats(matched=1)
-    signature = f"gelu input {shape_text(x.shape)} {x.dtype.name} approximate={approximate}"
-    why = _decline(x)
-
-    def composite(v: Any) -> Any:
-        return original(v, approximate)
-
     forms = _forms(ctx, approximate)
-    form = None if why else next(iter(forms))
-    if form is not None and ctx.chooser is not None:
-        timed = {"composite": timed_form(composite, [x.shape], x.dtype),
+
+    def candidates() -> dict:
+        timed = {"composite": timed_form(lambda v: original(v, approximate), [x.shape], x.dtype),
                  **{name: timed_form(f, [x.shape], x.dtype) for name, f in forms.items()}}
-        timed = with_xla(ctx, timed, forms[form], [x.shape], x.dtype)
-        form = ctx.chooser.choose(FAMILY, signature, timed, "composite").choice
-        if form == "composite":
-            form, why = None, "the composite kept: measured faster"
-    if form is None:
-        stats.decline(f"{signature}: {why}")
-        ctx.record(FAMILY, stats)
-        return original(x, approximate)
-    emit = xla_region(next(iter(forms.values()))) if form == XLA else forms[form]
-    with tf.name_scope(f"{SCOPE}_{form.replace(' ', '_')}"):
-        out = emit(x)
-    stats.fuse(LABELS[form])
-    ctx.record(FAMILY, stats)
-    return out
+        return with_xla(ctx, timed, next(iter(forms.values())), [x.shape], x.dtype)
+
+    def emit(form: str) -> Any:
+        return (xla_region(next(iter(forms.values()))) if form == XLA else forms[form])(x)
+
+    return rewrite_call(
+        ctx, FAMILY, SCOPE, LABELS, what="GELU", why=_decline(x), forms=list(forms),
+        signature=lambda: f"gelu input {shape_text(x.shape)} {x.dtype.name} "
+                          f"approximate={approximate}",
+        candidates=candidates, conservative="composite", kept="the composite",
+        keras=lambda: original(x, approximate), emit=emit)
 
 
 STAGE = register_stage(Stage(

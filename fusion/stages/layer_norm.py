@@ -44,13 +44,13 @@ from typing import Any
 
 import tensorflow as tf
 
-from fusion.pattern import PatternStats
 from fusion.stage import (
     XLA,
     Hook,
     Stage,
     StageContext,
     register_stage,
+    rewrite_call,
     timed_form,
     with_xla,
     xla_region,
@@ -235,31 +235,24 @@ def _rewrite(ctx: StageContext, original: Callable, layer: Any, inputs: tf.Tenso
     without a tuner) against Keras's composite and, where XLA may run, the composite compiled
     as one region; the tuner's pick emitted under ``tfmx_layer_norm_<prefix><form>``, or
     Keras's composite with the reason recorded."""
-    stats = PatternStats(matched=1)
-    what = signature.split(" ", 1)[0]
-    form = next(iter(forms)) if first is not None else None
 
     def keras_form(x: Any) -> Any:
         return original(layer, x)
 
-    if form is not None and ctx.chooser is not None:
+    def candidates() -> dict:
         timed = {name: timed_form(f, [inputs.shape], inputs.dtype, layer.trainable_variables)
                  for name, f in {"composite": keras_form, **forms}.items()}
-        timed = with_xla(ctx, timed, keras_form, [inputs.shape], inputs.dtype,
-                         layer.trainable_variables)
-        form = ctx.chooser.choose(FAMILY, signature, timed, "composite").choice
-        if form == "composite":
-            form, why = None, f"{signature}: Keras's composite kept: measured faster"
-    if form is None:
-        stats.decline(f"{what}: {why}")
-        ctx.record(FAMILY, stats)
-        return original(layer, inputs)
-    emit = xla_region(keras_form) if form == XLA else forms[form]
-    with tf.name_scope(f"{SCOPE}_{(prefix + form).replace(' ', '_')}"):
-        out = emit(inputs)
-    stats.fuse(LABELS[prefix + form])
-    ctx.record(FAMILY, stats)
-    return out
+        return with_xla(ctx, timed, keras_form, [inputs.shape], inputs.dtype,
+                        layer.trainable_variables)
+
+    def emit(form: str) -> Any:
+        return (xla_region(keras_form) if form == XLA else forms[form])(inputs)
+
+    return rewrite_call(ctx, FAMILY, SCOPE, LABELS, what=signature.split(" ", 1)[0],
+                        why=why, forms=list(forms) if first is not None else [],
+                        signature=lambda: signature, candidates=candidates,
+                        conservative="composite", kept="Keras's composite",
+                        keras=lambda: original(layer, inputs), emit=emit, prefix=prefix)
 
 
 def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
