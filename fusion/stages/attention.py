@@ -80,11 +80,10 @@ def _heads_first(x: tf.Tensor) -> tf.Tensor:
     return tf.transpose(x, [0, 2, 1, 3])  # [B, T, N, H] -> [B, N, T, H]
 
 
-def mask_adder(mask: Any, causal: bool, queries: Any, keys: Any, large_negative: tf.Tensor,
-               ) -> tf.Tensor | None:
-    """``0`` where the scores are kept and ``large_negative`` where masked, as small as the
-    masks are (``[1, 1, T, S]`` for a causal mask alone), or None without a mask: added to
-    the scores in place of Keras's ``where(mask, scores, large_negative)`` over the full
+def mask_adder(keep: tf.Tensor, large_negative: tf.Tensor) -> tf.Tensor:
+    """``0`` where ``keep`` (a boolean mask, as small as it broadcasts: ``[1, 1, T, S]`` for
+    :func:`causal_band`) keeps a score and ``large_negative`` where it masks one: added to the
+    scores in place of Keras's ``where(mask, scores, large_negative)`` over the full
     ``[B, N, T, S]`` (for which Keras first builds a full boolean tensor). Kept scores are
     unchanged (``s + 0``); a masked one becomes ``large_negative + s``, whose exponential
     after the row's maximum is subtracted is 0 as Keras's is, so the softmax and its gradient
@@ -94,18 +93,17 @@ def mask_adder(mask: Any, causal: bool, queries: Any, keys: Any, large_negative:
     row can be (a causal mask alone) or zero such rows' probabilities after the softmax, as
     Keras's ``Softmax`` layer does.
 
-    >>> adder = mask_adder(None, True, 3, 3, tf.constant(-1e9))
+    >>> adder = mask_adder(causal_band(3, 3), tf.constant(-1e9))
     >>> adder.shape.as_list(), adder.numpy()[0, 0, 0].tolist()
     ([1, 1, 3, 3], [0.0, -1000000000.0, -1000000000.0])
     """
-    keep = None if mask is None else tf.cast(mask, tf.bool)
-    if causal:
-        band = tf.linalg.band_part(tf.ones(tf.stack([queries, keys]), tf.bool), -1, 0)
-        band = band[None, None, :, :]
-        keep = band if keep is None else tf.logical_and(keep, band)
-    if keep is None:
-        return None
     return tf.where(keep, tf.zeros([], large_negative.dtype), large_negative)
+
+
+def causal_band(queries: Any, keys: Any) -> tf.Tensor:
+    """Keras's causal mask as ``[1, 1, T, S]`` booleans: query ``t`` sees keys ``s <= t``."""
+    band = tf.linalg.band_part(tf.ones(tf.stack([queries, keys]), tf.bool), -1, 0)
+    return band[None, None, :, :]
 
 
 def attention(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: Any, causal: bool,
@@ -129,7 +127,7 @@ def attention(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: Any, cau
         logits = logits + tf.cast(bias, logits.dtype)
     if mask is None and causal:
         shape = tf.shape(logits)
-        logits = logits + mask_adder(None, True, shape[2], shape[3],
+        logits = logits + mask_adder(causal_band(shape[2], shape[3]),
                                      _get_large_negative(logits.dtype))
     else:
         logits = _apply_masks(logits, mask, causal)
@@ -176,7 +174,7 @@ def _masked_softmax(layer: Any, scores: tf.Tensor, mask: Any, causal_only: bool)
         mask = tf.expand_dims(mask, -len(layer._attention_axes) * 2 - 1)  # noqa: SLF001
     keep = mask if mask.dtype == tf.bool else mask > tf.cast(0.5, mask.dtype)
     large_negative = tf.constant(_large_negative_number(scores.dtype), scores.dtype)
-    probs = layer._softmax(scores + mask_adder(keep, False, None, None, large_negative))  # noqa: SLF001
+    probs = layer._softmax(scores + mask_adder(keep, large_negative))  # noqa: SLF001
     return probs if causal_only else tf.where(keep, probs, tf.zeros([], probs.dtype))
 
 
