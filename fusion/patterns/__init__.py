@@ -7,8 +7,8 @@ elsewhere, e.g. by a test, runs after them).
 
 >>> import fusion.patterns
 >>> from fusion.pattern import registered
->>> list(registered())[:1]
-['contraction']
+>>> list(registered())[:2]
+['reshaped_bias', 'contraction']
 """
 
 import importlib
@@ -18,6 +18,9 @@ for _module in pkgutil.iter_modules(__path__):  # each module registers its fami
     importlib.import_module(f"{__name__}.{_module.name}")
 
 PIPELINE_ORDER: tuple[str, ...] = (
+    # A bias added after a MatMul's reshape (Keras Dense on rank > 2) moved ahead of it: makes
+    # MatMul + BiasAdd chains for contraction.
+    "reshaped_bias",
     # Conv/MatMul + BiasAdd (+ Add) (+ activation) first: the chains the others must not split.
     "contraction",
     # Inference Conv + batch norm: reads the Conv2D that contraction left unfused (no BiasAdd).

@@ -1,0 +1,127 @@
+"""Reshaped-bias patterns: a bias added after the reshape that follows a MatMul, moved ahead of it.
+
+Keras's ``Dense`` on an input of rank > 2 (every transformer's feed-forward and projection
+layers, ``[batch, tokens, features]``) runs on TensorFlow as ``tf.tensordot``: ``Reshape`` to
+2-D, ``MatMul``, ``Reshape`` back, then ``BiasAdd``. The reshape between MatMul and BiasAdd
+keeps Grappler's remapper (and the contraction family) from fusing the bias into the MatMul,
+so the bias is a pass of its own over the layer's output. Adding the bias to the 2-D product
+and reshaping after gives the same values, element for element: the reshape keeps the last
+axis (the bias's), so every element meets the same bias entry. The contraction family then
+fuses ``MatMul + BiasAdd`` into ``_FusedMatMul``.
+
+Only the forward changes: the gradient of ``BiasAdd`` (``BiasAddGrad``) reads the incoming
+gradient alone, and the MatMul's gradient reads the MatMul's inputs, so a training graph may be
+rewritten after differentiation as it stands.
+
+One shape, as in every family: :class:`ReshapedBiasMatch` records a match,
+:func:`find_reshaped_biases` fills records, :func:`rewrite_reshaped_bias` rewires.
+
+Example:
+    >>> import tensorflow as tf
+    >>> from fusion.graph import GraphView
+    >>> from fusion.patterns.reshaped_bias import find_reshaped_biases
+    >>> @tf.function
+    ... def f(x, w, b):
+    ...     return tf.nn.bias_add(tf.reshape(tf.matmul(x, w), [2, 3, 4]), b)
+    >>> g = f.get_concrete_function(tf.TensorSpec([6, 5]), tf.TensorSpec([5, 4]),
+    ...                             tf.TensorSpec([4])).graph.as_graph_def(add_shapes=True)
+    >>> matches, declined = find_reshaped_biases(GraphView(g.node))
+    >>> [(m.matmul.op, m.reshape.op, m.bias_add.op) for m in matches]
+    [('MatMul', 'Reshape', 'BiasAdd')]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, output_shape, parse_input
+from fusion.match import blocker, fused_node
+from fusion.pattern import RewriteContext, apply_matches, register
+
+SUFFIX = "/tfmx_bias_first"
+"""The name of the moved BiasAdd: the MatMul's name and this suffix."""
+
+
+@dataclasses.dataclass
+class ReshapedBiasMatch:
+    """``MatMul -> Reshape -> BiasAdd``: the bias may be added to the MatMul's output."""
+
+    matmul: NodeDef
+    reshape: NodeDef
+    bias_add: NodeDef
+
+
+def _blocker(view: GraphView, matmul: NodeDef, reshape: NodeDef, bias: NodeDef) -> str | None:
+    """Why the bias stays after the reshape, or None."""
+    if parse_input(bias.input[0])[0] != reshape.name:
+        return "BiasAdd reads the reshape as its bias"
+    fmt = bias.attr["data_format"].s.decode() if "data_format" in bias.attr else "NHWC"
+    if fmt != "NHWC":
+        return f"BiasAdd in {fmt} adds along axis 1, not the last"
+    product, reshaped = output_shape(matmul), output_shape(reshape)
+    if product is None or reshaped is None or len(product) != 2 or not reshaped:
+        return "static shapes unknown"
+    if product[1] is None or reshaped[-1] != product[1]:
+        return (f"the reshape {product} -> {reshaped} does not keep the last axis, so the "
+                "bias would meet other elements")
+    for node, inside in ((matmul, {reshape.name}), (reshape, {bias.name})):
+        why = blocker(view, node, inside)
+        if why is not None:
+            return why
+    if view.has_control_edges(bias):
+        return "BiasAdd has a control edge"
+    return None
+
+
+def find_reshaped_biases(view: GraphView) -> tuple[list[ReshapedBiasMatch], list[str]]:
+    """Every ``MatMul -> Reshape -> BiasAdd`` in ``view`` whose bias may move ahead of the
+    reshape, and a reason for each one that may not."""
+    matches: list[ReshapedBiasMatch] = []
+    declined: list[str] = []
+    for matmul in view.nodes():
+        if matmul.op != "MatMul":
+            continue
+        reshape = next((c for c in view.consumers(matmul.name) if c.op == "Reshape"
+                        and parse_input(c.input[0]) == (matmul.name, 0, False)), None)
+        bias = reshape and next(
+            (c for c in view.consumers(reshape.name) if c.op == "BiasAdd"), None)
+        if bias is None:
+            continue
+        why = _blocker(view, matmul, reshape, bias)
+        if why is not None:
+            declined.append(f"MatMul -> Reshape -> BiasAdd: {why}")
+            continue
+        matches.append(ReshapedBiasMatch(matmul, reshape, bias))
+    return matches, declined
+
+
+def rewrite_reshaped_bias(view: GraphView, match: ReshapedBiasMatch) -> NodeDef:
+    """Write ``MatMul -> BiasAdd -> Reshape``: the BiasAdd (named after the MatMul, with
+    :data:`SUFFIX`) reads the MatMul; the Reshape takes the old BiasAdd's name, so the old
+    consumers need no rewiring. Returns the moved BiasAdd."""
+    matmul, reshape, bias = match.matmul, match.reshape, match.bias_add
+    moved = fused_node(bias, "BiasAdd", bias, [matmul.name, bias.input[1]])
+    moved.name = matmul.name + SUFFIX
+    moved.attr["_output_shapes"].CopyFrom(matmul.attr["_output_shapes"])
+    after = fused_node(reshape, "Reshape", bias, [moved.name, reshape.input[1]])
+    for reader, index, _, control in view.consumer_edges(reshape.name):
+        if not control and reader.op in SHAPE_ONLY_OPS:  # same shape as the new reshape
+            view.replace_input(reader, index, bias.name)
+    view.remove(reshape.name)
+    view.add(moved)
+    view.replace(bias.name, after)
+    return moved
+
+
+@register(
+    "reshaped_bias",
+    "MatMul -> Reshape -> BiasAdd (Keras Dense on inputs of rank > 2) -> MatMul -> BiasAdd -> "
+    "Reshape, so the contraction family fuses the bias into the MatMul",
+)
+def reshaped_bias_pass(view: GraphView, ctx: RewriteContext) -> None:
+    """Move every bias that follows a MatMul's reshape ahead of the reshape (exact)."""
+    apply_matches(
+        view, ctx, find_reshaped_biases(view),
+        lambda v, m: rewrite_reshaped_bias(v, m),
+        lambda m: "BiasAdd moved ahead of the Reshape after MatMul",
+    )
