@@ -170,6 +170,22 @@ def needs_onednn(state: str):
     return apply
 
 
+def fit_stock_and_tfmx(build, x, y, patterns: list[str], epochs: int = 2,
+                       batch_size: int = 8) -> tuple[dict, list]:
+    """Train ``build()`` (a compiled model, seeded so every build starts from the same
+    weights) on ``x``, ``y`` with tfmx off and then on with ``patterns`` (cpu, no guard):
+    ({False: stock model, True: tfmx model}, the initial weights)."""
+    import tfmx
+
+    initial = [v.numpy() for v in build().weights]
+    models = {}
+    for on in (False, True):
+        tfmx.enable(backend="cpu", patterns=patterns, guard=False) if on else tfmx.disable()
+        models[on] = build()
+        models[on].fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, shuffle=False)
+    return models, initial
+
+
 def assert_models_within_rounding(stock, fused, initial, terms: int) -> None:
     """Every weight of two models trained from the same ``initial`` weights (a list, in
     ``weights`` order) within ``terms`` roundings. Each weight's scale is its own magnitude,

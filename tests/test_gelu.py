@@ -6,7 +6,12 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import TRANSCENDENTAL, assert_models_within_rounding, assert_within_rounding
+from helpers import (
+    TRANSCENDENTAL,
+    assert_models_within_rounding,
+    assert_within_rounding,
+    fit_stock_and_tfmx,
+)
 
 import tfmx
 from fusion.stages import gelu as stage
@@ -82,12 +87,7 @@ def test_fit_matches_stock_with_the_closed_form_in_the_graph_that_ran():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((32, 8)).astype("float32") * 2
     y = rng.integers(0, 3, 32)
-    initial = [v.numpy() for v in _model().weights]
-    models = {}
-    for on in (False, True):
-        tfmx.enable(backend="cpu", patterns=["gelu"], guard=False) if on else tfmx.disable()
-        models[on] = _model()
-        models[on].fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    models, initial = fit_stock_and_tfmx(_model, x, y, ["gelu"])
     ran, stock = ops_that_ran(models[True].train_function), \
         ops_that_ran(models[False].train_function)
     assert {"Erf", "Tanh"} <= ran and "Erf" not in stock  # stock's exact GELU runs Erfc

@@ -6,7 +6,7 @@ MatMul in the graph that ran."""
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_models_within_rounding, ops_that_ran
+from helpers import assert_models_within_rounding, fit_stock_and_tfmx, ops_that_ran
 
 import tfmx
 from fusion.graph import GraphView
@@ -98,13 +98,7 @@ def test_dense_on_tokens_trains_as_stock_with_the_bias_fused():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((32, 8, 6)).astype("float32")
     y = rng.integers(0, 3, 32)
-    initial = [v.numpy() for v in _model().weights]
-    models = {}
-    for on in (False, True):
-        tfmx.enable(backend="cpu", patterns=["reshaped_bias", "contraction"],
-                    guard=False) if on else tfmx.disable()
-        models[on] = _model()
-        models[on].fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    models, initial = fit_stock_and_tfmx(_model, x, y, ["reshaped_bias", "contraction"])
     stats = tfmx.report().patterns
     assert stats["reshaped_bias"].fused == 2 and stats["contraction"].fused >= 2, stats
     assert "_FusedMatMul" in ops_that_ran(models[True].train_function)

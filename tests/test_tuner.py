@@ -51,6 +51,36 @@ def test_picks_the_faster_form_from_injected_timings():
         assert d.times_ms == {k: v * 1e3 for k, v in times.items()}
 
 
+def _rounds(**samples):
+    return lambda candidates, seconds: tuner_mod.Timings(samples)
+
+
+def test_a_form_faster_within_noise_keeps_the_conservative_one(cache_dir):
+    # the fused median is lower, but it won 5 of 8 rounds: chance gives that 36% of the time
+    samples = {"stock": [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+               "fused": [0.9, 0.9, 0.9, 1.1, 1.1, 0.9, 1.2, 0.95]}
+    d = Tuner("auto", TuningCache.for_backend("cpu"), _rounds(**samples)).choose(
+        "f", "s", {"stock": None, "fused": None}, conservative="stock")
+    assert d.choice == "stock" and d.source == "measured"
+    assert d.times_ms["fused"] < d.times_ms["stock"]
+    assert "5 of 8 rounds" in d.note and "within noise" in d.describe()
+    again = TuningCache.for_backend("cpu").get(d.key)  # the note is cached with the choice
+    assert (again.choice, again.note) == ("stock", d.note)
+
+
+def test_a_form_faster_in_every_round_is_kept():
+    samples = {"stock": [1.0] * 8, "fused": [0.97, 0.98, 0.99, 0.97, 0.9, 0.95, 0.99, 0.98]}
+    d = Tuner("auto", None, _rounds(**samples)).choose(
+        "f", "s", {"stock": None, "fused": None}, conservative="stock")
+    assert d.choice == "fused" and d.note == ""
+
+
+def test_measure_returns_aligned_rounds():
+    t = tuner_mod.measure({"a": lambda: (lambda: None), "b": lambda: (lambda: None)}, 0.0)
+    assert len(t.samples["a"]) == len(t.samples["b"]) == tuner_mod.MIN_ROUNDS
+    assert set(t) == {"a", "b"}
+
+
 def test_one_measurement_per_decision_and_each_recorded():
     seen = []
     timer = _timer({"a": 1.0, "b": 0.5})

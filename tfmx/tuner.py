@@ -9,6 +9,13 @@ times the candidates interleaved within a bounded budget, keeps the faster and r
 figures. Today's constants may seed a decision (the order candidates are tried in); they never
 decide alone.
 
+A form other than the conservative one is kept only where it beats the conservative form by
+more than the machine's noise: the candidates run in interleaved rounds, and the faster median
+must also be the faster in so many rounds that chance alone would give that count with
+probability at most :data:`SIGNIFICANCE` (a one-sided sign test, :func:`sign_test`). A
+difference of a few microseconds on a call of a few hundred (two equal sums, one kernel or its
+twin) is a coin toss, and a coin toss does not change what stock runs.
+
 Modes (``tfmx.enable(tune=...)`` or the environment variable ``TFMX_TUNE``):
 
 - ``"auto"`` (default): a decision found in the cache is reused; others are measured and
@@ -40,6 +47,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -53,7 +61,7 @@ MODES = ("auto", "cached", "off")
 ENV_MODE = "TFMX_TUNE"
 ENV_DIR = "TFMX_CACHE_DIR"
 ENV_BUDGET = "TFMX_TUNE_BUDGET"
-CACHE_FORMAT = 2  # 2: candidates timed with a tf.square loss (1's Pow loss slowed some)
+CACHE_FORMAT = 3  # 2: timed with a tf.square loss (1's Pow loss slowed some); 3: sign test
 
 DEFAULT_BUDGET_S = 6.0
 """Seconds one rewrite may spend measuring (``TFMX_TUNE_BUDGET``); what is left unmeasured
@@ -62,13 +70,20 @@ takes the conservative form and is measured on a later run."""
 DECISION_SECONDS = 0.1
 """Seconds of interleaved rounds per decision (after one warm-up call of each candidate)."""
 
-MIN_ROUNDS, MAX_ROUNDS = 3, 30
+MIN_ROUNDS, MAX_ROUNDS = 8, 30
+"""Rounds of one decision: at least 8, so a form that wins every round is told from chance
+(:data:`SIGNIFICANCE`: 8 of 8 by chance has probability 0.004, 7 of 8 0.035)."""
+
+SIGNIFICANCE = 0.05
+"""The largest probability that chance alone wins a form as many rounds as it won against the
+conservative form (:func:`sign_test`) at which it is still kept."""
 
 RunFactory = Callable[[], Callable[[], Any]]
 """Builds one candidate (graphs, inputs) and returns a callable that runs it once, synchronously."""
 
 Timer = Callable[[Mapping[str, RunFactory], float], Mapping[str, float]]
-"""(candidates, seconds) -> median seconds per candidate name."""
+"""(candidates, seconds) -> median seconds per candidate name (a :class:`Timings` also holds
+every round's samples, which the choice is tested with)."""
 
 
 
@@ -166,6 +181,7 @@ class Decision:
     times_ms: dict[str, float] = dataclasses.field(default_factory=dict)
     # "measured", "cached", or "conservative (<why>)"
     source: str = "measured"
+    note: str = ""  # e.g. that the fastest median was within noise of the conservative form
 
     @property
     def key(self) -> str:
@@ -179,14 +195,14 @@ class Decision:
         times = ", ".join(f"{n} {self.times_ms[n]:.3f} ms" for n in self.candidates
                           if n in self.times_ms)
         when = "measured faster here" + (" (cached)" if self.source == "cached" else "")
-        return f"{when}: {times}"
+        return f"{when}: {times}" + (f" ({self.note})" if self.note else "")
 
     def describe(self) -> str:
         """One line: ``family signature: choice (source) a 1.20 ms, b 0.90 ms``."""
         times = ", ".join(f"{n} {self.times_ms[n]:.3f} ms" for n in self.candidates
                           if n in self.times_ms)
         return f"{self.family} {self.signature}: {self.choice} ({self.source})" + (
-            f"  {times}" if times else "")
+            f"  {times}" if times else "") + (f"  [{self.note}]" if self.note else "")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"candidates": list(self.candidates)}
@@ -233,7 +249,8 @@ class TuningCache:
             return None
         try:
             return Decision(raw["family"], raw["signature"], raw["choice"],
-                            tuple(raw["candidates"]), dict(raw.get("times_ms", {})), "cached")
+                            tuple(raw["candidates"]), dict(raw.get("times_ms", {})), "cached",
+                            str(raw.get("note", "")))
         except (KeyError, TypeError):
             return None
 
@@ -269,10 +286,49 @@ class TuningCache:
             pass
 
 
-def measure(candidates: Mapping[str, RunFactory], seconds: float) -> dict[str, float]:
-    """Median seconds per candidate: each is built, run once untimed (graph optimization,
-    first-run allocation), then the candidates run interleaved (order rotated every round) for
-    ``seconds``, at least :data:`MIN_ROUNDS` and at most :data:`MAX_ROUNDS` rounds.
+class Timings(dict):
+    """Median seconds per candidate (the dict), and every round's sample of each
+    (``samples[name][i]``: round ``i``, the rounds of all candidates aligned), so that a choice
+    can be tested against the noise (:func:`sign_test`)."""
+
+    def __init__(self, samples: Mapping[str, list[float]]) -> None:
+        super().__init__({name: statistics.median(s) for name, s in samples.items()})
+        self.samples = {name: list(s) for name, s in samples.items()}
+
+
+def sign_test(wins: int, rounds: int) -> float:
+    """The probability that chance alone (a fair coin per round) wins at least ``wins`` of
+    ``rounds``: the one-sided p-value of the sign test.
+
+    >>> round(sign_test(8, 8), 4), round(sign_test(7, 8), 4), sign_test(4, 8) > 0.5
+    (0.0039, 0.0352, True)
+    """
+    return sum(math.comb(rounds, k) for k in range(wins, rounds + 1)) / 2 ** rounds
+
+
+def within_noise(timings: Mapping[str, float], best: str, conservative: str
+                 ) -> tuple[int, int] | None:
+    """(rounds ``best`` won against ``conservative``, rounds) where ``timings`` holds samples
+    (:class:`Timings`) and that count is within chance (:data:`SIGNIFICANCE`); else None.
+
+    >>> t = Timings({"a": [1.0, 2.0, 1.0, 2.0, 1.0, 2.0, 1.0, 2.0],
+    ...              "b": [1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.0]})
+    >>> within_noise(t, "b", "a")
+    (4, 8)
+    """
+    samples = getattr(timings, "samples", None)
+    if not samples or best == conservative:
+        return None
+    pairs = list(zip(samples[best], samples[conservative]))
+    wins = sum(b < c for b, c in pairs)
+    return (wins, len(pairs)) if sign_test(wins, len(pairs)) > SIGNIFICANCE else None
+
+
+def measure(candidates: Mapping[str, RunFactory], seconds: float) -> Timings:
+    """Median seconds per candidate, with every round's samples (:class:`Timings`): each is
+    built, run once untimed (graph optimization, first-run allocation), then the candidates
+    run interleaved (order rotated every round) for ``seconds``, at least
+    :data:`MIN_ROUNDS` and at most :data:`MAX_ROUNDS` rounds.
 
     >>> import time
     >>> t = measure({"fast": lambda: (lambda: None), "slow": lambda: (lambda: time.sleep(0.002))},
@@ -293,7 +349,7 @@ def measure(candidates: Mapping[str, RunFactory], seconds: float) -> dict[str, f
             runs[name]()
             samples[name].append(time.perf_counter() - t0)
         rounds += 1
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return Timings(samples)
 
 
 class Tuner:
@@ -370,9 +426,16 @@ class Tuner:
             return fallback(f"measuring failed: {type(exc).__name__}: {exc}"[:200])
         finally:
             self.spent += time.perf_counter() - start
-        # Ties go to the conservative form; otherwise the fastest median wins.
+        # Ties go to the conservative form; otherwise the fastest median wins, if it won
+        # enough of its rounds against the conservative form to be more than noise.
         best = min(names, key=lambda n: (times[n], n != conservative))
-        decision = Decision(family, signature, best, names, times, "measured")
+        note = ""
+        noise = within_noise(seconds, best, conservative)
+        if noise is not None:
+            note = (f"{best} faster in {noise[0]} of {noise[1]} rounds only: within noise, "
+                    f"{conservative} kept")
+            best = conservative
+        decision = Decision(family, signature, best, names, times, "measured", note)
         if self.cache is not None:
             self.cache.put(decision)
         return decision
@@ -422,5 +485,5 @@ def import_cache(path: str | os.PathLike, force: bool = False) -> int:
     return cache.merge(data["decisions"])
 
 
-__all__ = ["Decision", "MODES", "Tuner", "TuningCache", "cache_dir", "export_cache",
-           "fingerprint", "import_cache", "measure", "resolve_mode"]
+__all__ = ["Decision", "MODES", "Timings", "Tuner", "TuningCache", "cache_dir", "export_cache",
+           "fingerprint", "import_cache", "measure", "resolve_mode", "sign_test", "within_noise"]

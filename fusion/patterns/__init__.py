@@ -39,6 +39,9 @@ PIPELINE_ORDER: tuple[str, ...] = (
     "batch_norm",
     # Cast round trips and identity casts, after the others produced their final dtypes.
     "casts",
+    # Bias gradients as MatMuls of ones where measured faster: their row of ones is a Const
+    # that dedupe shares between the gradients of one shape.
+    "bias_grad",
     # What the fused graph still computes twice (variable reads, Keras's per-variable
     # optimizer scalars) is computed once: after every family that removes or adds nodes.
     "dedupe",
