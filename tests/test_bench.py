@@ -188,6 +188,16 @@ def test_markdown_names_the_machine_the_states_and_keeps_per_process_ratios():
     assert "tfmx fused chain(s)/update(s): 5 with oneDNN on, 4 with oneDNN off." in lines
 
 
+def test_markdown_gives_the_per_round_ratios():
+    r = result("on", stock=10.0, tfmx=8.0, xla=9.0)
+    r["modes"]["stock"]["rounds_ms"] = [10.0, 20.0, 10.0, 30.0]  # the load drifts
+    r["modes"]["tfmx"]["rounds_ms"] = [8.0, 16.0, 9.0, 24.0]
+    r["modes"]["xla"]["rounds_ms"] = [9.0, 18.0, 9.0, 27.0]
+    line = next(x for x in format_markdown([r]).splitlines() if x.startswith("Per-round"))
+    assert line == ("Per-round ratios (oneDNN on), median (p25-p75): tfmx/stock 0.800 "
+                    "(0.800-0.825); tfmx/xla 0.889 (0.889-0.917); xla/stock 0.900 (0.900-0.900)")
+
+
 def test_onednn_line_says_when_the_state_came_from_the_calling_process():
     r = result("on", stock=1.0, isolated=False)
     r["env"]["onednn_env"] = None

@@ -50,8 +50,9 @@ The output (:func:`format_markdown`):
   columns without "(on)"/"(off)".
 - Per workload, a table per oneDNN state and mode: median, p25-p75, min, ``vs stock`` and
   ``vs XLA`` (the ratios within one process: tfmx/stock, tfmx/xla, xla/stock), first call
-  (trace, rewrite or compile) seconds; then each traced function's rewrite, and how many
-  chains/updates tfmx fused, per state.
+  (trace, rewrite or compile) seconds; the same ratios taken round by round (each round
+  times every mode back to back, :func:`paired_ratios`), median and p25-p75; then each traced
+  function's rewrite, and how many chains/updates tfmx fused, per state.
 - With N > 1 replicas: a line saying how they ran (:func:`format_replica_setup`), the rows and
   sections per replica count ("1 replica", "N replicas"), and after the summary table
   tfmx / stock with 1 and with N replicas per workload, their difference and whether it is
@@ -677,6 +678,7 @@ def _measure(model_name: str, counts: Sequence[int], rounds: int | None = None,
             "warmup": warmup,
             "modes": by_mode,
             "ratios": _ratios(by_mode),
+            "paired_ratios": paired_ratios(by_mode),
             **part,
             "env": env,
             "policy": policy,
@@ -743,6 +745,30 @@ def _step_functions(workload: Workload, ordered: Sequence[str], strategies: Mapp
                 _settle_guards(fn, feeds[n])
             fns[(mode, n)] = fn
     return fns, first_trace, layer_policies, spans
+
+
+PAIRS = (("tfmx", "stock"), ("tfmx", "xla"), ("xla", "stock"))
+"""The modes compared round by round (:func:`paired_ratios`)."""
+
+
+def paired_ratios(timing: Mapping[str, Mapping[str, Any]]) -> dict[str, tuple[float, ...]]:
+    """For each pair of :data:`PAIRS` timed here, the ratio of the two modes' times within
+    each round (``a_r / b_r``: the rounds interleave every mode, so both saw the same load):
+    (median, p25, p75) of those ratios. On a shared machine whose load drifts between rounds
+    this is steadier than the ratio of the two medians, which pairs nothing.
+
+    >>> timing = {"tfmx": {"rounds_ms": [8.0, 16.0, 9.0]},
+    ...           "stock": {"rounds_ms": [10.0, 20.0, 10.0]}}
+    >>> [round(v, 3) for v in paired_ratios(timing)["tfmx/stock"]]
+    [0.8, 0.8, 0.85]
+    """
+    out = {}
+    for a, b in PAIRS:
+        if a in timing and b in timing:
+            ratios = [x / y for x, y in zip(timing[a]["rounds_ms"], timing[b]["rounds_ms"])]
+            out[f"{a}/{b}"] = (statistics.median(ratios), _quantile(ratios, 0.25),
+                               _quantile(ratios, 0.75))
+    return out
 
 
 def _ratios(timing: dict[str, dict]) -> dict[str, float]:
@@ -1282,6 +1308,13 @@ def _format_workload(by_state: Mapping[str, Mapping[str, Any]], replicas: bool =
                 f"| {state if state != '?' else '-'} | {mode} | {t['median_ms']:.2f} | "
                 f"{t['p25_ms']:.2f}-{t['p75_ms']:.2f} | {t['min_ms']:.2f} | {_ratio(vs[0])} | "
                 f"{_ratio(vs[1])} | {t['first_call_s']:.1f} |")
+    paired = [(s, paired_ratios(result["modes"])) for s, result in by_state.items()
+              if all("rounds_ms" in t for t in result["modes"].values())]
+    for state, ratios in paired:
+        if ratios:
+            where = "" if state == "?" else f" (oneDNN {state})"
+            lines += ["", f"Per-round ratios{where}, median (p25-p75): " + "; ".join(
+                f"{name} {m:.3f} ({lo:.3f}-{hi:.3f})" for name, (m, lo, hi) in ratios.items())]
     traces = [(s, t) for s, result in by_state.items() for t in result.get("rewrite") or []]
     if traces:
         lines += ["", "| oneDNN | traced function | status | nodes | rewrite s |",
