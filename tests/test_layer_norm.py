@@ -67,9 +67,23 @@ def test_each_form_and_its_gradient_match_keras(name, form):
     layer = keras.layers.LayerNormalization(**kwargs)
     run, first = _against_keras(layer, shape, lambda x, first: stage.FORMS[form][0](
         x, stage._value(layer.gamma), stage._value(layer.beta), first, layer.epsilon))
+    if form == "onednn" and first != len(shape) - 1:  # the kernel normalizes one axis
+        assert "last axis alone" in stage.onednn_blocker(first, tf.zeros(shape),
+                                                         get_backend("cpu"))
+        with pytest.raises(ValueError, match="last axis alone"):
+            run.get_concrete_function(True)
+        return
     graph = run.get_concrete_function(True).graph.as_graph_def()
     assert any(n.op == "FusedBatchNormV3" for n in graph.node) == (form == "fused")
+    assert any(n.op == stage.ONEDNN_OP for n in graph.node) == (form == "onednn")
     _assert_outputs_within_rounding(run, shape, first)
+
+
+def test_the_onednn_form_is_offered_where_the_kernel_is():
+    x = tf.zeros([2, 3, 4])
+    assert stage.onednn_layer_norm_registered()  # every x86 CPU build of TensorFlow here
+    assert stage.onednn_blocker(2, x, get_backend("cpu")) is None
+    assert "metal runs no _MklLayerNorm" in stage.onednn_blocker(2, x, get_backend("metal"))
 
 
 @pytest.mark.parametrize("make,why", [
@@ -157,6 +171,9 @@ def test_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, form
     if form == "fused":
         assert {"FusedBatchNormV3", "FusedBatchNormGradV3"} <= ran
         assert "FusedBatchNormV3" not in stock
+    elif form == "onednn":
+        assert stage.ONEDNN_OP in ran and stage.ONEDNN_OP not in stock
+        assert "RsqrtGrad" in stock and "RsqrtGrad" not in ran
     else:  # the closed-form gradient: no autodiff of Rsqrt, fewer ops than Keras's
         assert "RsqrtGrad" in stock and "RsqrtGrad" not in ran
     _assert_fused_twice_and_within_rounding(models, stage.FORMS[form][1])

@@ -27,6 +27,7 @@ from fusion.stage import XLA_CALLS, emitted_units
 from fusion.stages.layer_norm import LABELS, SCOPE
 
 _MARKS = {"fused": frozenset({"FusedBatchNormV3"}), "custom": frozenset({"Rsqrt"}),
+          "onednn": frozenset({"_MklLayerNorm"}),
           "rms custom": frozenset({"Rsqrt"}), "xla": XLA_CALLS, "rms xla": XLA_CALLS}
 
 

@@ -11,7 +11,11 @@ inputs are cast to float32 first, as Keras does, and the result cast back.
 
 A second form, :func:`layer_norm_custom`, keeps the composite forward and gives the gradient
 in closed form (``dx = inv * (g - mean(g) - xhat * mean(g * xhat))``): about ten ops where
-autodiff of Keras's composite builds some twenty-five. Which of the three is fastest depends on
+autodiff of Keras's composite builds some twenty-five. A third, :func:`layer_norm_onednn`,
+where the normalized axis is the last one alone and TensorFlow has oneDNN's layer-norm kernel
+(``_MklLayerNorm``, registered on x86 CPU builds whatever ``TF_ENABLE_ONEDNN_OPTS`` says; it
+has no gradient of its own): the forward one kernel, the same closed-form gradient from
+statistics recomputed in the backward. Which is fastest depends on
 the machine and the shape (the CPU kernel transposes NCHW to NHWC), so every layer call is a
 tuner decision (forward and backward at the call's shapes); the conservative form is Keras's
 composite. Declined, with the reason in the
@@ -60,6 +64,9 @@ FAMILY = "layer_norm"
 SCOPE = "tfmx_layer_norm"
 LABEL = "LayerNormalization: FusedBatchNormV3 on [1, rows, cols, 1] (NCHW) + gamma, beta"
 CUSTOM_LABEL = "LayerNormalization: composite forward + closed-form custom gradient"
+ONEDNN_LABEL = ("LayerNormalization: oneDNN's _MklLayerNorm forward + closed-form custom "
+                "gradient")
+ONEDNN_OP = "_MklLayerNorm"
 RMS_LABEL = "RMSNormalization: composite forward + closed-form custom gradient"
 
 
@@ -128,7 +135,87 @@ def layer_norm_custom(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
     return y if dtype == tf.float32 else tf.cast(y, dtype)
 
 
-FORMS = {"fused": (layer_norm, LABEL), "custom": (layer_norm_custom, CUSTOM_LABEL)}
+def mkl_layer_norm(x: tf.Tensor, scale: tf.Tensor, offset: tf.Tensor,
+                   epsilon: float) -> tf.Tensor:
+    """oneDNN's layer-norm kernel (``_MklLayerNorm``: ``x`` normalized over its last axis,
+    times ``scale``, plus ``offset``; forward only, no registered gradient), eagerly or in a
+    graph. The op's name starts with an underscore, so ``tf.raw_ops`` does not list it."""
+    if tf.executing_eagerly():  # in a function: eager dispatch of it asks for a kernel label
+        return tf.function(mkl_layer_norm, autograph=False)(x, scale, offset, epsilon)
+    from tensorflow.python.framework import op_def_library
+
+    _, _, op, _ = op_def_library._apply_op_helper(  # noqa: SLF001 - what tf.raw_ops calls
+        ONEDNN_OP, x=x, scale=scale, offset=offset, epsilon=float(epsilon), name="MklLayerNorm")
+    return op.outputs[0]
+
+
+def onednn_layer_norm_registered() -> bool:
+    """True if this TensorFlow has a CPU kernel of oneDNN's ``_MklLayerNorm`` for float32."""
+    from tensorflow.python.framework import kernels
+
+    try:
+        found = kernels.get_registered_kernels_for_op(ONEDNN_OP).kernel
+    except Exception:  # noqa: BLE001 - an op this build does not know
+        return False
+    return any(k.device_type == "CPU" for k in found)
+
+
+def layer_norm_onednn(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
+                      epsilon: float) -> tf.Tensor:
+    """Layer norm over the last axis of ``x`` (``first_axis`` must be it) through oneDNN's
+    ``_MklLayerNorm`` on ``x`` viewed ``[rows, cols]``, with the closed-form gradient of
+    :func:`layer_norm_custom` from the row statistics recomputed in the backward (the kernel
+    returns only its output). Computed in float32 for 16-bit inputs, cast back.
+
+    >>> import keras, numpy as np
+    >>> x = tf.constant(np.arange(24, dtype="float32").reshape(2, 3, 4) ** 1.5)
+    >>> layer = keras.layers.LayerNormalization(epsilon=1e-3)
+    >>> expected = layer(x).numpy()
+    >>> got = layer_norm_onednn(x, layer.gamma.value, layer.beta.value, 2, 1e-3).numpy()
+    >>> bool(np.allclose(got, expected, atol=1e-5))
+    True
+    """
+    if first_axis != x.shape.rank - 1:
+        raise ValueError(f"_MklLayerNorm normalizes the last axis alone; axis {first_axis} of "
+                         f"a rank-{x.shape.rank} input asks for more")
+    dtype = x.dtype
+    x32 = x if dtype == tf.float32 else tf.cast(x, tf.float32)
+    cols = x.shape[-1]
+    flat = tf.reshape(x32, [-1, cols])
+    args = [a for a in (gamma, beta) if a is not None]
+
+    @tf.custom_gradient
+    def norm(flat, *weights):
+        g32 = tf.cast(weights[0], tf.float32) if gamma is not None else None
+        b32 = tf.cast(weights[-1], tf.float32) if beta is not None else None
+        y = mkl_layer_norm(flat, tf.ones([cols]) if g32 is None else g32,
+                           tf.zeros([cols]) if b32 is None else b32, epsilon)
+
+        def grad(dy):
+            mean = tf.reduce_mean(flat, -1, keepdims=True)
+            centered = flat - mean
+            inv = tf.math.rsqrt(tf.reduce_mean(centered * centered, -1, keepdims=True)
+                                + epsilon)
+            xhat = centered * inv
+            g = dy if g32 is None else dy * g32
+            dx = inv * (g - tf.reduce_mean(g, -1, keepdims=True)
+                        - xhat * tf.reduce_mean(g * xhat, -1, keepdims=True))
+            dweights = []
+            if gamma is not None:
+                dweights.append(tf.cast(tf.reduce_sum(dy * xhat, 0), weights[0].dtype))
+            if beta is not None:
+                dweights.append(tf.cast(tf.reduce_sum(dy, 0), weights[-1].dtype))
+            return (dx, *dweights)
+
+        return y, grad
+
+    y = tf.reshape(norm(flat, *args), tf.shape(x32))
+    y.set_shape(x.shape)
+    return y if dtype == tf.float32 else tf.cast(y, dtype)
+
+
+FORMS = {"fused": (layer_norm, LABEL), "custom": (layer_norm_custom, CUSTOM_LABEL),
+         "onednn": (layer_norm_onednn, ONEDNN_LABEL)}
 """The correct forms besides Keras's composite: name -> (function, report label)."""
 
 
@@ -221,6 +308,15 @@ def fused_blocker(layer: Any, target: Any) -> str | None:
                           float(layer.epsilon))
 
 
+def onednn_blocker(first: int, inputs: Any, target: Any) -> str | None:
+    """Why the ``_MklLayerNorm`` form is not offered for this call, or None."""
+    if first != inputs.shape.rank - 1:
+        return "oneDNN's layer norm normalizes the last axis alone"
+    if not target.runs_op(ONEDNN_OP) or not onednn_layer_norm_registered():
+        return f"{target.name} runs no {ONEDNN_OP}"
+    return None
+
+
 XLA_LABELS = {"xla": "LayerNormalization: one XLA-compiled region (forward and gradient)",
               "rms xla": "RMSNormalization: one XLA-compiled region (forward and gradient)"}
 LABELS = {**{f: label for f, (_, label) in FORMS.items()},
@@ -267,6 +363,8 @@ def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: 
     inputs = tf.convert_to_tensor(inputs)
     first, why = find_layer_norm(layer, inputs, ctx.target)
     names = ["custom"] if fused_blocker(layer, ctx.target) else ["fused", "custom"]
+    if first is not None and onednn_blocker(first, inputs, ctx.target) is None:
+        names.append("onednn")
 
     def emit(name: str) -> Callable[[Any], Any]:
         def form(x: Any) -> Any:
