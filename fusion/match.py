@@ -79,6 +79,14 @@ def blocker(view: GraphView, node: NodeDef, inside: set[str]) -> str | None:
     return None
 
 
+def rewire_shape_readers(view: GraphView, name: str, new_ref: str) -> None:
+    """Let every reader of only ``name``'s shape (Shape, ShapeN, Size, Rank) read ``new_ref``
+    instead: a tensor of the same shape that stands in for it after a rewrite."""
+    for reader, index, _, control in view.consumer_edges(name):
+        if not control and reader.op in SHAPE_ONLY_OPS:
+            view.replace_input(reader, index, new_ref)
+
+
 def sole_consumer(view: GraphView, node: NodeDef) -> NodeDef | None:
     """The one node reading ``node``'s values (shape-only readers aside), or None."""
     data = [c for c in view.consumers(node.name) if c.op not in SHAPE_ONLY_OPS]

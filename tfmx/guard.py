@@ -44,6 +44,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from tfmx.tuner import sign_test
+
 ENV = "TFMX_GUARD"
 ENV_XLA = "TFMX_XLA"
 MIN_PAIRS = 6
@@ -182,11 +184,6 @@ def make_guard(function: str, opts: Any, ops: Mapping[str, int], signature: str 
     return made
 
 
-def _binomial_tail(k: int, n: int) -> float:
-    """P(X >= k) for X ~ Binomial(n, 1/2)."""
-    return sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n
-
-
 @dataclasses.dataclass
 class GuardRecord:
     """What one guard measured and kept, for the report."""
@@ -281,8 +278,8 @@ class StepGuard:
         if n < self.min_pairs:
             return
         faster = sum(r < 1.0 for r in ratios)
-        p_new = _binomial_tail(faster, n)  # evidence the challenger is faster
-        p_old = _binomial_tail(n - faster, n)  # evidence the incumbent is faster
+        p_new = sign_test(faster, n)  # evidence the challenger is faster
+        p_old = sign_test(n - faster, n)  # evidence the incumbent is faster
         if p_new < P_EARLY and median < 1.0:
             self._end_duel(challenger, f"{challenger} faster than {incumbent} in {faster} of "
                                        f"{n} pairs (p={p_new:.3f})")

@@ -43,12 +43,13 @@ import tensorflow as tf
 
 from fusion.expr import Any, Match, Near, Op, Pattern, Skip, match
 from fusion.fragment import choose_rewrite, input_shapes
-from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, output_shape, parse_input
+from fusion.graph import GraphView, NodeDef, output_shape, parse_input
 from fusion.match import (
     AttrLike,
     blocker,
     dtype_name,
     fused_node,
+    rewire_shape_readers,
     same_shape,
     sole_consumer,
 )
@@ -367,9 +368,7 @@ def rewrite_contraction(view: GraphView, match: ContractionMatch) -> NodeDef:
 
     inner = [n for n in match.nodes if n is not tail]
     for node in inner:  # shape-only readers of an intermediate read the fused output instead
-        for reader, index, _, control in view.consumer_edges(node.name):
-            if not control and reader.op in SHAPE_ONLY_OPS:
-                view.replace_input(reader, index, tail.name)
+        rewire_shape_readers(view, node.name, tail.name)
     fed = {parse_input(ref)[0] for node in inner for ref in node.input}
     for node in inner:
         view.remove(node.name)

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, output_shape, parse_input
-from fusion.match import blocker, fused_node
+from fusion.graph import GraphView, NodeDef, output_shape, parse_input
+from fusion.match import blocker, fused_node, rewire_shape_readers
 from fusion.pattern import RewriteContext, apply_matches, register
 
 SUFFIX = "/tfmx_bias_first"
@@ -104,9 +104,7 @@ def rewrite_reshaped_bias(view: GraphView, match: ReshapedBiasMatch) -> NodeDef:
     moved.name = matmul.name + SUFFIX
     moved.attr["_output_shapes"].CopyFrom(matmul.attr["_output_shapes"])
     after = fused_node(reshape, "Reshape", bias, [moved.name, reshape.input[1]])
-    for reader, index, _, control in view.consumer_edges(reshape.name):
-        if not control and reader.op in SHAPE_ONLY_OPS:  # same shape as the new reshape
-            view.replace_input(reader, index, bias.name)
+    rewire_shape_readers(view, reshape.name, bias.name)  # the new reshape: the same shape
     view.remove(reshape.name)
     view.add(moved)
     view.replace(bias.name, after)
