@@ -94,6 +94,30 @@ def layer_norm(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
     return y if dtype == tf.float32 else tf.cast(y, dtype)
 
 
+def _normalized(x32: tf.Tensor, axes: list[int], epsilon: float) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(xhat, inv)``: ``x32`` normalized over ``axes``, and ``rsqrt(var + epsilon)``."""
+    centered = x32 - tf.reduce_mean(x32, axes, keepdims=True)
+    inv = tf.math.rsqrt(tf.reduce_mean(centered * centered, axes, keepdims=True) + epsilon)
+    return centered * inv, inv
+
+
+def _closed_form_grad(dy: tf.Tensor, xhat: tf.Tensor, inv: tf.Tensor, g32: Any,
+                      axes: list[int], leading: list[int], weights: tuple,
+                      has_beta: bool) -> tuple:
+    """The layer-norm gradient in closed form: ``dx = inv * (g - mean(g) - xhat * mean(g *
+    xhat))``, ``g = dy * gamma`` (``g32``; None: no gamma), then the gradients of ``weights``
+    (gamma's if ``g32``, beta's if ``has_beta``: sums over the ``leading`` axes)."""
+    g = dy if g32 is None else dy * g32
+    dx = inv * (g - tf.reduce_mean(g, axes, keepdims=True)
+                - xhat * tf.reduce_mean(g * xhat, axes, keepdims=True))
+    dweights = []
+    if g32 is not None:
+        dweights.append(tf.cast(tf.reduce_sum(dy * xhat, leading), weights[0].dtype))
+    if has_beta:
+        dweights.append(tf.cast(tf.reduce_sum(dy, leading), weights[-1].dtype))
+    return (dx, *dweights)
+
+
 def layer_norm_custom(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
                       epsilon: float) -> tf.Tensor:
     """Layer norm over the axes ``first_axis:`` with its gradient in closed form:
@@ -107,10 +131,7 @@ def layer_norm_custom(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
 
     @tf.custom_gradient
     def norm(x32, *weights):
-        mean = tf.reduce_mean(x32, axes, keepdims=True)
-        centered = x32 - mean
-        inv = tf.math.rsqrt(tf.reduce_mean(centered * centered, axes, keepdims=True) + epsilon)
-        xhat = centered * inv
+        xhat, inv = _normalized(x32, axes, epsilon)
         y = xhat
         g32 = None if gamma is None else tf.cast(weights[0], tf.float32)
         if gamma is not None:
@@ -119,15 +140,8 @@ def layer_norm_custom(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
             y = y + tf.cast(weights[-1], tf.float32)
 
         def grad(dy):
-            g = dy if gamma is None else dy * g32
-            dx = inv * (g - tf.reduce_mean(g, axes, keepdims=True)
-                        - xhat * tf.reduce_mean(g * xhat, axes, keepdims=True))
-            dweights = []
-            if gamma is not None:
-                dweights.append(tf.cast(tf.reduce_sum(dy * xhat, leading), weights[0].dtype))
-            if beta is not None:
-                dweights.append(tf.cast(tf.reduce_sum(dy, leading), weights[-1].dtype))
-            return (dx, *dweights)
+            return _closed_form_grad(dy, xhat, inv, g32, axes, leading, weights,
+                                     beta is not None)
 
         return y, grad
 
@@ -191,21 +205,9 @@ def layer_norm_onednn(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
         y = mkl_layer_norm(flat, tf.ones([cols]) if g32 is None else g32,
                            tf.zeros([cols]) if b32 is None else b32, epsilon)
 
-        def grad(dy):
-            mean = tf.reduce_mean(flat, -1, keepdims=True)
-            centered = flat - mean
-            inv = tf.math.rsqrt(tf.reduce_mean(centered * centered, -1, keepdims=True)
-                                + epsilon)
-            xhat = centered * inv
-            g = dy if g32 is None else dy * g32
-            dx = inv * (g - tf.reduce_mean(g, -1, keepdims=True)
-                        - xhat * tf.reduce_mean(g * xhat, -1, keepdims=True))
-            dweights = []
-            if gamma is not None:
-                dweights.append(tf.cast(tf.reduce_sum(dy * xhat, 0), weights[0].dtype))
-            if beta is not None:
-                dweights.append(tf.cast(tf.reduce_sum(dy, 0), weights[-1].dtype))
-            return (dx, *dweights)
+        def grad(dy):  # the statistics recomputed: the kernel returns only its output
+            xhat, inv = _normalized(flat, [1], epsilon)
+            return _closed_form_grad(dy, xhat, inv, g32, [1], [0], weights, b32 is not None)
 
         return y, grad
 
