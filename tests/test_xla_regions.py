@@ -16,17 +16,18 @@ from fusion.stages import attention, gelu, layer_norm
 
 
 class _PickXla:
-    """Takes the XLA region wherever it is a candidate, and records whether it was."""
+    """Takes the XLA region ``form`` wherever it is a candidate, and records whether it was."""
 
-    def __init__(self) -> None:
+    def __init__(self, form: str = XLA) -> None:
+        self.form = form
         self.offered: dict[str, bool] = {}
 
     def choose(self, family, signature, candidates, conservative):
         from fusion.pattern import RewriteAlways
 
-        self.offered[signature] = XLA in candidates
-        if XLA in candidates:
-            candidates = {XLA: None}
+        self.offered[signature] = self.form in candidates
+        if self.form in candidates:
+            candidates = {self.form: None}
         return RewriteAlways().choose(family, signature, candidates, conservative)
 
 
@@ -48,7 +49,16 @@ def _model(kind: str, dropout: float = 0.0) -> keras.Model:
     keras.utils.set_random_seed(0)
     inp = keras.Input((T, D))
     x = keras.layers.Dense(16)(inp)
-    if kind == "layer_norm":
+    norms = {"layer_norm": keras.layers.LayerNormalization,
+             "rms_norm": keras.layers.RMSNormalization}
+    if kind.startswith("residual_"):  # post-norm: the sum read by the norm alone
+        norm = norms[kind.removeprefix("residual_")]
+        x = norm()(keras.layers.Add()([x, keras.layers.Dense(16)(x)]))
+    elif kind.startswith("pre_norm_"):  # the sum read by the norm and the next residual
+        norm = norms[kind.removeprefix("pre_norm_")]
+        s = keras.layers.Add()([x, keras.layers.Dense(16)(x)])
+        x = keras.layers.Add()([s, keras.layers.Dense(16)(norm()(s))])
+    elif kind == "layer_norm":
         x = keras.layers.LayerNormalization()(x)
     elif kind == "rms_norm":
         x = keras.layers.RMSNormalization()(x)
@@ -135,3 +145,59 @@ def test_passes_leave_functions_xla_compiles_as_they_are():
                    if fusion.pipeline.compiled_by_xla(f)]
     ops = {n.op for n in compiled.node_def}
     assert "MatMul" in ops and "_FusedMatMul" not in ops
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+def test_a_norm_and_its_residual_add_as_one_xla_region_match_stock(monkeypatch, norm):
+    """Post-norm ``norm(Add()([x, f(x)]))``: the sum and the norm compiled as one region
+    (the sum's gradient, the region's two input gradients, inside it too)."""
+    from tfmx import state
+
+    chooser = _PickXla(layer_norm.RESIDUAL)
+    monkeypatch.setattr(state, "tuner", lambda: chooser)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((24, T, D)).astype("float32")
+    y = rng.integers(0, 3, 24)
+    kind = f"residual_{norm}"
+    initial = [v.numpy() for v in _model(kind).weights]
+    models = {}
+    for on in (False, True):
+        tfmx.enable(backend="cpu", patterns=["layer_norm"], guard=False) if on \
+            else tfmx.disable()
+        model = _model(kind)
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        models[on] = model
+    (signature,) = chooser.offered
+    assert chooser.offered[signature] and signature.endswith("after a residual Add")
+    functions = _xla_functions(models[True].train_function)
+    assert len(functions) >= 2
+    # the sum inside the region: an AddV2 feeding the norm's statistics in XLA's function
+    assert any(n.op == "AddV2" for f in functions for n in f.node_def)
+    prefix = "rms " if norm == "rms_norm" else ""
+    label = layer_norm.LABELS[f"{prefix}{layer_norm.RESIDUAL}"]
+    stats = tfmx.report().patterns["layer_norm"]
+    assert stats.fused == 1 and set(stats.fused_kinds) == {label}, tfmx.report()
+    assert stats.observed[label] >= 1
+    step = 3 * (D + 2 * 16 + 2 + 16 + T + TRANSCENDENTAL + 20)
+    assert_models_within_rounding(models[False], models[True], initial, 6 * step)
+
+
+@pytest.mark.parametrize("kind", ["pre_norm_layer_norm", "layer_norm"])
+def test_no_residual_region_where_the_sum_has_another_reader_or_no_add(monkeypatch, kind):
+    """Pre-norm: the sum is read again by the next residual, so the region would add twice;
+    a norm of a Dense's output has no residual to take in. The plain region stays offered."""
+    from tfmx import state
+
+    offered: list[set] = []
+
+    class Recording(_PickXla):
+        def choose(self, family, signature, candidates, conservative):
+            offered.append(set(candidates))
+            return super().choose(family, signature, candidates, conservative)
+
+    monkeypatch.setattr(state, "tuner", Recording)
+    x, y = np.zeros((8, T, D), "float32"), np.zeros(8, "int32")
+    tfmx.enable(backend="cpu", patterns=["layer_norm"], guard=False)
+    _model(kind).fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert offered and all(XLA in o and layer_norm.RESIDUAL not in o for o in offered)
+    assert tfmx.report().patterns["layer_norm"].fused_kinds == {layer_norm.LABELS[XLA]: 1}

@@ -28,7 +28,8 @@ from fusion.stages.layer_norm import LABELS, SCOPE
 
 _MARKS = {"fused": frozenset({"FusedBatchNormV3"}), "custom": frozenset({"Rsqrt"}),
           "onednn": frozenset({"_MklLayerNorm"}),
-          "rms custom": frozenset({"Rsqrt"}), "xla": XLA_CALLS, "rms xla": XLA_CALLS}
+          "rms custom": frozenset({"Rsqrt"}), "xla": XLA_CALLS, "rms xla": XLA_CALLS,
+          "residual xla": XLA_CALLS, "rms residual xla": XLA_CALLS}
 
 
 def find_layer_norm_units(view: GraphView) -> list[tuple[str, str]]:

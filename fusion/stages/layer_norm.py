@@ -295,6 +295,38 @@ def find_rms_norm(layer: Any, inputs: Any) -> tuple[int | None, str | None]:
     return first, None
 
 
+def find_residual(layer: Any, inputs: Any) -> tuple[tf.Tensor, tf.Tensor] | None:
+    """The two summands of the residual ``keras.layers.Add`` whose output is ``inputs`` and
+    feeds ``layer`` alone, or None: the two layers may then run as one region, the sum
+    inside it. Known only in a Keras functional graph (each layer called once there, the
+    ``Add`` of two inputs read by ``layer`` only, so no other reader needs the sum) for an
+    ``AddV2`` of two tensors of the output's shape (no broadcast) traced in this graph.
+
+    >>> import keras
+    >>> inp = keras.Input((4, 8))
+    >>> norm = keras.layers.LayerNormalization()
+    >>> _ = keras.Model(inp, norm(keras.layers.Add()([inp, inp])))
+    >>> find_residual(norm, tf.ones([2, 4, 8])) is None  # not an AddV2 of this graph
+    True
+    """
+    from keras.src.layers.merging.add import Add
+
+    nodes = getattr(layer, "_inbound_nodes", [])
+    if len(nodes) != 1 or len(nodes[0].parent_nodes) != 1:
+        return None
+    add = nodes[0].parent_nodes[0].operation
+    if (not isinstance(add, Add) or len(add._inbound_nodes) != 1
+            or len(add._inbound_nodes[0].parent_nodes) != 2
+            or [n.operation for n in add._outbound_nodes] != [layer]):
+        return None
+    op = getattr(inputs, "op", None)
+    if (op is None or op.type != "AddV2" or op.graph is not tf.compat.v1.get_default_graph()
+            or not inputs.shape.is_fully_defined()
+            or any(t.shape != inputs.shape for t in op.inputs)):
+        return None
+    return op.inputs[0], op.inputs[1]
+
+
 def find_layer_norm(layer: Any, inputs: Any, target: Any) -> tuple[int | None, str | None]:
     """(first normalized axis, None) for a layer call this stage can fuse, or (None, why)."""
     if getattr(layer, "rms_scaling", False):
@@ -319,8 +351,13 @@ def onednn_blocker(first: int, inputs: Any, target: Any) -> str | None:
     return None
 
 
+RESIDUAL = "residual xla"  # the layer and the residual Add before it as one XLA region
 XLA_LABELS = {"xla": "LayerNormalization: one XLA-compiled region (forward and gradient)",
-              "rms xla": "RMSNormalization: one XLA-compiled region (forward and gradient)"}
+              "rms xla": "RMSNormalization: one XLA-compiled region (forward and gradient)",
+              RESIDUAL: "LayerNormalization + the residual Add before it: one XLA-compiled "
+                        "region (forward and gradient)",
+              f"rms {RESIDUAL}": "RMSNormalization + the residual Add before it: one "
+                                 "XLA-compiled region (forward and gradient)"}
 LABELS = {**{f: label for f, (_, label) in FORMS.items()},
           **{f: label for f, (_, label) in RMS_FORMS.items()}, **XLA_LABELS}
 """Every form's report label, by its name in the stage's scopes (``tfmx_layer_norm_<form>``)."""
@@ -331,21 +368,40 @@ def _rewrite(ctx: StageContext, original: Callable, layer: Any, inputs: tf.Tenso
              signature: str) -> Any:
     """The one flow of both hooks: ``forms`` (name -> ``emit(x)``, the first the form taken
     without a tuner) against Keras's composite and, where XLA may run, the composite compiled
-    as one region; the tuner's pick emitted under ``tfmx_layer_norm_<prefix><form>``, or
-    Keras's composite with the reason recorded."""
+    as one region, and after a residual ``Add`` read by this layer alone
+    (:func:`find_residual`) the sum and the composite as one region (every form then timed
+    from the two summands); the tuner's pick emitted under ``tfmx_layer_norm_<prefix><form>``,
+    or Keras's composite with the reason recorded."""
+    residual = find_residual(layer, inputs) if ctx.xla and first is not None else None
+    variables = layer.trainable_variables
 
     def keras_form(x: Any) -> Any:
         return original(layer, x)
 
+    def summed(form: Callable) -> Callable:
+        return lambda a, b: form(a + b)
+
     def candidates() -> dict:
-        timed = {name: timed_form(f, [inputs.shape], inputs.dtype, layer.trainable_variables)
-                 for name, f in {"composite": keras_form, **forms}.items()}
-        return with_xla(ctx, timed, keras_form, [inputs.shape], inputs.dtype,
-                        layer.trainable_variables)
+        every = {"composite": keras_form, **forms}
+        if residual is None:
+            timed = {name: timed_form(f, [inputs.shape], inputs.dtype, variables)
+                     for name, f in every.items()}
+            return with_xla(ctx, timed, keras_form, [inputs.shape], inputs.dtype, variables)
+        shapes = [t.shape for t in residual]
+        every[XLA] = xla_region(keras_form)
+        timed = {name: timed_form(summed(f), shapes, inputs.dtype, variables)
+                 for name, f in every.items()}
+        timed[RESIDUAL] = timed_form(xla_region(summed(keras_form)), shapes, inputs.dtype,
+                                     variables)
+        return timed
 
     def emit(form: str) -> Any:
+        if form == RESIDUAL:
+            return xla_region(summed(keras_form))(*residual)
         return (xla_region(keras_form) if form == XLA else forms[form])(inputs)
 
+    if residual is not None:
+        signature += " after a residual Add"
     return rewrite_call(ctx, FAMILY, SCOPE, LABELS, what=signature.split(" ", 1)[0],
                         why=why, forms=list(forms) if first is not None else [],
                         signature=lambda: signature, candidates=candidates,
