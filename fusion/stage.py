@@ -23,7 +23,7 @@ One mechanism for every stage, as the GraphDef passes have :func:`fusion.pattern
 Example:
     >>> from fusion import stage
     >>> sorted(s.name for s in stage.stages())
-    ['attention', 'batch_norm', 'einsum_dense', 'gelu', 'layer_norm', 'rnn']
+    ['attention', 'batch_norm', 'einsum_dense', 'feed_forward', 'gelu', 'layer_norm', 'rnn']
     >>> stage.active() is None
     True
 """

@@ -12,7 +12,7 @@ from helpers import TRANSCENDENTAL, assert_models_within_rounding
 import fusion
 import tfmx
 from fusion.stage import XLA
-from fusion.stages import attention, gelu, layer_norm
+from fusion.stages import attention, feed_forward, gelu, layer_norm
 
 
 class _PickXla:
@@ -64,6 +64,8 @@ def _model(kind: str, dropout: float = 0.0) -> keras.Model:
         x = keras.layers.RMSNormalization()(x)
     elif kind == "gelu":
         x = keras.layers.Dense(16, activation="gelu")(x)
+    elif kind == "feed_forward":
+        x = keras.layers.Dense(16)(keras.layers.Dense(32, activation="gelu")(x))
     else:
         x = keras.layers.Add()([x, keras.layers.MultiHeadAttention(2, 4, dropout=dropout)(
             x, x, use_causal_mask=True)])
@@ -75,9 +77,10 @@ def _model(kind: str, dropout: float = 0.0) -> keras.Model:
 
 
 LABELS = {"layer_norm": layer_norm.LABELS["xla"], "rms_norm": layer_norm.LABELS["rms xla"],
-          "gelu": gelu.LABELS[XLA], "attention": attention.LABELS["xla"]}
+          "gelu": gelu.LABELS[XLA], "attention": attention.LABELS["xla"],
+          "feed_forward": feed_forward.LABELS[XLA]}
 FAMILIES = {"layer_norm": "layer_norm", "rms_norm": "layer_norm", "gelu": "gelu",
-            "attention": "attention"}
+            "attention": "attention", "feed_forward": "feed_forward"}
 
 
 @pytest.mark.parametrize("kind", sorted(LABELS))
@@ -201,3 +204,58 @@ def test_no_residual_region_where_the_sum_has_another_reader_or_no_add(monkeypat
     _model(kind).fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert offered and all(XLA in o and layer_norm.RESIDUAL not in o for o in offered)
     assert tfmx.report().patterns["layer_norm"].fused_kinds == {layer_norm.LABELS[XLA]: 1}
+
+
+def test_a_feed_forward_block_kept_as_two_layers(monkeypatch):
+    """The region is a candidate against the two layers (timed with the gelu stage's closed
+    form between them); a step that keeps the layers holds no XLA function, and the gelu stage
+    still rewrites the first layer's GELU."""
+    from tfmx import state
+
+    offered: list[dict] = []
+
+    class Separate:
+        def choose(self, family, signature, candidates, conservative):
+            from fusion.pattern import RewriteAlways
+
+            offered.append({"family": family, "signature": signature,
+                            "candidates": set(candidates)})
+            if family == "feed_forward":
+                candidates = {conservative: None}
+            return RewriteAlways().choose(family, signature, candidates, conservative)
+
+    monkeypatch.setattr(state, "tuner", Separate)
+    x, y = np.zeros((8, T, D), "float32"), np.zeros(8, "int32")
+    tfmx.enable(backend="cpu", patterns=["feed_forward", "gelu"], guard=False)
+    model = _model("feed_forward")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    blocks = [o for o in offered if o["family"] == "feed_forward"]
+    assert blocks and all(o["candidates"] == {"separate", XLA}
+                          for o in blocks)
+    assert blocks[0]["signature"] == ("feed-forward input 8x6x16 float32: Dense(32, gelu) -> "
+                                      "Dense(16, linear)")
+    assert not _xla_functions(model.train_function)
+    stats = tfmx.report().patterns
+    assert stats["feed_forward"].fused == 0 and stats["gelu"].fused == 1, tfmx.report()
+
+
+def test_feed_forward_blocks_found_in_a_functional_graph_only():
+    """A Dense read by two layers, called twice, or without an activation starts no block;
+    neither does a Dense whose reader is not a Dense."""
+    inp = keras.Input((T, D))
+    shared, up, plain = (keras.layers.Dense(D, activation="relu"),
+                         keras.layers.Dense(D, activation="gelu"), keras.layers.Dense(D))
+    h = shared(shared(inp))  # called twice
+    read_twice = keras.layers.Add()([keras.layers.Dense(D)(up(h)), up.output])
+    keras.Model(inp, [plain(read_twice), keras.layers.ReLU()(keras.layers.Dense(
+        D, activation="relu")(inp))])
+    assert feed_forward.find_feed_forward(shared)[0] is False
+    assert feed_forward.find_feed_forward(up)[0] is False
+    assert feed_forward.find_feed_forward(plain) == (
+        False, "no activation between the two Dense layers")
+    into_relu = keras.layers.Dense(D, activation="relu")
+    keras.Model(inp, keras.layers.ReLU()(into_relu(inp)))
+    assert feed_forward.find_feed_forward(into_relu)[0] is False
+    alone = keras.layers.Dense(D, activation="gelu")
+    alone(tf.zeros([2, T, D]))  # eager, no functional graph
+    assert feed_forward.find_feed_forward(alone)[0] is False

@@ -6,7 +6,7 @@ and reports it.
 
 >>> from fusion.stage import stages
 >>> sorted(s.name for s in stages())
-['attention', 'batch_norm', 'einsum_dense', 'gelu', 'layer_norm', 'rnn']
+['attention', 'batch_norm', 'einsum_dense', 'feed_forward', 'gelu', 'layer_norm', 'rnn']
 """
 
 import importlib

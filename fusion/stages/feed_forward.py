@@ -1,0 +1,145 @@
+"""The feed_forward stage: a transformer's feed-forward block as one XLA region, where measured.
+
+A Keras ``Dense(d_ff, activation)`` on ``[batch, tokens, features]`` whose output is read by
+one ``Dense`` alone (the FFN of a transformer block: ``Dense(512, "gelu")`` then
+``Dense(128)``) may run as one function compiled by XLA (``fusion.stage.xla_region``; its
+gradient compiled too): both MatMuls, both biases and the activation with its derivative,
+XLA fusing the elementwise work into its dots' loops. Whether that is faster than the two
+layers as TensorFlow runs them (oneDNN's MatMuls, the gelu stage's GELU) depends on the
+machine's XLA dots against its oneDNN ones, so it is a tuner decision per block (forward and
+backward at the block's shapes), offered on cpu and cuda with ``tfmx.enable(xla=True)`` and
+never on metal; the conservative form is the two layers. On this project's Zen 4 the two layers
+won (see BENCHMARKS.md): XLA's CPU dots are slower there than oneDNN's.
+
+The first ``Dense`` runs as Keras traces it and leaves its input with its output on the traced
+graph; the second, finding its input there, emits the region from that input when the tuner
+picks it, and the first's output, then read by nobody, is pruned from the step.
+
+Example:
+    >>> import keras, numpy as np, tensorflow as tf
+    >>> from fusion.stages.feed_forward import find_feed_forward
+    >>> inp = keras.Input((4, 8))
+    >>> up, down = keras.layers.Dense(16, activation="gelu"), keras.layers.Dense(8)
+    >>> model = keras.Model(inp, down(up(inp)))
+    >>> find_feed_forward(up)
+    (True, None)
+    >>> find_feed_forward(down)
+    (False, 'no activation between the two Dense layers')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.python.eager import execute
+
+from fusion.stage import (
+    XLA,
+    Hook,
+    Stage,
+    StageContext,
+    register_stage,
+    rewrite_call,
+    timed_form,
+    tracing,
+    xla_region,
+)
+
+FAMILY = "feed_forward"
+SCOPE = "tfmx_feed_forward"
+LABELS = {XLA: "Dense(activation) -> Dense: one XLA-compiled region (forward and gradient)"}
+"""The region's report label, by its name in the stage's scope (``tfmx_feed_forward_xla``)."""
+
+_PENDING = "_tfmx_feed_forward_inputs"  # on a traced graph: first Dense's output -> its input
+
+
+def _calls(layer: Any) -> list:
+    return list(getattr(layer, "_inbound_nodes", []))
+
+
+def find_feed_forward(layer: Any) -> tuple[bool, str | None]:
+    """(True, None) when ``layer`` is the first ``Dense`` of a feed-forward block: called once
+    in a Keras functional graph, with an activation, its output read by one ``Dense`` called
+    once; else (False, why). Subclassed models trace their layers with no such graph: their
+    blocks are not seen.
+    """
+    from keras.src.layers.core.dense import Dense
+
+    if getattr(layer, "activation", None) is None or layer.activation.__name__ == "linear":
+        return False, "no activation between the two Dense layers"
+    readers = getattr(layer, "_outbound_nodes", [])
+    if (len(_calls(layer)) != 1 or len(readers) != 1
+            or not isinstance(readers[0].operation, Dense)
+            or len(_calls(readers[0].operation)) != 1):
+        return False, ("its input is read by another layer than one Dense, or Dense is called "
+                       "more than once")
+    return True, None
+
+
+def _pending(graph: Any) -> dict:
+    found = getattr(graph, _PENDING, None)
+    if found is None:
+        found = {}
+        setattr(graph, _PENDING, found)
+    return found
+
+
+def fused_dense_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
+                     training: Any = None) -> Any:
+    """``Dense.call`` while tfmx traces with XLA allowed: the first Dense of a feed-forward block
+    leaves its input on the graph; the second emits both layers as one XLA region where the
+    tuner measures it faster than the two layers (timed with the gelu stage's closed form
+    between them where that stage is on), else runs as Keras runs it."""
+    if not ctx.xla or not tf.inside_function() or not execute.must_record_gradient():
+        return original(layer, inputs, training=training)
+    inputs = tf.convert_to_tensor(inputs)
+    graph = tf.compat.v1.get_default_graph()
+    first = _pending(graph).pop(inputs.ref(), None)
+    if first is None:
+        out = original(layer, inputs)
+        rank = inputs.shape.rank
+        if rank is not None and rank >= 3 and find_feed_forward(layer)[0]:
+            _pending(graph)[out.ref()] = (layer, inputs)
+        return out
+    return _block(ctx, original, first, layer, inputs)
+
+
+def _block(ctx: StageContext, original: Callable, first: tuple[Any, tf.Tensor], second: Any,
+           hidden: tf.Tensor) -> Any:
+    from fusion.fragment import shape_text
+
+    up, x = first
+    variables = [*up.trainable_variables, *second.trainable_variables]
+
+    def both(v: Any) -> Any:
+        return original(second, original(up, v))
+
+    def separate(v: Any) -> Any:  # as the step runs them: the gelu stage's GELU between them
+        quiet = dataclasses.replace(ctx, chooser=None, record=lambda family, stats: None,
+                                    families=("gelu",) if ctx.wants("gelu") else ())
+        with tracing(quiet):
+            return both(v)
+
+    def candidates() -> dict:
+        return {"separate": timed_form(separate, [x.shape], x.dtype, variables),
+                XLA: timed_form(xla_region(both), [x.shape], x.dtype, variables)}
+
+    activation = up.activation.__name__
+    signature = (f"feed-forward input {shape_text(x.shape)} {x.dtype.name}: Dense({up.units}, "
+                 f"{activation}) -> Dense({second.units}, {second.activation.__name__})")
+    return rewrite_call(ctx, FAMILY, SCOPE, LABELS, what="feed-forward", why=None, forms=[XLA],
+                        signature=lambda: signature, candidates=candidates,
+                        conservative="separate", kept="the two layers",
+                        keras=lambda: original(second, hidden),
+                        emit=lambda form: xla_region(both)(x))
+
+
+STAGE = register_stage(Stage(
+    FAMILY,
+    "Keras Dense(activation) -> Dense on tokens (a transformer's FFN) -> one XLA-compiled "
+    "region (forward and gradient), where measured faster than the two layers",
+    (Hook("keras.src.layers.core.dense:Dense", "call", fused_dense_call),),
+))
