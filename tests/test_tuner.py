@@ -75,6 +75,26 @@ def test_a_form_faster_in_every_round_is_kept():
     assert d.choice == "fused" and d.note == ""
 
 
+def test_a_region_within_noise_of_a_kernel_form_keeps_the_kernel_form():
+    """Both beat the conservative form in every round; the region's lower median won 5 of 8
+    rounds against the kernel form: the kernel form is kept, and the note says why."""
+    samples = {"composite": [2.0] * 8, "kernel": [1.0] * 8,
+               "residual xla": [0.9, 0.9, 0.9, 1.1, 1.1, 0.9, 1.2, 0.95]}
+    d = Tuner("auto", None, _rounds(**samples)).choose(
+        "f", "s", dict.fromkeys(samples), conservative="composite")
+    assert d.choice == "kernel" and "5 of 8 rounds" in d.note and "region" in d.note
+    # a region faster in every round is kept; so is a kernel form within noise of a region
+    samples["residual xla"] = [0.9] * 8
+    d = Tuner("auto", None, _rounds(**samples)).choose(
+        "f", "s", dict.fromkeys(samples), conservative="composite")
+    assert (d.choice, d.note) == ("residual xla", "")
+    samples = {"composite": [2.0] * 8, "xla": [1.0] * 8,
+               "kernel": [0.9, 0.9, 0.9, 1.1, 1.1, 0.9, 1.2, 0.95]}
+    d = Tuner("auto", None, _rounds(**samples)).choose(
+        "f", "s", dict.fromkeys(samples), conservative="composite")
+    assert (d.choice, d.note) == ("kernel", "")
+
+
 def test_measure_returns_aligned_rounds():
     t = tuner_mod.measure({"a": lambda: (lambda: None), "b": lambda: (lambda: None)}, 0.0)
     assert len(t.samples["a"]) == len(t.samples["b"]) == tuner_mod.MIN_ROUNDS

@@ -14,7 +14,11 @@ more than the machine's noise: the candidates run in interleaved rounds, and the
 must also be the faster in so many rounds that chance alone would give that count with
 probability at most :data:`SIGNIFICANCE` (a one-sided sign test, :func:`sign_test`). A
 difference of a few microseconds on a call of a few hundred (two equal sums, one kernel or its
-twin) is a coin toss, and a coin toss does not change what stock runs.
+twin) is a coin toss, and a coin toss does not change what stock runs. An XLA-compiled region
+(a form named ``xla`` or ``<...> xla``, :func:`is_region`) must also beat the fastest form that
+is not one by more than noise: a region is one call the step waits on whole, compiled on its
+first run, and its fragment's time does not show what the step loses in overlap, so between a
+region and a kernel form within noise of each other the kernel form is kept.
 
 Modes (``tfmx.enable(tune=...)`` or the environment variable ``TFMX_TUNE``):
 
@@ -61,7 +65,7 @@ MODES = ("auto", "cached", "off")
 ENV_MODE = "TFMX_TUNE"
 ENV_DIR = "TFMX_CACHE_DIR"
 ENV_BUDGET = "TFMX_TUNE_BUDGET"
-CACHE_FORMAT = 3  # 2: timed with a tf.square loss (1's Pow loss slowed some); 3: sign test
+CACHE_FORMAT = 4  # 2: tf.square loss (not a Pow); 3: sign test; 4: regions vs kernel forms
 
 DEFAULT_BUDGET_S = 6.0
 """Seconds one rewrite may spend measuring (``TFMX_TUNE_BUDGET``); what is left unmeasured
@@ -306,6 +310,16 @@ def sign_test(wins: int, rounds: int) -> float:
     return sum(math.comb(rounds, k) for k in range(wins, rounds + 1)) / 2 ** rounds
 
 
+def is_region(form: str) -> bool:
+    """Whether the candidate named ``form`` is an XLA-compiled region (named ``xla``, or ends
+    in `` xla``: ``residual xla``).
+
+    >>> is_region("xla"), is_region("residual xla"), is_region("onednn")
+    (True, True, False)
+    """
+    return form == "xla" or form.endswith(" xla")
+
+
 def within_noise(timings: Mapping[str, float], best: str, conservative: str
                  ) -> tuple[int, int] | None:
     """(rounds ``best`` won against ``conservative``, rounds) where ``timings`` holds samples
@@ -429,12 +443,21 @@ class Tuner:
         # Ties go to the conservative form; otherwise the fastest median wins, if it won
         # enough of its rounds against the conservative form to be more than noise.
         best = min(names, key=lambda n: (times[n], n != conservative))
-        note = ""
+        notes = []
+        kernels = [n for n in names if not is_region(n)]
+        if is_region(best) and kernels:
+            rival = min(kernels, key=lambda n: (times[n], n != conservative))
+            noise = within_noise(seconds, best, rival)
+            if noise is not None:
+                notes.append(f"{best} faster than {rival} in {noise[0]} of {noise[1]} rounds "
+                             f"only: a region must win beyond noise, {rival} kept")
+                best = rival
         noise = within_noise(seconds, best, conservative)
         if noise is not None:
-            note = (f"{best} faster in {noise[0]} of {noise[1]} rounds only: within noise, "
-                    f"{conservative} kept")
+            notes.append(f"{best} faster in {noise[0]} of {noise[1]} rounds only: within "
+                         f"noise, {conservative} kept")
             best = conservative
+        note = "; ".join(notes)
         decision = Decision(family, signature, best, names, times, "measured", note)
         if self.cache is not None:
             self.cache.put(decision)
