@@ -97,15 +97,16 @@ def weighted(layer: Any) -> bool:
     return bool(layer.trainable_weights)
 
 
-def layer_step(layer: Any) -> Any:
+def layer_step(layer: Any, fused: bool = False) -> Any:
     """A ``tf.function``: one training-mode forward of ``layer`` and the gradient of its summed
-    output w.r.t. its weights and floating inputs; returns ``(output, gradients)``.
+    output w.r.t. its weights and floating inputs; returns ``(output, gradients)``. With
+    ``fused`` and tfmx enabled, the same function as tfmx rewrites it (its stages and passes,
+    as the training step will run), called without the whole-step guard.
 
     The layer's policy is read when the function is traced (on its first call).
     """
     import tensorflow as tf
 
-    @tf.function
     def step(x: Any) -> Any:
         floats = [t for t in tf.nest.flatten(x)
                   if isinstance(t, tf.Tensor) and t.dtype.is_floating]
@@ -117,4 +118,19 @@ def layer_step(layer: Any) -> Any:
         grads = tape.gradient(total, [*layer.trainable_variables, *floats])
         return out, [g for g in grads if g is not None]
 
-    return step
+    from tfmx import state
+
+    if not fused or state.options() is None or not state.options().backend.available:
+        return tf.function(step)
+    import tfmx
+
+    step.__name__ = step.__qualname__ = f"policies_check_{layer.name}"
+    rewritten = tfmx.function(step)
+    traced: dict[str, Any] = {}
+
+    def run(x: Any) -> Any:  # the rewritten ConcreteFunction itself: no guard trial
+        if "fn" not in traced:
+            traced["fn"] = rewritten.get_concrete_function(x)
+        return traced["fn"](x)
+
+    return run

@@ -15,14 +15,17 @@ its 16-bit output with the float32 one, and keep 16 bit only where it is faster 
 Each layer's two variants are timed interleaved by ``tfmx.tuner`` (medians; the machine may be
 shared and noisy), which caches the times per machine: the next process, and ``"auto"`` at the
 next compile, reuse them (``TFMX_TUNE=off`` measures nothing and keeps float32). Then the
-whole model's forward + gradient is timed (``check_model``) in float32, with the per-layer
-choice, and with every layer whose 16-bit output is accurate in 16 bit (the block candidate:
+whole model's forward + gradient is timed (``check_model``; rewritten by tfmx where it is
+enabled, as the training step will be: its stages have 16-bit forms stock Keras has not) in
+float32, with the per-layer choice, and with every layer whose 16-bit output is accurate in
+16 bit (the block candidate:
 a layer timed alone pays the casts at its borders, which a run of 16-bit layers does not, so
 16 bit can pay for a block where it pays for no layer alone). The fastest of the 16-bit
-assignments is kept if it beats float32 by ``margin``; otherwise every layer goes back to
-float32 (a layer alone can be faster in 16 bit while the casts and the rest of the step eat
-the gain). Timing is injectable (``timer=``, called with the model and
-"float32" / "tuned" for that check) so the choice can be tested with made-up numbers.
+assignments is kept if it beats float32 beyond noise (at least 8 interleaved rounds and the
+tuner's sign test, as every tfmx choice); otherwise every layer goes back to float32 (a layer
+alone can be faster in 16 bit while the casts and the rest of the step eat the gain). Timing
+is injectable (``timer=``, called with the model and "float32" / "tuned" / "broad" for that
+check) so the choice can be tested with made-up numbers.
 
 Example:
     >>> import keras, numpy as np
@@ -384,12 +387,13 @@ def tune(
             forward + gradient per run) and caches the times per machine; the whole-model
             check uses :func:`measure`.
         tolerance: largest relative L2 error of the layer's 16-bit output against float32.
-        margin: 16 bit must be at least this fraction faster to be kept.
+        margin: a layer alone must be at least this fraction faster in 16 bit to be kept in
+            the per-layer choice (its time carries the casts at its borders).
         apply: set the chosen policies on the layers (and drop the model's traced step
             functions so they are traced again); with False only report.
         rounds: alternations of float32 / 16-bit timing per layer (and for the model check).
         check_model: time the whole model with the choice against all-float32 and fall back
-            to float32 everywhere unless the choice is faster by ``margin``.
+            to float32 everywhere unless the choice is faster beyond noise.
 
     Returns a :class:`TuneResult` (print it for a table).
 
@@ -436,20 +440,29 @@ def quiet_tf_logs() -> Iterator[None]:
 def _interleaved(timer: Timer, subject: Any, runs: dict[str, Callable[[], Any]],
                  rounds: int) -> dict[str, float]:
     """Median ms per call of each run, timed alternately ``rounds`` times."""
+    return {label: statistics.median(ms)
+            for label, ms in _rounds(timer, subject, runs, rounds).items()}
+
+
+def _rounds(timer: Timer, subject: Any, runs: dict[str, Callable[[], Any]],
+            rounds: int) -> dict[str, list[float]]:
+    """Every round's ms per call of each run, timed alternately ``rounds`` times."""
     times: dict[str, list[float]] = {label: [] for label in runs}
     for r in range(rounds):
         order = list(runs) if r % 2 == 0 else list(reversed(runs))
         for label in order:
             times[label].append(timer(subject, label, runs[label]) * 1000.0)
-    return {label: statistics.median(ms) for label, ms in times.items()}
+    return times
 
 
 def _model_runner(model: Any, top: list[Any], assignment: dict[int, str],
                   x: Any) -> Callable[[], Any]:
-    """A traced forward + gradient of the whole model with ``assignment`` (layer id -> policy)."""
+    """A traced forward + gradient of the whole model with ``assignment`` (layer id -> policy),
+    rewritten by tfmx where it is enabled: the 16-bit step it will train with (its stages
+    emit 16-bit forms that stock Keras has not) is the one to time."""
     import tensorflow as tf
 
-    step = layer_step(model)
+    step = layer_step(model, fused=True)
     xt = tf.nest.map_structure(tf.convert_to_tensor, x)
     saved = {id(layer): layer.dtype_policy for layer in top}
     state = [v.numpy() for v in model.non_trainable_variables]
@@ -531,8 +544,8 @@ def _tune(model: Any, x: Any, top: list[Any], candidates: list[Any], policy: str
     result = TuneResult(policy, choices, tolerance, margin, applied=apply)
     broad = _broad(top, choices, decided, policy, tolerance)
     if check_model and any(is_16bit(p) for p in (*decided.values(), *broad.values())):
-        _check_whole_model(model, top, decided, broad, x, timer or default_timer, margin,
-                           rounds, result)
+        _check_whole_model(model, top, decided, broad, x, timer or default_timer, rounds,
+                           result)
     if apply:
         by_name = {layer.name: layer for layer in top}
         for c in choices:
@@ -597,28 +610,38 @@ def _broad(top: list[Any], choices: list[LayerChoice], decided: dict[int, str], 
 
 
 def _check_whole_model(model: Any, top: list[Any], decided: dict[int, str],
-                       broad: dict[int, str], x: Any, timer: Timer, margin: float, rounds: int,
+                       broad: dict[int, str], x: Any, timer: Timer, rounds: int,
                        result: TuneResult) -> None:
-    """Time the whole model (forward + gradient) in float32, with the per-layer choice and
-    with every accurate layer in 16 bit (``broad``); keep the fastest of the 16-bit ones if
-    it beats float32 by ``margin``, else float32 everywhere."""
+    """Time the whole model (forward + gradient, as tfmx rewrites it where it is enabled) in
+    float32, with the per-layer choice and with every accurate layer in 16 bit (``broad``),
+    interleaved, at least ``tfmx.tuner.MIN_ROUNDS`` rounds; keep the fastest of the 16-bit
+    ones if it is faster than float32 beyond noise (its median lower, and faster in so many
+    rounds that chance alone would do it with probability at most ``tfmx.tuner.SIGNIFICANCE``:
+    the tuner's sign test), else float32 everywhere. ``margin`` is the cut for a layer alone,
+    whose time carries the casts at its borders; the whole model's time does not."""
+    from tfmx.tuner import MIN_ROUNDS, SIGNIFICANCE, sign_test
+
     all32 = {key: "float32" for key in decided}
     runs = {"float32": _model_runner(model, top, all32, x)}
     if any(is_16bit(p) for p in decided.values()):
         runs["tuned"] = _model_runner(model, top, decided, x)
     if broad != decided and any(is_16bit(p) for p in broad.values()):
         runs["broad"] = _model_runner(model, top, broad, x)
-    times = _interleaved(timer, model, runs, rounds)
+    samples = _rounds(timer, model, runs, max(rounds, MIN_ROUNDS))
+    times = {label: statistics.median(ms) for label, ms in samples.items()}
     result.model_float32_ms = times["float32"]
     result.model_tuned_ms, result.model_broad_ms = times.get("tuned"), times.get("broad")
     best = min((k for k in runs if k != "float32"), key=lambda k: times[k])
     ratio = times[best] / times["float32"]
-    if ratio >= 1.0 - margin:
+    wins = sum(a < b for a, b in zip(samples[best], samples["float32"]))
+    if ratio >= 1.0 or sign_test(wins, len(samples[best])) > SIGNIFICANCE:
         result.model_choice = "float32"
         for c in result.layers:
             if c.kind != "kept" and is_16bit(c.policy):
                 c.policy = "float32"
-                c.reason += f"; but the whole model ran {ratio:.2f}x float32 with it: float32"
+                c.reason += (f"; but the whole model ran {ratio:.2f}x float32 with it, faster "
+                             f"in {wins} of {len(samples[best])} rounds (not beyond noise): "
+                             "float32")
         return
     result.model_choice = best
     if best == "tuned":

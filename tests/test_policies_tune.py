@@ -81,7 +81,7 @@ def test_tune_keeps_16bit_where_faster_and_float32_where_slower():
 def test_tune_margin_and_tolerance_keep_float32():
     model = model_for_tuning()
     # 1% faster: under the margin; nor is the whole model with every layer in 16 bit faster
-    table = {**FAST_SLOW, ("fast", BF16): 1.98e-3, ("tunable", "broad"): 3.9e-3}
+    table = {**FAST_SLOW, ("fast", BF16): 1.98e-3, ("tunable", "broad"): 4.1e-3}
     result = policies.tune(model, policy=BF16, timer=injected(table)[0], apply=False)
     assert result.chosen()["fast"] == "float32" and "not faster" in result.layers[0].reason
     assert model.get_layer("fast").compute_dtype == "float32"  # apply=False
@@ -90,18 +90,45 @@ def test_tune_margin_and_tolerance_keep_float32():
     assert result.chosen()["fast"] == "float32" and "tolerance" in result.layers[0].reason
 
 
+def noisy(table, label, values):
+    """``injected(table)``, but the whole model's ``label`` run takes ``values`` in turn."""
+    timer, calls = injected(table)
+    turns = iter(values * 100)
+
+    def noisy_timer(layer, policy, run):
+        return next(turns) if (layer.name, policy) == ("tunable", label) else timer(
+            layer, policy, run)
+
+    return noisy_timer, calls
+
+
 def test_tune_falls_back_to_float32_when_the_whole_model_is_not_faster():
     model = model_for_tuning()
-    table = {**FAST_SLOW, ("tunable", "tuned"): 3.9e-3,  # 0.975x: under the 10% margin
-             ("tunable", "broad"): 3.95e-3}
+    table = {**FAST_SLOW, ("tunable", "tuned"): 4.4e-3, ("tunable", "broad"): 4.5e-3}
     result = policies.tune(model, policy=BF16, timer=injected(table)[0])
     assert set(result.chosen().values()) == {"float32"}
     fast = next(c for c in result.layers if c.layer == "fast")
-    assert "whole model ran 0.97x float32" in fast.reason
+    assert "whole model ran 1.10x float32" in fast.reason
     assert model.get_layer("fast").compute_dtype == "float32"
     skipped = policies.tune(model, policy=BF16, timer=injected(table)[0], check_model=False,
                             apply=False)
     assert skipped.chosen()["fast"] == BF16 and skipped.model_tuned_ms is None
+
+
+def test_a_whole_model_faster_within_noise_keeps_float32():
+    """The per-layer choice's median is 0.95x float32's, but it was faster in half the rounds
+    only: chance, so float32 everywhere; faster in every round, it is kept however small the
+    gain (``margin`` is the cut for a layer alone)."""
+    model = model_for_tuning()
+    table = {**FAST_SLOW, ("tunable", "broad"): 4.5e-3}
+    timer, _ = noisy(table, "tuned", [3.6e-3, 4.4e-3, 3.8e-3, 4.2e-3])
+    result = policies.tune(model, policy=BF16, timer=timer, apply=False)
+    assert set(result.chosen().values()) == {"float32"}, result
+    fast = next(c for c in result.layers if c.layer == "fast")
+    assert "faster in 4 of 8 rounds (not beyond noise)" in fast.reason
+    table[("tunable", "tuned")] = 3.96e-3  # 0.99x, in every round
+    result = policies.tune(model, policy=BF16, timer=injected(table)[0], apply=False)
+    assert result.model_choice == "tuned" and result.chosen()["fast"] == BF16
 
 
 def test_tune_keeps_16bit_as_a_block_where_no_layer_pays_alone():
@@ -299,3 +326,21 @@ def test_tune_and_audit_take_layers_with_several_inputs_and_keyword_arguments():
     assert chosen["res"][1] == "follower"
     report = policies.audit(model)
     assert not report.layer("mha").note, report
+
+
+def test_the_whole_model_check_times_the_step_tfmx_rewrites():
+    """With tfmx on, the three whole-model runs (float32, the per-layer choice, every accurate
+    layer in 16 bit) are the model's forward + gradient as tfmx rewrites it (its 16-bit
+    forms); with tfmx off, TensorFlow's."""
+    import tfmx
+
+    tfmx.enable(backend="cpu", guard=False)
+    result = policies.tune(model_for_tuning(), policy=BF16, timer=injected(FAST_SLOW)[0],
+                           apply=False)
+    traces = [t for t in tfmx.report().traces if t.function == "policies_check_tunable"]
+    assert result.model_broad_ms is not None and len(traces) == 3, tfmx.report()
+    assert {t.status for t in traces} == {"rewritten"}
+    tfmx.disable()
+    tfmx.report(reset=True)
+    policies.tune(model_for_tuning(), policy=BF16, timer=injected(FAST_SLOW)[0], apply=False)
+    assert not [t for t in tfmx.report().traces if t.function == "policies_check_tunable"]
