@@ -609,16 +609,24 @@ def _broad(top: list[Any], choices: list[LayerChoice], decided: dict[int, str], 
     return broad
 
 
+CHECK_ROUNDS = 24
+"""Most interleaved rounds of the whole-model check (it stops earlier once decided)."""
+CHECK_EARLY = 0.01
+"""Sign-test p-value that ends the whole-model check early in favour of 16 bit."""
+
+
 def _check_whole_model(model: Any, top: list[Any], decided: dict[int, str],
                        broad: dict[int, str], x: Any, timer: Timer, rounds: int,
                        result: TuneResult) -> None:
     """Time the whole model (forward + gradient, as tfmx rewrites it where it is enabled) in
     float32, with the per-layer choice and with every accurate layer in 16 bit (``broad``),
-    interleaved, at least ``tfmx.tuner.MIN_ROUNDS`` rounds; keep the fastest of the 16-bit
-    ones if it is faster than float32 beyond noise (its median lower, and faster in so many
-    rounds that chance alone would do it with probability at most ``tfmx.tuner.SIGNIFICANCE``:
-    the tuner's sign test), else float32 everywhere. ``margin`` is the cut for a layer alone,
-    whose time carries the casts at its borders; the whole model's time does not."""
+    interleaved; keep the fastest of the 16-bit ones if it is faster than float32 beyond noise
+    (its median lower, and faster in so many rounds that chance alone would do it with
+    probability at most ``tfmx.tuner.SIGNIFICANCE``: the tuner's sign test), else float32
+    everywhere. Rounds go on from ``max(rounds, tfmx.tuner.MIN_ROUNDS)`` until the leader is
+    faster beyond doubt (p <= :data:`CHECK_EARLY`), can no longer get there, or
+    :data:`CHECK_ROUNDS` are done. ``margin`` is the cut for a layer alone, whose time carries
+    the casts at its borders; the whole model's time does not."""
     from tfmx.tuner import MIN_ROUNDS, SIGNIFICANCE, sign_test
 
     all32 = {key: "float32" for key in decided}
@@ -627,7 +635,19 @@ def _check_whole_model(model: Any, top: list[Any], decided: dict[int, str],
         runs["tuned"] = _model_runner(model, top, decided, x)
     if broad != decided and any(is_16bit(p) for p in broad.values()):
         runs["broad"] = _model_runner(model, top, broad, x)
-    samples = _rounds(timer, model, runs, max(rounds, MIN_ROUNDS))
+    samples: dict[str, list[float]] = {label: [] for label in runs}
+    first = max(rounds, MIN_ROUNDS)
+    for r in range(max(first, CHECK_ROUNDS)):
+        for label in list(runs) if r % 2 == 0 else list(reversed(runs)):
+            samples[label].append(timer(model, label, runs[label]) * 1000.0)
+        done, last = r + 1, max(first, CHECK_ROUNDS)
+        if done >= first:
+            lead = min((k for k in runs if k != "float32"),
+                       key=lambda k: statistics.median(samples[k]))
+            won = sum(a < b for a, b in zip(samples[lead], samples["float32"]))
+            if (sign_test(won, done) <= CHECK_EARLY
+                    or sign_test(won + last - done, last) > SIGNIFICANCE):
+                break
     times = {label: statistics.median(ms) for label, ms in samples.items()}
     result.model_float32_ms = times["float32"]
     result.model_tuned_ms, result.model_broad_ms = times.get("tuned"), times.get("broad")

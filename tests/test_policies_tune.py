@@ -117,15 +117,16 @@ def test_tune_falls_back_to_float32_when_the_whole_model_is_not_faster():
 
 def test_a_whole_model_faster_within_noise_keeps_float32():
     """The per-layer choice's median is 0.95x float32's, but it was faster in half the rounds
-    only: chance, so float32 everywhere; faster in every round, it is kept however small the
-    gain (``margin`` is the cut for a layer alone)."""
+    only (the check goes on while 16 bit still could win beyond noise): chance, so float32
+    everywhere; faster in every round, it is kept however small the gain (``margin`` is the
+    cut for a layer alone)."""
     model = model_for_tuning()
     table = {**FAST_SLOW, ("tunable", "broad"): 4.5e-3}
     timer, _ = noisy(table, "tuned", [3.6e-3, 4.4e-3, 3.8e-3, 4.2e-3])
     result = policies.tune(model, policy=BF16, timer=timer, apply=False)
     assert set(result.chosen().values()) == {"float32"}, result
     fast = next(c for c in result.layers if c.layer == "fast")
-    assert "faster in 4 of 8 rounds (not beyond noise)" in fast.reason
+    assert "faster in 8 of 16 rounds (not beyond noise)" in fast.reason
     table[("tunable", "tuned")] = 3.96e-3  # 0.99x, in every round
     result = policies.tune(model, policy=BF16, timer=injected(table)[0], apply=False)
     assert result.model_choice == "tuned" and result.chosen()["fast"] == BF16
