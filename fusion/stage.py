@@ -172,6 +172,28 @@ def emitted_units(view: Any, scope: str, marks: dict[str, frozenset[str]]) -> li
     return sorted(units.items())
 
 
+def functional_neighbours(layer: Any) -> tuple[list[Any], list[Any]] | None:
+    """(the layers whose outputs ``layer`` reads, the layers that read its outputs) in the
+    Keras functional graph it was built in, when it is called once there; else None (a
+    subclassed model's layers, traced with no such graph, or a layer called twice). Stages that
+    span two layers read it to know that nothing else reads a tensor.
+
+    >>> import keras
+    >>> inp = keras.Input((4,))
+    >>> first, second = keras.layers.Dense(4), keras.layers.Dense(2)
+    >>> _ = keras.Model(inp, second(first(inp)))
+    >>> [layer is second for layer in functional_neighbours(first)[1]]
+    [True]
+    >>> functional_neighbours(keras.layers.Dense(2)) is None  # never called
+    True
+    """
+    nodes = getattr(layer, "_inbound_nodes", [])
+    if len(nodes) != 1:
+        return None
+    return ([node.operation for node in nodes[0].parent_nodes],
+            [node.operation for node in getattr(layer, "_outbound_nodes", [])])
+
+
 def timed_form(forward: Callable[..., Any], shapes: list, dtype: Any, variables: Any = (),
                watch: bool = True, backward: bool = True) -> Callable[[], Callable[[], None]]:
     """A tuner candidate (``fusion.pattern.Chooser``): a factory of a runnable that computes

@@ -100,8 +100,9 @@ def weighted(layer: Any) -> bool:
 def layer_step(layer: Any, fused: bool = False) -> Any:
     """A ``tf.function``: one training-mode forward of ``layer`` and the gradient of its summed
     output w.r.t. its weights and floating inputs; returns ``(output, gradients)``. With
-    ``fused`` and tfmx enabled, the same function as tfmx rewrites it (its stages and passes,
-    as the training step will run), called without the whole-step guard.
+    ``fused`` and tfmx enabled, a callable running the same function as tfmx rewrites it (its
+    stages and passes, as the training step will run), traced for the first inputs it is
+    given and called without the whole-step guard.
 
     The layer's policy is read when the function is traced (on its first call).
     """

@@ -41,6 +41,7 @@ from fusion.stage import (
     Hook,
     Stage,
     StageContext,
+    functional_neighbours,
     register_stage,
     rewrite_call,
     timed_form,
@@ -56,10 +57,6 @@ LABELS = {XLA: "Dense(activation) -> Dense: one XLA-compiled region (forward and
 _PENDING = "_tfmx_feed_forward_inputs"  # on a traced graph: first Dense's output -> its input
 
 
-def _calls(layer: Any) -> list:
-    return list(getattr(layer, "_inbound_nodes", []))
-
-
 def find_feed_forward(layer: Any) -> tuple[bool, str | None]:
     """(True, None) when ``layer`` is the first ``Dense`` of a feed-forward block: called once
     in a Keras functional graph, with an activation, its output read by one ``Dense`` called
@@ -70,12 +67,12 @@ def find_feed_forward(layer: Any) -> tuple[bool, str | None]:
 
     if getattr(layer, "activation", None) is None or layer.activation.__name__ == "linear":
         return False, "no activation between the two Dense layers"
-    readers = getattr(layer, "_outbound_nodes", [])
-    if (len(_calls(layer)) != 1 or len(readers) != 1
-            or not isinstance(readers[0].operation, Dense)
-            or len(_calls(readers[0].operation)) != 1):
-        return False, ("its input is read by another layer than one Dense, or Dense is called "
-                       "more than once")
+    around = functional_neighbours(layer)
+    readers = around[1] if around is not None else []
+    if (len(readers) != 1 or not isinstance(readers[0], Dense)
+            or functional_neighbours(readers[0]) is None):
+        return False, ("its output is not read by one Dense alone, or a Dense is called more "
+                       "than once")
     return True, None
 
 
@@ -99,7 +96,7 @@ def fused_dense_call(ctx: StageContext, original: Callable, layer: Any, inputs: 
     graph = tf.compat.v1.get_default_graph()
     first = _pending(graph).pop(inputs.ref(), None)
     if first is None:
-        out = original(layer, inputs)
+        out = original(layer, inputs, training=training)
         rank = inputs.shape.rank
         if rank is not None and rank >= 3 and find_feed_forward(layer)[0]:
             _pending(graph)[out.ref()] = (layer, inputs)

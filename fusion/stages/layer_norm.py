@@ -53,6 +53,7 @@ from fusion.stage import (
     Hook,
     Stage,
     StageContext,
+    functional_neighbours,
     register_stage,
     rewrite_call,
     timed_form,
@@ -311,13 +312,11 @@ def find_residual(layer: Any, inputs: Any) -> tuple[tf.Tensor, tf.Tensor] | None
     """
     from keras.src.layers.merging.add import Add
 
-    nodes = getattr(layer, "_inbound_nodes", [])
-    if len(nodes) != 1 or len(nodes[0].parent_nodes) != 1:
+    around = functional_neighbours(layer)
+    if around is None or len(around[0]) != 1 or not isinstance(around[0][0], Add):
         return None
-    add = nodes[0].parent_nodes[0].operation
-    if (not isinstance(add, Add) or len(add._inbound_nodes) != 1
-            or len(add._inbound_nodes[0].parent_nodes) != 2
-            or [n.operation for n in add._outbound_nodes] != [layer]):
+    summed = functional_neighbours(around[0][0])
+    if summed is None or len(summed[0]) != 2 or summed[1] != [layer]:
         return None
     op = getattr(inputs, "op", None)
     if (op is None or op.type != "AddV2" or op.graph is not tf.compat.v1.get_default_graph()
