@@ -44,6 +44,20 @@ def pytest_configure(config):
                        "state runs in tests/test_onednn_settings.py's child)")
 
 
+def pytest_collection_modifyitems(config, items):
+    """A test marked for one oneDNN state is skipped in a process of the other, however it was
+    marked (helpers.needs_onednn or the bare marker): the child of that state runs it."""
+    here = onednn_state()
+    for state in ("on", "off"):
+        if state == here:
+            continue
+        skip = pytest.mark.skip(reason=f"needs oneDNN {state}; it is {here} in this process: "
+                                       "run by tests/test_onednn_settings.py's child")
+        for item in items:
+            if item.get_closest_marker(ONEDNN_MARKERS[state]) is not None:
+                item.add_marker(skip)
+
+
 def pytest_terminal_summary(terminalreporter):
     if os.environ.get(CHILD_ENV):  # what tests/test_onednn_settings.py reads back
         terminalreporter.write_line(f"tfmx tests: oneDNN {onednn_state()}")

@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import TRANSCENDENTAL, assert_within_rounding
+from helpers import TRANSCENDENTAL, assert_within_rounding, needs_onednn
 
 import tfmx
 from fusion.stages import attention as stage
@@ -189,7 +189,7 @@ def test_ops_dot_product_attention_matches_stock(monkeypatch, form, causal):
         assert_within_rounding(b.numpy(), a.numpy(), FIT, what=a.name)
 
 
-@pytest.mark.onednn_on
+@needs_onednn("on")
 def test_onednn_fuses_the_added_causal_mask_into_the_batched_matmul(tmp_path):
     """The mask is added (``mask_adder``), not selected: TensorFlow's oneDNN pass then runs the
     scores' MatMul, scale and mask as one ``_MklFusedBatchMatMulV2`` (seen in a profile: the
