@@ -22,7 +22,8 @@ Example:
     >>> piece = cut(GraphView(g.node), ["MatMul", "Relu"])
     >>> sorted(n.op for n in piece.graph_def.node)
     ['IdentityN', 'IdentityN', 'MatMul', 'Placeholder', 'Placeholder', 'Relu']
-    >>> runner(piece, make_inputs(piece, copies=2))()  # runs both copies once
+    >>> len(runner(piece, make_inputs(piece, copies=2))())  # runs both copies once: 2 outputs
+    2
 """
 
 from __future__ import annotations
@@ -248,30 +249,53 @@ def make_inputs(fragment: Fragment, copies: int | None = None, seed: int = 0) ->
     return inputs
 
 
-def runner(fragment: Fragment, inputs: Inputs | None = None) -> Callable[[], None]:
+def runner(fragment: Fragment, inputs: Inputs | None = None) -> Callable[[], list[Any]]:
     """Build one copy of ``fragment`` per entry of ``inputs`` (default :func:`make_inputs`)
-    side by side in one function; return a callable that runs them all once and waits."""
+    side by side in one function; return a callable that runs them all once, waits, and
+    returns what the copies' targets output (their tensors, copy by copy).
+
+    The targets' outputs are the function's outputs: an op whose only reader is a control
+    dependency is turned into a ``NoOp`` by Grappler's dependency optimizer, and a stateless
+    fragment would then time nothing but the call. Stateful targets without an output (a
+    variable update) run through control dependencies, which are kept.
+
+    >>> import tensorflow as tf
+    >>> from fusion.graph import GraphView
+    >>> @tf.function
+    ... def f(a, b):
+    ...     return tf.matmul(a, b)
+    >>> g = f.get_concrete_function(tf.TensorSpec([2, 3]), tf.TensorSpec([3, 4])
+    ...                             ).graph.as_graph_def(add_shapes=True)
+    >>> piece = cut(GraphView(g.node), ["MatMul"])
+    >>> [tuple(t.shape) for t in runner(piece, make_inputs(piece, copies=2))()]
+    [(2, 4), (2, 4)]
+    """
     import tensorflow as tf
 
     inputs = make_inputs(fragment) if inputs is None else inputs
 
     @tf.function(autograph=False)
     def run_all() -> Any:
-        ops = []
+        ops, outputs = [], []
         for i, made in enumerate(inputs):
             input_map = {f"{name}:0": tf.identity(v.handle) if name in fragment.resources
                          else v.read_value() for name, v in made.items()}
             tf.graph_util.import_graph_def(fragment.graph_def, input_map=input_map,
                                            name=f"copy{i}")
             graph = tf.compat.v1.get_default_graph()
-            ops += [graph.get_operation_by_name(f"copy{i}/{t}") for t in fragment.targets]
+            for target in fragment.targets:
+                op = graph.get_operation_by_name(f"copy{i}/{target}")
+                ops.append(op)
+                outputs += [t for t in op.outputs if t.dtype != tf.resource]
         with tf.control_dependencies(ops):
-            return tf.constant(0)
+            return [tf.constant(0)] + [tf.identity(t) for t in outputs]
 
     concrete = run_all.get_concrete_function()
 
-    def run() -> None:
-        concrete().numpy()
+    def run() -> list[Any]:
+        done = concrete()
+        done[0].numpy()
+        return done[1:]
 
     return run
 
@@ -309,8 +333,8 @@ def choose_rewrite(tuner: Chooser, family: str, signature: str, view: GraphView,
 
     shared: dict[str, Any] = {}
 
-    def factory(rewritten: bool) -> Callable[[], Callable[[], None]]:
-        def make() -> Callable[[], None]:
+    def factory(rewritten: bool) -> Callable[[], Callable[[], Any]]:
+        def make() -> Callable[[], Any]:
             if "piece" not in shared:
                 shared["piece"] = cut(view, names, unknown_dim)
                 shared["inputs"] = make_inputs(shared["piece"])

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -270,6 +271,40 @@ def test_fragments_of_a_real_update_run_in_both_forms():
     times = tuner_mod.measure({"composite": lambda: runner(piece, inputs),
                                "kernel": lambda: runner(fused, inputs)}, 0.01)
     assert set(times) == {"composite", "kernel"} and min(times.values()) > 0
+
+
+def test_a_stateless_fragment_computes_what_it_times():
+    """A fragment of stateless nodes (a MatMul, or its oneDNN retarget) computes its targets
+    when the runner runs, in both forms: Grappler must not prune them (it turns an op read by a
+    control dependency alone into a NoOp, and the tuner then timed the call only). The values
+    the runner returns are the products of its inputs."""
+    from fusion.pattern import PlainTarget
+    from fusion.patterns.onednn import (
+        OneDnnKernels,
+        find_onednn,
+        kernels_registered,
+        rewrite_onednn,
+    )
+
+    @tf.function(autograph=False)
+    def f(a, b):
+        return tf.matmul(a, b, transpose_b=True)
+
+    g = f.get_concrete_function(tf.TensorSpec([48, 16]), tf.TensorSpec([24, 16]))
+    view = GraphView(g.graph.as_graph_def(add_shapes=True).node)
+    piece = cut(view, ["MatMul"])
+    forms = {"eigen": piece}
+    if kernels_registered():
+        matches, _ = find_onednn(view, PlainTarget("cpu", (OneDnnKernels(),)))
+        forms["onednn"] = variant(piece, lambda w: [rewrite_onednn(w, m) for m in matches])
+        assert {n.op for n in forms["onednn"].graph_def.node} >= {"_MklMatMul"}
+    inputs = make_inputs(piece, copies=3)
+    for name, form in forms.items():
+        outputs = runner(form, inputs)()
+        assert len(outputs) == 3, name
+        for made, out in zip(inputs, outputs):
+            a, b = (made[f"tfmx_fragment_in/{x}/0"].numpy() for x in ("a", "b"))
+            np.testing.assert_allclose(out.numpy(), a @ b.T, rtol=1e-5, err_msg=name)
 
 
 def test_a_fragment_that_cannot_be_made_up_is_refused():

@@ -65,7 +65,8 @@ MODES = ("auto", "cached", "off")
 ENV_MODE = "TFMX_TUNE"
 ENV_DIR = "TFMX_CACHE_DIR"
 ENV_BUDGET = "TFMX_TUNE_BUDGET"
-CACHE_FORMAT = 4  # 2: tf.square loss (not a Pow); 3: sign test; 4: regions vs kernel forms
+CACHE_FORMAT = 5  # 2: tf.square loss (not a Pow); 3: sign test; 4: regions vs kernel forms;
+# 5: fragments fetch their outputs (before, Grappler pruned a stateless fragment: nothing ran)
 
 DEFAULT_BUDGET_S = 6.0
 """Seconds one rewrite may spend measuring (``TFMX_TUNE_BUDGET``); what is left unmeasured
