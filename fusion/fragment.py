@@ -45,7 +45,7 @@ UNKNOWN_DIM = 32
 
 MIN_COPIES, MAX_COPIES = 2, 8
 TARGET_ELEMENTS = 1 << 20
-"""Copies of a fragment are added until its outputs hold about this many elements (at least
+"""Copies of a fragment are added until its inputs and outputs hold about this many elements (at least
 :data:`MIN_COPIES`, at most :data:`MAX_COPIES`): a tiny fragment alone times the call
 overhead, not the kernels, and a kernel alone may split itself over the thread pool where in
 a real step it runs beside others (TensorFlow's CPU Adam kernel: 3x slower alone than beside
@@ -220,10 +220,13 @@ def variant(fragment: Fragment, rewrite: Callable[[GraphView], object]) -> Fragm
 
 
 def _copies(fragment: Fragment) -> int:
-    elements = 0
+    # what the copy reads counts with what it computes: a MatMul reducing over 2,048 rows has
+    # a small output and large inputs
+    elements = sum(int(np.prod(shape)) for _, shape in
+                   (*fragment.feeds.values(), *fragment.resources.values()))
     for node in fragment.graph_def.node:
         shape = output_shape(node)
-        if shape is not None and None not in shape:
+        if node.name not in fragment.feeds and shape is not None and None not in shape:
             elements += int(np.prod(shape)) if shape else 1
     return int(max(MIN_COPIES, min(MAX_COPIES, TARGET_ELEMENTS // max(elements, 1))))
 
