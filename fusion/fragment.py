@@ -45,8 +45,8 @@ UNKNOWN_DIM = 32
 
 MIN_COPIES, MAX_COPIES = 2, 8
 TARGET_ELEMENTS = 1 << 20
-"""Copies of a fragment are added until its inputs and outputs hold about this many elements (at least
-:data:`MIN_COPIES`, at most :data:`MAX_COPIES`): a tiny fragment alone times the call
+"""Copies of a fragment are added until its inputs and outputs hold about this many elements
+(at least :data:`MIN_COPIES`, at most :data:`MAX_COPIES`): a tiny fragment alone times the call
 overhead, not the kernels, and a kernel alone may split itself over the thread pool where in
 a real step it runs beside others (TensorFlow's CPU Adam kernel: 3x slower alone than beside
 others at 512x512)."""
