@@ -249,3 +249,19 @@ def test_cpu_backend_follows_the_live_onednn_setting():
     assert "DepthwiseConv2dNative" in chains(_cpu(True))
     assert "DepthwiseConv2dNative" not in chains(_cpu(False))
     assert get_backend("cpu").available
+
+
+@needs_onednn("either")
+def test_the_report_says_when_onednn_is_off_and_how_to_measure_it():
+    """With oneDNN's pass off (TensorFlow's default on CPUs without VNNI/BF16/AMX), the report
+    says that stock with it on may be faster, and how to measure both; with it on, nothing."""
+    import tfmx
+    from tfmx.backends import ONEDNN_OFF_ADVICE
+
+    tfmx.enable(backend="cpu")
+    try:
+        notes = tfmx.report(reset=True).notes
+    finally:
+        tfmx.disable()
+    assert (ONEDNN_OFF_ADVICE in notes) == (not onednn_enabled())
+    assert ("--onednn both" in ONEDNN_OFF_ADVICE and "TF_ENABLE_ONEDNN_OPTS=1" in ONEDNN_OFF_ADVICE)

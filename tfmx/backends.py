@@ -148,7 +148,9 @@ def _cpu(onednn: bool) -> Backend:
         device_type="CPU",
         notes=(() if onednn else (
             "residual Add, GELU and depthwise fuse only with oneDNN on "
-            "(TF_ENABLE_ONEDNN_OPTS=1; off by default in the TF 2.21 Linux wheel)",
+            "(TF_ENABLE_ONEDNN_OPTS=1, set before TensorFlow is imported; TensorFlow leaves "
+            "it off on CPUs without AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX)",
+            ONEDNN_OFF_ADVICE,
         )) + ("_FusedBatchNormEx has no working CPU kernel (probed, oneDNN on and off)",
                "16-bit _FusedMatMul only where the tuner measures it faster than MatMul + "
                "BiasAdd here (it ran 25x slower in bfloat16 on one CPU)"),
@@ -245,6 +247,15 @@ def _metal() -> Backend:
                       "does not register",
         )),
     )
+
+
+ONEDNN_OFF_ADVICE = (
+    "oneDNN's pass is off in this process: stock with TF_ENABLE_ONEDNN_OPTS=1 (set before "
+    "TensorFlow is imported) may train faster than tfmx without it (on one Zen 3, 1.3-1.7 x "
+    "faster on CNNs, MLPs and RNNs); `tfmx bench --model ... --onednn both` measures both "
+    "states here")
+"""What the cpu backend and ``tfmx.report()`` say where oneDNN's kernels are in the wheel and
+its pass is off: a process cannot switch it (TensorFlow reads the variable at import)."""
 
 
 def onednn_enabled() -> bool:

@@ -66,6 +66,11 @@ def set_options(opts: Options | None) -> None:
         _generation += 1
         if opts is not None:
             _report = Report(backend=opts.backend.name)
+            if opts.backend.name == "cpu":
+                from tfmx.backends import ONEDNN_OFF_ADVICE
+
+                if ONEDNN_OFF_ADVICE in opts.backend.notes:
+                    _report.note(ONEDNN_OFF_ADVICE)
 
 
 def tuner() -> Any:
