@@ -51,8 +51,10 @@ def pytest_collection_modifyitems(config, items):
     for state in ("on", "off"):
         if state == here:
             continue
-        skip = pytest.mark.skip(reason=f"needs oneDNN {state}; it is {here} in this process: "
-                                       "run by tests/test_onednn_settings.py's child")
+        value = "1" if state == "on" else "0"
+        skip = pytest.mark.skip(reason=(
+            f"needs oneDNN {state}; it is {here} in this process: run by "
+            f"tests/test_onednn_settings.py in a child with TF_ENABLE_ONEDNN_OPTS={value}"))
         for item in items:
             if item.get_closest_marker(ONEDNN_MARKERS[state]) is not None:
                 item.add_marker(skip)

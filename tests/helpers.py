@@ -144,30 +144,16 @@ def onednn_state() -> str:
 
 
 def needs_onednn(state: str):
-    """Decorator for a test that depends on oneDNN's state.
+    """Decorator for a test that depends on oneDNN's state: its marker.
 
-    ``"on"`` / ``"off"``: it needs that state; skipped in a process with the other one (the
-    reason names both), where the child of the other setting runs it. ``"either"``: valid in
-    both, but what it checks differs with the state (the live cpu tables): it runs here and
-    again in the child of the other setting.
+    ``"on"`` / ``"off"``: it needs that state; conftest skips it in a process with the other
+    one (the reason names both), where the child of the other setting runs it. ``"either"``:
+    valid in both, but what it checks differs with the state (the live cpu tables): it runs
+    here and again in the child of the other setting.
     """
     import pytest
 
-    marker = getattr(pytest.mark, ONEDNN_MARKERS[state])
-    here = onednn_state()
-    if state in ("on", "off") and state != here:
-        value = "1" if state == "on" else "0"
-        skip = pytest.mark.skip(reason=(
-            f"needs oneDNN {state}; it is {here} in this process: run by "
-            f"tests/test_onednn_settings.py in a child with TF_ENABLE_ONEDNN_OPTS={value}"))
-    else:
-        skip = None
-
-    def apply(obj):
-        obj = marker(obj)
-        return skip(obj) if skip is not None else obj
-
-    return apply
+    return getattr(pytest.mark, ONEDNN_MARKERS[state])
 
 
 def fit_stock_and_tfmx(build, x, y, patterns: list[str], epochs: int = 2,

@@ -66,11 +66,10 @@ def set_options(opts: Options | None) -> None:
         _generation += 1
         if opts is not None:
             _report = Report(backend=opts.backend.name)
-            if opts.backend.name == "cpu":
-                from tfmx.backends import ONEDNN_OFF_ADVICE
+            from tfmx.backends import ONEDNN_OFF_ADVICE
 
-                if ONEDNN_OFF_ADVICE in opts.backend.notes:
-                    _report.note(ONEDNN_OFF_ADVICE)
+            if ONEDNN_OFF_ADVICE in opts.backend.notes:  # the cpu backend, oneDNN's pass off
+                _report.note(ONEDNN_OFF_ADVICE)
 
 
 def tuner() -> Any:
