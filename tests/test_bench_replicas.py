@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import onednn_state
 from test_bench import result
 
-from tfmx import backends, bench
+from tfmx import bench
 from tfmx.bench import (
     check_replicas,
     child_command,
@@ -201,7 +202,7 @@ def test_tiny_real_run_with_two_replicas(tmp_path):
         assert any(line.startswith(f"| {workload}, 2 replicas) |") for line in lines)
         # the oneDNN state column: this process's, which the child inherits (on or off by
         # processor: TensorFlow's default differs between machines)
-        state = "on" if backends.onednn_enabled() else "off"
+        state = onednn_state()
         row = next(line for line in lines if line.startswith(f"| {workload}) | {state}"))
         cells = [c.strip() for c in row.strip("|").split("|")]
         one, two, difference = (float(c) for c in cells[2:5])
