@@ -1,4 +1,5 @@
-"""The onednn family: convolutions retargeted to TensorFlow's bundled oneDNN kernels."""
+"""The onednn family: convolutions, MatMuls, batch norm and softmax retargeted to TensorFlow's
+bundled oneDNN kernels."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import TRANSCENDENTAL, assert_within_rounding, needs_onednn, ops_that_ran
+from helpers import (
+    ACTIVATION_ROUNDINGS,
+    TRANSCENDENTAL,
+    assert_within_rounding,
+    needs_onednn,
+    ops_that_ran,
+)
 
 import fusion
 import tfmx
@@ -274,3 +281,80 @@ def test_forward_fused_convolution_runs_on_onednn_and_matches_eigen(shape):
     x = tf.random.normal([shape[0] or 4, *shape[1:]], seed=7)
     want, got = cf(x).numpy(), rebuild(cf, res.graph_def)(x).numpy()
     assert_within_rounding(got, want, 3 * 3 * 4 + 1, what="conv")  # the window, the bias
+
+
+def _attention_step(shape=(2, 4, 16, 8)):
+    """Scores, softmax and context, as an attention block's core, and their gradients."""
+
+    @tf.function(autograph=False)
+    def step(q, k, v):
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            scores = tf.matmul(q, k, transpose_b=True)  # BatchMatMulV2, adj_y
+            context = tf.matmul(tf.nn.softmax(scores), v)
+            loss = tf.reduce_sum(context * context)
+        return tape.gradient(loss, [q, k, v])
+
+    spec = tf.TensorSpec(shape)
+    return step.get_concrete_function(spec, spec, spec)
+
+
+def test_attention_batch_matmuls_and_softmax_are_found():
+    cf = _attention_step()
+    view = GraphView(cf.graph.as_graph_def(add_shapes=True).node)
+    matches, declined = find_onednn(view, _Target())
+    found = sorted((m.node.op, m.op) for m in matches)
+    # scores and context, each with two gradient BatchMatMulV2s; one softmax
+    assert found == sorted([("BatchMatMulV2", "_MklBatchMatMulV2")] * 6
+                           + [("Softmax", "_MklSoftmax")])
+    assert declined == []
+    chooser = _Chooser(keep_eigen="Softmax")
+    matches, declined = find_onednn(view, _Target(), chooser)
+    assert len(matches) == 6
+    assert declined == ["Softmax 2x4x16x16: left on Eigen: measured faster"]
+    assert ("onednn", "BatchMatMulV2 2x4x16x8 2x4x16x8 adj_x=False adj_y=True", "eigen",
+            ["eigen", "onednn"]) in chooser.asked
+
+
+@RUNS_HERE
+def test_attention_core_and_its_gradients_run_on_onednn_and_match_eigen():
+    cf = _attention_step()
+    res = fusion.rewrite(cf.graph.as_graph_def(add_shapes=True), get_backend("cpu"), ["onednn"],
+                         protected_names(cf))
+    ops = [n.op for n in res.graph_def.node]
+    assert ops.count("_MklBatchMatMulV2") == 6 and ops.count("_MklSoftmax") == 1
+    assert not {"BatchMatMulV2", "Softmax"} & set(ops)
+    q, k, v = (tf.random.normal([2, 4, 16, 8], seed=s) for s in (11, 12, 13))
+    # scores: 8 terms; softmax: exp, a 16-term sum, a division (TRANSCENDENTAL + 16 + 1);
+    # context: 16 terms; the loss's 2 c (1). The gradients go back through the context (16
+    # terms), softmax's (p * (g - sum(p g)): 16 + 3) and the scores (16 terms for dq and dk).
+    forward = 8 + TRANSCENDENTAL + 17 + 16 + 1
+    back = 16 + 19 + 16
+    for want, got, name in zip(cf(q, k, v), rebuild(cf, res.graph_def)(q, k, v), "qkv"):
+        assert_within_rounding(got.numpy(), want.numpy(), forward + back, what=f"d{name}")
+
+
+@RUNS_HERE
+@pytest.mark.parametrize("chain", sorted(onednn.FUSED_MATMUL_ONEDNN_CHAINS))
+def test_every_fused_matmul_chain_runs_on_onednn_and_matches_eigen(chain):
+    w = tf.Variable(tf.random.normal([24, 16], seed=8, stddev=0.3))
+    b = tf.Variable(tf.random.normal([16], seed=9))
+    _ALIVE.extend([w, b])
+    activation = {"Relu": tf.nn.relu, "Relu6": tf.nn.relu6, "Elu": tf.nn.elu,
+                  "LeakyRelu": lambda t: tf.nn.leaky_relu(t, 0.3), "Tanh": tf.tanh,
+                  "Sigmoid": tf.sigmoid}.get(chain[-1], tf.identity)
+
+    @tf.function(autograph=False)
+    def f(x):
+        return activation(tf.nn.bias_add(tf.matmul(x, w), b))
+
+    cf = f.get_concrete_function(tf.TensorSpec([None, 24]))
+    res = fusion.rewrite(cf.graph.as_graph_def(add_shapes=True), get_backend("cpu"),
+                         ["contraction", "onednn"], protected_names(cf))
+    fused = [n for n in res.graph_def.node if n.op == "_MklNativeFusedMatMul"]
+    assert len(fused) == 1 and "_FusedMatMul" not in [n.op for n in res.graph_def.node]
+    assert tuple(s.decode() for s in fused[0].attr["fused_ops"].list.s) == chain
+    x = tf.random.normal([32, 24], seed=10)
+    want, got = cf(x).numpy(), rebuild(cf, res.graph_def)(x).numpy()
+    terms = 24 + 1 + ACTIVATION_ROUNDINGS[chain[-1] if len(chain) > 1 else None]
+    assert_within_rounding(got, want, terms, what="+".join(chain))

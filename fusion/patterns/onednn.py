@@ -1,4 +1,4 @@
-"""oneDNN kernels without oneDNN's graph pass: CPU convolutions, MatMul, batch norm.
+"""oneDNN kernels without oneDNN's graph pass: convolutions, MatMuls, batch norm, softmax.
 
 TensorFlow's Linux x86-64 wheel carries oneDNN's kernels (``_MklNativeConv2D`` and its two
 gradients among them), registered under the kernel label ``MklNameChangeOp``. A node runs one
@@ -7,19 +7,21 @@ sets when oneDNN is on (``TF_ENABLE_ONEDNN_OPTS=1``; the 2.21 wheel leaves it of
 without AVX-512, AMD's included). This family does that one step for the convolutions of a
 training graph, where the Eigen kernels are slow (the forward, and above all
 ``Conv2DBackpropFilter`` / ``Conv2DBackpropInput``), for ``MatMul`` (forward, gradients, the
-recurrent MatMul of an LSTM loop), for the forward ``_FusedConv2D`` (Conv2D + BiasAdd [+
-activation], as the contraction family leaves it) where it is large enough to pay, and for
-``FusedBatchNormV3`` with its gradient (as a pair only: the gradient reads the forward's
-reserve spaces, whose layout is the kernel's own), and nothing else: same inputs, same
-outputs, same node names, no layout change (the "Native" ops take TensorFlow's NHWC tensors).
+recurrent MatMul of an LSTM loop), for the forward ``_FusedConv2D`` and ``_FusedMatMul``
+(Conv2D / MatMul + BiasAdd [+ activation], as the contraction family leaves them) where they
+are large enough to pay, for ``BatchMatMulV2`` (attention's scores and context, forward and
+gradients) and ``Softmax``, and for ``FusedBatchNormV3`` with its gradient (as a pair only:
+the gradient reads the forward's reserve spaces, whose layout is the kernel's own), and
+nothing else: same inputs, same outputs, same node names, no layout change (the "Native" ops
+take TensorFlow's NHWC tensors).
 
 Whether oneDNN or Eigen is faster depends on the processor and the shapes: on one 2-core AMD
 EPYC (Zen 3) oneDNN ran MatMul 0.29-0.96 of Eigen's time for most shapes but 1.08-1.47 for
 large ones with every dimension >= 128, and the forward ``_FusedConv2D`` 0.81-0.93 from 8,192
 output pixels but 1.04-1.10 below 2,048 (BENCHMARKS.md). Such figures are facts about that
-machine, so every convolution and MatMul is a tuner decision (``tfmx.tuner``): the node alone,
-at its own shapes (an unknown batch counts as 32), timed on Eigen and on oneDNN here, and the
-faster kept; the report lists each decision with both times. The batch-norm pair is
+machine, so every node but the batch-norm pair is a tuner decision (``tfmx.tuner``): the node
+alone, at its own shapes (an unknown batch counts as 32), timed on Eigen and on oneDNN here,
+and the faster kept; the report lists each decision with both times. The batch-norm pair is
 retargeted as a pair, untimed; the whole-step guard (``tfmx.guard``) judges it with the step.
 
 Where oneDNN is on, TensorFlow's pass already does this and the backend lists nothing to
@@ -67,40 +69,63 @@ RETARGETS = {
     "FusedBatchNormV3": "_MklNativeFusedBatchNormV3",
     "FusedBatchNormGradV3": "_MklNativeFusedBatchNormGradV3",
     "_FusedConv2D": "_MklNativeFusedConv2D",
+    "BatchMatMulV2": "_MklBatchMatMulV2",
+    "_FusedMatMul": "_MklNativeFusedMatMul",
+    "Softmax": "_MklSoftmax",
 }
 """TensorFlow op -> the oneDNN op computing the same, with the same inputs and attrs."""
+
+CORE = ("Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "MatMul")
+"""The ops whose oneDNN kernels must be registered for the family to act at all."""
 
 
 @dataclasses.dataclass(frozen=True)
 class OneDnnKernels:
     """What a backend declares for this family: it has oneDNN's renamed CPU kernels (registered
     under :data:`KERNEL_LABEL`) while TensorFlow's own oneDNN pass is off, so the ops of
-    ``ops`` (TensorFlow op -> oneDNN op, default :data:`RETARGETS`) may be retargeted."""
+    ``ops`` (TensorFlow op -> oneDNN op, default: the entries of :data:`RETARGETS` this build
+    registers, :func:`registered_retargets`) may be retargeted."""
 
-    ops: Mapping[str, str] = dataclasses.field(default_factory=lambda: dict(RETARGETS))
+    ops: Mapping[str, str] = dataclasses.field(default_factory=lambda: registered_retargets())
+
+
+@functools.cache
+def _registered(op: str) -> bool:
+    """True if ``op`` has a CPU kernel registered under :data:`KERNEL_LABEL` in this build."""
+    from tensorflow.python.framework import kernels
+
+    try:
+        found = kernels.get_registered_kernels_for_op(op).kernel
+    except Exception:  # noqa: BLE001 - an op this build does not know
+        return False
+    return any(k.device_type == "CPU" and k.label == KERNEL_LABEL for k in found)
 
 
 @functools.cache
 def kernels_registered() -> bool:
     """True if this TensorFlow has oneDNN's renamed CPU kernels (the Linux x86-64 wheels do),
-    whether or not oneDNN's graph pass is on. Only x86-64 counts: that is where they were
-    measured (aarch64 builds route oneDNN through ACL, not measured).
+    whether or not oneDNN's graph pass is on: at least those of :data:`CORE`. Only x86-64
+    counts: that is where they were measured (aarch64 builds route oneDNN through ACL, not
+    measured).
 
     >>> isinstance(kernels_registered(), bool)
     True
     """
-    from tensorflow.python.framework import kernels
-
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
-    for op in RETARGETS.values():
-        try:
-            found = kernels.get_registered_kernels_for_op(op).kernel
-        except Exception:  # noqa: BLE001 - an op this build does not know
-            return False
-        if not any(k.device_type == "CPU" and k.label == KERNEL_LABEL for k in found):
-            return False
-    return True
+    return all(_registered(RETARGETS[op]) for op in CORE)
+
+
+def registered_retargets() -> dict[str, str]:
+    """The entries of :data:`RETARGETS` whose oneDNN kernel this build registers (none where
+    :func:`kernels_registered` is False).
+
+    >>> set(registered_retargets()) <= set(RETARGETS)
+    True
+    """
+    if not kernels_registered():
+        return {}
+    return {op: new for op, new in RETARGETS.items() if _registered(new)}
 
 
 FUSED_CONV_ONEDNN_CHAINS = frozenset({
@@ -108,6 +133,14 @@ FUSED_CONV_ONEDNN_CHAINS = frozenset({
     ("BiasAdd", "LeakyRelu"),
 })
 """The ``fused_ops`` of ``_FusedConv2D`` retargeted (the ones measured against Eigen)."""
+
+FUSED_MATMUL_ONEDNN_CHAINS = frozenset({
+    ("BiasAdd",), ("BiasAdd", "Relu"), ("BiasAdd", "Relu6"), ("BiasAdd", "Elu"),
+    ("BiasAdd", "LeakyRelu"), ("BiasAdd", "Tanh"), ("BiasAdd", "Sigmoid"),
+})
+"""The ``fused_ops`` of ``_FusedMatMul`` retargeted: every chain the Eigen kernel runs (the
+contraction family emits no other with oneDNN's pass off); tests/test_onednn.py runs each on
+both kernels."""
 
 
 @dataclasses.dataclass
@@ -118,10 +151,11 @@ class OneDnnMatch:
     op: str  # the oneDNN op
 
 
-def _fused_conv_blocker(node: NodeDef) -> str | None:
+def _fused_chain_blocker(node: NodeDef) -> str | None:
     chain = tuple(op.decode() for op in node.attr["fused_ops"].list.s)
-    if chain not in FUSED_CONV_ONEDNN_CHAINS:
-        return f"_FusedConv2D({', '.join(chain)}): only BiasAdd chains go to oneDNN"
+    chains = FUSED_CONV_ONEDNN_CHAINS if node.op == "_FusedConv2D" else FUSED_MATMUL_ONEDNN_CHAINS
+    if chain not in chains:
+        return f"{node.op}({', '.join(chain)}): only BiasAdd chains go to oneDNN"
     return None
 
 
@@ -136,7 +170,8 @@ def signature(view: GraphView, node: NodeDef) -> str:
     'MatMul ? ? transpose_b=True'
     """
     shapes = input_shapes(view, node)
-    attrs = [f"{k}={node.attr[k].b}" for k in ("transpose_a", "transpose_b") if k in node.attr]
+    attrs = [f"{k}={node.attr[k].b}" for k in ("transpose_a", "transpose_b", "adj_x", "adj_y")
+             if k in node.attr]
     if "strides" in node.attr:
         attrs.append("strides=" + ",".join(str(i) for i in node.attr["strides"].list.i))
     if "padding" in node.attr:
@@ -157,8 +192,8 @@ def _why_not(node: NodeDef, view: GraphView) -> str | None:
         return f"{node.op} with explicit padding: left on Eigen"
     if node.device and "CPU" not in node.device.upper():
         return f"{node.op} placed on {node.device}"
-    if node.op == "_FusedConv2D":
-        return _fused_conv_blocker(node)
+    if node.op in ("_FusedConv2D", "_FusedMatMul"):
+        return _fused_chain_blocker(node)
     return None
 
 
@@ -237,9 +272,10 @@ def rewrite_onednn(view: GraphView, match: OneDnnMatch) -> NodeDef:
 
 @register(
     "onednn",
-    "cpu with oneDNN off: Conv2D, its gradients, MatMul, large _FusedConv2D, FusedBatchNormV3 "
-    "and its gradient -> TensorFlow's bundled oneDNN kernels (_MklNativeConv2D*, _MklMatMul, "
-    "_MklNativeFusedConv2D, _MklNativeFusedBatchNorm*)",
+    "cpu with oneDNN off: Conv2D, its gradients, MatMul, BatchMatMulV2, _FusedConv2D, "
+    "_FusedMatMul, Softmax, FusedBatchNormV3 and its gradient -> TensorFlow's bundled oneDNN "
+    "kernels (_MklNativeConv2D*, _MklMatMul, _MklBatchMatMulV2, _MklNativeFusedConv2D, "
+    "_MklNativeFusedMatMul, _MklSoftmax, _MklNativeFusedBatchNorm*), where measured faster",
 )
 def onednn_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Retarget every convolution, MatMul and batch norm ``ctx.target`` runs on oneDNN."""
