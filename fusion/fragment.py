@@ -117,8 +117,19 @@ def _shape_value(view: GraphView, src: NodeDef, port: int, unknown_dim: int) -> 
     return list(shape)
 
 
+CONSTANT_OF_CONSTANTS = frozenset({"InvertPermutation"})
+"""Ops pulled into a fragment with their Const inputs (a transpose's gradient permutes by the
+inverse of the forward's constant permutation)."""
+
+
+def _reads_constants(view: GraphView, node: NodeDef) -> bool:
+    sources = [view.node(parse_input(r)[0]) for r in node.input]
+    return all(s is not None and s.op == "Const" for s in sources)
+
+
 def cut(view: GraphView, names: Iterable[str], unknown_dim: int = UNKNOWN_DIM) -> Fragment:
-    """The nodes ``names`` of ``view`` (Const producers pulled in) with stand-ins for the rest.
+    """The nodes ``names`` of ``view`` (Const producers, and :data:`CONSTANT_OF_CONSTANTS` of
+    Consts, pulled in) with stand-ins for the rest.
 
     Outside shapes (``Shape``/``ShapeN`` outputs, as a convolution's gradient reads) become
     constants of the static shape. Raises :class:`FragmentError` for what cannot be made up:
@@ -128,8 +139,12 @@ def cut(view: GraphView, names: Iterable[str], unknown_dim: int = UNKNOWN_DIM) -
     for name in list(inside):
         for ref in view.node(name).input:
             src = view.node(parse_input(ref)[0])
-            if src is not None and src.op == "Const" and not parse_input(ref)[2]:
+            if src is None or parse_input(ref)[2]:
+                continue
+            if src.op == "Const" or (src.op in CONSTANT_OF_CONSTANTS
+                                     and _reads_constants(view, src)):
                 inside.add(src.name)
+                inside.update(parse_input(r)[0] for r in src.input)
     out = graph_pb2.GraphDef()
     feeds: dict[str, tuple[int, tuple[int, ...]]] = {}
     resources: dict[str, tuple[int, tuple[int, ...]]] = {}

@@ -358,3 +358,60 @@ def test_every_fused_matmul_chain_runs_on_onednn_and_matches_eigen(chain):
     want, got = cf(x).numpy(), rebuild(cf, res.graph_def)(x).numpy()
     terms = 24 + 1 + ACTIVATION_ROUNDINGS[chain[-1] if len(chain) > 1 else None]
     assert_within_rounding(got, want, terms, what="+".join(chain))
+
+
+def _depthwise_pool_step():
+    """A depthwise convolution, average pooling and a transpose, and the input's and the
+    filter's gradients."""
+    w = tf.Variable(tf.random.normal([3, 3, 4, 2], seed=14, stddev=0.3))
+    _ALIVE.append(w)
+
+    @tf.function(autograph=False)
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.nn.depthwise_conv2d(x, w, [1, 1, 1, 1], "SAME")  # 8 channels
+            y = tf.nn.avg_pool2d(y, 2, 2, "VALID")
+            y = tf.transpose(y, [0, 3, 1, 2])
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, [x, w])
+
+    return step.get_concrete_function(tf.TensorSpec([2, 8, 8, 4]))
+
+
+DEPTHWISE_POOL = {"DepthwiseConv2dNative", "DepthwiseConv2dNativeBackpropInput",
+                  "DepthwiseConv2dNativeBackpropFilter", "AvgPool", "AvgPoolGrad", "Transpose"}
+
+
+def test_depthwise_pooling_and_transposes_are_found_with_their_shapes():
+    cf = _depthwise_pool_step()
+    view = GraphView(cf.graph.as_graph_def(add_shapes=True).node)
+    matches, declined = find_onednn(view, _Target())
+    # the forward transpose and its gradient's (the inverse permutation)
+    assert sorted(m.node.op for m in matches) == sorted([*DEPTHWISE_POOL, "Transpose"])
+    assert all(m.op == RETARGETS[m.node.op] for m in matches) and declined == []
+    chooser = _Chooser(keep_eigen="Transpose")
+    find_onednn(view, _Target(), chooser)
+    signatures = sorted(sig for _, sig, _, _ in chooser.asked)
+    assert "Transpose 2x4x4x8 4 perm=0,3,1,2" in signatures
+    # the gradient's: the inverse of the forward's, read through its InvertPermutation
+    assert "Transpose 2x8x4x4 4 perm=0,2,3,1" in signatures
+    assert "AvgPool 2x8x8x8 ksize=1,2,2,1 strides=1,2,2,1 padding=VALID" in signatures
+
+
+@RUNS_HERE
+def test_depthwise_pooling_and_transposes_run_on_onednn_and_match_eigen():
+    cf = _depthwise_pool_step()
+    res = fusion.rewrite(cf.graph.as_graph_def(add_shapes=True), get_backend("cpu"), ["onednn"],
+                         protected_names(cf))
+    ops = [n.op for n in res.graph_def.node]
+    assert not DEPTHWISE_POOL & set(ops)
+    assert {RETARGETS[op] for op in DEPTHWISE_POOL} <= set(ops)
+    x = tf.random.normal([2, 8, 8, 4], seed=15)
+    # y: 9-term windows; the pool's 4-term mean (+ the division); the loss's 2 y (1). dx: the
+    # pool's gradient (1), 9 terms back through the depthwise filter; dw: 2 x 8 x 8 = 128
+    # terms.
+    forward = 9 + 5 + 1
+    (want_x, want_w), (got_x, got_w) = cf(x), rebuild(cf, res.graph_def)(x)
+    assert_within_rounding(got_x.numpy(), want_x.numpy(), forward + 1 + 9, what="dx")
+    assert_within_rounding(got_w.numpy(), want_w.numpy(), forward + 1 + 128, what="dw")

@@ -307,6 +307,28 @@ def test_a_stateless_fragment_computes_what_it_times():
             np.testing.assert_allclose(out.numpy(), a @ b.T, rtol=1e-5, err_msg=name)
 
 
+def test_a_gradient_transpose_carries_its_inverse_permutation():
+    """A transpose's gradient permutes by InvertPermutation of the forward's constant: the
+    fragment takes both in, and computes the real inverse transpose."""
+
+    @tf.function(autograph=False)
+    def f(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(tf.transpose(x, [0, 2, 1]) * tf.range(12.0)[None, :, None])
+        return tape.gradient(loss, x)
+
+    g = f.get_concrete_function(tf.TensorSpec([2, 5, 12]))
+    view = GraphView(g.graph.as_graph_def(add_shapes=True).node)
+    backward = next(n for n in view if n.op == "Transpose" and "gradient_tape" in n.name)
+    piece = cut(view, [backward.name])
+    assert "InvertPermutation" in {n.op for n in piece.graph_def.node}
+    inputs = make_inputs(piece, copies=2)
+    feed = next(iter(piece.feeds))
+    for made, out in zip(inputs, runner(piece, inputs)()):
+        np.testing.assert_array_equal(out.numpy(), np.transpose(made[feed].numpy(), [0, 2, 1]))
+
+
 def test_a_fragment_that_cannot_be_made_up_is_refused():
     @tf.function(autograph=False)
     def f(x, i):

@@ -1,4 +1,4 @@
-"""oneDNN kernels without oneDNN's graph pass: convolutions, MatMuls, batch norm, softmax.
+"""oneDNN kernels without oneDNN's graph pass: convolutions, MatMuls, batch norm, softmax...
 
 TensorFlow's Linux x86-64 wheel carries oneDNN's kernels (``_MklNativeConv2D`` and its two
 gradients among them), registered under the kernel label ``MklNameChangeOp``. A node runs one
@@ -10,7 +10,8 @@ training graph, where the Eigen kernels are slow (the forward, and above all
 recurrent MatMul of an LSTM loop), for the forward ``_FusedConv2D`` and ``_FusedMatMul``
 (Conv2D / MatMul + BiasAdd [+ activation], as the contraction family leaves them) where they
 are large enough to pay, for ``BatchMatMulV2`` (attention's scores and context, forward and
-gradients) and ``Softmax``, and for ``FusedBatchNormV3`` with its gradient (as a pair only:
+gradients), ``Softmax`` and ``Transpose``, for depthwise convolutions and average pooling
+(forward and gradients), and for ``FusedBatchNormV3`` with its gradient (as a pair only:
 the gradient reads the forward's reserve spaces, whose layout is the kernel's own), and
 nothing else: same inputs, same outputs, same node names, no layout change (the "Native" ops
 take TensorFlow's NHWC tensors).
@@ -53,9 +54,11 @@ import functools
 import platform
 from collections.abc import Mapping
 
+import numpy as np
+
 from fusion.fragment import choose_rewrite, input_shapes
 from fusion.graph import GraphView, NodeDef, parse_input
-from fusion.match import dtype_name
+from fusion.match import const_value, dtype_name
 from fusion.pattern import Chooser, RewriteContext, Target, apply_matches, register
 
 KERNEL_LABEL = "MklNameChangeOp"
@@ -72,6 +75,12 @@ RETARGETS = {
     "BatchMatMulV2": "_MklBatchMatMulV2",
     "_FusedMatMul": "_MklNativeFusedMatMul",
     "Softmax": "_MklSoftmax",
+    "Transpose": "_MklTranspose",
+    "AvgPool": "_MklNativeAvgPool",
+    "AvgPoolGrad": "_MklNativeAvgPoolGrad",
+    "DepthwiseConv2dNative": "_MklNativeDepthwiseConv2dNative",
+    "DepthwiseConv2dNativeBackpropInput": "_MklNativeDepthwiseConv2dNativeBackpropInput",
+    "DepthwiseConv2dNativeBackpropFilter": "_MklNativeDepthwiseConv2dNativeBackpropFilter",
 }
 """TensorFlow op -> the oneDNN op computing the same, with the same inputs and attrs."""
 
@@ -172,6 +181,15 @@ def signature(view: GraphView, node: NodeDef) -> str:
     shapes = input_shapes(view, node)
     attrs = [f"{k}={node.attr[k].b}" for k in ("transpose_a", "transpose_b", "adj_x", "adj_y")
              if k in node.attr]
+    if node.op == "Transpose":
+        perm = const_value(view, node.input[1])
+        source = view.node(node.input[1])
+        if perm is None and source is not None and source.op == "InvertPermutation":
+            forward = const_value(view, source.input[0])  # a gradient's inverse permutation
+            perm = None if forward is None else np.argsort(forward)
+        attrs.append("perm=" + ("?" if perm is None else ",".join(str(int(i)) for i in perm)))
+    if "ksize" in node.attr:
+        attrs.append("ksize=" + ",".join(str(i) for i in node.attr["ksize"].list.i))
     if "strides" in node.attr:
         attrs.append("strides=" + ",".join(str(i) for i in node.attr["strides"].list.i))
     if "padding" in node.attr:
@@ -272,10 +290,12 @@ def rewrite_onednn(view: GraphView, match: OneDnnMatch) -> NodeDef:
 
 @register(
     "onednn",
-    "cpu with oneDNN off: Conv2D, its gradients, MatMul, BatchMatMulV2, _FusedConv2D, "
-    "_FusedMatMul, Softmax, FusedBatchNormV3 and its gradient -> TensorFlow's bundled oneDNN "
-    "kernels (_MklNativeConv2D*, _MklMatMul, _MklBatchMatMulV2, _MklNativeFusedConv2D, "
-    "_MklNativeFusedMatMul, _MklSoftmax, _MklNativeFusedBatchNorm*), where measured faster",
+    "cpu with oneDNN off: Conv2D, DepthwiseConv2dNative and their gradients, MatMul, "
+    "BatchMatMulV2, _FusedConv2D, _FusedMatMul, Softmax, Transpose, AvgPool and its gradient, "
+    "FusedBatchNormV3 and its gradient -> TensorFlow's bundled oneDNN kernels "
+    "(_MklNativeConv2D*, _MklNativeDepthwiseConv2dNative*, _MklMatMul, _MklBatchMatMulV2, "
+    "_MklNativeFusedConv2D, _MklNativeFusedMatMul, _MklSoftmax, _MklTranspose, "
+    "_MklNativeAvgPool*, _MklNativeFusedBatchNorm*), where measured faster",
 )
 def onednn_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Retarget every convolution, MatMul and batch norm ``ctx.target`` runs on oneDNN."""
