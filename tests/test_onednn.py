@@ -50,6 +50,12 @@ def _Target():  # noqa: N802 - stands for a backend class
 _ALIVE: list[tf.Variable] = []  # a traced function holds its variables weakly
 
 
+def _on_cpu(cf, families=("onednn",)):
+    """``cf``'s graph rewritten by ``families`` for this process's cpu backend."""
+    return fusion.rewrite(cf.graph.as_graph_def(add_shapes=True), get_backend("cpu"),
+                          list(families), protected_names(cf))
+
+
 def _conv_step(dtype=tf.float32, data_format="NHWC", padding="SAME"):
     shape = [2, 6, 6, 3] if data_format == "NHWC" else [2, 3, 6, 6]
     w = tf.Variable(tf.random.normal([3, 3, 3, 4], seed=1, dtype=tf.float32))
@@ -166,8 +172,7 @@ def test_matmul_and_its_gradients_run_on_onednn_and_match_eigen():
         return tape.gradient(loss, [x, w])
 
     cf = step.get_concrete_function(tf.TensorSpec([4, 8]))
-    res = fusion.rewrite(cf.graph.as_graph_def(add_shapes=True), get_backend("cpu"), ["onednn"],
-                         protected_names(cf))
+    res = _on_cpu(cf)
     ops = [n.op for n in res.graph_def.node]
     assert ops.count("_MklMatMul") == 3 and "MatMul" not in ops  # forward and both gradients
     x = tf.random.normal([4, 8], seed=4)
@@ -267,8 +272,7 @@ def _conv_bias_relu(shape):
         return tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(x, w, 1, "SAME"), b))
 
     cf = f.get_concrete_function(tf.TensorSpec(shape))
-    res = fusion.rewrite(cf.graph.as_graph_def(add_shapes=True), get_backend("cpu"),
-                         ["contraction", "onednn"], protected_names(cf))
+    res = _on_cpu(cf, ["contraction", "onednn"])
     return cf, res
 
 
@@ -319,8 +323,7 @@ def test_attention_batch_matmuls_and_softmax_are_found():
 @RUNS_HERE
 def test_attention_core_and_its_gradients_run_on_onednn_and_match_eigen():
     cf = _attention_step()
-    res = fusion.rewrite(cf.graph.as_graph_def(add_shapes=True), get_backend("cpu"), ["onednn"],
-                         protected_names(cf))
+    res = _on_cpu(cf)
     ops = [n.op for n in res.graph_def.node]
     assert ops.count("_MklBatchMatMulV2") == 6 and ops.count("_MklSoftmax") == 1
     assert not {"BatchMatMulV2", "Softmax"} & set(ops)
@@ -349,8 +352,7 @@ def test_every_fused_matmul_chain_runs_on_onednn_and_matches_eigen(chain):
         return activation(tf.nn.bias_add(tf.matmul(x, w), b))
 
     cf = f.get_concrete_function(tf.TensorSpec([None, 24]))
-    res = fusion.rewrite(cf.graph.as_graph_def(add_shapes=True), get_backend("cpu"),
-                         ["contraction", "onednn"], protected_names(cf))
+    res = _on_cpu(cf, ["contraction", "onednn"])
     fused = [n for n in res.graph_def.node if n.op == "_MklNativeFusedMatMul"]
     assert len(fused) == 1 and "_FusedMatMul" not in [n.op for n in res.graph_def.node]
     assert tuple(s.decode() for s in fused[0].attr["fused_ops"].list.s) == chain
@@ -402,8 +404,7 @@ def test_depthwise_pooling_and_transposes_are_found_with_their_shapes():
 @RUNS_HERE
 def test_depthwise_pooling_and_transposes_run_on_onednn_and_match_eigen():
     cf = _depthwise_pool_step()
-    res = fusion.rewrite(cf.graph.as_graph_def(add_shapes=True), get_backend("cpu"), ["onednn"],
-                         protected_names(cf))
+    res = _on_cpu(cf)
     ops = [n.op for n in res.graph_def.node]
     assert not DEPTHWISE_POOL & set(ops)
     assert {RETARGETS[op] for op in DEPTHWISE_POOL} <= set(ops)
