@@ -122,9 +122,13 @@ CONSTANT_OF_CONSTANTS = frozenset({"InvertPermutation"})
 inverse of the forward's constant permutation)."""
 
 
-def _reads_constants(view: GraphView, node: NodeDef) -> bool:
-    sources = [view.node(parse_input(r)[0]) for r in node.input]
-    return all(s is not None and s.op == "Const" for s in sources)
+def _constant_inputs(view: GraphView, node: NodeDef) -> list[str] | None:
+    """The Const nodes ``node`` reads, if it reads nothing else (None otherwise)."""
+    refs = [parse_input(r) for r in node.input]
+    sources = [view.node(name) for name, _, control in refs if not control]
+    if len(sources) != len(refs) or not all(s is not None and s.op == "Const" for s in sources):
+        return None
+    return [s.name for s in sources]
 
 
 def cut(view: GraphView, names: Iterable[str], unknown_dim: int = UNKNOWN_DIM) -> Fragment:
@@ -141,10 +145,12 @@ def cut(view: GraphView, names: Iterable[str], unknown_dim: int = UNKNOWN_DIM) -
             src = view.node(parse_input(ref)[0])
             if src is None or parse_input(ref)[2]:
                 continue
-            if src.op == "Const" or (src.op in CONSTANT_OF_CONSTANTS
-                                     and _reads_constants(view, src)):
+            if src.op == "Const":
                 inside.add(src.name)
-                inside.update(parse_input(r)[0] for r in src.input)
+            elif src.op in CONSTANT_OF_CONSTANTS:
+                constants = _constant_inputs(view, src)
+                if constants is not None:
+                    inside.update([src.name, *constants])
     out = graph_pb2.GraphDef()
     feeds: dict[str, tuple[int, tuple[int, ...]]] = {}
     resources: dict[str, tuple[int, tuple[int, ...]]] = {}
