@@ -78,6 +78,11 @@ def assert_within_rounding(got, want, terms: int, dtype="float32", scale=None,
                          f"roundings x u({dtype}) x scale {scale:.3g}")
 
 
+FUSED_MATMULS = frozenset({"_FusedMatMul", "_MklNativeFusedMatMul"})
+"""A fused MatMul on Eigen's kernel, or on oneDNN's where the onednn family moved it there (all
+families, oneDNN off, where the tuner measures it faster)."""
+
+
 # Roundings one elementwise op may add, for counting ``terms``: +, -, *, / and sqrt are
 # correctly rounded (1); Eigen's and oneDNN's exp, tanh, erf(c), rsqrt and pow are accurate to
 # a few ulps, not to the last bit: counted as 4. Relu, Relu6, max, abs, neg and select are exact.

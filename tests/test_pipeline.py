@@ -5,7 +5,7 @@ import re
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_within_rounding
+from helpers import FUSED_MATMULS, assert_within_rounding
 
 import fusion
 import fusion.patterns  # noqa: F401  (registers the real families before the throwaway ones)
@@ -212,8 +212,7 @@ def test_contraction_fused_inside_while_and_cond(loop_and_cond):
         assert re.fullmatch(re.escape(name) + r"_tfmx_[0-9a-f]{12}", renamed)
         assert name not in new and renamed in new
         body = new[renamed]
-        # on Eigen's kernel, or on oneDNN's where the onednn family acts (oneDNN off)
-        fused = [n for n in body.node_def if n.op in ("_FusedMatMul", "_MklNativeFusedMatMul")]
+        fused = [n for n in body.node_def if n.op in FUSED_MATMULS]
         assert len(fused) == 1
         assert [s.decode() for s in fused[0].attr["fused_ops"].list.s] == ["BiasAdd", "Relu"]
         assert not {"MatMul", "BiasAdd", "Relu"} & {n.op for n in body.node_def}
