@@ -38,6 +38,7 @@ from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework.tensor_util import make_tensor_proto
 
 from fusion.graph import GraphView, NodeDef, output_shape, parse_input
+from fusion.match import CONSTANT_OF_CONSTANTS, const_value
 from fusion.pattern import Choice, Chooser
 
 UNKNOWN_DIM = 32
@@ -117,23 +118,9 @@ def _shape_value(view: GraphView, src: NodeDef, port: int, unknown_dim: int) -> 
     return list(shape)
 
 
-CONSTANT_OF_CONSTANTS = frozenset({"InvertPermutation"})
-"""Ops pulled into a fragment with their Const inputs (a transpose's gradient permutes by the
-inverse of the forward's constant permutation)."""
-
-
-def _constant_inputs(view: GraphView, node: NodeDef) -> list[str] | None:
-    """The Const nodes ``node`` reads, if it reads nothing else (None otherwise)."""
-    refs = [parse_input(r) for r in node.input]
-    sources = [view.node(name) for name, _, control in refs if not control]
-    if len(sources) != len(refs) or not all(s is not None and s.op == "Const" for s in sources):
-        return None
-    return [s.name for s in sources]
-
-
 def cut(view: GraphView, names: Iterable[str], unknown_dim: int = UNKNOWN_DIM) -> Fragment:
-    """The nodes ``names`` of ``view`` (Const producers, and :data:`CONSTANT_OF_CONSTANTS` of
-    Consts, pulled in) with stand-ins for the rest.
+    """The nodes ``names`` of ``view`` (Const producers pulled in, and ops of
+    ``fusion.match.CONSTANT_OF_CONSTANTS`` on Consts with them) with stand-ins for the rest.
 
     Outside shapes (``Shape``/``ShapeN`` outputs, as a convolution's gradient reads) become
     constants of the static shape. Raises :class:`FragmentError` for what cannot be made up:
@@ -147,10 +134,8 @@ def cut(view: GraphView, names: Iterable[str], unknown_dim: int = UNKNOWN_DIM) -
                 continue
             if src.op == "Const":
                 inside.add(src.name)
-            elif src.op in CONSTANT_OF_CONSTANTS:
-                constants = _constant_inputs(view, src)
-                if constants is not None:
-                    inside.update([src.name, *constants])
+            elif src.op in CONSTANT_OF_CONSTANTS and const_value(view, src.name) is not None:
+                inside.update([src.name, *src.input])  # its Consts (no control input)
     out = graph_pb2.GraphDef()
     feeds: dict[str, tuple[int, tuple[int, ...]]] = {}
     resources: dict[str, tuple[int, tuple[int, ...]]] = {}

@@ -45,12 +45,26 @@ def dtype_name(node: NodeDef, attr: str = "T") -> str:
     return tf.dtypes.as_dtype(node.attr[attr].type).name
 
 
+CONSTANT_OF_CONSTANTS = {"InvertPermutation": lambda perm: np.argsort(perm).astype(perm.dtype)}
+"""Ops whose output is a constant when their inputs are Consts, with how to compute it (a
+transpose's gradient permutes by the inverse of the forward's constant permutation)."""
+
+
 def const_value(view: GraphView, ref: str) -> np.ndarray | None:
-    """The value of a Const feeding ``ref``, or None if it is not a Const."""
+    """The value feeding ``ref`` if it is a Const, or an op of :data:`CONSTANT_OF_CONSTANTS`
+    reading Consts alone (no control input); None otherwise."""
     node = view.node(ref)
-    if node is None or node.op != "Const":
+    if node is None:
         return None
-    return tf.make_ndarray(node.attr["value"].tensor)
+    if node.op == "Const":
+        return tf.make_ndarray(node.attr["value"].tensor)
+    fold = CONSTANT_OF_CONSTANTS.get(node.op)
+    if fold is None or any(r.startswith("^") for r in node.input):
+        return None
+    sources = [view.node(r) for r in node.input]
+    if not all(s is not None and s.op == "Const" for s in sources):
+        return None
+    return fold(*(tf.make_ndarray(s.attr["value"].tensor) for s in sources))
 
 
 

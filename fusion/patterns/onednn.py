@@ -54,8 +54,6 @@ import functools
 import platform
 from collections.abc import Mapping
 
-import numpy as np
-
 from fusion.fragment import choose_rewrite, input_shapes
 from fusion.graph import GraphView, NodeDef, parse_input
 from fusion.match import const_value, dtype_name
@@ -182,11 +180,7 @@ def signature(view: GraphView, node: NodeDef) -> str:
     attrs = [f"{k}={node.attr[k].b}" for k in ("transpose_a", "transpose_b", "adj_x", "adj_y")
              if k in node.attr]
     if node.op == "Transpose":
-        perm = const_value(view, node.input[1])
-        source = view.node(node.input[1])
-        if perm is None and source is not None and source.op == "InvertPermutation":
-            forward = const_value(view, source.input[0])  # a gradient's inverse permutation
-            perm = None if forward is None else np.argsort(forward)
+        perm = const_value(view, node.input[1])  # a gradient's: an InvertPermutation, folded
         attrs.append("perm=" + ("?" if perm is None else ",".join(str(int(i)) for i in perm)))
     if "ksize" in node.attr:
         attrs.append("ksize=" + ",".join(str(i) for i in node.attr["ksize"].list.i))
