@@ -177,10 +177,12 @@ def fit_stock_and_tfmx(build, x, y, patterns: list[str], epochs: int = 2,
     return models, initial
 
 
-def assert_models_within_rounding(stock, fused, initial, terms: int) -> None:
+def assert_models_within_rounding(stock, fused, initial, terms: int,
+                                  dtype: str = "float32") -> None:
     """Every weight of two models trained from the same ``initial`` weights (a list, in
-    ``weights`` order) within ``terms`` roundings. Each weight's scale is its own magnitude,
-    or the largest change of a weight of the same layer if larger: the key projection's bias
+    ``weights`` order) within ``terms`` roundings of ``dtype`` (the compute dtype). Each
+    weight's scale is its own magnitude, or the largest change of a weight of the same layer
+    if larger: the key projection's bias
     of an attention adds one constant per score row, which softmax cancels, so its gradient
     is a sum of the layer's terms that is zero but for rounding, and its value is
     rounding-sized while the roundings are the size of the layer's updates."""
@@ -192,4 +194,5 @@ def assert_models_within_rounding(stock, fused, initial, terms: int) -> None:
         layer = a.path.rsplit("/", 1)[0]
         scale = max([float(np.max(np.abs(a.numpy())))]
                     + [m for path, m in moved.items() if path.rsplit("/", 1)[0] == layer])
-        assert_within_rounding(b.numpy(), a.numpy(), terms, scale=scale, what=a.path)
+        assert_within_rounding(b.numpy(), a.numpy(), terms, dtype=dtype, scale=scale,
+                               what=a.path)

@@ -56,6 +56,40 @@ def test_a_backend_without_erf_gets_the_erfc_form():
     assert list(stage._forms(StageContext(get_backend("metal")), True)) == ["custom"]
 
 
+@pytest.mark.parametrize("backend", ["cpu", "metal"])
+@pytest.mark.parametrize("approximate", [False, True])
+def test_a_16_bit_input_also_gets_the_float32_form_last(backend, approximate):
+    from fusion.stage import StageContext
+    from tfmx.backends import get_backend
+
+    ctx = StageContext(get_backend(backend))
+    plain = list(stage._forms(ctx, approximate))
+    for dtype in (tf.bfloat16, tf.float16):
+        assert list(stage._forms(ctx, approximate, dtype)) == [*plain, "custom upcast"]
+    assert list(stage._forms(ctx, approximate, tf.float32)) == plain
+
+
+@pytest.mark.parametrize("form", ["exact", "exact erfc", "approximate"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_float32_form_of_a_16_bit_input_rounds_once(form, dtype):
+    """The upcast form computes in float32 and rounds its output and gradient to ``dtype``
+    once: within one rounding of ``dtype`` of the float32 GELU (at x's 16-bit values), and
+    within the composite's roundings of TensorFlow's 16-bit GELU."""
+    approximate = form == "approximate"
+    x = tf.cast(tf.constant(np.linspace(-7.0, 7.0, 4001), tf.float32), dtype)
+    got = _value_and_gradient(
+        lambda v: stage.gelu_upcast(v, approximate, erfc=form == "exact erfc"), x)
+    assert got[0].dtype == np.float64 and stage.gelu_upcast(x, approximate).dtype == x.dtype
+    wide = _value_and_gradient(lambda v: tf.nn.gelu(v, approximate=approximate),
+                               tf.cast(x, tf.float32))
+    want = _value_and_gradient(lambda v: tf.nn.gelu(v, approximate=approximate), x)
+    for i, (g, w, s) in enumerate(zip(got, wide, want)):
+        # the gradient: dy (the loss's, in float32) rounded to dtype on the way in, the
+        # derivative times it rounded on the way out
+        assert_within_rounding(g, w, 1 if i == 0 else 2, dtype=dtype, what=f"output {i}")
+        assert_within_rounding(g, s, GELU_TERMS, dtype=dtype, what=f"output {i}")
+
+
 def test_declines_what_it_cannot_take():
     assert "float64" in stage._decline(tf.zeros([2], tf.float64))
     assert stage._decline(tf.zeros([2, 3], tf.bfloat16)) is None
@@ -97,6 +131,45 @@ def test_fit_matches_stock_with_the_closed_form_in_the_graph_that_ran():
     # 8 steps of three Dense layers of 8-16 terms, their GELUs and derivatives, the softmax
     step = 3 * (8 + 16 + 16 + 16) + 3 * GELU_TERMS + 20
     assert_models_within_rounding(models[False], models[True], initial, 8 * step)
+
+
+class _Pick:
+    """A chooser that takes ``form`` for every gelu decision."""
+
+    def __init__(self, form: str) -> None:
+        self.form = form
+
+    def choose(self, family, signature, candidates, conservative):
+        from fusion.pattern import RewriteAlways
+
+        assert self.form in candidates, (signature, sorted(candidates))
+        return RewriteAlways().choose(family, signature, {self.form: None}, conservative)
+
+
+def test_mixed_bfloat16_fit_matches_stock_with_the_float32_form_in_the_graph_that_ran(
+        monkeypatch):
+    from tests.test_keras import ops_that_ran
+    from tfmx import state
+
+    monkeypatch.setattr(state, "tuner", lambda: _Pick("custom upcast"))
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((16, 8)).astype("float32") * 2
+    y = rng.integers(0, 3, 16)
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        models, initial = fit_stock_and_tfmx(_model, x, y, ["gelu"], epochs=1)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    ran = ops_that_ran(models[True].train_function)
+    assert {"Erf", "Tanh"} <= ran
+    stats = tfmx.report().patterns["gelu"]
+    label = stage.LABELS["custom upcast"]
+    assert stats.fused == 3 and set(stats.fused_kinds) == {label}, stats
+    assert stats.observed[label] >= 3
+    # 2 steps in bfloat16 (float32 weights and updates), as in the float32 test
+    step = 3 * (8 + 16 + 16 + 16) + 3 * GELU_TERMS + 20
+    assert_models_within_rounding(models[False], models[True], initial, 2 * step,
+                                  dtype="bfloat16")
 
 
 def test_inference_keeps_the_composite_for_the_matmul_fusion():

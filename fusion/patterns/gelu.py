@@ -26,7 +26,7 @@ from fusion.stage import XLA, XLA_CALLS, emitted_units
 from fusion.stages.gelu import LABELS, SCOPE
 
 _MARKS = {"custom": frozenset({"Erf", "Tanh"}), "custom erfc": frozenset({"Erfc"}),
-          XLA: XLA_CALLS}
+          "custom upcast": frozenset({"Erf", "Erfc", "Tanh"}), XLA: XLA_CALLS}
 
 
 def find_gelu_units(view: GraphView) -> list[tuple[str, str]]:

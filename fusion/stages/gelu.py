@@ -15,6 +15,11 @@ output), so this stage rewrites it before differentiation:
   ``0.5 * erfc(-x / sqrt(2))`` (its forward equals the composite's bit for bit; on this
   project's Zen 4 Erfc runs at half Erf's speed); for the tanh approximation
   ``dy/dx = 0.5 * (1 + t) + 0.5 * x * (1 - t^2) * sqrt(2 / pi) * (1 + 3 * 0.044715 * x^2)``.
+- ``custom upcast`` (float16 and bfloat16 inputs): the ``custom`` form computed in float32, the
+  input cast up and the output (and the gradient) cast back: on a CPU a 16-bit ``Erf`` or
+  ``Exp`` converts every element to float32 and back, so there the wider form is faster
+  (bfloat16 at [2048, 512] on a Zen 4: 1.96 against 2.82 ms for a GELU and its gradient) and
+  rounds once instead of at every op;
 - ``xla`` (cpu and cuda with ``tfmx.enable(xla=True)``, never metal): the ``custom`` form
   compiled by XLA as one region, its forward one fused loop and its gradient another.
 
@@ -66,6 +71,8 @@ FAMILY = "gelu"
 SCOPE = "tfmx_gelu"
 LABELS = {"custom": "GELU: closed-form derivative (custom gradient)",
           "custom erfc": "GELU: closed-form derivative (custom gradient), TensorFlow's Erfc CDF",
+          "custom upcast": "GELU: closed-form derivative (custom gradient), computed in float32 "
+                           "for a 16-bit input",
           XLA: "GELU: one XLA-compiled region (forward and gradient)"}
 """Every form's report label, by its name in the stage's scopes (``tfmx_gelu_<form>``)."""
 
@@ -134,16 +141,35 @@ def _decline(x: Any) -> str | None:
     return None
 
 
-def _forms(ctx: StageContext, approximate: bool) -> dict[str, Callable[[Any], Any]]:
-    """The closed forms ``ctx``'s backend runs, by name (the first is the one taken without a
-    tuner): the exact GELU's CDF through Erf and through Erfc where the backend has each
-    kernel, the tanh approximation's one form."""
+def gelu_upcast(x: tf.Tensor, approximate: bool = False, erfc: bool = False) -> tf.Tensor:
+    """:func:`gelu_custom` of a 16-bit ``x`` computed in float32: ``x`` cast up, the GELU and
+    its closed-form derivative in float32, the output cast back to ``x``'s dtype (and the
+    gradient with it, through the casts' own gradients).
+
+    >>> import tensorflow as tf
+    >>> y = gelu_upcast(tf.constant([-1.0, 0.0, 2.0], tf.bfloat16))
+    >>> y.dtype.name, [round(float(v), 2) for v in y]
+    ('bfloat16', [-0.16, 0.0, 1.95])
+    """
+    return tf.cast(gelu_custom(tf.cast(x, tf.float32), approximate, erfc), x.dtype)
+
+
+def _forms(ctx: StageContext, approximate: bool,
+           dtype: tf.DType = tf.float32) -> dict[str, Callable[[Any], Any]]:
+    """The closed forms ``ctx``'s backend runs for inputs of ``dtype``, by name (the first is
+    the one taken without a tuner): the exact GELU's CDF through Erf and through Erfc where the
+    backend has each kernel, the tanh approximation's one form; for a 16-bit input, the first
+    of those computed in float32 too."""
     if approximate:
-        return {"custom": lambda v: gelu_custom(v, True)}
-    forms = {}
-    if ctx.target.runs_op("Erf"):
-        forms["custom"] = lambda v: gelu_custom(v, False)
-    forms["custom erfc"] = lambda v: gelu_custom(v, False, erfc=True)
+        forms = {"custom": lambda v: gelu_custom(v, True)}
+    else:
+        forms = {}
+        if ctx.target.runs_op("Erf"):
+            forms["custom"] = lambda v: gelu_custom(v, False)
+        forms["custom erfc"] = lambda v: gelu_custom(v, False, erfc=True)
+    if dtype in (tf.float16, tf.bfloat16):
+        erfc = not approximate and not ctx.target.runs_op("Erf")
+        forms["custom upcast"] = lambda v: gelu_upcast(v, approximate, erfc)
     return forms
 
 
@@ -157,7 +183,7 @@ def fused_gelu(ctx: StageContext, original: Callable, x: Any, approximate: bool 
 
     x = tf.convert_to_tensor(x)
     approximate = bool(approximate)
-    forms = _forms(ctx, approximate)
+    forms = _forms(ctx, approximate, x.dtype)
 
     def candidates() -> dict:
         timed = {"composite": timed_form(lambda v: original(v, approximate), [x.shape], x.dtype),
