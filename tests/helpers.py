@@ -182,10 +182,10 @@ def assert_models_within_rounding(stock, fused, initial, terms: int,
     """Every weight of two models trained from the same ``initial`` weights (a list, in
     ``weights`` order) within ``terms`` roundings of ``dtype`` (the compute dtype). Each
     weight's scale is its own magnitude, or the largest change of a weight of the same layer
-    if larger: the key projection's bias
-    of an attention adds one constant per score row, which softmax cancels, so its gradient
-    is a sum of the layer's terms that is zero but for rounding, and its value is
-    rounding-sized while the roundings are the size of the layer's updates."""
+    if larger: the key projection's bias of an attention adds one constant per score row,
+    which softmax cancels, so its gradient is a sum of the layer's terms that is zero but for
+    rounding, and its value is rounding-sized while the roundings are the size of the layer's
+    updates."""
     import numpy as np
 
     moved = {v.path: float(np.max(np.abs(v.numpy() - w0)))
