@@ -172,6 +172,34 @@ def test_mixed_bfloat16_fit_matches_stock_with_the_float32_form_in_the_graph_tha
                                   dtype="bfloat16")
 
 
+@pytest.mark.parametrize("approximate", [False, True])
+def test_the_float32_form_on_metal_runs_on_ops_the_plugin_has(approximate):
+    """Metal has Erfc and no Erf: a float16 GELU's float32 form there goes through Erfc, and
+    every op of it, forward and gradient, is among tensorflow-metal 1.2.0's kernels (names of
+    three letters or fewer cannot appear in its strings-based list)."""
+    from fusion.stage import StageContext
+    from tfmx.backends import get_backend, metal_kernels
+
+    form = stage._forms(StageContext(get_backend("metal")), approximate,
+                        tf.float16)["custom upcast"]
+
+    @tf.function(autograph=False)
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = form(x)
+        return y, tape.gradient(y, x)
+
+    graph = step.get_concrete_function(tf.TensorSpec([4, 8], tf.float16)).graph
+    ops = {op.type for op in graph.get_operations()}
+    assert "Cast" in ops and "Erf" not in ops
+    assert ("Tanh" if approximate else "Erfc") in ops, ops
+    y, dx = step(tf.constant(np.linspace(-3.0, 3.0, 32).reshape(4, 8), tf.float16))
+    assert y.dtype == tf.float16 and dx.dtype == tf.float16
+    unlisted = {op for op in ops if op not in metal_kernels() and len(op) > 3}
+    assert not unlisted, unlisted
+
+
 def test_inference_keeps_the_composite_for_the_matmul_fusion():
     """Without a tape the stage leaves GELU alone: contraction folds it into _FusedMatMul."""
     tfmx.enable(backend="cpu", patterns=["gelu", "contraction"], guard=False)
