@@ -416,3 +416,96 @@ def test_depthwise_pooling_and_transposes_run_on_onednn_and_match_eigen():
     (want_x, want_w), (got_x, got_w) = cf(x), rebuild(cf, res.graph_def)(x)
     assert_within_rounding(got_x.numpy(), want_x.numpy(), forward + 1 + 9, what="dx")
     assert_within_rounding(got_w.numpy(), want_w.numpy(), forward + 1 + 128, what="dw")
+
+
+def _max_pool_step():
+    """Two max pools (the second reads the first's output, overlapping windows) and the input's
+    gradient; and the same forward without a tape."""
+
+    def forward(x):
+        y = tf.nn.max_pool2d(x, 2, 2, "VALID")
+        return y, tf.nn.max_pool2d(y, 3, 1, "SAME")
+
+    @tf.function(autograph=False)
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            _, z = forward(x)
+            loss = tf.reduce_sum(z * z)
+        return tape.gradient(loss, x)
+
+    spec = tf.TensorSpec([2, 8, 8, 4])
+    return (step.get_concrete_function(spec),
+            tf.function(forward, autograph=False).get_concrete_function(spec))
+
+
+def test_max_pool_moves_with_its_gradient_or_stays():
+    """oneDNN's gradient reads the forward's workspace: each MaxPool is one match with the
+    MaxPoolGrad that reads it as its forward (not the one that reads its output as its own
+    input), a decision at its shapes with that gradient; a forward alone is a match too."""
+    step, forward = _max_pool_step()
+    view = GraphView(step.graph.as_graph_def(add_shapes=True).node)
+    matches, declined = find_onednn(view, _Target())
+    assert declined == [] and sorted(m.node.op for m in matches) == ["MaxPool", "MaxPool"]
+    for m in matches:
+        (gradient,) = m.gradients
+        assert gradient.op == "MaxPoolGrad" and gradient.input[1] == m.node.name
+    chooser = _Chooser()
+    find_onednn(view, _Target(), chooser)
+    assert sorted(sig for _, sig, _, _ in chooser.asked) == [
+        "MaxPool 2x4x4x4 ksize=1,3,3,1 strides=1,1,1,1 padding=SAME with its gradient",
+        "MaxPool 2x8x8x4 ksize=1,2,2,1 strides=1,2,2,1 padding=VALID with its gradient"]
+    alone, _ = find_onednn(GraphView(forward.graph.as_graph_def(add_shapes=True).node),
+                           _Target())
+    assert [m.gradients for m in alone] == [(), ()]
+    no_gradient_kernel = PlainTarget("cpu", (OneDnnKernels({"MaxPool": "_MklNativeMaxPool"}),))
+    matches, declined = find_onednn(view, no_gradient_kernel)
+    assert matches == [] and declined == [
+        "MaxPool: this build has no oneDNN kernel of its gradient"] * 2
+
+
+@RUNS_HERE
+def test_max_pool_runs_on_onednn_with_its_workspace_and_matches_eigen():
+    step, forward = _max_pool_step()
+    res = _on_cpu(step)
+    nodes = {n.name: n for n in res.graph_def.node}
+    pools = [n for n in nodes.values() if n.op == "_MklNativeMaxPool"]
+    grads = [n for n in nodes.values() if n.op == "_MklNativeMaxPoolGrad"]
+    assert len(pools) == 2 and len(grads) == 2
+    assert not {"MaxPool", "MaxPoolGrad"} & {n.op for n in nodes.values()}
+    for g in grads:  # the forward's workspace as the fourth input
+        forward_name = g.input[1].split(":")[0]
+        assert g.input[3] == f"{forward_name}:1" and g.attr["workspace_enabled"].b
+        assert nodes[forward_name].attr["workspace_enabled"].b
+    x = tf.random.normal([2, 8, 8, 4], seed=16)
+    want, got = step(x), rebuild(step, res.graph_def)(x)
+    # each input's gradient: the sum of the 2 z dy of the (up to 9) overlapping windows whose
+    # maximum it is, in either kernel's order
+    assert_within_rounding(got.numpy(), want.numpy(), 9 + 1, what="dx")
+    res = _on_cpu(forward)  # no gradient: no workspace
+    (pool, _) = [n for n in res.graph_def.node if n.op == "_MklNativeMaxPool"]
+    assert not pool.attr["workspace_enabled"].b
+    for a, b in zip(forward(x), rebuild(forward, res.graph_def)(x)):
+        np.testing.assert_array_equal(b.numpy(), a.numpy())  # a selection: exact
+
+
+@REGISTERED
+def test_a_max_pool_pair_is_timed_as_one_fragment_with_its_workspace():
+    """The tuner times a MaxPool with its gradient: the pair cut as one fragment, rewritten
+    (the workspace a second output, declared in its output shapes) and run on both kernels."""
+    from fusion.fragment import cut, make_inputs, runner, variant
+    from fusion.patterns.onednn import rewrite_onednn
+
+    step, _ = _max_pool_step()
+    view = GraphView(step.graph.as_graph_def(add_shapes=True).node)
+    matches, _ = find_onednn(view, _Target())
+    for match in matches:
+        names = [match.node.name, *(g.name for g in match.gradients)]
+        piece = cut(view, names)
+        moved = variant(piece, lambda v, m=match: rewrite_onednn(v, m))
+        pool = next(n for n in moved.graph_def.node if n.op == "_MklNativeMaxPool")
+        assert len(pool.attr["_output_shapes"].list.shape) == 2
+        inputs = make_inputs(piece, copies=2)
+        for a, b in zip(runner(piece, inputs)(), runner(moved, inputs)()):
+            # a gradient sums the incoming gradients of up to 9 overlapping windows
+            assert_within_rounding(b.numpy(), a.numpy(), 9, what=match.node.name)

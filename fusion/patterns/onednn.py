@@ -11,8 +11,10 @@ recurrent MatMul of an LSTM loop), for the forward ``_FusedConv2D`` and ``_Fused
 (Conv2D / MatMul + BiasAdd [+ activation], as the contraction family leaves them) where they
 are large enough to pay, for ``BatchMatMulV2`` (attention's scores and context, forward and
 gradients), ``Softmax`` and ``Transpose``, for depthwise convolutions and average pooling
-(forward and gradients), and for ``FusedBatchNormV3`` with its gradient (as a pair only:
-the gradient reads the forward's reserve spaces, whose layout is the kernel's own), and
+(forward and gradients), for ``MaxPool`` with its gradients (together: oneDNN's gradient reads
+the positions of the maxima from the forward's workspace, an extra output wired to it), and for
+``FusedBatchNormV3`` with its gradient (as a pair only: the gradient reads the forward's
+reserve spaces, whose layout is the kernel's own), and
 nothing else: same inputs, same outputs, same node names, no layout change (the "Native" ops
 take TensorFlow's NHWC tensors).
 
@@ -79,8 +81,11 @@ RETARGETS = {
     "DepthwiseConv2dNative": "_MklNativeDepthwiseConv2dNative",
     "DepthwiseConv2dNativeBackpropInput": "_MklNativeDepthwiseConv2dNativeBackpropInput",
     "DepthwiseConv2dNativeBackpropFilter": "_MklNativeDepthwiseConv2dNativeBackpropFilter",
+    "MaxPool": "_MklNativeMaxPool",
+    "MaxPoolGrad": "_MklNativeMaxPoolGrad",
 }
-"""TensorFlow op -> the oneDNN op computing the same, with the same inputs and attrs."""
+"""TensorFlow op -> the oneDNN op computing the same, with the same inputs and attrs (but
+``MaxPoolGrad``, which reads its forward's workspace too: :func:`rewrite_onednn`)."""
 
 CORE = ("Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "MatMul")
 """The ops whose oneDNN kernels must be registered for the family to act at all."""
@@ -152,10 +157,12 @@ both kernels."""
 
 @dataclasses.dataclass
 class OneDnnMatch:
-    """A node to run on its oneDNN kernel."""
+    """A node to run on its oneDNN kernel (a ``MaxPool`` with the ``MaxPoolGrad`` nodes that
+    read it: ``gradients``, retargeted with it)."""
 
     node: NodeDef
     op: str  # the oneDNN op
+    gradients: tuple[NodeDef, ...] = ()
 
 
 def _fused_chain_blocker(node: NodeDef) -> str | None:
@@ -212,6 +219,34 @@ def _why_not(node: NodeDef, view: GraphView) -> str | None:
 # Measured as a pair (the gradient reads the forward's reserve spaces): left to the guard.
 _UNTUNED = frozenset({"FusedBatchNormV3", "FusedBatchNormGradV3"})
 
+_POOL_ATTRS = ("T", "ksize", "strides", "padding", "data_format")
+
+
+def max_pool_gradients(view: GraphView, node: NodeDef) -> tuple[list[NodeDef], str | None]:
+    """The ``MaxPoolGrad`` nodes that read the ``MaxPool`` ``node`` (its output as their
+    ``orig_output``, its input as their ``orig_input``, its attrs), and why the pair cannot
+    move, or None. oneDNN's gradient reads the positions of the maxima from the forward's
+    workspace (an output Eigen's ``MaxPool`` has not), so a forward and its gradients move
+    together: a gradient that reads the forward some other way keeps both on Eigen.
+
+    >>> from fusion.graph import GraphView
+    >>> pool = NodeDef(name="p", op="MaxPool", input=["x"])
+    >>> grad = NodeDef(name="g", op="MaxPoolGrad", input=["x", "p", "dy"])
+    >>> [g.name for g in max_pool_gradients(GraphView([pool, grad]), pool)[0]]
+    ['g']
+    """
+    gradients = []
+    for consumer, index, port, control in view.consumer_edges(node.name):
+        if control or consumer.op != "MaxPoolGrad" or index != 1:
+            continue  # a plain reader of the output (another pool's orig_input, say)
+        same = (port == 0 and consumer.input[0] == node.input[0]
+                and all(consumer.attr[a] == node.attr[a] for a in _POOL_ATTRS))
+        if not same:
+            return [], (f"MaxPool: the gradient {consumer.name} reads it other than as its own "
+                        "forward")
+        gradients.append(consumer)
+    return gradients, None
+
 
 def find_onednn(view: GraphView, target: Target, tuner: Chooser | None = None,
                 ) -> tuple[list[OneDnnMatch], list[str]]:
@@ -227,13 +262,19 @@ def find_onednn(view: GraphView, target: Target, tuner: Chooser | None = None,
         return [], declined
     for node in view:
         new = ops.get(node.op)
-        if new is None or "_kernel" in node.attr:  # absent, or already labelled for a kernel
-            continue
+        if new is None or "_kernel" in node.attr or node.op == "MaxPoolGrad":
+            continue  # absent, already labelled for a kernel, or moved with its forward
         why = _why_not(node, view)
         match = OneDnnMatch(node, new)
+        if why is None and node.op == "MaxPool":
+            gradients, why = max_pool_gradients(view, node)
+            if gradients and "MaxPoolGrad" not in ops:
+                why = "MaxPool: this build has no oneDNN kernel of its gradient"
+            match = OneDnnMatch(node, new, tuple(gradients))
         if why is None and tuner is not None and node.op not in _UNTUNED:
-            sig = signature(view, node)
-            choice = choose_rewrite(tuner, "onednn", sig, view, [node.name],
+            sig = signature(view, node) + (" with its gradient" if match.gradients else "")
+            choice = choose_rewrite(tuner, "onednn", sig, view,
+                                    [node.name, *(g.name for g in match.gradients)],
                                     lambda v, m=match: rewrite_onednn(v, m),
                                     stock="eigen", fused="onednn")
             if choice.choice == "eigen":
@@ -272,29 +313,50 @@ def _unpaired_batch_norms(view: GraphView, candidates: dict[str, OneDnnMatch]) -
     return reasons
 
 
-def rewrite_onednn(view: GraphView, match: OneDnnMatch) -> NodeDef:
-    """Run ``match.node`` on its oneDNN kernel: same name, inputs and attrs, new op and label."""
+def _retarget(view: GraphView, old: NodeDef, op: str) -> NodeDef:
     node = NodeDef()
-    node.CopyFrom(match.node)
-    node.op = match.op
+    node.CopyFrom(old)
+    node.op = op
     node.attr["_kernel"].s = KERNEL_LABEL.encode()
-    view.replace(match.node.name, node)
+    view.replace(old.name, node)
+    return node
+
+
+def rewrite_onednn(view: GraphView, match: OneDnnMatch) -> NodeDef:
+    """Run ``match.node`` on its oneDNN kernel: same name, inputs and attrs, new op and label.
+    A ``MaxPool`` moves with its gradients: the forward's workspace (its second output, the
+    positions of the maxima) becomes their fourth input, as TensorFlow's oneDNN pass wires it;
+    a forward alone computes none."""
+    node = view.node(match.node.name)
+    node = _retarget(view, node, match.op)
+    if node.op == RETARGETS["MaxPool"]:
+        node.attr["workspace_enabled"].b = bool(match.gradients)
+        shapes = node.attr["_output_shapes"].list.shape if "_output_shapes" in node.attr else None
+        if shapes is not None and len(shapes) == 1:  # the workspace: a second output
+            shapes.add().unknown_rank = True
+    for gradient in match.gradients:
+        new = _retarget(view, view.node(gradient.name), RETARGETS["MaxPoolGrad"])
+        new.attr["workspace_enabled"].b = True
+        data = [ref for ref in new.input if not parse_input(ref)[2]]
+        control = [ref for ref in new.input if parse_input(ref)[2]]
+        del new.input[:]
+        new.input.extend([*data, f"{node.name}:1", *control])
     return node
 
 
 @register(
     "onednn",
     "cpu with oneDNN off: Conv2D, DepthwiseConv2dNative and their gradients, MatMul, "
-    "BatchMatMulV2, _FusedConv2D, _FusedMatMul, Softmax, Transpose, AvgPool and its gradient, "
-    "FusedBatchNormV3 and its gradient -> TensorFlow's bundled oneDNN kernels "
+    "BatchMatMulV2, _FusedConv2D, _FusedMatMul, Softmax, Transpose, AvgPool, MaxPool and their "
+    "gradients, FusedBatchNormV3 and its gradient -> TensorFlow's bundled oneDNN kernels "
     "(_MklNativeConv2D*, _MklNativeDepthwiseConv2dNative*, _MklMatMul, _MklBatchMatMulV2, "
     "_MklNativeFusedConv2D, _MklNativeFusedMatMul, _MklSoftmax, _MklTranspose, "
-    "_MklNativeAvgPool*, _MklNativeFusedBatchNorm*), where measured faster",
+    "_MklNativeAvgPool*, _MklNativeMaxPool*, _MklNativeFusedBatchNorm*), where measured faster",
 )
 def onednn_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Retarget every convolution, MatMul and batch norm ``ctx.target`` runs on oneDNN."""
     apply_matches(
         view, ctx, find_onednn(view, ctx.target, ctx.tuner),
         lambda v, m: rewrite_onednn(v, m),
-        lambda m: f"{m.node.op} -> {m.op}",
+        lambda m: f"{m.node.op} -> {m.op}" + (" with its gradient" if m.gradients else ""),
     )
