@@ -509,3 +509,77 @@ def test_a_max_pool_pair_is_timed_as_one_fragment_with_its_workspace():
         for a, b in zip(runner(piece, inputs)(), runner(moved, inputs)()):
             # a gradient sums the incoming gradients of up to 9 overlapping windows
             assert_within_rounding(b.numpy(), a.numpy(), 9, what=match.node.name)
+
+
+def _volume_einsum_step():
+    """A 3-D convolution, 3-D average pooling and an attention-like Einsum, with the input's
+    and the filter's gradients (the Einsum's are Einsums too)."""
+    w = tf.Variable(tf.random.normal([3, 3, 3, 2, 4], seed=17, stddev=0.3))
+    _ALIVE.append(w)
+
+    @tf.function(autograph=False)
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.nn.conv3d(x, w, [1, 1, 1, 1, 1], "SAME")  # [2, 4, 6, 6, 4]
+            y = tf.nn.avg_pool3d(y, 2, 2, "VALID")  # [2, 2, 3, 3, 4]
+            y = tf.reshape(y, [2, 2, 9, 4])
+            y = tf.einsum("btnh,bsnh->bnts", y, y * 0.5)
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, [x, w])
+
+    return step.get_concrete_function(tf.TensorSpec([2, 4, 6, 6, 2]))
+
+
+VOLUME_EINSUM = {"Conv3D", "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2", "AvgPool3D",
+                 "AvgPool3DGrad", "Einsum"}
+
+
+def test_volume_convolution_pooling_and_einsum_are_found_with_their_shapes():
+    cf = _volume_einsum_step()
+    view = GraphView(cf.graph.as_graph_def(add_shapes=True).node)
+    matches, declined = find_onednn(view, _Target())
+    assert {m.node.op for m in matches} == VOLUME_EINSUM and declined == []
+    assert all(m.op == RETARGETS[m.node.op] for m in matches)
+    chooser = _Chooser()
+    find_onednn(view, _Target(), chooser)
+    signatures = {sig for _, sig, _, _ in chooser.asked}
+    assert "Conv3D 2x4x6x6x2 3x3x3x2x4 strides=1,1,1,1,1 padding=SAME" in signatures
+    assert "AvgPool3D 2x4x6x6x4 ksize=1,2,2,2,1 strides=1,2,2,2,1 padding=VALID" in signatures
+    # each Einsum's equation is part of what its decision depends on
+    assert "Einsum 2x2x9x4 2x2x9x4 btnh,bsnh->bnts" in signatures
+    assert sum(sig.startswith("Einsum") for sig in signatures) >= 2  # and its gradients'
+
+
+def test_an_einsum_of_one_or_three_operands_stays_on_eigen():
+    """(tf.einsum splits a longer one into pairs; a GraphDef may still hold one.)"""
+    from tensorflow.core.framework.node_def_pb2 import NodeDef
+
+    nodes = [NodeDef(name=n, op="Placeholder") for n in "abc"]
+    for name, equation, inputs in (("one", "ij->ji", ["a"]),
+                                   ("three", "ij,jk,kl->il", ["a", "b", "c"])):
+        node = NodeDef(name=name, op="Einsum", input=inputs)
+        node.attr["equation"].s = equation.encode()
+        node.attr["N"].i = len(inputs)
+        node.attr["T"].type = tf.float32.as_datatype_enum
+        nodes.append(node)
+    matches, declined = find_onednn(GraphView(nodes), _Target())
+    assert matches == [] and sorted(declined) == [
+        "Einsum of 1 operands: only two go to oneDNN",
+        "Einsum of 3 operands: only two go to oneDNN"]
+
+
+@RUNS_HERE
+def test_volume_convolution_pooling_and_einsum_run_on_onednn_and_match_eigen():
+    cf = _volume_einsum_step()
+    res = _on_cpu(cf)
+    ops = {n.op for n in res.graph_def.node}
+    assert not VOLUME_EINSUM & ops and {RETARGETS[op] for op in VOLUME_EINSUM} <= ops
+    x = tf.random.normal([2, 4, 6, 6, 2], seed=18)
+    # y: 27 x 2 = 54-term windows, the pool's 8-term mean (+ the division), the Einsum's 4
+    # terms, the loss's 2 y (1). dx: back through the Einsum (9 + 9 terms, both operands),
+    # the pool's gradient (1), 54 terms back through the filter; dw: 2 x 4 x 6 x 6 = 288.
+    forward = 54 + 9 + 4 + 1
+    (want_x, want_w), (got_x, got_w) = cf(x), rebuild(cf, res.graph_def)(x)
+    assert_within_rounding(got_x.numpy(), want_x.numpy(), forward + 18 + 1 + 54, what="dx")
+    assert_within_rounding(got_w.numpy(), want_w.numpy(), forward + 18 + 1 + 288, what="dw")

@@ -11,7 +11,8 @@ recurrent MatMul of an LSTM loop), for the forward ``_FusedConv2D`` and ``_Fused
 (Conv2D / MatMul + BiasAdd [+ activation], as the contraction family leaves them) where they
 are large enough to pay, for ``BatchMatMulV2`` (attention's scores and context, forward and
 gradients), ``Softmax`` and ``Transpose``, for depthwise convolutions and average pooling
-(forward and gradients), for ``MaxPool`` with its gradients (together: oneDNN's gradient reads
+(forward and gradients), for 3-D convolutions (``Conv3D`` and its two gradients) and average
+pooling, for ``Einsum``, for ``MaxPool`` with its gradients (together: oneDNN's gradient reads
 the positions of the maxima from the forward's workspace, an extra output wired to it), and for
 ``FusedBatchNormV3`` with its gradient (as a pair only: the gradient reads the forward's
 reserve spaces, whose layout is the kernel's own), and
@@ -83,6 +84,12 @@ RETARGETS = {
     "DepthwiseConv2dNativeBackpropFilter": "_MklNativeDepthwiseConv2dNativeBackpropFilter",
     "MaxPool": "_MklNativeMaxPool",
     "MaxPoolGrad": "_MklNativeMaxPoolGrad",
+    "Conv3D": "_MklNativeConv3D",
+    "Conv3DBackpropInputV2": "_MklNativeConv3DBackpropInputV2",
+    "Conv3DBackpropFilterV2": "_MklNativeConv3DBackpropFilterV2",
+    "AvgPool3D": "_MklNativeAvgPool3D",
+    "AvgPool3DGrad": "_MklNativeAvgPool3DGrad",
+    "Einsum": "_MklEinsum",
 }
 """TensorFlow op -> the oneDNN op computing the same, with the same inputs and attrs (but
 ``MaxPoolGrad``, which reads its forward's workspace too: :func:`rewrite_onednn`)."""
@@ -197,6 +204,8 @@ def signature(view: GraphView, node: NodeDef) -> str:
         attrs.append("padding=" + node.attr["padding"].s.decode())
     if "fused_ops" in node.attr:
         attrs.append("+".join(op.decode() for op in node.attr["fused_ops"].list.s))
+    if "equation" in node.attr:
+        attrs.append(node.attr["equation"].s.decode())
     return " ".join([node.op, *shapes, *attrs])
 
 
@@ -205,14 +214,16 @@ def _why_not(node: NodeDef, view: GraphView) -> str | None:
     if dtype != "float32":
         return f"{node.op} in {dtype}: only float32 goes to oneDNN (measured there)"
     data_format = node.attr["data_format"].s.decode() if "data_format" in node.attr else "NHWC"
-    if data_format != "NHWC":
-        return f"{node.op} in {data_format}: only NHWC goes to oneDNN"
+    if data_format not in ("NHWC", "NDHWC"):
+        return f"{node.op} in {data_format}: only NHWC (NDHWC in 3-D) goes to oneDNN"
     if "padding" in node.attr and node.attr["padding"].s == b"EXPLICIT":
         return f"{node.op} with explicit padding: left on Eigen"
     if node.device and "CPU" not in node.device.upper():
         return f"{node.op} placed on {node.device}"
     if node.op in ("_FusedConv2D", "_FusedMatMul"):
         return _fused_chain_blocker(node)
+    if node.op == "Einsum" and len(view.data_inputs(node)) != 2:
+        return f"Einsum of {len(view.data_inputs(node))} operands: only two go to oneDNN"
     return None
 
 
@@ -346,12 +357,13 @@ def rewrite_onednn(view: GraphView, match: OneDnnMatch) -> NodeDef:
 
 @register(
     "onednn",
-    "cpu with oneDNN off: Conv2D, DepthwiseConv2dNative and their gradients, MatMul, "
-    "BatchMatMulV2, _FusedConv2D, _FusedMatMul, Softmax, Transpose, AvgPool, MaxPool and their "
-    "gradients, FusedBatchNormV3 and its gradient -> TensorFlow's bundled oneDNN kernels "
-    "(_MklNativeConv2D*, _MklNativeDepthwiseConv2dNative*, _MklMatMul, _MklBatchMatMulV2, "
-    "_MklNativeFusedConv2D, _MklNativeFusedMatMul, _MklSoftmax, _MklTranspose, "
-    "_MklNativeAvgPool*, _MklNativeMaxPool*, _MklNativeFusedBatchNorm*), where measured faster",
+    "cpu with oneDNN off: Conv2D, Conv3D, DepthwiseConv2dNative and their gradients, MatMul, "
+    "BatchMatMulV2, Einsum, _FusedConv2D, _FusedMatMul, Softmax, Transpose, AvgPool, AvgPool3D, "
+    "MaxPool and their gradients, FusedBatchNormV3 and its gradient -> TensorFlow's bundled "
+    "oneDNN kernels (_MklNativeConv2D*, _MklNativeConv3D*, _MklNativeDepthwiseConv2dNative*, "
+    "_MklMatMul, _MklBatchMatMulV2, _MklEinsum, _MklNativeFusedConv2D, _MklNativeFusedMatMul, "
+    "_MklSoftmax, _MklTranspose, _MklNativeAvgPool*, _MklNativeMaxPool*, "
+    "_MklNativeFusedBatchNorm*), where measured faster",
 )
 def onednn_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Retarget every convolution, MatMul and batch norm ``ctx.target`` runs on oneDNN."""
