@@ -215,7 +215,7 @@ def _why_not(node: NodeDef, view: GraphView) -> str | None:
         return f"{node.op} in {dtype}: only float32 goes to oneDNN (measured there)"
     data_format = node.attr["data_format"].s.decode() if "data_format" in node.attr else "NHWC"
     if data_format not in ("NHWC", "NDHWC"):
-        return f"{node.op} in {data_format}: only NHWC (NDHWC in 3-D) goes to oneDNN"
+        return f"{node.op} in {data_format}: only NHWC goes to oneDNN (NDHWC in 3-D)"
     if "padding" in node.attr and node.attr["padding"].s == b"EXPLICIT":
         return f"{node.op} with explicit padding: left on Eigen"
     if node.device and "CPU" not in node.device.upper():
