@@ -583,3 +583,24 @@ def test_volume_convolution_pooling_and_einsum_run_on_onednn_and_match_eigen():
     (want_x, want_w), (got_x, got_w) = cf(x), rebuild(cf, res.graph_def)(x)
     assert_within_rounding(got_x.numpy(), want_x.numpy(), forward + 18 + 1 + 54, what="dx")
     assert_within_rounding(got_w.numpy(), want_w.numpy(), forward + 18 + 1 + 288, what="dw")
+
+
+@RUNS_HERE
+def test_max_pool_gradient_on_onednn_is_exact_at_a_larger_shape():
+    """Non-overlapping windows: each input's gradient is its window's one incoming gradient or
+    0 on either kernel, bit for bit (oneDNN's 3-D max pool gradient is not, at such a size:
+    MaxPool3D is not retargeted)."""
+
+    @tf.function(autograph=False)
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.nn.max_pool2d(x, 2, 2, "VALID")
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, x)
+
+    cf = step.get_concrete_function(tf.TensorSpec([8, 32, 32, 16]))
+    res = _on_cpu(cf)
+    assert "_MklNativeMaxPoolGrad" in {n.op for n in res.graph_def.node}
+    x = tf.random.normal([8, 32, 32, 16], seed=19)
+    np.testing.assert_array_equal(rebuild(cf, res.graph_def)(x).numpy(), cf(x).numpy())
