@@ -196,6 +196,7 @@ def test_keras_cnn_trains_like_stock_with_onednn_convolutions():
         inp = keras.Input((12, 12, 3))
         x = keras.layers.Conv2D(8, 3, padding="same", use_bias=False)(inp)
         x = keras.layers.ReLU()(keras.layers.BatchNormalization()(x))
+        x = keras.layers.MaxPooling2D(2, strides=1, padding="same")(x)
         x = keras.layers.Conv2D(8, 3, strides=2, padding="same", activation="relu")(x)
         out = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(x))
         model = keras.Model(inp, out)
@@ -213,15 +214,18 @@ def test_keras_cnn_trains_like_stock_with_onednn_convolutions():
     fused, ran, report = train(True)
     assert {"_MklNativeConv2D", "_MklNativeConv2DBackpropFilter",
             "_MklNativeConv2DBackpropInput", "_MklMatMul", "_MklNativeFusedBatchNormV3",
-            "_MklNativeFusedBatchNormGradV3"} <= ran
-    assert not {"FusedBatchNormV3", "FusedBatchNormGradV3", "Conv2DBackpropFilter"} & ran
+            "_MklNativeFusedBatchNormGradV3", "_MklNativeMaxPool", "_MklNativeMaxPoolGrad"} <= ran
+    assert not {"FusedBatchNormV3", "FusedBatchNormGradV3", "Conv2DBackpropFilter", "MaxPool",
+                "MaxPoolGrad"} & ran
     assert report["fused_kinds"]["Conv2DBackpropFilter -> _MklNativeConv2DBackpropFilter"] == 2
     # One step's roundings, longest path: five sums over the batch's 8 x 12 x 12 = 1,152
     # positions (the batch norm's mean and variance, the two means of its gradient, the first
     # kernel's gradient; as tests/test_batch_norm.py counts them), and the rest (windows of 27
     # and 72 terms, pooling 36, the Dense 9, the loss 24, the input gradient 72, some 30
-    # elementwise ops): 300. The steps add up; predict runs the forward (the rest) once more.
-    per_step = 5 * 8 * 12 * 12 + 300
+    # elementwise ops): 300. The max pool's overlapping windows (2 x 2, stride 1) add up to 4
+    # incoming gradients per position: 4 more. The steps add up; predict runs the forward
+    # (the rest) once more.
+    per_step = 5 * 8 * 12 * 12 + 300 + 4
     for i, (a, b) in enumerate(zip(stock, fused)):
         terms = CNN_STEPS * per_step + (300 if i == len(stock) - 1 else 0)
         assert_within_rounding(b, a, terms, what=f"tensor {i}")
