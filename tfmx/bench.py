@@ -210,6 +210,22 @@ def _small_cnn() -> Any:
     return small_cnn_model(seed=0)
 
 
+def _vgg_cnn() -> Any:
+    """A VGG-style CNN, as Keras's own examples build one: 2 x (2 x Conv2D 3x3 relu +
+    MaxPooling2D), Flatten, Dense(128, relu), Dense(10, softmax)."""
+    import keras
+    from keras import layers
+
+    x = inp = keras.Input((32, 32, 3))
+    for filters in (32, 64):
+        x = layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+        x = layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+        x = layers.MaxPooling2D()(x)
+    x = layers.Dense(128, activation="relu")(layers.Flatten()(x))
+    out = layers.Dense(10, activation="softmax")(x)
+    return keras.Model(inp, out, name="vgg_cnn")
+
+
 def _resnet50() -> Any:
     import keras
 
@@ -338,6 +354,8 @@ WORKLOADS: dict[str, Workload] = {
     for w in (
         Workload("small_cnn", "recipes.small_cnn: Conv2D+bias+relu, residual Add, Dense relu",
                  _small_cnn, (32, 32, 3), 10, batch_size=64, rounds=15, steps=10),
+        Workload("vgg_cnn", "VGG-style CNN: 2 x (2 x Conv2D 3x3 relu + MaxPooling2D), Dense "
+                 "relu, 32x32x3", _vgg_cnn, (32, 32, 3), 10, batch_size=64, rounds=10, steps=5),
         Workload("resnet50", "keras.applications.ResNet50(weights=None), 64x64x3, 10 classes",
                  _resnet50, (64, 64, 3), 10, batch_size=8, rounds=5, steps=3),
         Workload("bn_resnet", "small ResNet-style CNN, 7 x Conv2D + BatchNormalization, "
