@@ -18,6 +18,25 @@ def ops_that_ran(fn) -> set[str]:
     return ops
 
 
+class PickForm:
+    """A chooser (``fusion.pattern.Chooser``) that takes ``form`` for ``family``'s decisions
+    where it is a candidate (``strict``: it must be one), and for every other decision the
+    rewrite (``RewriteAlways``): a test's way to run one form of a stage whatever the tuner
+    would measure here."""
+
+    def __init__(self, form: str, family: str, strict: bool = False) -> None:
+        self.form, self.family, self.strict = form, family, strict
+
+    def choose(self, family, signature, candidates, conservative):
+        from fusion.pattern import RewriteAlways
+
+        if family == self.family:
+            assert not self.strict or self.form in candidates, (signature, sorted(candidates))
+            if self.form in candidates:
+                candidates = {self.form: None}  # the conservative name itself when form == it
+        return RewriteAlways().choose(family, signature, candidates, conservative)
+
+
 def exact_patterns() -> list[str]:
     """Every registered family but ``onednn``, which runs convolutions on oneDNN's kernels and
     so changes float32 summation order (tests/test_onednn.py holds it to its own tolerance).

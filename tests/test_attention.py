@@ -6,26 +6,12 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import TRANSCENDENTAL, assert_within_rounding, needs_onednn
+from helpers import TRANSCENDENTAL, PickForm, assert_within_rounding, needs_onednn
 
 import tfmx
 from fusion.stages import attention as stage
 
 T, D, HEADS, KEY_DIM = 6, 8, 2, 4
-
-
-class _Pick:
-    """A chooser that takes ``form`` for every attention decision (other families: rewrite)."""
-
-    def __init__(self, form: str) -> None:
-        self.form = form
-
-    def choose(self, family, signature, candidates, conservative):
-        from fusion.pattern import RewriteAlways
-
-        if family == "attention" and self.form in candidates:
-            candidates = {self.form: None}
-        return RewriteAlways().choose(family, signature, candidates, conservative)
 
 
 def _model(dropout: float = 0.0, causal: bool = False, masked: bool = False) -> keras.Model:
@@ -69,7 +55,7 @@ def test_fit_matches_stock_with_batched_matmuls_in_the_graph_that_ran(monkeypatc
     from tests.test_keras import ops_that_ran
     from tfmx import state
 
-    monkeypatch.setattr(state, "tuner", lambda: _Pick(form))
+    monkeypatch.setattr(state, "tuner", lambda: PickForm(form, "attention"))
     x, y = _data()
     models = {}
     for on in (False, True):
@@ -163,7 +149,7 @@ def test_ops_dot_product_attention_matches_stock(monkeypatch, form, causal):
     from tests.test_keras import ops_that_ran
     from tfmx import state
 
-    monkeypatch.setattr(state, "tuner", lambda: _Pick(form))
+    monkeypatch.setattr(state, "tuner", lambda: PickForm(form, "attention"))
     x, y = _data()
     models = {}
     for on in (False, True):

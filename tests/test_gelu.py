@@ -8,9 +8,11 @@ import pytest
 import tensorflow as tf
 from helpers import (
     TRANSCENDENTAL,
+    PickForm,
     assert_models_within_rounding,
     assert_within_rounding,
     fit_stock_and_tfmx,
+    ops_that_ran,
 )
 
 import tfmx
@@ -116,7 +118,6 @@ def _model(seed: int = 0) -> keras.Model:
 
 
 def test_fit_matches_stock_with_the_closed_form_in_the_graph_that_ran():
-    from tests.test_keras import ops_that_ran
 
     rng = np.random.default_rng(1)
     x = rng.standard_normal((32, 8)).astype("float32") * 2
@@ -133,25 +134,11 @@ def test_fit_matches_stock_with_the_closed_form_in_the_graph_that_ran():
     assert_models_within_rounding(models[False], models[True], initial, 8 * step)
 
 
-class _Pick:
-    """A chooser that takes ``form`` for every gelu decision."""
-
-    def __init__(self, form: str) -> None:
-        self.form = form
-
-    def choose(self, family, signature, candidates, conservative):
-        from fusion.pattern import RewriteAlways
-
-        assert self.form in candidates, (signature, sorted(candidates))
-        return RewriteAlways().choose(family, signature, {self.form: None}, conservative)
-
-
 def test_mixed_bfloat16_fit_matches_stock_with_the_float32_form_in_the_graph_that_ran(
         monkeypatch):
-    from tests.test_keras import ops_that_ran
     from tfmx import state
 
-    monkeypatch.setattr(state, "tuner", lambda: _Pick("custom upcast"))
+    monkeypatch.setattr(state, "tuner", lambda: PickForm("custom upcast", "gelu", strict=True))
     rng = np.random.default_rng(1)
     x = rng.standard_normal((16, 8)).astype("float32") * 2
     y = rng.integers(0, 3, 16)

@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import TRANSCENDENTAL, assert_within_rounding
+from helpers import TRANSCENDENTAL, PickForm, assert_within_rounding
 
 import tfmx
 from fusion.stages import layer_norm as stage
@@ -120,18 +120,6 @@ def _encoder(seed: int = 0) -> keras.Model:
     return model
 
 
-class _Pick:
-    """A chooser that takes ``form`` for every layer_norm decision."""
-
-    def __init__(self, form: str) -> None:
-        self.form = form
-
-    def choose(self, family, signature, candidates, conservative):
-        from fusion.pattern import RewriteAlways
-
-        return RewriteAlways().choose(family, signature, {self.form: None}, conservative)
-
-
 # 6 steps of a forward over 16 values, the backward and the update
 FIT_TERMS = 6 * (3 * (_terms(16) + 16 + 8) + 12)
 
@@ -166,7 +154,7 @@ def _assert_fused_twice_and_within_rounding(models: dict, label: str) -> None:
 def test_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, form):
     from tfmx import state
 
-    monkeypatch.setattr(state, "tuner", lambda: _Pick(form))
+    monkeypatch.setattr(state, "tuner", lambda: PickForm(form, "layer_norm", strict=True))
     models, ran, stock = _fit_stock_and_fused(_encoder)
     if form == "fused":
         assert {"FusedBatchNormV3", "FusedBatchNormGradV3"} <= ran

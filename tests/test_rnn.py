@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import TRANSCENDENTAL, assert_within_rounding, needs_onednn
+from helpers import TRANSCENDENTAL, PickForm, assert_within_rounding, needs_onednn
 
 import tfmx
 from fusion import stage
@@ -277,27 +277,12 @@ def assert_fused_structure_ran(fused_fn, stock_fn=None):
         assert "TensorListPushBack" in ops_that_ran(stock_fn)
 
 
-class _Pick:
-    """A chooser that takes ``form`` for every rnn decision (other families: the rewrite)."""
-
-    def __init__(self, form: str) -> None:
-        self.form = form
-
-    def choose(self, family, signature, candidates, conservative):
-        from fusion.pattern import RewriteAlways
-
-        if family == "rnn":
-            assert self.form in candidates, (self.form, list(candidates))
-            candidates = {self.form: None}  # the conservative name itself when form == it
-        return RewriteAlways().choose(family, signature, candidates, conservative)
-
-
 @needs_onednn("either")  # all families: with oneDNN off the onednn family too
 @pytest.mark.parametrize("form", ["keras unrolled", "hoisted unrolled"])
 def test_unrolled_forms_fit_like_stock_with_no_loop_left(monkeypatch, form):
     from tfmx import state
 
-    monkeypatch.setattr(state, "tuner", lambda: _Pick(form))
+    monkeypatch.setattr(state, "tuner", lambda: PickForm(form, "rnn", strict=True))
     layers_fn = _pair(lambda x: G(H, reset_after=False)(L(H, return_sequences=True)(x)),
                       lambda x: G(H, go_backwards=True)(keras.layers.Masking(0.0)(x)))
     stock, fused, x, y = fit_both(layers_fn, epochs=1)
