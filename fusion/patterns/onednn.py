@@ -171,6 +171,11 @@ class OneDnnMatch:
     op: str  # the oneDNN op
     gradients: tuple[NodeDef, ...] = ()
 
+    @property
+    def with_gradients(self) -> str:
+        """What its decision and report label add for a forward moved with its gradients."""
+        return " with its gradient" if self.gradients else ""
+
 
 def _fused_chain_blocker(node: NodeDef) -> str | None:
     chain = tuple(op.decode() for op in node.attr["fused_ops"].list.s)
@@ -283,7 +288,7 @@ def find_onednn(view: GraphView, target: Target, tuner: Chooser | None = None,
                 why = "MaxPool: this build has no oneDNN kernel of its gradient"
             match = OneDnnMatch(node, new, tuple(gradients))
         if why is None and tuner is not None and node.op not in _UNTUNED:
-            sig = signature(view, node) + (" with its gradient" if match.gradients else "")
+            sig = signature(view, node) + match.with_gradients
             choice = choose_rewrite(tuner, "onednn", sig, view,
                                     [node.name, *(g.name for g in match.gradients)],
                                     lambda v, m=match: rewrite_onednn(v, m),
@@ -338,8 +343,7 @@ def rewrite_onednn(view: GraphView, match: OneDnnMatch) -> NodeDef:
     A ``MaxPool`` moves with its gradients: the forward's workspace (its second output, the
     positions of the maxima) becomes their fourth input, as TensorFlow's oneDNN pass wires it;
     a forward alone computes none."""
-    node = view.node(match.node.name)
-    node = _retarget(view, node, match.op)
+    node = _retarget(view, view.node(match.node.name), match.op)
     if node.op == RETARGETS["MaxPool"]:
         node.attr["workspace_enabled"].b = bool(match.gradients)
         shapes = node.attr["_output_shapes"].list.shape if "_output_shapes" in node.attr else None
@@ -370,5 +374,5 @@ def onednn_pass(view: GraphView, ctx: RewriteContext) -> None:
     apply_matches(
         view, ctx, find_onednn(view, ctx.target, ctx.tuner),
         lambda v, m: rewrite_onednn(v, m),
-        lambda m: f"{m.node.op} -> {m.op}" + (" with its gradient" if m.gradients else ""),
+        lambda m: f"{m.node.op} -> {m.op}{m.with_gradients}",
     )
