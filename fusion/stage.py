@@ -194,17 +194,49 @@ def functional_neighbours(layer: Any) -> tuple[list[Any], list[Any]] | None:
             [node.operation for node in getattr(layer, "_outbound_nodes", [])])
 
 
+def autocast_dtype() -> str | None:
+    """The dtype Keras casts float variables to when a layer reads them here and now (a
+    mixed-precision layer's ``call``: its compute dtype), or None outside such a call. Keras
+    keeps it per thread, and the tuner times its candidates on a thread of its own.
+
+    >>> autocast_dtype() is None
+    True
+    """
+    try:
+        from keras.src.backend.common.variables import get_autocast_scope
+    except ImportError:  # a Keras without it: variables are read as they are
+        return None
+    scope = get_autocast_scope()
+    return None if scope is None else scope.dtype
+
+
+@contextlib.contextmanager
+def autocast(dtype: str | None) -> Iterator[None]:
+    """Keras's autocast of float variables to ``dtype`` inside the block (none if None): a
+    timed candidate reads a layer's weights in the dtype the layer's call reads them in."""
+    if dtype is None:
+        yield
+        return
+    from keras.src.backend.common.variables import AutocastScope
+
+    with AutocastScope(dtype):
+        yield
+
+
 def timed_form(forward: Callable[..., Any], shapes: list, dtype: Any, variables: Any = (),
                watch: bool = True, backward: bool = True) -> Callable[[], Callable[[], None]]:
     """A tuner candidate (``fusion.pattern.Chooser``): a factory of a runnable that computes
     ``forward`` on random inputs of ``shapes`` (an unknown dimension: 32) and ``dtype`` and,
     when ``backward``, the gradient of its squared sum w.r.t. ``variables`` and (``watch``) the
-    inputs: one form of a layer call, forward and backward at the call's shapes.
+    inputs: one form of a layer call, forward and backward at the call's shapes. Where it is
+    made inside a mixed-precision layer's call, ``forward`` reads the layer's weights cast as
+    that call reads them (:func:`autocast_dtype`), on whichever thread the tuner times it.
 
     >>> import tensorflow as tf
     >>> run = timed_form(lambda x: x * 2.0, [[None, 3]], tf.float32)()
     >>> run()
     """
+    cast_to = autocast_dtype()
 
     def make() -> Callable[[], None]:
         import tensorflow as tf
@@ -215,7 +247,7 @@ def timed_form(forward: Callable[..., Any], shapes: list, dtype: Any, variables:
         def step(*inputs):
             # the candidate exactly as written: no stage rewrites what it calls (a decision
             # timed inside another's candidate would be taken at the wrong moment)
-            with tracing(None), tf.GradientTape() as tape:
+            with tracing(None), autocast(cast_to), tf.GradientTape() as tape:
                 if watch:
                     tape.watch(inputs)
                 # tf.square, not ** 2: the gradient of a Pow is a Pow (x ** 1), a slow

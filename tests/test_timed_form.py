@@ -1,0 +1,94 @@
+"""A stage's timed candidates run as the step runs them: in a mixed-precision layer's call Keras
+casts the layer's float32 weights to its compute dtype, and a candidate timed on the tuner's own
+thread (where Keras's per-thread autocast is not on) must read them cast the same way, or a
+bfloat16 layer's forms are timed in float32."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmx
+from fusion.stage import autocast, autocast_dtype, timed_form
+
+CONTRACTIONS = ("MatMul", "BatchMatMulV2", "Einsum")
+
+
+def _on_another_thread(fn):
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn).result()
+
+
+@pytest.mark.parametrize("compute", [None, "bfloat16", "float16"])
+def test_a_candidate_reads_weights_in_the_dtype_of_the_call_it_was_made_in(compute):
+    weight = keras.Variable(np.ones((3, 2), "float32"))
+    seen = []
+
+    def forward(x):
+        w = weight.value  # what a layer's call reads: cast under Keras's autocast
+        seen.append(w.dtype.name)
+        return tf.matmul(x, w)
+
+    dtype = tf.float32 if compute is None else tf.as_dtype(compute)
+    with autocast(compute):
+        assert autocast_dtype() == compute
+        factory = timed_form(forward, [[None, 3]], dtype, [weight])
+    assert autocast_dtype() is None
+    _on_another_thread(lambda: factory()())  # the tuner's thread, outside the scope
+    assert seen == [compute or "float32"]
+
+
+def _contraction_dtypes(run) -> set[str]:
+    """Dtypes of the contractions in the graph a timed candidate (``timed_form``'s runnable)
+    traced: its tf.function is in the runnable's closure."""
+    found = set()
+    for cell in run.__closure__ or ():
+        fn = cell.cell_contents
+        if hasattr(fn, "_list_all_concrete_functions"):
+            for cf in fn._list_all_concrete_functions():
+                graph = cf.graph.as_graph_def()
+                nodes = [*graph.node, *(n for f in graph.library.function for n in f.node_def)]
+                found |= {tf.as_dtype(n.attr["T"].type).name for n in nodes
+                          if n.op in CONTRACTIONS}
+    return found
+
+
+def test_mixed_bfloat16_einsum_dense_forms_are_timed_in_bfloat16(monkeypatch):
+    """Through the real tuner (its timer on a thread of its own): both forms of a
+    mixed_bfloat16 EinsumDense contract in bfloat16, as the step does."""
+    from tfmx import state
+    from tfmx.tuner import Tuner
+
+    timed: dict[str, set[str]] = {}
+
+    def timer(candidates, seconds):
+        times = {}
+        for i, (name, factory) in enumerate(candidates.items()):
+            run = factory()
+            run()
+            timed[name] = _contraction_dtypes(run)
+            times[name] = 1.0 + i  # the first form (Keras's Einsum) wins
+        return times
+
+    tuner = Tuner("auto", None, timer)
+    monkeypatch.setattr(state, "tuner", lambda: tuner)
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((6, 8))
+        x = keras.layers.EinsumDense("abc,cde->abde", (6, 2, 4), bias_axes="de")(inp)
+        out = keras.layers.Dense(2, dtype="float32")(keras.layers.Flatten()(x))
+        model = keras.Model(inp, out)
+        model.compile(optimizer="sgd", loss="mse")
+        tfmx.enable(backend="cpu", patterns=["einsum_dense"])
+        model.fit(np.ones((4, 6, 8), "float32"), np.ones((4, 2), "float32"), epochs=1,
+                  verbose=0)
+    finally:
+        tfmx.disable()
+        keras.mixed_precision.set_global_policy("float32")
+    assert set(timed) == {"einsum", "matmul"}, timed
+    assert all(dtypes == {"bfloat16"} for dtypes in timed.values()), timed
