@@ -56,6 +56,10 @@ class StageContext:
     record: Callable[[str, PatternStats], None] = lambda family, stats: None
     warn: Callable[[str, str], None] = lambda key, message: None
     xla: bool = False  # a region may be compiled by XLA (cpu, cuda; never metal)
+    # The GraphDef passes the step gets, as a function from a timed candidate's traced
+    # ConcreteFunction to the one to run (None: the candidate runs as traced): a form whose
+    # gradient a pass rewrites in the step (a BiasAddGrad, a MatMul + BiasAdd) is timed so.
+    passes: Callable[[Any], Any] | None = None
 
     def wants(self, family: str) -> bool:
         return self.families is None or family in self.families
@@ -230,13 +234,17 @@ def timed_form(forward: Callable[..., Any], shapes: list, dtype: Any, variables:
     when ``backward``, the gradient of its squared sum w.r.t. ``variables`` and (``watch``) the
     inputs: one form of a layer call, forward and backward at the call's shapes. Where it is
     made inside a mixed-precision layer's call, ``forward`` reads the layer's weights cast as
-    that call reads them (:func:`autocast_dtype`), on whichever thread the tuner times it.
+    that call reads them (:func:`autocast_dtype`), on whichever thread the tuner times it; where
+    it is made inside a tfmx trace whose context has ``passes``, the traced candidate is
+    rewritten by them, as the step will be (a candidate they cannot rewrite runs as traced).
 
     >>> import tensorflow as tf
     >>> run = timed_form(lambda x: x * 2.0, [[None, 3]], tf.float32)()
     >>> run()
     """
     cast_to = autocast_dtype()
+    ctx = active()
+    passes = None if ctx is None else ctx.passes
 
     def make() -> Callable[[], None]:
         import tensorflow as tf
@@ -259,9 +267,15 @@ def timed_form(forward: Callable[..., Any], shapes: list, dtype: Any, variables:
             return tape.gradient(loss, [*variables, *(inputs if watch else ())])
 
         args = [tf.random.normal(s, seed=i + 1, dtype=dtype) for i, s in enumerate(known)]
+        concrete = step.get_concrete_function(*args)
+        if passes is not None:
+            try:
+                concrete = passes(concrete)
+            except Exception:  # noqa: BLE001 - a candidate the passes cannot take runs as is
+                pass
 
         def run() -> None:
-            step(*args)[0].numpy()
+            concrete(*args)[0].numpy()
 
         return run
 

@@ -42,27 +42,49 @@ def test_a_candidate_reads_weights_in_the_dtype_of_the_call_it_was_made_in(compu
     assert seen == [compute or "float32"]
 
 
-def _contraction_dtypes(run) -> set[str]:
-    """Dtypes of the contractions in the graph a timed candidate (``timed_form``'s runnable)
-    traced: its tf.function is in the runnable's closure."""
-    found = set()
+def _graph_nodes(run) -> list:
+    """Nodes (with the function library's) of the function a timed candidate (``timed_form``'s
+    runnable) runs: the ConcreteFunction in the runnable's closure."""
     for cell in run.__closure__ or ():
         fn = cell.cell_contents
-        if hasattr(fn, "_list_all_concrete_functions"):
-            for cf in fn._list_all_concrete_functions():
-                graph = cf.graph.as_graph_def()
-                nodes = [*graph.node, *(n for f in graph.library.function for n in f.node_def)]
-                found |= {tf.as_dtype(n.attr["T"].type).name for n in nodes
-                          if n.op in CONTRACTIONS}
-    return found
+        if hasattr(fn, "graph") and hasattr(fn, "structured_outputs"):
+            graph = fn.graph.as_graph_def()
+            return [*graph.node, *(n for f in graph.library.function for n in f.node_def)]
+    raise AssertionError("no ConcreteFunction in the candidate's closure")
 
 
-def test_mixed_bfloat16_einsum_dense_forms_are_timed_in_bfloat16(monkeypatch):
-    """Through the real tuner (its timer on a thread of its own): both forms of a
-    mixed_bfloat16 EinsumDense contract in bfloat16, as the step does."""
+def _contraction_dtypes(run) -> set[str]:
+    return {tf.as_dtype(n.attr["T"].type).name for n in _graph_nodes(run)
+            if n.op in CONTRACTIONS}
+
+
+def _fit_einsum_dense(monkeypatch, timer, patterns, policy="float32", activation=None):
+    """Fit a small model with an EinsumDense under tfmx with ``patterns``, every decision
+    measured by ``timer`` through the real tuner (its timer on a thread of its own)."""
     from tfmx import state
     from tfmx.tuner import Tuner
 
+    tuner = Tuner("auto", None, timer)
+    monkeypatch.setattr(state, "tuner", lambda: tuner)
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((6, 8))
+        x = keras.layers.EinsumDense("abc,cde->abde", (6, 2, 4), bias_axes="de",
+                                     activation=activation)(inp)
+        out = keras.layers.Dense(2, dtype="float32")(keras.layers.Flatten()(x))
+        model = keras.Model(inp, out)
+        model.compile(optimizer="sgd", loss="mse")
+        tfmx.enable(backend="cpu", patterns=patterns)
+        model.fit(np.ones((4, 6, 8), "float32"), np.ones((4, 2), "float32"), epochs=1,
+                  verbose=0)
+    finally:
+        tfmx.disable()
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_mixed_bfloat16_einsum_dense_forms_are_timed_in_bfloat16(monkeypatch):
+    """Both forms of a mixed_bfloat16 EinsumDense contract in bfloat16, as the step does."""
     timed: dict[str, set[str]] = {}
 
     def timer(candidates, seconds):
@@ -70,25 +92,32 @@ def test_mixed_bfloat16_einsum_dense_forms_are_timed_in_bfloat16(monkeypatch):
         for i, (name, factory) in enumerate(candidates.items()):
             run = factory()
             run()
-            timed[name] = _contraction_dtypes(run)
+            timed.setdefault(name, _contraction_dtypes(run))
             times[name] = 1.0 + i  # the first form (Keras's Einsum) wins
         return times
 
-    tuner = Tuner("auto", None, timer)
-    monkeypatch.setattr(state, "tuner", lambda: tuner)
-    keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    try:
-        keras.utils.set_random_seed(0)
-        inp = keras.Input((6, 8))
-        x = keras.layers.EinsumDense("abc,cde->abde", (6, 2, 4), bias_axes="de")(inp)
-        out = keras.layers.Dense(2, dtype="float32")(keras.layers.Flatten()(x))
-        model = keras.Model(inp, out)
-        model.compile(optimizer="sgd", loss="mse")
-        tfmx.enable(backend="cpu", patterns=["einsum_dense"])
-        model.fit(np.ones((4, 6, 8), "float32"), np.ones((4, 2), "float32"), epochs=1,
-                  verbose=0)
-    finally:
-        tfmx.disable()
-        keras.mixed_precision.set_global_policy("float32")
+    _fit_einsum_dense(monkeypatch, timer, ["einsum_dense"], policy="mixed_bfloat16")
     assert set(timed) == {"einsum", "matmul"}, timed
     assert all(dtypes == {"bfloat16"} for dtypes in timed.values()), timed
+
+
+@pytest.mark.parametrize("passes", [True, False])
+def test_a_candidate_runs_through_the_graph_passes_the_step_gets(monkeypatch, passes):
+    """The MatMul form of an EinsumDense with a relu is timed as the step runs it: with the
+    contraction family on, as one _FusedMatMul(BiasAdd, Relu); without it, unfused."""
+    ops: dict[str, set[str]] = {}
+
+    def timer(candidates, seconds):
+        times = {}
+        for i, (name, factory) in enumerate(candidates.items()):
+            run = factory()
+            run()
+            ops.setdefault(name, {n.op for n in _graph_nodes(run)})
+            times[name] = 2.0 - i  # the MatMul form wins
+        return times
+
+    patterns = ["einsum_dense", "contraction"] if passes else ["einsum_dense"]
+    _fit_einsum_dense(monkeypatch, timer, patterns, activation="relu")
+    assert set(ops) >= {"einsum", "matmul"}, ops
+    assert ("_FusedMatMul" in ops["matmul"]) is passes, ops["matmul"]
+    assert "_FusedMatMul" not in ops["einsum"]

@@ -50,7 +50,27 @@ def context(opts: state.Options | None,
         record=lambda family, stats: sink.append((family, stats)),
         warn=state.warn_once,
         xla=opts.xla_allowed(),
+        passes=fragment_passes(opts) if opts.backend.available else None,
     )
+
+
+def fragment_passes(opts: state.Options) -> Callable[[Any], Any]:
+    """The GraphDef passes of a step under ``opts`` as a function from a ConcreteFunction to
+    the rewritten one (the same one where nothing changed): what a stage's timed candidate
+    (``fusion.stage.timed_form``) is run through, so that it is timed as the step runs it. Its
+    decisions are the tuner's, as in the step; nothing reaches the report's traces."""
+    from fusion.pipeline import rewrite
+    from tfmx.rebuild import control_output_names, protected_names, rebuild
+
+    def apply(concrete: Any) -> Any:
+        result = rewrite(concrete.graph.as_graph_def(add_shapes=True), opts.backend,
+                         opts.patterns, protected_names(concrete),
+                         control_output_names(concrete), tuner=state.tuner())
+        if not result.changed:
+            return concrete
+        return rebuild(concrete, result.graph_def, result.control_renames)
+
+    return apply
 
 
 def staged(fn: Callable) -> Callable:
