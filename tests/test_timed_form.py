@@ -58,6 +58,20 @@ def _contraction_dtypes(run) -> set[str]:
             if n.op in CONTRACTIONS}
 
 
+def _recording_timer(record, winner: str):
+    """A tuner timer that builds and runs each candidate once, hands it to ``record(name,
+    run)``, and times ``winner`` fastest."""
+
+    def timer(candidates, seconds):
+        for name, factory in candidates.items():
+            run = factory()
+            run()
+            record(name, run)
+        return {name: 1.0 if name == winner else 2.0 for name in candidates}
+
+    return timer
+
+
 def _fit_einsum_dense(monkeypatch, timer, patterns, policy="float32", activation=None):
     """Fit a small model with an EinsumDense under tfmx with ``patterns``, every decision
     measured by ``timer`` through the real tuner (its timer on a thread of its own)."""
@@ -86,16 +100,8 @@ def _fit_einsum_dense(monkeypatch, timer, patterns, policy="float32", activation
 def test_mixed_bfloat16_einsum_dense_forms_are_timed_in_bfloat16(monkeypatch):
     """Both forms of a mixed_bfloat16 EinsumDense contract in bfloat16, as the step does."""
     timed: dict[str, set[str]] = {}
-
-    def timer(candidates, seconds):
-        times = {}
-        for i, (name, factory) in enumerate(candidates.items()):
-            run = factory()
-            run()
-            timed.setdefault(name, _contraction_dtypes(run))
-            times[name] = 1.0 + i  # the first form (Keras's Einsum) wins
-        return times
-
+    timer = _recording_timer(lambda name, run: timed.setdefault(name, _contraction_dtypes(run)),
+                             winner="einsum")
     _fit_einsum_dense(monkeypatch, timer, ["einsum_dense"], policy="mixed_bfloat16")
     assert set(timed) == {"einsum", "matmul"}, timed
     assert all(dtypes == {"bfloat16"} for dtypes in timed.values()), timed
@@ -106,16 +112,9 @@ def test_a_candidate_runs_through_the_graph_passes_the_step_gets(monkeypatch, pa
     """The MatMul form of an EinsumDense with a relu is timed as the step runs it: with the
     contraction family on, as one _FusedMatMul(BiasAdd, Relu); without it, unfused."""
     ops: dict[str, set[str]] = {}
-
-    def timer(candidates, seconds):
-        times = {}
-        for i, (name, factory) in enumerate(candidates.items()):
-            run = factory()
-            run()
-            ops.setdefault(name, {n.op for n in _graph_nodes(run)})
-            times[name] = 2.0 - i  # the MatMul form wins
-        return times
-
+    timer = _recording_timer(
+        lambda name, run: ops.setdefault(name, {n.op for n in _graph_nodes(run)}),
+        winner="matmul")
     patterns = ["einsum_dense", "contraction"] if passes else ["einsum_dense"]
     _fit_einsum_dense(monkeypatch, timer, patterns, activation="relu")
     assert set(ops) >= {"einsum", "matmul"}, ops
