@@ -78,6 +78,48 @@ def test_matmul_form_and_its_gradient_match_keras(name):
         assert_within_rounding(got.numpy(), expected.numpy(), terms, what=f"{name} output {i}")
 
 
+@pytest.mark.parametrize("name", ["query_projection", "output_projection", "leading_bias"])
+def test_bfloat16_matmul_form_and_its_gradient_match_keras(name):
+    """In a mixed_bfloat16 call: both forms contract bfloat16 operands with float32 sums and
+    round each op's result to bfloat16, so they agree within a few bfloat16 roundings, not
+    one per product; Keras's kernel gradient adds one per batch row (its broadcast
+    BatchMatMulV2's per-row MatMuls, summed in bfloat16)."""
+    from fusion.stage import autocast
+
+    equation, output_shape, bias_axes, activation, shape = CASES[name]
+    rng = np.random.default_rng(0)
+    layer = keras.layers.EinsumDense(equation, output_shape, bias_axes=bias_axes,
+                                     activation=activation, dtype="mixed_bfloat16")
+    layer.build(shape)
+    for v in layer.weights:
+        v.assign(rng.standard_normal(v.shape) * 0.5)
+    x = tf.constant(rng.standard_normal(shape), tf.bfloat16)
+
+    @tf.function
+    def run(fused: bool):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            if fused:
+                with autocast("bfloat16"):  # as inside the layer's call
+                    y = stage.as_matmul(layer, x)
+            else:
+                y = layer(x)
+            y = tf.cast(y, tf.float32)
+            loss = tf.reduce_sum(y * tf.sin(y))
+        return [y, *tape.gradient(loss, [x, *layer.trainable_variables])]
+
+    fused, keras_form = run(True), run(False)
+    assert fused[0].dtype == keras_form[0].dtype
+    act = TRANSCENDENTAL if activation else 0
+    for i, (got, expected) in enumerate(zip(fused, keras_form)):
+        # y: the product's rounding, the bias add's, the activation's; a gradient: those of
+        # y and of dy (the loss's derivative in float32, cast back), its own product's, and
+        # Keras's per-row sum for a kernel's or a bias's
+        terms = 2 + act if i == 0 else 6 + 2 * act + (shape[0] if i >= 2 else 0)
+        assert_within_rounding(got.numpy(), expected.numpy(), terms, dtype="bfloat16",
+                               what=f"{name} output {i}")
+
+
 def test_declines_with_a_reason():
     x = tf.zeros([2, 3, 4])
     transposed = keras.layers.EinsumDense("abc,dc->abd", (3, 5))
@@ -140,6 +182,36 @@ def test_fit_matches_stock_with_fused_matmuls_in_the_graph_that_ran():
     # EinsumDense (D), pooling, the Dense; backward twice that
     step = 3 * (3 * D + 2 * T + TRANSCENDENTAL + 16 + T + 30)
     assert_models_within_rounding(models[False], models[True], initial, 6 * step)
+
+
+def test_mixed_bfloat16_fit_matches_stock_with_bfloat16_matmuls():
+    """Under mixed_bfloat16 (where this session's tuner takes the MatMul form on a Zen 4) the
+    MatMul form trains like Keras's Einsum within bfloat16 rounding, its MatMuls in bfloat16
+    in the graph that ran."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((24, T, D)).astype("float32")
+    y = rng.integers(0, 3, 24)
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        initial = [v.numpy() for v in _model().weights]
+        models = {}
+        for on in (False, True):
+            tfmx.enable(backend="cpu", patterns=["einsum_dense", "contraction",
+                                                 "bias_grad"]) if on else tfmx.disable()
+            model = _model()
+            model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+            models[on] = model
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    stats = tfmx.report().patterns["einsum_dense"]
+    assert stats.fused == 3 and not stats.declined, stats
+    (trace,) = [t for t in tfmx.report().traces if t.graph_after is not None][:1]
+    emitted = [n for n in trace.graph_after.node if "tfmx_einsum_dense" in n.name
+               and n.op in ("MatMul", "_FusedMatMul")]
+    assert emitted and {tf.as_dtype(n.attr["T"].type).name for n in emitted} == {"bfloat16"}
+    step = 3 * (3 * D + 2 * T + TRANSCENDENTAL + 16 + T + 30)
+    assert_models_within_rounding(models[False], models[True], initial, 6 * step,
+                                  dtype="bfloat16")
 
 
 def test_metal_runs_the_matmul_form_without_tuning():
