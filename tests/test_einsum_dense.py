@@ -48,16 +48,24 @@ CASES = {  # name: (equation, output shape, bias_axes, activation, input shape)
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_matmul_form_and_its_gradient_match_keras(name):
+def _case(name: str, policy: str = "float32") -> tuple:
+    """CASES[name] built under ``policy`` with random weights, and its random input in the
+    policy's compute dtype."""
     equation, output_shape, bias_axes, activation, shape = CASES[name]
     rng = np.random.default_rng(0)
     layer = keras.layers.EinsumDense(equation, output_shape, bias_axes=bias_axes,
-                                     activation=activation)
+                                     activation=activation, dtype=policy)
     layer.build(shape)
     for v in layer.weights:
         v.assign(rng.standard_normal(v.shape) * 0.5)
-    x = tf.constant(rng.standard_normal(shape), tf.float32)
+    x = tf.constant(rng.standard_normal(shape), layer.compute_dtype)
+    return layer, x
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matmul_form_and_its_gradient_match_keras(name):
+    equation, _, _, _, shape = CASES[name]
+    layer, x = _case(name)
 
     @tf.function
     def run(fused: bool):
@@ -86,14 +94,8 @@ def test_bfloat16_matmul_form_and_its_gradient_match_keras(name):
     BatchMatMulV2's per-row MatMuls, summed in bfloat16)."""
     from fusion.stage import autocast
 
-    equation, output_shape, bias_axes, activation, shape = CASES[name]
-    rng = np.random.default_rng(0)
-    layer = keras.layers.EinsumDense(equation, output_shape, bias_axes=bias_axes,
-                                     activation=activation, dtype="mixed_bfloat16")
-    layer.build(shape)
-    for v in layer.weights:
-        v.assign(rng.standard_normal(v.shape) * 0.5)
-    x = tf.constant(rng.standard_normal(shape), tf.bfloat16)
+    _, _, _, activation, shape = CASES[name]
+    layer, x = _case(name, "mixed_bfloat16")
 
     @tf.function
     def run(fused: bool):
