@@ -61,6 +61,7 @@ from policies.errors import LayerDtypeError
 from policies.layers import (
     LayerCall,
     as_tensors,
+    call_layer,
     layer_step,
     output_layers,
     policy_name,
@@ -226,7 +227,9 @@ def _rel_error(got: Any, ref: Any) -> float:
 
 
 def make_runner(layer: Any, policy: str, inputs: Any) -> tuple[Callable[[], Any], Any]:
-    """A traced forward + gradient of ``layer`` under ``policy`` on ``inputs``; and its output.
+    """A traced forward + gradient of ``layer`` under ``policy`` on ``inputs`` (training mode:
+    what a training step runs); and its output in inference mode, as the float32 reference of
+    :func:`probe_layers` is taken (a layer's dropout would otherwise count as 16-bit error).
 
     The layer's policy is set only while tracing; it is restored before this returns.
     Raises :class:`LayerDtypeError` naming the layer if it fails under a 16-bit policy.
@@ -239,7 +242,8 @@ def make_runner(layer: Any, policy: str, inputs: Any) -> tuple[Callable[[], Any]
     state = [v.numpy() for v in layer.non_trainable_variables]
     try:
         set_policy(layer, policy)
-        out, _ = step(x)
+        step(x)
+        out = call_layer(layer, x, training=False)
     except Exception as err:
         if is_16bit(policy):
             raise LayerDtypeError(layer.name, type(layer).__name__, policy, err) from err

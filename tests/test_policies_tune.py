@@ -329,6 +329,25 @@ def test_tune_and_audit_take_layers_with_several_inputs_and_keyword_arguments():
     assert not report.layer("mha").note, report
 
 
+def test_a_layers_dropout_is_not_counted_as_16bit_error():
+    """The float32 reference is an inference-mode forward; the 16-bit output compared with it
+    must be one too, or a MultiHeadAttention's dropout reads as a 16-bit error of ~0.3 and
+    keeps the model's costliest layer in float32."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8, 16))
+    a = keras.layers.MultiHeadAttention(2, 8, dropout=0.5, name="mha")(inp, inp)
+    x = keras.layers.Dropout(0.5, name="drop")(keras.layers.Dense(16, name="proj")(a))
+    out = keras.layers.Dense(3, name="out")(keras.layers.GlobalAveragePooling1D(name="pool")(x))
+    model = keras.Model(inp, out, name="dropping")
+    table = {("mha", "float32"): 3e-3, ("mha", BF16): 1e-3,
+             ("proj", "float32"): 3e-3, ("proj", BF16): 1e-3,
+             ("dropping", "float32"): 4e-3, ("dropping", "tuned"): 2e-3,
+             ("dropping", "broad"): 2e-3}
+    result = policies.tune(model, policy=BF16, timer=injected(table)[0], apply=False)
+    mha = next(c for c in result.layers if c.layer == "mha")
+    assert mha.policy == BF16 and mha.error < 0.02, result
+
+
 def test_the_whole_model_check_times_the_step_tfmx_rewrites():
     """With tfmx on, the three whole-model runs (float32, the per-layer choice, every accurate
     layer in 16 bit) are the model's forward + gradient as tfmx rewrites it (its 16-bit
