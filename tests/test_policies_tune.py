@@ -306,16 +306,24 @@ def test_audit_of_a_subclassed_model_matches_its_functional_twin():
     assert got.layer("b").casts_forward == 1 and got.model_casts == want.model_casts
 
 
+def _sequence_model(name: str, body) -> keras.Model:
+    """``body`` on an [8, 16] sequence input, pooled, then a Dense(3) head."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8, 16))
+    x = body(inp)
+    out = keras.layers.Dense(3, name="out")(keras.layers.GlobalAveragePooling1D(name="pool")(x))
+    return keras.Model(inp, out, name=name)
+
+
 def test_tune_and_audit_take_layers_with_several_inputs_and_keyword_arguments():
     """MultiHeadAttention(query, value, use_causal_mask=True) and Add([a, b]) are called as
     the model calls them (they were "missing a required argument: 'value'" before)."""
-    keras.utils.set_random_seed(0)
-    inp = keras.Input((8, 16))
-    x = keras.layers.Dense(16, name="proj")(inp)
-    a = keras.layers.MultiHeadAttention(2, 8, name="mha")(x, x, use_causal_mask=True)
-    x = keras.layers.LayerNormalization(name="norm")(keras.layers.Add(name="res")([x, a]))
-    out = keras.layers.Dense(3, name="out")(keras.layers.GlobalAveragePooling1D(name="pool")(x))
-    model = keras.Model(inp, out, name="encoder")
+    def body(inp):
+        x = keras.layers.Dense(16, name="proj")(inp)
+        a = keras.layers.MultiHeadAttention(2, 8, name="mha")(x, x, use_causal_mask=True)
+        return keras.layers.LayerNormalization(name="norm")(keras.layers.Add(name="res")([x, a]))
+
+    model = _sequence_model("encoder", body)
     table = {("proj", "float32"): 1e-3, ("proj", BF16): 2e-3,
              ("mha", "float32"): 3e-3, ("mha", BF16): 1e-3,
              ("encoder", "float32"): 4e-3, ("encoder", "tuned"): 3e-3,
@@ -333,12 +341,11 @@ def test_a_layers_dropout_is_not_counted_as_16bit_error():
     """The float32 reference is an inference-mode forward; the 16-bit output compared with it
     must be one too, or a MultiHeadAttention's dropout reads as a 16-bit error of ~0.3 and
     keeps the model's costliest layer in float32."""
-    keras.utils.set_random_seed(0)
-    inp = keras.Input((8, 16))
-    a = keras.layers.MultiHeadAttention(2, 8, dropout=0.5, name="mha")(inp, inp)
-    x = keras.layers.Dropout(0.5, name="drop")(keras.layers.Dense(16, name="proj")(a))
-    out = keras.layers.Dense(3, name="out")(keras.layers.GlobalAveragePooling1D(name="pool")(x))
-    model = keras.Model(inp, out, name="dropping")
+    def body(inp):
+        a = keras.layers.MultiHeadAttention(2, 8, dropout=0.5, name="mha")(inp, inp)
+        return keras.layers.Dropout(0.5, name="drop")(keras.layers.Dense(16, name="proj")(a))
+
+    model = _sequence_model("dropping", body)
     table = {("mha", "float32"): 3e-3, ("mha", BF16): 1e-3,
              ("proj", "float32"): 3e-3, ("proj", BF16): 1e-3,
              ("dropping", "float32"): 4e-3, ("dropping", "tuned"): 2e-3,
