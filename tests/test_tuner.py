@@ -111,6 +111,24 @@ def test_one_measurement_per_decision_and_each_recorded():
     assert len(timer.calls) == 1 and len(seen) == 1
 
 
+def test_a_decision_measures_longer_the_more_forms_it_has():
+    """Seconds per candidate, not per decision: six forms get three times two forms' time
+    (at the minimum 8 rounds, a form that is really faster can still lose 2 of them)."""
+    asked = {}
+
+    def timer(candidates, seconds):
+        asked[len(candidates)] = seconds
+        return {name: 1.0 for name in candidates}
+
+    t = Tuner("auto", None, timer, budget=100.0)
+    for n in (2, 6):
+        t.choose("f", f"s{n}", {f"form {i}": None for i in range(n)}, conservative="form 0")
+    assert asked == pytest.approx({2: 2 * tuner_mod.DECISION_SECONDS,
+                                   6: 6 * tuner_mod.DECISION_SECONDS})
+    Tuner("auto", None, timer, budget=0.05).choose("f", "s", {"a": None, "b": None}, "a")
+    assert asked[2] <= 0.05  # never more than the budget left
+
+
 def test_off_and_cached_modes_never_measure(cache_dir):
     cache = TuningCache.for_backend("cpu")
     for mode in ("off", "cached"):

@@ -65,8 +65,10 @@ MODES = ("auto", "cached", "off")
 ENV_MODE = "TFMX_TUNE"
 ENV_DIR = "TFMX_CACHE_DIR"
 ENV_BUDGET = "TFMX_TUNE_BUDGET"
-CACHE_FORMAT = 5  # 2: tf.square loss (not a Pow); 3: sign test; 4: regions vs kernel forms;
-# 5: fragments fetch their outputs (before, Grappler pruned a stateless fragment: nothing ran)
+CACHE_FORMAT = 6  # 2: tf.square loss (not a Pow); 3: sign test; 4: regions vs kernel forms;
+# 5: fragments fetch their outputs (before, Grappler pruned a stateless fragment: nothing ran);
+# 6: a stage's candidates in the layer's autocast dtype and through the step's GraphDef passes,
+# and measured for DECISION_SECONDS per candidate
 
 DEFAULT_BUDGET_S = 30.0
 """Seconds one rewrite may spend measuring (``TFMX_TUNE_BUDGET``); what is left unmeasured
@@ -74,8 +76,11 @@ takes the conservative form and is measured on a later run. Measured once per ma
 shape (the cache keeps it): the transformer workload's 31 decisions took 21 s on a 2-core
 Zen 3 (its attention, layer-norm and feed-forward forms 1-2.5 s each, a MatMul 0.3-1.2 s)."""
 
-DECISION_SECONDS = 0.1
-"""Seconds of interleaved rounds per decision (after one warm-up call of each candidate)."""
+DECISION_SECONDS = 0.075
+"""Seconds of interleaved rounds per candidate of a decision (after one warm-up call of each):
+0.15 s for two forms, 0.45 s for six. Until session 21 a decision had 0.1 s whatever its
+candidates, so one between six layer-norm forms ran its minimum 8 rounds, where a form 30%
+faster than the conservative one won 6 of them: within noise, the slower form kept."""
 
 MIN_ROUNDS, MAX_ROUNDS = 8, 30
 """Rounds of one decision: at least 8, so a form that wins every round is told from chance
@@ -437,7 +442,8 @@ class Tuner:
         start = time.perf_counter()
         try:
             seconds = _outside_trace(self.timer, candidates,
-                                     min(DECISION_SECONDS, max(self.budget - self.spent, 0.0)))
+                                     min(DECISION_SECONDS * len(candidates),
+                                         max(self.budget - self.spent, 0.0)))
             times = {n: float(seconds[n]) * 1e3 for n in names}
         except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is not chosen
             return fallback(f"measuring failed: {type(exc).__name__}: {exc}"[:200])
