@@ -286,6 +286,21 @@ class FusedFunction:
         return entry
 
 
+def rewrite_traced(concrete: Any, opts: state.Options, graph_def: Any = None) -> Any:
+    """:func:`fusion.rewrite` of one traced function under ``opts`` (a
+    ``fusion.pipeline.RewriteResult``): its graph (``graph_def`` where already taken, with
+    shapes), its protected names and control outputs, the tuner's choices."""
+    return rewrite(
+        graph_def or concrete.graph.as_graph_def(add_shapes=True),
+        opts.backend,
+        opts.patterns,
+        protected_names(concrete),
+        control_output_names(concrete),
+        # a plan for a backend this machine lacks cannot be measured: every rewrite shown
+        tuner=state.tuner() if opts.backend.available else None,
+    )
+
+
 def build_entry(concrete: Any, opts: state.Options, name: str) -> _Entry:
     """Rewrite one traced function for ``opts``; never raises for a failed rewrite."""
     start = time.perf_counter()
@@ -296,15 +311,7 @@ def build_entry(concrete: Any, opts: state.Options, name: str) -> _Entry:
     stats = None
     entry = _Entry(stock=concrete, fused=concrete, record=rec)
     try:
-        result = rewrite(
-            graph_def,
-            opts.backend,
-            opts.patterns,
-            protected_names(concrete),
-            control_output_names(concrete),
-            # a plan for a backend this machine lacks cannot be measured: every rewrite shown
-            tuner=state.tuner() if opts.backend.available else None,
-        )
+        result = rewrite_traced(concrete, opts, graph_def)
         stats = result.stats
         rec.errors.extend(result.errors)
         for fname, why in result.skipped_functions.items():

@@ -59,13 +59,11 @@ def fragment_passes(opts: state.Options) -> Callable[[Any], Any]:
     the rewritten one (the same one where nothing changed): what a stage's timed candidate
     (``fusion.stage.timed_form``) is run through, so that it is timed as the step runs it. Its
     decisions are the tuner's, as in the step; nothing reaches the report's traces."""
-    from fusion.pipeline import rewrite
-    from tfmx.rebuild import control_output_names, protected_names, rebuild
+    from tfmx.fused_function import rewrite_traced  # it imports this module
+    from tfmx.rebuild import rebuild
 
     def apply(concrete: Any) -> Any:
-        result = rewrite(concrete.graph.as_graph_def(add_shapes=True), opts.backend,
-                         opts.patterns, protected_names(concrete),
-                         control_output_names(concrete), tuner=state.tuner())
+        result = rewrite_traced(concrete, opts)
         if not result.changed:
             return concrete
         return rebuild(concrete, result.graph_def, result.control_renames)
