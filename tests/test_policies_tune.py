@@ -315,6 +315,17 @@ def _sequence_model(name: str, body) -> keras.Model:
     return keras.Model(inp, out, name=name)
 
 
+def _tune_timed(model: keras.Model, layer_ms: dict, model_ms: tuple) -> object:
+    """policies.tune(model) in bfloat16, not applied, with injected times: ``layer_ms`` maps a
+    layer's name to its (float32, bfloat16) ms, ``model_ms`` is the whole model's (float32,
+    per-layer choice, every accurate layer in 16 bit) ms."""
+    table = {(name, policy): ms / 1e3 for name, times in layer_ms.items()
+             for policy, ms in zip(("float32", BF16), times)}
+    table.update({(model.name, kind): ms / 1e3
+                  for kind, ms in zip(("float32", "tuned", "broad"), model_ms)})
+    return policies.tune(model, policy=BF16, timer=injected(table)[0], apply=False)
+
+
 def test_tune_and_audit_take_layers_with_several_inputs_and_keyword_arguments():
     """MultiHeadAttention(query, value, use_causal_mask=True) and Add([a, b]) are called as
     the model calls them (they were "missing a required argument: 'value'" before)."""
@@ -324,11 +335,7 @@ def test_tune_and_audit_take_layers_with_several_inputs_and_keyword_arguments():
         return keras.layers.LayerNormalization(name="norm")(keras.layers.Add(name="res")([x, a]))
 
     model = _sequence_model("encoder", body)
-    table = {("proj", "float32"): 1e-3, ("proj", BF16): 2e-3,
-             ("mha", "float32"): 3e-3, ("mha", BF16): 1e-3,
-             ("encoder", "float32"): 4e-3, ("encoder", "tuned"): 3e-3,
-             ("encoder", "broad"): 3.5e-3}
-    result = policies.tune(model, policy=BF16, timer=injected(table)[0], apply=False)
+    result = _tune_timed(model, {"proj": (1, 2), "mha": (3, 1)}, (4, 3, 3.5))
     chosen = {c.layer: (c.policy, c.kind) for c in result.layers}
     assert chosen["mha"] == (BF16, "tuned"), result
     assert chosen["proj"] == ("float32", "tuned")
@@ -346,11 +353,7 @@ def test_a_layers_dropout_is_not_counted_as_16bit_error():
         return keras.layers.Dropout(0.5, name="drop")(keras.layers.Dense(16, name="proj")(a))
 
     model = _sequence_model("dropping", body)
-    table = {("mha", "float32"): 3e-3, ("mha", BF16): 1e-3,
-             ("proj", "float32"): 3e-3, ("proj", BF16): 1e-3,
-             ("dropping", "float32"): 4e-3, ("dropping", "tuned"): 2e-3,
-             ("dropping", "broad"): 2e-3}
-    result = policies.tune(model, policy=BF16, timer=injected(table)[0], apply=False)
+    result = _tune_timed(model, {"mha": (3, 1), "proj": (3, 1)}, (4, 2, 2))
     mha = next(c for c in result.layers if c.layer == "mha")
     assert mha.policy == BF16 and mha.error < 0.02, result
 
