@@ -166,7 +166,7 @@ def emitted_units(view: Any, scope: str, marks: dict[str, frozenset[str]]) -> li
     >>> emitted_units(view, "tfmx_x", {"fast": frozenset({"MatMul"})})
     [('tfmx_x_fast/', 'fast')]
     """
-    unit = re.compile(r"(?:^|/)" + re.escape(scope) + r"_(?P<form>[a-z_]+?)(?:_\d+)?/")
+    unit = re.compile(r"(?:^|/)" + re.escape(scope) + r"_(?P<form>[a-z0-9_]+?)(?:_\d+)?/")
     units: dict[str, str] = {}
     for node in view.nodes():
         found = None if node.name.startswith(GRADIENT_SCOPES) else unit.search(node.name)

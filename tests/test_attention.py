@@ -6,7 +6,13 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import TRANSCENDENTAL, PickForm, assert_within_rounding, needs_onednn
+from helpers import (
+    TRANSCENDENTAL,
+    PickForm,
+    assert_models_within_rounding,
+    assert_within_rounding,
+    needs_onednn,
+)
 
 import tfmx
 from fusion.stages import attention as stage
@@ -93,6 +99,89 @@ def test_forms_match_keras_dot_product_attention_and_its_gradient():
         for i, (g, e) in enumerate(zip(got, expected)):
             assert_within_rounding(g.numpy(), e.numpy(), 4 * (4 + 5 + TRANSCENDENTAL + 5),
                                    what=f"folded={folded} output {i}")
+
+
+# Roundings between the folded form and Keras's order in bfloat16: the query rounded once
+# more after its scale moves each score by up to one rounding of its terms, which the softmax
+# and the weighted sum carry to the output and the gradients (measured 0.7-4.2 at H = 32,
+# oneDNN on and off).
+FOLDED_BF16_TERMS = 6
+
+
+def _bfloat16_attention(causal: bool, masked: bool) -> dict:
+    """Keras's attention and both forms in bfloat16 at H = 32: name -> [output, dq, dk, dv]
+    (float64 arrays) under a linear loss."""
+    from keras.src.backend.tensorflow.nn import _dot_product_attention_xla
+
+    q, k, v = (tf.cast(tf.random.normal([4, 16, 2, 32], seed=s) * 2, tf.bfloat16)
+               for s in (1, 2, 3))
+    mask = tf.constant(np.random.default_rng(0).random((4, 1, 16, 16)) > 0.3) if masked \
+        else None
+    w = tf.random.normal([4, 16, 2, 32], seed=7)
+    scale = 1 / np.sqrt(32)
+
+    def grads(fn):
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            out = fn()
+            loss = tf.reduce_sum(tf.cast(out, tf.float32) * w)
+        return [tf.cast(t, tf.float64).numpy() for t in (out, *tape.gradient(loss, [q, k, v]))]
+
+    return {"keras": grads(lambda: _dot_product_attention_xla(q, k, v, None, mask, causal,
+                                                               scale)),
+            **{form: grads(lambda form=form: stage.attention(
+                q, k, v, mask, causal, scale, folded=form == "bmm folded"))
+               for form in ("bmm", "bmm folded")}}
+
+
+CASES_BF16 = [(True, False), (False, True), (True, True)]
+
+
+@needs_onednn("on")
+@pytest.mark.parametrize("causal,masked", CASES_BF16)
+def test_bfloat16_bmm_form_is_keras_bit_for_bit_on_onednn(causal, masked):
+    """With oneDNN's kernels (Einsum and BatchMatMul alike) the ``bmm`` form is Keras's
+    bfloat16 arithmetic exactly, forward and gradients. (Eigen's bfloat16 Einsum and
+    BatchMatMul, oneDNN off, accumulate differently from each other.)"""
+    got = _bfloat16_attention(causal, masked)
+    for i, (g, e) in enumerate(zip(got["bmm"], got["keras"])):
+        np.testing.assert_array_equal(g, e, err_msg=f"output {i}")
+
+
+@pytest.mark.parametrize("causal,masked", CASES_BF16)
+def test_bfloat16_folded_form_is_within_roundings_of_keras_order(causal, masked):
+    """``bmm folded`` rounds the scaled query to bfloat16: within :data:`FOLDED_BF16_TERMS`
+    roundings of the ``bmm`` form (Keras's order, on the same kernels)."""
+    got = _bfloat16_attention(causal, masked)
+    for i, (f, g) in enumerate(zip(got["bmm folded"], got["bmm"])):
+        assert_within_rounding(f, g, FOLDED_BF16_TERMS, dtype="bfloat16", what=f"output {i}")
+
+
+def test_mixed_bfloat16_fit_with_the_folded_form_in_the_graph_that_ran(monkeypatch):
+    from tests.test_keras import ops_that_ran
+    from tfmx import state
+
+    monkeypatch.setattr(state, "tuner", lambda: PickForm("bmm folded", "attention",
+                                                          strict=True))
+    x, y = _data()
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        initial = [w.numpy() for w in _model(causal=True).weights]
+        models = {}
+        for on in (False, True):
+            tfmx.enable(backend="cpu", patterns=["attention"]) if on else tfmx.disable()
+            models[on] = _model(causal=True)
+            models[on].fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert "BatchMatMulV2" in ops_that_ran(models[True].train_function)
+    stats = tfmx.report().patterns["attention"]
+    label = stage.LABELS["bmm folded"]
+    assert stats.fused == 1 and set(stats.fused_kinds) == {label}, tfmx.report()
+    assert stats.observed[label] >= 1
+    # the folded form's roundings, in every step's forward and backward, over 6 steps
+    assert_models_within_rounding(models[False], models[True], initial,
+                                  6 * FOLDED_BF16_TERMS, dtype="bfloat16")
 
 
 def test_declines_with_a_reason():

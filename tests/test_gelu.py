@@ -58,38 +58,70 @@ def test_a_backend_without_erf_gets_the_erfc_form():
     assert list(stage._forms(StageContext(get_backend("metal")), True)) == ["custom"]
 
 
+UPCAST_FORMS = ["custom upcast", stage.SLOPE_KEPT]
+
+
 @pytest.mark.parametrize("backend", ["cpu", "metal"])
 @pytest.mark.parametrize("approximate", [False, True])
-def test_a_16_bit_input_also_gets_the_float32_form_last(backend, approximate):
+def test_a_16_bit_input_also_gets_the_float32_forms_last(backend, approximate):
     from fusion.stage import StageContext
     from tfmx.backends import get_backend
 
     ctx = StageContext(get_backend(backend))
     plain = list(stage._forms(ctx, approximate))
     for dtype in (tf.bfloat16, tf.float16):
-        assert list(stage._forms(ctx, approximate, dtype)) == [*plain, "custom upcast"]
+        assert list(stage._forms(ctx, approximate, dtype)) == [*plain, *UPCAST_FORMS]
     assert list(stage._forms(ctx, approximate, tf.float32)) == plain
 
 
+# Roundings of each float32 form's gradient to the 16-bit dtype: dy (the loss's, float32)
+# rounded on the way in and the product on the way out; the kept slope once more.
+GRADIENT_ROUNDINGS = {"custom upcast": 2, stage.SLOPE_KEPT: 3}
+
+
+@pytest.mark.parametrize("name", UPCAST_FORMS)
 @pytest.mark.parametrize("form", ["exact", "exact erfc", "approximate"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_the_float32_form_of_a_16_bit_input_rounds_once(form, dtype):
-    """The upcast form computes in float32 and rounds its output and gradient to ``dtype``
-    once: within one rounding of ``dtype`` of the float32 GELU (at x's 16-bit values), and
-    within the composite's roundings of TensorFlow's 16-bit GELU."""
+def test_the_float32_forms_of_a_16_bit_input_round_once_or_twice(name, form, dtype):
+    """The upcast forms compute in float32 and round the output to ``dtype`` once (within one
+    rounding of ``dtype`` of the float32 GELU at x's 16-bit values) and the gradient two or
+    three times (:data:`GRADIENT_ROUNDINGS`); and within the composite's roundings of
+    TensorFlow's 16-bit GELU."""
     approximate = form == "approximate"
+    fn = {"custom upcast": stage.gelu_upcast, stage.SLOPE_KEPT: stage.gelu_slope_kept}[name]
     x = tf.cast(tf.constant(np.linspace(-7.0, 7.0, 4001), tf.float32), dtype)
-    got = _value_and_gradient(
-        lambda v: stage.gelu_upcast(v, approximate, erfc=form == "exact erfc"), x)
-    assert got[0].dtype == np.float64 and stage.gelu_upcast(x, approximate).dtype == x.dtype
+    got = _value_and_gradient(lambda v: fn(v, approximate, erfc=form == "exact erfc"), x)
+    assert got[0].dtype == np.float64 and fn(x, approximate).dtype == x.dtype
     wide = _value_and_gradient(lambda v: tf.nn.gelu(v, approximate=approximate),
                                tf.cast(x, tf.float32))
     want = _value_and_gradient(lambda v: tf.nn.gelu(v, approximate=approximate), x)
     for i, (g, w, s) in enumerate(zip(got, wide, want)):
-        # the gradient: dy (the loss's, in float32) rounded to dtype on the way in, the
-        # derivative times it rounded on the way out
-        assert_within_rounding(g, w, 1 if i == 0 else 2, dtype=dtype, what=f"output {i}")
+        terms = 1 if i == 0 else GRADIENT_ROUNDINGS[name]
+        assert_within_rounding(g, w, terms, dtype=dtype, what=f"output {i}")
         assert_within_rounding(g, s, GELU_TERMS, dtype=dtype, what=f"output {i}")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_kept_slope_form_multiplies_once_in_the_backward(dtype):
+    """What makes the kept-slope form faster: its gradient adds one 16-bit Mul to the graph,
+    no Cast and no float32 op."""
+    from collections import Counter
+
+    def graph_ops(gradient: bool) -> Counter:
+        @tf.function(autograph=False)
+        def step(x, dy):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = stage.gelu_slope_kept(x)
+            return tape.gradient(y, x, output_gradients=dy) if gradient else y
+
+        spec = tf.TensorSpec([4, 8], dtype)
+        graph = step.get_concrete_function(spec, spec).graph
+        return Counter((op.type, op.outputs[0].dtype.name if op.outputs else None)
+                       for op in graph.get_operations() if op.type not in ("Const", "Identity"))
+
+    added = graph_ops(True) - graph_ops(False)
+    assert added == Counter({("Mul", dtype): 1}), added
 
 
 def test_declines_what_it_cannot_take():
@@ -134,11 +166,12 @@ def test_fit_matches_stock_with_the_closed_form_in_the_graph_that_ran():
     assert_models_within_rounding(models[False], models[True], initial, 8 * step)
 
 
+@pytest.mark.parametrize("form", UPCAST_FORMS)
 def test_mixed_bfloat16_fit_matches_stock_with_the_float32_form_in_the_graph_that_ran(
-        monkeypatch):
+        monkeypatch, form):
     from tfmx import state
 
-    monkeypatch.setattr(state, "tuner", lambda: PickForm("custom upcast", "gelu", strict=True))
+    monkeypatch.setattr(state, "tuner", lambda: PickForm(form, "gelu", strict=True))
     rng = np.random.default_rng(1)
     x = rng.standard_normal((16, 8)).astype("float32") * 2
     y = rng.integers(0, 3, 16)
@@ -150,7 +183,7 @@ def test_mixed_bfloat16_fit_matches_stock_with_the_float32_form_in_the_graph_tha
     ran = ops_that_ran(models[True].train_function)
     assert {"Erf", "Tanh"} <= ran
     stats = tfmx.report().patterns["gelu"]
-    label = stage.LABELS["custom upcast"]
+    label = stage.LABELS[form]
     assert stats.fused == 3 and set(stats.fused_kinds) == {label}, stats
     assert stats.observed[label] >= 3
     # 2 steps in bfloat16 (float32 weights and updates), as in the float32 test
@@ -159,8 +192,9 @@ def test_mixed_bfloat16_fit_matches_stock_with_the_float32_form_in_the_graph_tha
                                   dtype="bfloat16")
 
 
+@pytest.mark.parametrize("form", UPCAST_FORMS)
 @pytest.mark.parametrize("approximate", [False, True])
-def test_the_float32_form_on_metal_runs_on_ops_the_plugin_has(approximate):
+def test_the_float32_forms_on_metal_run_on_ops_the_plugin_has(approximate, form):
     """Metal has Erfc and no Erf: a float16 GELU's float32 form there goes through Erfc, and
     every op of it, forward and gradient, is among tensorflow-metal 1.2.0's kernels (names of
     three letters or fewer cannot appear in its strings-based list)."""
@@ -168,7 +202,7 @@ def test_the_float32_form_on_metal_runs_on_ops_the_plugin_has(approximate):
     from tfmx.backends import get_backend, metal_kernels
 
     form = stage._forms(StageContext(get_backend("metal")), approximate,
-                        tf.float16)["custom upcast"]
+                        tf.float16)[form]
 
     @tf.function(autograph=False)
     def step(x):

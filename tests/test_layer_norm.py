@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import TRANSCENDENTAL, PickForm, assert_within_rounding
+from helpers import TRANSCENDENTAL, PickForm, assert_models_within_rounding, assert_within_rounding
 
 import tfmx
 from fusion.stages import layer_norm as stage
@@ -67,7 +67,8 @@ def test_each_form_and_its_gradient_match_keras(name, form):
     layer = keras.layers.LayerNormalization(**kwargs)
     run, first = _against_keras(layer, shape, lambda x, first: stage.FORMS[form][0](
         x, stage._value(layer.gamma), stage._value(layer.beta), first, layer.epsilon))
-    if form == "onednn" and first != len(shape) - 1:  # the kernel normalizes one axis
+    onednn = form in ("onednn", stage.ONEDNN_16)  # the 16-bit one is the other on float32
+    if onednn and first != len(shape) - 1:  # the kernel normalizes one axis
         assert "last axis alone" in stage.onednn_blocker(first, tf.zeros(shape),
                                                          get_backend("cpu"))
         with pytest.raises(ValueError, match="last axis alone"):
@@ -75,13 +76,15 @@ def test_each_form_and_its_gradient_match_keras(name, form):
         return
     graph = run.get_concrete_function(True).graph.as_graph_def()
     assert any(n.op == "FusedBatchNormV3" for n in graph.node) == (form == "fused")
-    assert any(n.op == stage.ONEDNN_OP for n in graph.node) == (form == "onednn")
+    assert any(n.op == stage.ONEDNN_OP for n in graph.node) == onednn
     _assert_outputs_within_rounding(run, shape, first)
 
 
 def test_the_onednn_form_is_offered_where_the_kernel_is():
     x = tf.zeros([2, 3, 4])
     assert stage.onednn_layer_norm_registered()  # every x86 CPU build of TensorFlow here
+    assert stage.onednn_layer_norm_registered(tf.bfloat16)
+    assert not stage.onednn_layer_norm_registered(tf.float64)
     assert stage.onednn_blocker(2, x, get_backend("cpu")) is None
     assert "metal runs no _MklLayerNorm" in stage.onednn_blocker(2, x, get_backend("metal"))
 
@@ -150,7 +153,7 @@ def _assert_fused_twice_and_within_rounding(models: dict, label: str) -> None:
         assert_within_rounding(b.numpy(), a.numpy(), FIT_TERMS, what=a.name)
 
 
-@pytest.mark.parametrize("form", sorted(stage.FORMS))
+@pytest.mark.parametrize("form", sorted(set(stage.FORMS) - {stage.ONEDNN_16}))
 def test_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, form):
     from tfmx import state
 
@@ -165,6 +168,80 @@ def test_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, form
     else:  # the closed-form gradient: no autodiff of Rsqrt, fewer ops than Keras's
         assert "RsqrtGrad" in stock and "RsqrtGrad" not in ran
     _assert_fused_twice_and_within_rounding(models, stage.FORMS[form][1])
+
+
+def test_the_16_bit_onednn_form_matches_keras_within_bfloat16_roundings():
+    """The kernel reads bfloat16 and writes it, gamma and beta rounded to bfloat16 (Keras
+    computes in float32 and rounds the output): the output within four bfloat16 roundings of
+    Keras's (gamma's, beta's, the output's on either side: ``terms=2`` counts both sides);
+    the gradient, in float32 from the same bfloat16 ``dy`` (a linear loss), within one
+    rounding of Keras's (dx rounded to bfloat16 on the way out) and float32's for gamma's
+    and beta's."""
+    rng = np.random.default_rng(0)
+    layer = keras.layers.LayerNormalization(dtype="mixed_bfloat16")
+    layer.build((4, 6, 32))
+    for v in layer.weights:
+        v.assign(rng.standard_normal(v.shape) * 0.5 + 1.0)
+    x = tf.constant(rng.standard_normal((4, 6, 32)) * 3 + 1, tf.bfloat16)
+    w = tf.constant(rng.standard_normal((4, 6, 32)), tf.float32)
+
+    @tf.function
+    def run(fused: bool):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = stage.layer_norm_onednn_16(x, stage._value(layer.gamma), stage._value(
+                layer.beta), 2, layer.epsilon) if fused else layer(x)
+            loss = tf.reduce_sum(tf.cast(y, tf.float32) * w)
+        return [y, *tape.gradient(loss, [x, *layer.trainable_variables])]
+
+    graph = run.get_concrete_function(True).graph.as_graph_def()
+    kernels = [n for n in graph.node if n.op == stage.ONEDNN_OP]
+    assert kernels and all(n.attr["T"].type == tf.bfloat16.as_datatype_enum for n in kernels)
+    got, want = run(True), run(False)
+    assert got[0].dtype == tf.bfloat16 and got[1].dtype == tf.bfloat16
+    for i, terms, dtype in ((0, 2, "bfloat16"), (1, 1, "bfloat16"),
+                            (2, _terms(32) + 24, "float32"), (3, _terms(32) + 24, "float32")):
+        assert_within_rounding(tf.cast(got[i], tf.float64).numpy(),
+                               tf.cast(want[i], tf.float64).numpy(), terms, dtype=dtype,
+                               what=f"output {i}")
+
+
+def test_mixed_bfloat16_fit_matches_stock_with_the_16_bit_kernel_in_the_graph_that_ran(
+        monkeypatch):
+    from tfmx import state
+
+    monkeypatch.setattr(state, "tuner", lambda: PickForm(stage.ONEDNN_16, "layer_norm",
+                                                          strict=True))
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        initial = [v.numpy() for v in _encoder().weights]
+        models, ran, stock = _fit_stock_and_fused(_encoder)
+        graphs = _graphs_that_ran(models[True].train_function)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    kernels = [n for n in graphs if n.op == stage.ONEDNN_OP]
+    assert kernels and all(n.attr["T"].type == tf.bfloat16.as_datatype_enum for n in kernels)
+    assert stage.ONEDNN_OP not in stock
+    stats = tfmx.report().patterns["layer_norm"]
+    label = stage.FORMS[stage.ONEDNN_16][1]
+    assert stats.fused == 2 and set(stats.fused_kinds) == {label} and not stats.declined
+    assert stats.observed[label] >= 2
+    # the forms differ by the layer norms' outputs, within 4 bfloat16 roundings (the test
+    # above) each step: their effect on a weight within that many of its layer's movement
+    # each step, over the 6 steps
+    assert_models_within_rounding(models[False], models[True], initial, 6 * 2,
+                                  dtype="bfloat16")
+
+
+def _graphs_that_ran(fn) -> list:
+    """Every node (with its attributes) of the graphs and function libraries ``fn`` traced."""
+    fn = getattr(fn, "__wrapped__", fn)
+    nodes = []
+    for target in [fn] + [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]:
+        for cf in getattr(target, "_list_all_concrete_functions", lambda: [])():
+            g = cf.graph.as_graph_def()
+            nodes += list(g.node) + [n for f in g.library.function for n in f.node_def]
+    return nodes
 
 
 RMS_CASES = {  # name: (input shape, layer kwargs)

@@ -23,10 +23,11 @@ from __future__ import annotations
 from fusion.graph import GraphView
 from fusion.pattern import RewriteContext, register
 from fusion.stage import XLA, XLA_CALLS, emitted_units
-from fusion.stages.gelu import LABELS, SCOPE
+from fusion.stages.gelu import LABELS, SCOPE, SLOPE_KEPT
 
 _MARKS = {"custom": frozenset({"Erf", "Tanh"}), "custom erfc": frozenset({"Erfc"}),
-          "custom upcast": frozenset({"Erf", "Erfc", "Tanh"}), XLA: XLA_CALLS}
+          "custom upcast": frozenset({"Erf", "Erfc", "Tanh"}),
+          SLOPE_KEPT: frozenset({"Erf", "Erfc", "Tanh"}), XLA: XLA_CALLS}
 
 
 def find_gelu_units(view: GraphView) -> list[tuple[str, str]]:

@@ -11,8 +11,9 @@ fuse with the score scale where oneDNN is on, in one of two forms the tuner pick
   mask alone added instead of selected, :func:`mask_adder`, which oneDNN's pass fuses with the
   MatMul and the scale into ``_MklFusedBatchMatMulV2``), softmax in float32, cast back, the
   second MatMul;
-- ``bmm folded`` (float32 only): the scale folded into the query before the first MatMul (half
-  the multiplications at T = S = 2H; one rounding moved).
+- ``bmm folded``: the scale folded into the query before the first MatMul (half the
+  multiplications at T = S = 2H, and none on the float32 scores forward or backward; one
+  rounding moved in float32, one added in 16 bit: the scaled query's).
 
 Where XLA may run (cpu, cuda) and the layer has no dropout, Keras's attention compiled by XLA as
 one region (``fusion.stage.xla_region``: scores, mask, softmax and the weighted sum fused, its
@@ -194,7 +195,7 @@ def find_attention(layer: Any, query: Any, return_scores: bool) -> str | None:
 def _forms(layer: Any, query: Any) -> list[str]:
     if layer._dropout > 0.0:  # noqa: SLF001
         return ["bmm dropout"]
-    return ["bmm", "bmm folded"] if query.dtype == tf.float32 else ["bmm"]
+    return ["bmm", "bmm folded"]
 
 
 def _emit(form: str, layer: Any, query: Any, key: Any, value: Any, mask: Any, training: Any,
@@ -293,7 +294,7 @@ def fused_dot_product_attention(ctx: StageContext, original: Callable, query: An
         return keras()
     why = None if query.dtype.name in ("float32", "float16", "bfloat16") else \
         f"compute dtype {query.dtype.name}"
-    forms = [] if why else (["bmm", "bmm folded"] if query.dtype == tf.float32 else ["bmm"])
+    forms = [] if why else ["bmm", "bmm folded"]
 
     def form_of(form: str) -> Callable[..., Any]:
         if form == XLA:

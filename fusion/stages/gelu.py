@@ -73,6 +73,9 @@ LABELS = {"custom": "GELU: closed-form derivative (custom gradient)",
           "custom erfc": "GELU: closed-form derivative (custom gradient), TensorFlow's Erfc CDF",
           "custom upcast": "GELU: closed-form derivative (custom gradient), computed in float32 "
                            "for a 16-bit input",
+          "upcast slope kept": "GELU: computed in float32 for a 16-bit input, its derivative "
+                               "computed in the forward and kept in 16 bit (the backward one "
+                               "multiplication)",
           XLA: "GELU: one XLA-compiled region (forward and gradient)"}
 """Every form's report label, by its name in the stage's scopes (``tfmx_gelu_<form>``)."""
 
@@ -81,6 +84,49 @@ _PDF = 1.0 / math.sqrt(2.0 * math.pi)  # the standard normal density at 0
 _TANH_K = math.sqrt(2.0 / math.pi)
 _TANH_A = 0.044715
 _DTYPES = ("float32", "float16", "bfloat16")
+SLOPE_KEPT = "upcast slope kept"
+
+
+def _exact(x: tf.Tensor, erfc: bool) -> tuple[tf.Tensor, Callable[[], tf.Tensor]]:
+    """The exact GELU of ``x`` in ``x``'s dtype, and a function giving its derivative from
+    what the forward kept (``t = x / sqrt(2)`` and the normal CDF)."""
+    def const(value: float) -> tf.Tensor:
+        return tf.constant(value, x.dtype)
+
+    t = x * const(_SQRT_HALF)  # x / sqrt(2): the CDF's argument, kept for the density
+    if erfc:  # tf.nn.gelu's own expression and order: (0.5 * x) * erfc(-x * c)
+        tail = tf.math.erfc(-t)
+        y = const(0.5) * x * tail
+        cdf = const(0.5) * tail  # for the derivative (in y, halving could lose a bit)
+    else:
+        cdf = const(0.5) + const(0.5) * tf.math.erf(t)
+        y = x * cdf
+
+    def slope() -> tf.Tensor:
+        # x * pdf(x) = t * exp(-t^2) / sqrt(pi). The exponent as (-t) * t, a Neg and a Mul:
+        # the same bits as -(t * t), and not a chain of unary ops (Square, Neg, Exp), which
+        # Grappler would run as one _UnaryOpsComposition, slower than the three kernels
+        # (3.05 vs 3.30 ms for a GELU and its gradient at [2048, 512] on a Zen 4)
+        return cdf + const(_PDF / _SQRT_HALF) * (t * tf.exp(tf.negative(t) * t))
+
+    return y, slope
+
+
+def _tanh(x: tf.Tensor) -> tuple[tf.Tensor, Callable[[], tf.Tensor]]:
+    """The tanh approximation of GELU of ``x`` in ``x``'s dtype, and a function giving its
+    derivative from what the forward kept."""
+    def const(value: float) -> tf.Tensor:
+        return tf.constant(value, x.dtype)
+
+    square = tf.square(x)
+    t = tf.tanh(const(_TANH_K) * x * (const(1.0) + const(_TANH_A) * square))
+    half = const(0.5) + const(0.5) * t
+
+    def slope() -> tf.Tensor:
+        return half + x * (const(0.5 * _TANH_K) * (const(1.0) - t * t) * (
+            const(1.0) + const(3.0 * _TANH_A) * square))
+
+    return x * half, slope
 
 
 def gelu_custom(x: tf.Tensor, approximate: bool = False, erfc: bool = False) -> tf.Tensor:
@@ -90,46 +136,37 @@ def gelu_custom(x: tf.Tensor, approximate: bool = False, erfc: bool = False) -> 
     The exact CDF is ``0.5 + 0.5 * erf(x / sqrt(2))``, or with ``erfc`` TensorFlow's own
     ``0.5 * erfc(-x / sqrt(2))`` (the forward then equals ``tf.nn.gelu``'s bit for bit; a
     backend may have one kernel and not the other: tensorflow-metal lists Erfc, not Erf)."""
-    dtype = x.dtype
-
-    def const(value: float) -> tf.Tensor:
-        return tf.constant(value, dtype)
 
     @tf.custom_gradient
-    def exact(x: tf.Tensor) -> Any:
-        t = x * const(_SQRT_HALF)  # x / sqrt(2): the CDF's argument, kept for the density
-        if erfc:  # tf.nn.gelu's own expression and order: (0.5 * x) * erfc(-x * c)
-            tail = tf.math.erfc(-t)
-            y = const(0.5) * x * tail
-            cdf = const(0.5) * tail  # for the derivative (in y, halving could lose a bit)
-        else:
-            cdf = const(0.5) + const(0.5) * tf.math.erf(t)
-            y = x * cdf
+    def gelu(x: tf.Tensor) -> Any:
+        y, slope = _tanh(x) if approximate else _exact(x, erfc)
+        return y, lambda dy: dy * slope()
 
-        def grad(dy: tf.Tensor) -> tf.Tensor:
-            # x * pdf(x) = t * exp(-t^2) / sqrt(pi). The exponent as (-t) * t, a Neg and a Mul:
-            # the same bits as -(t * t), and not a chain of unary ops (Square, Neg, Exp), which
-            # Grappler would run as one _UnaryOpsComposition, slower than the three kernels
-            # (3.05 vs 3.30 ms for a GELU and its gradient at [2048, 512] on a Zen 4)
-            density = const(_PDF / _SQRT_HALF) * (t * tf.exp(tf.negative(t) * t))
-            return dy * (cdf + density)
+    return gelu(x)
 
-        return y, grad
 
+def gelu_slope_kept(x: tf.Tensor, approximate: bool = False, erfc: bool = False) -> tf.Tensor:
+    """GELU of a 16-bit ``x`` computed in float32 with its derivative computed in the forward
+    too and kept in ``x``'s dtype: the backward is one multiplication in 16 bit (no casts,
+    no float32 passes), at the price of one more rounding of the derivative (to 16 bit, as
+    Keras's own 16-bit GELU rounds at every op).
+
+    >>> import numpy as np, tensorflow as tf
+    >>> x = tf.constant([-1.0, 0.0, 2.0], tf.bfloat16)
+    >>> with tf.GradientTape() as tape:
+    ...     _ = tape.watch(x)
+    ...     y = gelu_slope_kept(x)
+    >>> [round(float(v), 2) for v in y], [round(float(v), 2) for v in tape.gradient(y, x)]
+    ([-0.16, 0.0, 1.95], [-0.08, 0.5, 1.09])
+    """
     @tf.custom_gradient
-    def tanh_form(x: tf.Tensor) -> Any:
-        square = tf.square(x)
-        t = tf.tanh(const(_TANH_K) * x * (const(1.0) + const(_TANH_A) * square))
-        half = const(0.5) + const(0.5) * t
+    def gelu(x: tf.Tensor) -> Any:
+        y, slope = _tanh(tf.cast(x, tf.float32)) if approximate else _exact(
+            tf.cast(x, tf.float32), erfc)
+        kept = tf.cast(slope(), x.dtype)
+        return tf.cast(y, x.dtype), lambda dy: dy * kept
 
-        def grad(dy: tf.Tensor) -> tf.Tensor:
-            slope = const(0.5 * _TANH_K) * (const(1.0) - t * t) * (
-                const(1.0) + const(3.0 * _TANH_A) * square)
-            return dy * (half + x * slope)
-
-        return x * half, grad
-
-    return tanh_form(x) if approximate else exact(x)
+    return gelu(x)
 
 
 def _decline(x: Any) -> str | None:
@@ -170,6 +207,7 @@ def _forms(ctx: StageContext, approximate: bool,
     if dtype in (tf.float16, tf.bfloat16):
         erfc = not approximate and not ctx.target.runs_op("Erf")
         forms["custom upcast"] = lambda v: gelu_upcast(v, approximate, erfc)
+        forms[SLOPE_KEPT] = lambda v: gelu_slope_kept(v, approximate, erfc)
     return forms
 
 

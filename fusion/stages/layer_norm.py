@@ -164,23 +164,30 @@ def mkl_layer_norm(x: tf.Tensor, scale: tf.Tensor, offset: tf.Tensor,
     return op.outputs[0]
 
 
-def onednn_layer_norm_registered() -> bool:
-    """True if this TensorFlow has a CPU kernel of oneDNN's ``_MklLayerNorm`` for float32."""
+def onednn_layer_norm_registered(dtype: tf.DType = tf.float32) -> bool:
+    """True if this TensorFlow has a CPU kernel of oneDNN's ``_MklLayerNorm`` for ``dtype``."""
     from tensorflow.python.framework import kernels
 
     try:
         found = kernels.get_registered_kernels_for_op(ONEDNN_OP).kernel
     except Exception:  # noqa: BLE001 - an op this build does not know
         return False
-    return any(k.device_type == "CPU" for k in found)
+    return any(k.device_type == "CPU"
+               and all(dtype.as_datatype_enum in c.allowed_values.list.type
+                       for c in k.constraint if c.name == "T")
+               for k in found)
 
 
 def layer_norm_onednn(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
-                      epsilon: float) -> tf.Tensor:
+                      epsilon: float, in_dtype: bool = False) -> tf.Tensor:
     """Layer norm over the last axis of ``x`` (``first_axis`` must be it) through oneDNN's
     ``_MklLayerNorm`` on ``x`` viewed ``[rows, cols]``, with the closed-form gradient of
     :func:`layer_norm_custom` from the row statistics recomputed in the backward (the kernel
-    returns only its output). Computed in float32 for 16-bit inputs, cast back.
+    returns only its output). Computed in float32 for 16-bit inputs, cast back; with
+    ``in_dtype`` the kernel reads a 16-bit ``x`` as it is (its statistics are float32 inside
+    oneDNN) with ``gamma`` and ``beta`` cast to ``x``'s dtype, and writes the output in it:
+    no cast of the activations on the way in or out (the output may differ from the float32
+    form's by one rounding of gamma and beta), the gradient still computed in float32.
 
     >>> import keras, numpy as np
     >>> x = tf.constant(np.arange(24, dtype="float32").reshape(2, 3, 4) ** 1.5)
@@ -194,31 +201,53 @@ def layer_norm_onednn(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
         raise ValueError(f"_MklLayerNorm normalizes the last axis alone; axis {first_axis} of "
                          f"a rank-{x.shape.rank} input asks for more")
     dtype = x.dtype
-    x32 = x if dtype == tf.float32 else tf.cast(x, tf.float32)
+    kernel_dtype = dtype if in_dtype else tf.float32
     cols = x.shape[-1]
-    flat = tf.reshape(x32, [-1, cols])
+    flat = tf.reshape(tf.cast(x, kernel_dtype), [-1, cols])
     args = [a for a in (gamma, beta) if a is not None]
 
     @tf.custom_gradient
     def norm(flat, *weights):
         g32 = tf.cast(weights[0], tf.float32) if gamma is not None else None
         b32 = tf.cast(weights[-1], tf.float32) if beta is not None else None
-        y = mkl_layer_norm(flat, tf.ones([cols]) if g32 is None else g32,
-                           tf.zeros([cols]) if b32 is None else b32, epsilon)
+        y = mkl_layer_norm(flat, tf.cast(tf.ones([cols]) if g32 is None else g32, flat.dtype),
+                           tf.cast(tf.zeros([cols]) if b32 is None else b32, flat.dtype),
+                           epsilon)
 
         def grad(dy):  # the statistics recomputed: the kernel returns only its output
-            xhat, inv = _normalized(flat, [1], epsilon)
-            return _closed_form_grad(dy, xhat, inv, g32, [1], [0], weights, b32 is not None)
+            xhat, inv = _normalized(tf.cast(flat, tf.float32), [1], epsilon)
+            dx, *dweights = _closed_form_grad(tf.cast(dy, tf.float32), xhat, inv, g32, [1],
+                                              [0], weights, b32 is not None)
+            return (tf.cast(dx, flat.dtype), *dweights)
 
         return y, grad
 
-    y = tf.reshape(norm(flat, *args), tf.shape(x32))
+    y = tf.reshape(norm(flat, *args), tf.shape(x))
     y.set_shape(x.shape)
-    return y if dtype == tf.float32 else tf.cast(y, dtype)
+    return tf.cast(y, dtype)
 
 
+def layer_norm_onednn_16(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
+                         epsilon: float) -> tf.Tensor:
+    """:func:`layer_norm_onednn` with the kernel in a 16-bit ``x``'s own dtype
+    (``in_dtype=True``).
+
+    >>> import keras, numpy as np
+    >>> x = tf.cast(np.arange(24, dtype="float32").reshape(2, 3, 4) ** 1.5, tf.bfloat16)
+    >>> layer = keras.layers.LayerNormalization(epsilon=1e-3)
+    >>> expected = layer(tf.cast(x, tf.float32)).numpy()
+    >>> got = layer_norm_onednn_16(x, layer.gamma.value, layer.beta.value, 2, 1e-3)
+    >>> got.dtype.name, bool(np.allclose(got.numpy().astype("float32"), expected, atol=1e-2))
+    ('bfloat16', True)
+    """
+    return layer_norm_onednn(x, gamma, beta, first_axis, epsilon, in_dtype=True)
+
+
+ONEDNN_16 = "onednn 16 bit"
 FORMS = {"fused": (layer_norm, LABEL), "custom": (layer_norm_custom, CUSTOM_LABEL),
-         "onednn": (layer_norm_onednn, ONEDNN_LABEL)}
+         "onednn": (layer_norm_onednn, ONEDNN_LABEL),
+         ONEDNN_16: (layer_norm_onednn_16, ONEDNN_LABEL + ", the kernel in the 16-bit input's "
+                                                          "dtype (statistics float32)")}
 """The correct forms besides Keras's composite: name -> (function, report label)."""
 
 
@@ -422,6 +451,9 @@ def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: 
     names = ["custom"] if fused_blocker(layer, ctx.target) else ["fused", "custom"]
     if first is not None and onednn_blocker(first, inputs, ctx.target) is None:
         names.append("onednn")
+        if inputs.dtype in (tf.float16, tf.bfloat16) and onednn_layer_norm_registered(
+                inputs.dtype):
+            names.append(ONEDNN_16)
 
     def emit(name: str) -> Callable[[Any], Any]:
         def form(x: Any) -> Any:
