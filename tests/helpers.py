@@ -215,3 +215,55 @@ def assert_models_within_rounding(stock, fused, initial, terms: int,
                     + [m for path, m in moved.items() if path.rsplit("/", 1)[0] == layer])
         assert_within_rounding(b.numpy(), a.numpy(), terms, dtype=dtype, scale=scale,
                                what=a.path)
+
+
+def fit_float32_reference(build, x, y, epochs: int = 2, batch_size: int = 8):
+    """``build()`` trained stock (tfmx off) under the float32 policy, from the same seeded
+    weights as a 16-bit fit: the reference a 16-bit step's deviation is measured from."""
+    import keras
+
+    import tfmx
+
+    before = keras.mixed_precision.global_policy().name
+    tfmx.disable()
+    keras.mixed_precision.set_global_policy("float32")
+    try:
+        model = build()
+        model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, shuffle=False)
+    finally:
+        keras.mixed_precision.set_global_policy(before)
+    return model
+
+
+def no_further_terms(steps: int, extra: int = 0) -> int:
+    """The ``terms`` of :func:`assert_no_further_from_float32` for ``steps`` training steps of
+    forms that round ``extra`` times per step where stock does not: one rounding per step
+    besides (where two computations round differently, their deviations from float32 are
+    not ordered element by element, so the maxima compared may swap by a rounding)."""
+    return steps * (1 + extra)
+
+
+def assert_no_further_from_float32(reference, stock, fused, initial, terms: int,
+                                   dtype: str = "bfloat16") -> None:
+    """A 16-bit fit with tfmx is no further from the float32 fit (``reference``, from the same
+    ``initial`` weights) than stock's 16-bit fit is, but for ``terms`` roundings of ``dtype``
+    (the forms' own): for every weight, max |fused - reference| <= max |stock - reference| +
+    2 x terms x u x scale, the scale as in :func:`assert_models_within_rounding`. Stock's own
+    16-bit deviation is the allowance: a form that loses accuracy beyond it fails, where a
+    bound counting every 16-bit rounding of the step could not."""
+    import numpy as np
+
+    moved = {v.path: float(np.max(np.abs(v.numpy() - w0)))
+             for v, w0 in zip(reference.weights, initial)}
+    excess = {}  # weight -> (tfmx's deviation beyond stock's, in roundings x scale)
+    for r, a, b in zip(reference.weights, stock.weights, fused.weights):
+        layer = r.path.rsplit("/", 1)[0]
+        scale = max([float(np.max(np.abs(r.numpy())))]
+                    + [m for path, m in moved.items() if path.rsplit("/", 1)[0] == layer])
+        stock_off = float(np.max(np.abs(a.numpy().astype(np.float64) - r.numpy())))
+        fused_off = float(np.max(np.abs(b.numpy().astype(np.float64) - r.numpy())))
+        excess[r.path] = (fused_off - stock_off) / (2 * unit_roundoff(dtype) * scale)
+    worst = max(excess, key=excess.get)
+    assert excess[worst] <= terms, (
+        f"{worst}: tfmx's 16-bit fit is {excess[worst]:.2f} roundings of {dtype} (x the "
+        f"weight's scale) further from float32 than stock's, above the {terms} allowed")
