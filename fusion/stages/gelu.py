@@ -81,6 +81,7 @@ LABELS = {"custom": "GELU: closed-form derivative (custom gradient)",
 
 _SQRT_HALF = 1.0 / math.sqrt(2.0)
 _PDF = 1.0 / math.sqrt(2.0 * math.pi)  # the standard normal density at 0
+_LOG_PDF_SCALE = math.log(_PDF / _SQRT_HALF)  # ln(1 / sqrt(pi)): x * pdf(x) in terms of t
 _TANH_K = math.sqrt(2.0 / math.pi)
 _TANH_A = 0.044715
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -103,11 +104,12 @@ def _exact(x: tf.Tensor, erfc: bool) -> tuple[tf.Tensor, Callable[[], tf.Tensor]
         y = x * cdf
 
     def slope() -> tf.Tensor:
-        # x * pdf(x) = t * exp(-t^2) / sqrt(pi). The exponent as (-t) * t, a Neg and a Mul:
-        # the same bits as -(t * t), and not a chain of unary ops (Square, Neg, Exp), which
-        # Grappler would run as one _UnaryOpsComposition, slower than the three kernels
-        # (3.05 vs 3.30 ms for a GELU and its gradient at [2048, 512] on a Zen 4)
-        return cdf + const(_PDF / _SQRT_HALF) * (t * tf.exp(tf.negative(t) * t))
+        # x * pdf(x) = t * exp(-t^2) / sqrt(pi) = t * exp(ln(1 / sqrt(pi)) - t^2): the constant
+        # in the exponent saves a pass over the tensor (1.71 against 1.83 ms for a bfloat16
+        # GELU and its gradient at [2048, 512] on a Zen 4, the same bits there). Not a chain
+        # of unary ops (Square, Neg, Exp), which Grappler would run as one
+        # _UnaryOpsComposition, slower than the kernels (3.05 vs 3.30 ms)
+        return cdf + t * tf.exp(const(_LOG_PDF_SCALE) - t * t)
 
     return y, slope
 
