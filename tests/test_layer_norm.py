@@ -96,6 +96,34 @@ def test_the_onednn_form_is_offered_where_the_kernel_is():
     assert "metal runs no _MklLayerNorm" in stage.onednn_blocker(2, x, get_backend("metal"))
 
 
+def test_the_16_bit_kernel_form_is_offered_where_the_kernel_runs_that_dtype(monkeypatch):
+    """Registered is not enough: oneDNN builds its primitive when the op first runs and may
+    refuse the dtype on this processor (float16 without AVX-512 FP16). Where the probe fails
+    the form is not a candidate, so the tuner never measures a form that cannot run (a
+    failed measurement would leave Keras's composite for the whole decision)."""
+    cpu = get_backend("cpu")
+    layer = keras.layers.LayerNormalization()
+    layer.build((2, 3, 4))
+    names = {dtype: stage.layer_norm_forms(layer, tf.zeros([2, 3, 4], dtype), cpu, 2)
+             for dtype in (tf.float32, tf.bfloat16)}
+    assert stage.ONEDNN_16 not in names[tf.float32]
+    assert (stage.ONEDNN_16 in names[tf.bfloat16]) == stage.onednn_layer_norm_runs("bfloat16")
+    assert stage.ONEDNN_16 not in stage.layer_norm_forms(
+        layer, tf.zeros([2, 3, 4], tf.bfloat16), get_backend("metal"), 2)
+
+    def refused(*args, **kwargs):
+        raise tf.errors.AbortedError(None, None, "could not create a primitive descriptor")
+
+    stage.onednn_layer_norm_runs.cache_clear()
+    monkeypatch.setattr(stage, "mkl_layer_norm", refused)
+    try:
+        assert not stage.onednn_layer_norm_runs("bfloat16")
+        assert stage.ONEDNN_16 not in stage.layer_norm_forms(
+            layer, tf.zeros([2, 3, 4], tf.bfloat16), cpu, 2)
+    finally:
+        stage.onednn_layer_norm_runs.cache_clear()
+
+
 @pytest.mark.parametrize("make,why", [
     (lambda: keras.layers.LayerNormalization(axis=1), "not the trailing axes"),
     (lambda: keras.layers.LayerNormalization(rms_scaling=True), "rms_scaling=True"),

@@ -43,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -176,6 +177,29 @@ def onednn_layer_norm_registered(dtype: tf.DType = tf.float32) -> bool:
                and all(dtype.as_datatype_enum in c.allowed_values.list.type
                        for c in k.constraint if c.name == "T")
                for k in found)
+
+
+@functools.cache
+def onednn_layer_norm_runs(dtype_name: str) -> bool:
+    """True if oneDNN's ``_MklLayerNorm`` has a CPU kernel for this dtype and runs it on this
+    processor: registered is not enough (oneDNN builds its primitive when the op first runs,
+    and refuses float16 on a CPU without AVX-512 FP16 support and bfloat16 on one without
+    AVX-512), so a two-row probe runs once per process and dtype.
+
+    >>> onednn_layer_norm_runs("float32")
+    True
+    """
+    dtype = tf.as_dtype(dtype_name)
+    if not onednn_layer_norm_registered(dtype):
+        return False
+    try:
+        with tf.init_scope():  # eagerly, also when asked while a function is traced
+            probe = mkl_layer_norm(tf.zeros([2, 8], dtype), tf.ones([8], dtype),
+                                   tf.zeros([8], dtype), 1e-3)
+            probe.numpy()
+    except Exception:  # noqa: BLE001 - any refusal of the kernel means: not offered
+        return False
+    return True
 
 
 def layer_norm_onednn(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
@@ -437,6 +461,28 @@ def _rewrite(ctx: StageContext, original: Callable, layer: Any, inputs: tf.Tenso
                         keras=lambda: original(layer, inputs), emit=emit, prefix=prefix)
 
 
+def layer_norm_forms(layer: Any, inputs: Any, target: Any, first: int | None) -> list[str]:
+    """The forms of :data:`FORMS` ``target`` runs for this call, the one taken without a
+    tuner first: the fused one where the backend's batch-norm kernel takes the epsilon, the
+    closed form, and oneDNN's kernel where it normalizes the axis, in float32 and, for a
+    16-bit input, in the input's dtype where the kernel runs it
+    (:func:`onednn_layer_norm_runs`).
+
+    >>> import keras
+    >>> from tfmx.backends import get_backend
+    >>> layer = keras.layers.LayerNormalization()
+    >>> layer_norm_forms(layer, tf.zeros([2, 3, 4]), get_backend("metal"), 2)
+    ['fused', 'custom']
+    """
+    names = ["custom"] if fused_blocker(layer, target) else ["fused", "custom"]
+    if first is not None and onednn_blocker(first, inputs, target) is None:
+        names.append("onednn")
+        if inputs.dtype in (tf.float16, tf.bfloat16) and onednn_layer_norm_runs(
+                inputs.dtype.name):
+            names.append(ONEDNN_16)
+    return names
+
+
 def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
                      *args: Any, **kwargs: Any) -> Any:
     """``LayerNormalization.call`` while tfmx traces: the fused, closed-form or XLA form
@@ -448,12 +494,7 @@ def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: 
 
     inputs = tf.convert_to_tensor(inputs)
     first, why = find_layer_norm(layer, inputs, ctx.target)
-    names = ["custom"] if fused_blocker(layer, ctx.target) else ["fused", "custom"]
-    if first is not None and onednn_blocker(first, inputs, ctx.target) is None:
-        names.append("onednn")
-        if inputs.dtype in (tf.float16, tf.bfloat16) and onednn_layer_norm_registered(
-                inputs.dtype):
-            names.append(ONEDNN_16)
+    names = layer_norm_forms(layer, inputs, ctx.target, first)
 
     def emit(name: str) -> Callable[[Any], Any]:
         def form(x: Any) -> Any:
