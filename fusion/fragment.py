@@ -96,15 +96,35 @@ def _concrete(shape: tuple[int | None, ...] | None, unknown_dim: int) -> tuple[i
     return tuple(unknown_dim if d is None else int(d) for d in shape)
 
 
+_ASSIGNS = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+
+
+def _tensor_shape(view: GraphView, ref: str) -> tuple[int | None, ...] | None:
+    """The static shape of ``ref``: a node's output, or a function body's argument."""
+    name, port, _ = parse_input(ref)
+    node = view.node(name)
+    if node is not None:
+        return output_shape(node, port)
+    return view.args[name][1] if name in view.args and port == 0 else None
+
+
 def _variable_spec(view: GraphView, ref: str, unknown_dim: int) -> tuple[int, tuple[int, ...]]:
-    """dtype and shape of the variable behind the handle ``ref``, from a read of it."""
+    """dtype and shape of the variable behind the handle ``ref``, from a read of it or, where
+    the body only writes it (an update inside a ``cond`` branch: a loss-scaled step), from
+    the value an assignment writes."""
     name, port, _ = parse_input(ref)
     for consumer in view.consumers(name):
-        if consumer.op == "ReadVariableOp" and parse_input(consumer.input[0])[:2] == (name, port):
+        if parse_input(consumer.input[0])[:2] != (name, port):
+            continue
+        if consumer.op == "ReadVariableOp":
             shape = _concrete(output_shape(consumer), unknown_dim)
-            if shape is not None:
-                return consumer.attr["dtype"].type, shape
-    raise FragmentError(f"no read of the variable {ref!r} says its shape")
+        elif consumer.op in _ASSIGNS and len(consumer.input) > 1:
+            shape = _concrete(_tensor_shape(view, consumer.input[1]), unknown_dim)
+        else:
+            continue
+        if shape is not None:
+            return consumer.attr["dtype"].type, shape
+    raise FragmentError(f"no read or write of the variable {ref!r} says its shape")
 
 
 def _shape_value(view: GraphView, src: NodeDef, port: int, unknown_dim: int) -> list[int]:
@@ -123,8 +143,10 @@ def cut(view: GraphView, names: Iterable[str], unknown_dim: int = UNKNOWN_DIM) -
     ``fusion.match.CONSTANT_OF_CONSTANTS`` on Consts with them) with stand-ins for the rest.
 
     Outside shapes (``Shape``/``ShapeN`` outputs, as a convolution's gradient reads) become
-    constants of the static shape. Raises :class:`FragmentError` for what cannot be made up:
-    other integer or string inputs (indices), outputs of unknown dtype or shape.
+    constants of the static shape. A function body's arguments (``view.args``: a ``cond``
+    branch's variables and gradients) get stand-ins as outside nodes do. Raises
+    :class:`FragmentError` for what cannot be made up: other integer or string inputs
+    (indices), outputs of unknown dtype or shape.
     """
     inside = {n for n in names if view.node(n) is not None}
     for name in list(inside):
@@ -157,21 +179,24 @@ def cut(view: GraphView, names: Iterable[str], unknown_dim: int = UNKNOWN_DIM) -
                 read_inside.add(src_name)
                 continue
             src = view.node(src_name)
-            if src is None:
+            if src is not None:
+                dtype, shape = output_dtype(src, port), output_shape(src, port)
+            elif src_name in view.args and port == 0:  # a function body's argument
+                dtype, shape = view.args[src_name]
+            else:
                 raise FragmentError(f"{name} reads {ref!r}, which is not in the graph")
-            dtype = output_dtype(src, port)
             placeholder = f"tfmx_fragment_in/{src_name}/{port}"
             standins.setdefault(src_name, {})[port] = placeholder
             if dtype == types_pb2.DT_RESOURCE:
                 resources[placeholder] = _variable_spec(view, ref, unknown_dim)
             elif dtype in (types_pb2.DT_FLOAT, types_pb2.DT_HALF, types_pb2.DT_BFLOAT16,
                            types_pb2.DT_DOUBLE):
-                shape = _concrete(output_shape(src, port), unknown_dim)
+                shape = _concrete(shape, unknown_dim)
                 if shape is None:
                     raise FragmentError(f"{name} reads {ref!r} of unknown shape")
                 feeds[placeholder] = (dtype, shape)
-            elif dtype in (types_pb2.DT_INT32, types_pb2.DT_INT64) and src.op in ("Shape",
-                                                                                  "ShapeN"):
+            elif dtype in (types_pb2.DT_INT32, types_pb2.DT_INT64) and src is not None \
+                    and src.op in ("Shape", "ShapeN"):
                 consts[placeholder] = (dtype, _shape_value(view, src, port, unknown_dim))
             else:
                 raise FragmentError(f"{name} reads {ref!r} ({dtype=}): not a float, a "

@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2
 from tensorflow.python.framework import op_def_registry
@@ -86,8 +86,11 @@ class GraphView:
         nodes: Iterable[NodeDef],
         protected: Iterable[str] = (),
         control_outputs: Iterable[str] = (),
+        args: Mapping[str, tuple[int, tuple[int | None, ...] | None]] | None = None,
     ) -> None:
         self._nodes: dict[str, NodeDef] = {}
+        # a function body's arguments (read by name, no node): dtype enum and static shape
+        self.args: dict[str, tuple[int, tuple[int | None, ...] | None]] = dict(args or {})
         self._consumers: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
         self.control_outputs: set[str] = set(control_outputs)
         self._pinned: frozenset[str] = frozenset(protected)
@@ -102,6 +105,7 @@ class GraphView:
         self.protected = set(other.protected)
         self._pinned = other._pinned
         self.control_outputs = set(other.control_outputs)
+        self.args = dict(other.args)
         self.control_renames = dict(other.control_renames)
         self._retired_into = collections.defaultdict(
             list, {k: list(v) for k, v in other._retired_into.items()})
@@ -369,6 +373,19 @@ class FunctionBody:
             node.input.extend(self._to_flat(ref) for ref in original.input)
             self.nodes.append(node)
         self.ret = {k: self._to_flat(v) for k, v in fdef.ret.items()}
+
+    @property
+    def arg_specs(self) -> dict[str, tuple[int, tuple[int | None, ...] | None]]:
+        """Each argument's dtype (enum) and static shape (``_output_shapes``; None unknown)."""
+        specs = {}
+        for index, arg in enumerate(self.fdef.signature.input_arg):
+            attrs = self.fdef.arg_attr[index].attr if index in self.fdef.arg_attr else {}
+            shapes = attrs["_output_shapes"].list.shape if "_output_shapes" in attrs else []
+            shape = None
+            if len(shapes) == 1 and not shapes[0].unknown_rank:
+                shape = tuple(d.size if d.size >= 0 else None for d in shapes[0].dim)
+            specs[arg.name] = (arg.type, shape)
+        return specs
 
     @property
     def protected(self) -> set[str]:

@@ -183,7 +183,8 @@ def rewrite(
             skipped[name] = f"{type(exc).__name__}: {exc}"
             continue
         fview = GraphView(
-            body.nodes, protected=body.protected, control_outputs=body.control_outputs
+            body.nodes, protected=body.protected, control_outputs=body.control_outputs,
+            args=body.arg_specs,
         )
         fview, changed = _run_patterns(selected, fview, target, body.args, stats, name,
                                        tuner)

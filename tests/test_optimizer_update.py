@@ -197,6 +197,31 @@ def test_loss_scale_optimizer_updates_inside_the_cond_are_fused():
     assert _fused_kinds(report)["Adam"] == 4
 
 
+def test_the_tuner_measures_the_updates_inside_a_loss_scaled_steps_cond(monkeypatch):
+    """Inside the LossScaleOptimizer's ``cond`` branch the variables and gradients are the
+    branch function's arguments, and a variable may only be written there: the fragment of
+    each update is cut from them (their ``_output_shapes``, the value an assignment writes),
+    built and run, so the tuner measures the update instead of keeping Keras's composite
+    because it could not."""
+    from tfmx import state
+    from tfmx.tuner import Timings, Tuner
+
+    def run_each_once(candidates, seconds):
+        for factory in candidates.values():
+            factory()()  # built from the cut fragment and run: raises if it cannot be
+        return Timings({name: [2.0 if name == "composite" else 1.0] * 9 for name in candidates})
+
+    monkeypatch.setattr(state, "tuner", lambda: Tuner("auto", timer=run_each_once, budget=1e9))
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    make = lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3))  # noqa: E731
+    names, stock, _, _ = _train(make, fused=False, steps=1)
+    _, fused, ran, report = _train(make, fused=True, steps=1, patterns=["optimizer_update"])
+    assert not [why for why in _declined(report) if "measuring failed" in why], \
+        _declined(report)
+    assert _fused_kinds(report)["Adam"] == 4 and "ResourceApplyAdam" in ran
+    _assert_parity(names, stock, fused, "Adam", steps=1)
+
+
 def test_loss_scale_optimizer_skipped_steps_stay_skipped():
     keras.mixed_precision.set_global_policy("mixed_float16")
     make = lambda: keras.optimizers.LossScaleOptimizer(  # noqa: E731
