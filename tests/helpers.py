@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 
-def ops_that_ran(fn) -> set[str]:
-    """Op types in every graph (and function library) Keras's step function traced."""
+def nodes_that_ran(fn) -> list:
+    """Every node (NodeDef, with its attributes) of every graph and function library Keras's
+    step function traced."""
     fn = getattr(fn, "__wrapped__", fn)
-    ops: set[str] = set()
+    nodes: list = []
     candidates = [fn] + [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]
     for target in candidates:
         if hasattr(target, "_list_all_concrete_functions"):
             for cf in target._list_all_concrete_functions():
                 g = cf.graph.as_graph_def()
-                ops.update(n.op for n in g.node)
+                nodes.extend(g.node)
                 for f in g.library.function:
-                    ops.update(n.op for n in f.node_def)
-    return ops
+                    nodes.extend(f.node_def)
+    return nodes
+
+
+def ops_that_ran(fn) -> set[str]:
+    """Op types in every graph (and function library) Keras's step function traced."""
+    return {n.op for n in nodes_that_ran(fn)}
 
 
 class PickForm:
@@ -196,6 +202,20 @@ def fit_stock_and_tfmx(build, x, y, patterns: list[str], epochs: int = 2,
     return models, initial
 
 
+def weight_scales(model, initial) -> list[float]:
+    """Each weight's scale for comparing two fits from ``initial`` (a list in ``weights``
+    order): its magnitude in ``model``, or the largest change of a weight of its layer if
+    larger (see :func:`assert_models_within_rounding`)."""
+    import numpy as np
+
+    moved = {v.path: float(np.max(np.abs(v.numpy() - w0)))
+             for v, w0 in zip(model.weights, initial)}
+    return [max([float(np.max(np.abs(v.numpy())))]
+                + [m for path, m in moved.items()
+                   if path.rsplit("/", 1)[0] == v.path.rsplit("/", 1)[0]])
+            for v in model.weights]
+
+
 def assert_models_within_rounding(stock, fused, initial, terms: int,
                                   dtype: str = "float32") -> None:
     """Every weight of two models trained from the same ``initial`` weights (a list, in
@@ -205,14 +225,7 @@ def assert_models_within_rounding(stock, fused, initial, terms: int,
     which softmax cancels, so its gradient is a sum of the layer's terms that is zero but for
     rounding, and its value is rounding-sized while the roundings are the size of the layer's
     updates."""
-    import numpy as np
-
-    moved = {v.path: float(np.max(np.abs(v.numpy() - w0)))
-             for v, w0 in zip(stock.weights, initial)}
-    for a, b in zip(stock.weights, fused.weights):
-        layer = a.path.rsplit("/", 1)[0]
-        scale = max([float(np.max(np.abs(a.numpy())))]
-                    + [m for path, m in moved.items() if path.rsplit("/", 1)[0] == layer])
+    for a, b, scale in zip(stock.weights, fused.weights, weight_scales(stock, initial)):
         assert_within_rounding(b.numpy(), a.numpy(), terms, dtype=dtype, scale=scale,
                                what=a.path)
 
@@ -253,13 +266,9 @@ def assert_no_further_from_float32(reference, stock, fused, initial, terms: int,
     bound counting every 16-bit rounding of the step could not."""
     import numpy as np
 
-    moved = {v.path: float(np.max(np.abs(v.numpy() - w0)))
-             for v, w0 in zip(reference.weights, initial)}
     excess = {}  # weight -> (tfmx's deviation beyond stock's, in roundings x scale)
-    for r, a, b in zip(reference.weights, stock.weights, fused.weights):
-        layer = r.path.rsplit("/", 1)[0]
-        scale = max([float(np.max(np.abs(r.numpy())))]
-                    + [m for path, m in moved.items() if path.rsplit("/", 1)[0] == layer])
+    scales = weight_scales(reference, initial)
+    for r, a, b, scale in zip(reference.weights, stock.weights, fused.weights, scales):
         stock_off = float(np.max(np.abs(a.numpy().astype(np.float64) - r.numpy())))
         fused_off = float(np.max(np.abs(b.numpy().astype(np.float64) - r.numpy())))
         excess[r.path] = (fused_off - stock_off) / (2 * unit_roundoff(dtype) * scale)

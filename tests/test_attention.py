@@ -12,6 +12,7 @@ from helpers import (
     assert_no_further_from_float32,
     assert_within_rounding,
     fit_float32_reference,
+    fit_stock_and_tfmx,
     needs_onednn,
     no_further_terms,
 )
@@ -161,7 +162,6 @@ def test_bfloat16_folded_form_is_within_roundings_of_keras_order(causal, masked)
 
 
 def test_mixed_bfloat16_fit_with_the_folded_form_in_the_graph_that_ran(monkeypatch):
-    from tests.test_keras import ops_that_ran
     from tfmx import state
 
     monkeypatch.setattr(state, "tuner", lambda: PickForm("bmm folded", "attention",
@@ -169,12 +169,8 @@ def test_mixed_bfloat16_fit_with_the_folded_form_in_the_graph_that_ran(monkeypat
     x, y = _data()
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     try:
-        initial = [w.numpy() for w in _model(causal=True, key_dim=6).weights]
-        models = {}
-        for on in (False, True):
-            tfmx.enable(backend="cpu", patterns=["attention"]) if on else tfmx.disable()
-            models[on] = _model(causal=True, key_dim=6)
-            models[on].fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        models, initial = fit_stock_and_tfmx(lambda: _model(causal=True, key_dim=6), x, y,
+                                             ["attention"])
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert "BatchMatMulV2" in ops_that_ran(models[True].train_function)

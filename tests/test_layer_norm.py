@@ -13,6 +13,7 @@ from helpers import (
     assert_within_rounding,
     fit_float32_reference,
     no_further_terms,
+    nodes_that_ran,
 )
 
 import tfmx
@@ -251,7 +252,7 @@ def test_mixed_bfloat16_fit_matches_stock_with_the_16_bit_kernel_in_the_graph_th
     try:
         initial = [v.numpy() for v in _encoder().weights]
         models, ran, stock = _fit_stock_and_fused(_encoder)
-        graphs = _graphs_that_ran(models[True].train_function)
+        graphs = nodes_that_ran(models[True].train_function)
     finally:
         keras.mixed_precision.set_global_policy("float32")
     kernels = [n for n in graphs if n.op == stage.ONEDNN_OP]
@@ -267,17 +268,6 @@ def test_mixed_bfloat16_fit_matches_stock_with_the_16_bit_kernel_in_the_graph_th
     reference = fit_float32_reference(_encoder, x, y)
     assert_no_further_from_float32(reference, models[False], models[True], initial,
                                    no_further_terms(6, extra=2))
-
-
-def _graphs_that_ran(fn) -> list:
-    """Every node (with its attributes) of the graphs and function libraries ``fn`` traced."""
-    fn = getattr(fn, "__wrapped__", fn)
-    nodes = []
-    for target in [fn] + [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]:
-        for cf in getattr(target, "_list_all_concrete_functions", lambda: [])():
-            g = cf.graph.as_graph_def()
-            nodes += list(g.node) + [n for f in g.library.function for n in f.node_def]
-    return nodes
 
 
 RMS_CASES = {  # name: (input shape, layer kwargs)
