@@ -15,6 +15,7 @@ from helpers import (
     fit_stock_and_tfmx,
     needs_onednn,
     no_further_terms,
+    ops_that_ran,
 )
 
 import tfmx
