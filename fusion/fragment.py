@@ -129,10 +129,8 @@ def _variable_spec(view: GraphView, ref: str, unknown_dim: int) -> tuple[int, tu
 
 def _shape_value(view: GraphView, src: NodeDef, port: int, unknown_dim: int) -> list[int]:
     """The value of a Shape / ShapeN output: the static shape of what it reads."""
-    ref = src.input[port if src.op == "ShapeN" else 0]
-    reads = view.node(parse_input(ref)[0])
-    shape = None if reads is None else _concrete(output_shape(reads, parse_input(ref)[1]),
-                                                 unknown_dim)
+    shape = _concrete(_tensor_shape(view, src.input[port if src.op == "ShapeN" else 0]),
+                      unknown_dim)
     if shape is None:
         raise FragmentError(f"{src.name} reads a tensor of unknown rank")
     return list(shape)
