@@ -99,13 +99,24 @@ def _concrete(shape: tuple[int | None, ...] | None, unknown_dim: int) -> tuple[i
 _ASSIGNS = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
 
 
-def _tensor_shape(view: GraphView, ref: str) -> tuple[int | None, ...] | None:
-    """The static shape of ``ref``: a node's output, or a function body's argument."""
+Spec = tuple[int | None, tuple[int | None, ...] | None]
+"""A tensor's dtype (enum) and static shape, either None where unknown."""
+
+
+def _tensor_spec(view: GraphView, ref: str) -> Spec | None:
+    """dtype and static shape of ``ref``, a node's output or a function body's argument; None
+    if it is neither."""
     name, port, _ = parse_input(ref)
     node = view.node(name)
     if node is not None:
-        return output_shape(node, port)
-    return view.args[name][1] if name in view.args and port == 0 else None
+        return output_dtype(node, port), output_shape(node, port)
+    return view.args[name] if name in view.args and port == 0 else None
+
+
+def _tensor_shape(view: GraphView, ref: str) -> tuple[int | None, ...] | None:
+    """The static shape of ``ref`` (:func:`_tensor_spec`), None where unknown."""
+    spec = _tensor_spec(view, ref)
+    return None if spec is None else spec[1]
 
 
 def _variable_spec(view: GraphView, ref: str, unknown_dim: int) -> tuple[int, tuple[int, ...]]:
@@ -176,13 +187,11 @@ def cut(view: GraphView, names: Iterable[str], unknown_dim: int = UNKNOWN_DIM) -
             if src_name in inside:
                 read_inside.add(src_name)
                 continue
-            src = view.node(src_name)
-            if src is not None:
-                dtype, shape = output_dtype(src, port), output_shape(src, port)
-            elif src_name in view.args and port == 0:  # a function body's argument
-                dtype, shape = view.args[src_name]
-            else:
+            spec = _tensor_spec(view, ref)  # a node's output or a function body's argument
+            if spec is None:
                 raise FragmentError(f"{name} reads {ref!r}, which is not in the graph")
+            dtype, shape = spec
+            src = view.node(src_name)
             placeholder = f"tfmx_fragment_in/{src_name}/{port}"
             standins.setdefault(src_name, {})[port] = placeholder
             if dtype == types_pb2.DT_RESOURCE:
