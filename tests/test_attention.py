@@ -15,6 +15,7 @@ from helpers import (
     fit_stock_and_tfmx,
     needs_onednn,
     no_further_terms,
+    nodes_that_ran,
     ops_that_ran,
 )
 
@@ -46,6 +47,13 @@ def _data():
     return x, rng.integers(0, 3, 24)
 
 
+def _fused_bmm_ran(fn, form: str) -> bool:
+    """Whether a BatchMatMulV2 of ``form``'s scope (``tfmx_attention_<form>``) is in the
+    graph that ran (TensorFlow's einsum may lower Keras's own to BatchMatMulV2 too)."""
+    scope = f"{stage.SCOPE}_{form.replace(' ', '_')}/"
+    return any(n.op == "BatchMatMulV2" and scope in n.name for n in nodes_that_ran(fn))
+
+
 # A step: the projections (D terms), the scores (KEY_DIM), softmax over T (TRANSCENDENTAL + T),
 # the weighted sum (T), the output projection, pooling and the Dense; backward twice that;
 # 6 steps (2 epochs of 3 batches).
@@ -63,7 +71,6 @@ def test_fit_matches_stock_with_batched_matmuls_in_the_graph_that_ran(monkeypatc
                                                                       causal, masked):
     """Parity of each form, with masks and causal masks; with dropout the random masks must be
     the stock ones (a different stream would move the weights far outside the rounding)."""
-    from tests.test_keras import ops_that_ran
     from tfmx import state
 
     monkeypatch.setattr(state, "tuner", lambda: PickForm(form, "attention"))
@@ -74,7 +81,7 @@ def test_fit_matches_stock_with_batched_matmuls_in_the_graph_that_ran(monkeypatc
         model = _model(dropout, causal, masked)
         model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
         models[on] = model
-    assert "BatchMatMulV2" in ops_that_ran(models[True].train_function)
+    assert _fused_bmm_ran(models[True].train_function, form)
     stats = tfmx.report().patterns["attention"]
     assert stats.fused == 1 and set(stats.fused_kinds) == {stage.LABELS[form]}, tfmx.report()
     assert stats.observed[stage.LABELS[form]] >= 1
@@ -188,6 +195,73 @@ def test_mixed_bfloat16_fit_with_the_folded_form_in_the_graph_that_ran(monkeypat
     reference = fit_float32_reference(lambda: _model(causal=True, key_dim=6), x, y)
     assert_no_further_from_float32(reference, models[False], models[True], initial,
                                    no_further_terms(6, extra=1))
+
+
+TK, VALUE_DIM = 4, 3  # the context's length and the value heads' width (cross-attention)
+
+
+def _cross_model(dropout: float = 0.0, causal: bool = False) -> keras.Model:
+    """Cross-attention: a query sequence of T steps attends to a context of TK steps (padded
+    steps masked by Masking), values of another width than the keys, and an explicit
+    ``attention_mask`` [batch, T, TK] besides the padding mask."""
+    keras.utils.set_random_seed(0)
+    queries, context = keras.Input((T, D)), keras.Input((TK, D + 2))
+    allowed = keras.Input((T, TK), dtype="bool")
+    keyed = keras.layers.Masking(0.0)(context)
+    attended = keras.layers.MultiHeadAttention(HEADS, KEY_DIM, value_dim=VALUE_DIM,
+                                               dropout=dropout, seed=3)(
+        queries, keyed, keyed, attention_mask=allowed, use_causal_mask=causal)
+    x = keras.layers.Add()([queries, attended])
+    out = keras.layers.Dense(3, activation="softmax")(keras.layers.GlobalAveragePooling1D()(x))
+    model = keras.Model([queries, context, allowed], out)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss="sparse_categorical_crossentropy")
+    return model
+
+
+def _cross_data():
+    rng = np.random.default_rng(2)
+    queries = rng.standard_normal((24, T, D)).astype("float32")
+    context = rng.standard_normal((24, TK, D + 2)).astype("float32")
+    context[:8, -1:] = 0.0  # a padded context step
+    allowed = rng.random((24, T, TK)) > 0.25
+    allowed[:, :, 0] = True  # every query sees a step, the one Masking never hides
+    return [queries, context, allowed], rng.integers(0, 3, 24)
+
+
+# A step: the projections (D + 2 terms), the scores (KEY_DIM), softmax over TK, the weighted
+# sum (TK), the output projection (HEADS * VALUE_DIM), pooling and the Dense; backward twice
+# that; 6 steps.
+CROSS_FIT = 6 * 3 * (D + 2 + KEY_DIM + TRANSCENDENTAL + 2 * TK + HEADS * VALUE_DIM + T
+                     + 2 * D + 20)
+
+
+@pytest.mark.parametrize("form,dropout,causal", [
+    ("bmm", 0.0, False),
+    ("bmm folded", 0.0, True),
+    ("bmm dropout", 0.5, False),
+])
+def test_cross_attention_fit_matches_stock_with_batched_matmuls_in_the_graph_that_ran(
+        monkeypatch, form, dropout, causal):
+    """Cross-attention (query and context of different lengths, values of another width than
+    the keys, an explicit attention mask with the context's padding mask, the causal mask over
+    a rectangular score matrix, dropout's random stream) trains as stock does."""
+    from tfmx import state
+
+    monkeypatch.setattr(state, "tuner", lambda: PickForm(form, "attention", strict=True))
+    x, y = _cross_data()
+    models = {}
+    for on in (False, True):
+        tfmx.enable(backend="cpu", patterns=["attention"]) if on else tfmx.disable()
+        model = _cross_model(dropout, causal)
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        models[on] = model
+    assert _fused_bmm_ran(models[True].train_function, form)
+    stats = tfmx.report().patterns["attention"]
+    assert stats.fused == 1 and set(stats.fused_kinds) == {stage.LABELS[form]}, tfmx.report()
+    assert stats.observed[stage.LABELS[form]] >= 1
+    for a, b in zip(models[False].weights, models[True].weights):
+        assert_within_rounding(b.numpy(), a.numpy(), CROSS_FIT, what=a.name)
 
 
 def test_declines_with_a_reason():
