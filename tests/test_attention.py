@@ -32,9 +32,14 @@ def _model(dropout: float = 0.0, causal: bool = False, masked: bool = False,
     x = keras.layers.Masking(0.0)(inp) if masked else inp
     attended = keras.layers.MultiHeadAttention(HEADS, key_dim, dropout=dropout, seed=3)(
         x, x, use_causal_mask=causal)
-    x = keras.layers.Add()([x, attended])
+    return _classifier(inp, x, attended)
+
+
+def _classifier(inputs, residual, attended) -> keras.Model:
+    """The model of ``inputs``: ``residual + attended``, pooled, a softmax Dense; compiled."""
+    x = keras.layers.Add()([residual, attended])
     out = keras.layers.Dense(3, activation="softmax")(keras.layers.GlobalAveragePooling1D()(x))
-    model = keras.Model(inp, out)
+    model = keras.Model(inputs, out)
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
                   loss="sparse_categorical_crossentropy")
     return model
@@ -211,12 +216,7 @@ def _cross_model(dropout: float = 0.0, causal: bool = False) -> keras.Model:
     attended = keras.layers.MultiHeadAttention(HEADS, KEY_DIM, value_dim=VALUE_DIM,
                                                dropout=dropout, seed=3)(
         queries, keyed, keyed, attention_mask=allowed, use_causal_mask=causal)
-    x = keras.layers.Add()([queries, attended])
-    out = keras.layers.Dense(3, activation="softmax")(keras.layers.GlobalAveragePooling1D()(x))
-    model = keras.Model([queries, context, allowed], out)
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
-                  loss="sparse_categorical_crossentropy")
-    return model
+    return _classifier([queries, context, allowed], queries, attended)
 
 
 def _cross_data():
@@ -250,12 +250,7 @@ def test_cross_attention_fit_matches_stock_with_batched_matmuls_in_the_graph_tha
 
     monkeypatch.setattr(state, "tuner", lambda: PickForm(form, "attention", strict=True))
     x, y = _cross_data()
-    models = {}
-    for on in (False, True):
-        tfmx.enable(backend="cpu", patterns=["attention"]) if on else tfmx.disable()
-        model = _cross_model(dropout, causal)
-        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
-        models[on] = model
+    models, _ = fit_stock_and_tfmx(lambda: _cross_model(dropout, causal), x, y, ["attention"])
     assert _fused_bmm_ran(models[True].train_function, form)
     stats = tfmx.report().patterns["attention"]
     assert stats.fused == 1 and set(stats.fused_kinds) == {stage.LABELS[form]}, tfmx.report()
