@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, KeysView, Mapping
 
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2
 from tensorflow.python.framework import op_def_registry
@@ -342,6 +342,22 @@ def function_def_ref(ref: str, sizes: list[tuple[str, int]] | None) -> str:
     raise ValueError(f"port out of range in {ref!r}")
 
 
+def _arg_specs(
+    fdef: function_pb2.FunctionDef,
+) -> dict[str, tuple[int, tuple[int | None, ...] | None]]:
+    """Each argument of ``fdef``: its dtype (enum) and static shape (``_output_shapes``; None
+    unknown), by name."""
+    specs = {}
+    for index, arg in enumerate(fdef.signature.input_arg):
+        attrs = fdef.arg_attr[index].attr if index in fdef.arg_attr else {}
+        shapes = attrs["_output_shapes"].list.shape if "_output_shapes" in attrs else []
+        shape = None
+        if len(shapes) == 1 and not shapes[0].unknown_rank:
+            shape = tuple(d.size if d.size >= 0 else None for d in shapes[0].dim)
+        specs[arg.name] = (arg.type, shape)
+    return specs
+
+
 class FunctionBody:
     """A FunctionDef body converted to GraphDef-style inputs, and back.
 
@@ -361,7 +377,8 @@ class FunctionBody:
         library: dict[str, function_pb2.FunctionDef],
     ) -> None:
         self.fdef = fdef
-        self.args = {a.name for a in fdef.signature.input_arg}
+        self.arg_specs = _arg_specs(fdef)
+        """Each argument's dtype (enum) and static shape (``_output_shapes``; None unknown)."""
         self._sizes: dict[str, list[tuple[str, int]] | None] = {}
         self.nodes = []
         for original in fdef.node_def:
@@ -375,17 +392,9 @@ class FunctionBody:
         self.ret = {k: self._to_flat(v) for k, v in fdef.ret.items()}
 
     @property
-    def arg_specs(self) -> dict[str, tuple[int, tuple[int | None, ...] | None]]:
-        """Each argument's dtype (enum) and static shape (``_output_shapes``; None unknown)."""
-        specs = {}
-        for index, arg in enumerate(self.fdef.signature.input_arg):
-            attrs = self.fdef.arg_attr[index].attr if index in self.fdef.arg_attr else {}
-            shapes = attrs["_output_shapes"].list.shape if "_output_shapes" in attrs else []
-            shape = None
-            if len(shapes) == 1 and not shapes[0].unknown_rank:
-                shape = tuple(d.size if d.size >= 0 else None for d in shapes[0].dim)
-            specs[arg.name] = (arg.type, shape)
-        return specs
+    def args(self) -> KeysView[str]:
+        """The arguments' names."""
+        return self.arg_specs.keys()
 
     @property
     def protected(self) -> set[str]:
