@@ -26,9 +26,8 @@ import re
 
 from fusion.graph import GraphView, parse_input
 from fusion.pattern import RewriteContext, Target, register
+from fusion.stage import GRADIENT_SCOPES
 from fusion.stages.rnn import KIND_LABELS, SCOPE
-
-GRADIENT_SCOPES = ("gradient_tape/", "gradients/")
 
 CUDNN_OPS = ("CudnnRNNV3", "CudnnRNNBackpropV3")
 UNIT_OPS = ("While", "StatelessWhile", "CudnnRNNV3")
