@@ -306,12 +306,14 @@ def xla_region(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def with_xla(ctx: StageContext, candidates: dict, forward: Callable[..., Any], shapes: list,
-             dtype: Any, variables: Any = ()) -> dict:
+             dtype: Any, variables: Any = (), compiled: bool = False) -> dict:
     """``candidates`` plus, where ``ctx`` allows XLA, the region ``forward`` compiled by XLA
-    (:func:`xla_region`), timed as the others (:func:`timed_form`)."""
+    (:func:`xla_region`; ``compiled``: ``forward`` calls its own regions), timed as the
+    others (:func:`timed_form`)."""
     if not ctx.xla:
         return candidates
-    return {**candidates, XLA: timed_form(xla_region(forward), shapes, dtype, variables)}
+    region = forward if compiled else xla_region(forward)
+    return {**candidates, XLA: timed_form(region, shapes, dtype, variables)}
 
 
 def rewrite_call(ctx: StageContext, family: str, scope: str, labels: dict[str, str], *,

@@ -19,6 +19,7 @@ from helpers import (
 )
 
 import tfmx
+from fusion.stage import XLA, XLA_CALLS
 from fusion.stages import gelu as stage
 
 # Every match rewritten, whatever the tuner would measure here (tests/conftest.py).
@@ -78,11 +79,16 @@ def test_a_16_bit_input_also_gets_the_float32_forms_last(backend, approximate):
 
 
 # Roundings of each float32 form's gradient to the 16-bit dtype: dy (the loss's, float32)
-# rounded on the way in and the product on the way out; the kept slope once more.
-GRADIENT_ROUNDINGS = {"custom upcast": 2, stage.SLOPE_KEPT: 3}
+# rounded on the way in and the product on the way out; the kept slope once more (the XLA
+# region keeps it too).
+GRADIENT_ROUNDINGS = {"custom upcast": 2, stage.SLOPE_KEPT: 3, XLA: 3}
+# Each form computed in float32 for a 16-bit input, called as fn(x, approximate, erfc)
+# (the XLA region computes the CDF with XLA's own Erf whatever the backend's kernels).
+WIDE_FORMS = {"custom upcast": stage.gelu_upcast, stage.SLOPE_KEPT: stage.gelu_slope_kept,
+              XLA: lambda x, approximate=False, erfc=False: stage.gelu_xla_slope(x, approximate)}
 
 
-@pytest.mark.parametrize("name", UPCAST_FORMS)
+@pytest.mark.parametrize("name", sorted(WIDE_FORMS))
 @pytest.mark.parametrize("form", ["exact", "exact erfc", "approximate"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_the_float32_forms_of_a_16_bit_input_round_once_or_twice(name, form, dtype):
@@ -91,7 +97,7 @@ def test_the_float32_forms_of_a_16_bit_input_round_once_or_twice(name, form, dty
     three times (:data:`GRADIENT_ROUNDINGS`); and within the composite's roundings of
     TensorFlow's 16-bit GELU."""
     approximate = form == "approximate"
-    fn = {"custom upcast": stage.gelu_upcast, stage.SLOPE_KEPT: stage.gelu_slope_kept}[name]
+    fn = WIDE_FORMS[name]
     x = tf.cast(tf.constant(np.linspace(-7.0, 7.0, 4001), tf.float32), dtype)
     got = _value_and_gradient(lambda v: fn(v, approximate, erfc=form == "exact erfc"), x)
     assert got[0].dtype == np.float64 and fn(x, approximate).dtype == x.dtype
@@ -104,18 +110,22 @@ def test_the_float32_forms_of_a_16_bit_input_round_once_or_twice(name, form, dty
         assert_within_rounding(g, s, GELU_TERMS, dtype=dtype, what=f"output {i}")
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_the_kept_slope_form_multiplies_once_in_the_backward(dtype):
-    """What makes the kept-slope form faster: its gradient adds one 16-bit Mul to the graph,
-    no Cast and no float32 op."""
+@pytest.mark.parametrize("name,dtype", [
+    (stage.SLOPE_KEPT, "bfloat16"), (stage.SLOPE_KEPT, "float16"),
+    (XLA, "bfloat16"), (XLA, "float16"), (XLA, "float32")])
+def test_the_kept_slope_forms_multiply_once_in_the_backward(name, dtype):
+    """What makes the kept-slope forms faster: the gradient adds one Mul in the input's dtype
+    to the graph, no Cast and no float32 op; the XLA region is one call in the forward."""
     from collections import Counter
+
+    fn = WIDE_FORMS[name]
 
     def graph_ops(gradient: bool) -> Counter:
         @tf.function(autograph=False)
         def step(x, dy):
             with tf.GradientTape() as tape:
                 tape.watch(x)
-                y = stage.gelu_slope_kept(x)
+                y = fn(x)
             return tape.gradient(y, x, output_gradients=dy) if gradient else y
 
         spec = tf.TensorSpec([4, 8], dtype)
@@ -123,8 +133,22 @@ def test_the_kept_slope_form_multiplies_once_in_the_backward(dtype):
         return Counter((op.type, op.outputs[0].dtype.name if op.outputs else None)
                        for op in graph.get_operations() if op.type not in ("Const", "Identity"))
 
-    added = graph_ops(True) - graph_ops(False)
-    assert added == Counter({("Mul", dtype): 1}), added
+    forward = graph_ops(False)
+    assert graph_ops(True) - forward == Counter({("Mul", dtype): 1})
+    if name == XLA:
+        calls = sum(n for (op, _), n in forward.items() if op in XLA_CALLS)
+        assert calls == 1 and not any(op in ("Erf", "Exp") for op, _ in forward), forward
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+def test_the_xla_region_is_the_closed_form_in_float32(approximate):
+    """In float32 the region computes the closed form's arithmetic, with XLA's Erf, Exp and
+    Tanh in place of TensorFlow's kernels."""
+    x = tf.constant(np.linspace(-7.0, 7.0, 4001), tf.float32)
+    got = _value_and_gradient(lambda v: stage.gelu_xla_slope(v, approximate), x)
+    want = _value_and_gradient(lambda v: stage.gelu_custom(v, approximate), x)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_within_rounding(g, w, 2 * TRANSCENDENTAL, what=f"output {i}")
 
 
 def test_declines_what_it_cannot_take():
@@ -169,7 +193,7 @@ def test_fit_matches_stock_with_the_closed_form_in_the_graph_that_ran():
     assert_models_within_rounding(models[False], models[True], initial, 8 * step)
 
 
-@pytest.mark.parametrize("form", UPCAST_FORMS)
+@pytest.mark.parametrize("form", [*UPCAST_FORMS, XLA])
 def test_mixed_bfloat16_fit_matches_stock_with_the_float32_form_in_the_graph_that_ran(
         monkeypatch, form):
     from tfmx import state
@@ -189,10 +213,10 @@ def test_mixed_bfloat16_fit_matches_stock_with_the_float32_form_in_the_graph_tha
     label = stage.LABELS[form]
     assert stats.fused == 3 and set(stats.fused_kinds) == {label}, stats
     assert stats.observed[label] >= 3
-    # 2 steps; the kept-slope form rounds the derivative once more than the float32 one
+    # 2 steps; the kept-slope forms round the derivative once more than the float32 one
     reference = fit_float32_reference(_model, x, y, epochs=1)
     assert_no_further_from_float32(reference, models[False], models[True], initial,
-                                   no_further_terms(2, extra=int(form == stage.SLOPE_KEPT)))
+                                   no_further_terms(2, extra=int(form != "custom upcast")))
 
 
 @pytest.mark.parametrize("form", UPCAST_FORMS)

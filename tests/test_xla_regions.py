@@ -101,8 +101,9 @@ def test_fit_with_an_xla_region_matches_stock(monkeypatch, kind):
         model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
         models[on] = model
     assert chooser.offered and all(chooser.offered.values())
-    # the region and its gradient, compiled by XLA, in the function that ran
-    assert len(_xla_functions(models[True].train_function)) >= 2
+    # the region and its gradient (the GELU's is one multiplication, outside XLA), compiled by
+    # XLA, in the function that ran
+    assert len(_xla_functions(models[True].train_function)) >= (1 if kind == "gelu" else 2)
     assert not _xla_functions(models[False].train_function)
     stats = tfmx.report().patterns[family]
     assert stats.fused == 1 and set(stats.fused_kinds) == {LABELS[kind]}, tfmx.report()
