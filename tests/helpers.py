@@ -19,6 +19,19 @@ def nodes_that_ran(fn) -> list:
     return nodes
 
 
+def xla_functions(fn) -> list:
+    """The functions XLA must compile in every graph Keras's step function traced."""
+    import fusion.pipeline
+
+    fn = getattr(fn, "__wrapped__", fn)
+    found = []
+    for target in [fn] + [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]:
+        for cf in getattr(target, "_list_all_concrete_functions", lambda: [])():
+            found += [f for f in cf.graph.as_graph_def().library.function
+                      if fusion.pipeline.compiled_by_xla(f)]
+    return found
+
+
 def ops_that_ran(fn) -> set[str]:
     """Op types in every graph (and function library) Keras's step function traced."""
     return {n.op for n in nodes_that_ran(fn)}

@@ -14,6 +14,7 @@ from helpers import (
     fit_float32_reference,
     no_further_terms,
     nodes_that_ran,
+    xla_functions,
 )
 
 import tfmx
@@ -75,7 +76,7 @@ def test_each_form_and_its_gradient_match_keras(name, form):
     layer = keras.layers.LayerNormalization(**kwargs)
     run, first = _against_keras(layer, shape, lambda x, first: stage.FORMS[form][0](
         x, stage._value(layer.gamma), stage._value(layer.beta), first, layer.epsilon))
-    onednn = form in ("onednn", stage.ONEDNN_16)  # the 16-bit one is the other on float32
+    onednn = form.startswith("onednn")  # the 16-bit ones are the others on float32
     if onednn and first != len(shape) - 1:  # the kernel normalizes one axis
         assert "last axis alone" in stage.onednn_blocker(first, tf.zeros(shape),
                                                          get_backend("cpu"))
@@ -189,7 +190,8 @@ def _assert_fused_twice_and_within_rounding(models: dict, label: str) -> None:
         assert_within_rounding(b.numpy(), a.numpy(), FIT_TERMS, what=a.name)
 
 
-@pytest.mark.parametrize("form", sorted(set(stage.FORMS) - {stage.ONEDNN_16}))
+@pytest.mark.parametrize("form", sorted(
+    set(stage.FORMS) - {stage.ONEDNN_16, stage.ONEDNN_16 + stage.XLA_GRADIENT}))
 def test_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, form):
     from tfmx import state
 
@@ -198,11 +200,13 @@ def test_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, form
     if form == "fused":
         assert {"FusedBatchNormV3", "FusedBatchNormGradV3"} <= ran
         assert "FusedBatchNormV3" not in stock
-    elif form == "onednn":
-        assert stage.ONEDNN_OP in ran and stage.ONEDNN_OP not in stock
-        assert "RsqrtGrad" in stock and "RsqrtGrad" not in ran
     else:  # the closed-form gradient: no autodiff of Rsqrt, fewer ops than Keras's
         assert "RsqrtGrad" in stock and "RsqrtGrad" not in ran
+    if form.startswith("onednn"):
+        assert stage.ONEDNN_OP in ran and stage.ONEDNN_OP not in stock
+    # the gradient compiled by XLA: one region per layer, in the step that ran
+    compiled = len(xla_functions(models[True].train_function))
+    assert compiled == (2 if form.endswith(stage.XLA_GRADIENT) else 0), compiled
     _assert_fused_twice_and_within_rounding(models, stage.FORMS[form][1])
 
 
@@ -250,13 +254,13 @@ def test_the_16_bit_onednn_form_matches_keras_within_bfloat16_roundings():
                                what=f"output {i}")
 
 
+@pytest.mark.parametrize("form", [stage.ONEDNN_16, stage.ONEDNN_16 + stage.XLA_GRADIENT])
 def test_mixed_bfloat16_fit_matches_stock_with_the_16_bit_kernel_in_the_graph_that_ran(
-        monkeypatch):
+        monkeypatch, form):
     from tfmx import state
 
     _needs_the_bfloat16_kernel()
-    monkeypatch.setattr(state, "tuner", lambda: PickForm(stage.ONEDNN_16, "layer_norm",
-                                                          strict=True))
+    monkeypatch.setattr(state, "tuner", lambda: PickForm(form, "layer_norm", strict=True))
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     try:
         initial = [v.numpy() for v in _encoder().weights]
@@ -267,8 +271,10 @@ def test_mixed_bfloat16_fit_matches_stock_with_the_16_bit_kernel_in_the_graph_th
     kernels = [n for n in graphs if n.op == stage.ONEDNN_OP]
     assert kernels and all(n.attr["T"].type == tf.bfloat16.as_datatype_enum for n in kernels)
     assert stage.ONEDNN_OP not in stock
+    compiled = len(xla_functions(models[True].train_function))
+    assert compiled == (2 if form.endswith(stage.XLA_GRADIENT) else 0), compiled
     stats = tfmx.report().patterns["layer_norm"]
-    label = stage.FORMS[stage.ONEDNN_16][1]
+    label = stage.FORMS[form][1]
     assert stats.fused == 2 and set(stats.fused_kinds) == {label} and not stats.declined
     assert stats.observed[label] >= 2
     rng = np.random.default_rng(1)

@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import TRANSCENDENTAL, assert_models_within_rounding
+from helpers import TRANSCENDENTAL, assert_models_within_rounding, xla_functions
 
 import fusion
 import tfmx
@@ -29,17 +29,6 @@ class _PickXla:
         if self.form in candidates:
             candidates = {self.form: None}
         return RewriteAlways().choose(family, signature, candidates, conservative)
-
-
-def _xla_functions(fn) -> list:
-    """The functions XLA must compile in every graph Keras's step function traced."""
-    fn = getattr(fn, "__wrapped__", fn)
-    found = []
-    for target in [fn] + [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]:
-        for cf in getattr(target, "_list_all_concrete_functions", lambda: [])():
-            found += [f for f in cf.graph.as_graph_def().library.function
-                      if fusion.pipeline.compiled_by_xla(f)]
-    return found
 
 
 T, D = 6, 8
@@ -103,8 +92,8 @@ def test_fit_with_an_xla_region_matches_stock(monkeypatch, kind):
     assert chooser.offered and all(chooser.offered.values())
     # the region and its gradient (the GELU's is one multiplication, outside XLA), compiled by
     # XLA, in the function that ran
-    assert len(_xla_functions(models[True].train_function)) >= (1 if kind == "gelu" else 2)
-    assert not _xla_functions(models[False].train_function)
+    assert len(xla_functions(models[True].train_function)) >= (1 if kind == "gelu" else 2)
+    assert not xla_functions(models[False].train_function)
     stats = tfmx.report().patterns[family]
     assert stats.fused == 1 and set(stats.fused_kinds) == {LABELS[kind]}, tfmx.report()
     assert stats.observed[LABELS[kind]] >= 1
@@ -173,7 +162,7 @@ def test_a_norm_and_its_residual_add_as_one_xla_region_match_stock(monkeypatch, 
         models[on] = model
     (signature,) = chooser.offered
     assert chooser.offered[signature] and signature.endswith("after a residual Add")
-    functions = _xla_functions(models[True].train_function)
+    functions = xla_functions(models[True].train_function)
     assert len(functions) >= 2
     # the sum inside the region: an AddV2 feeding the norm's statistics in XLA's function
     assert any(n.op == "AddV2" for f in functions for n in f.node_def)
@@ -235,7 +224,7 @@ def test_a_feed_forward_block_kept_as_two_layers(monkeypatch):
                           for o in blocks)
     assert blocks[0]["signature"] == ("feed-forward input 8x6x16 float32: Dense(32, gelu) -> "
                                       "Dense(16, linear)")
-    assert not _xla_functions(model.train_function)
+    assert not xla_functions(model.train_function)
     stats = tfmx.report().patterns
     assert stats["feed_forward"].fused == 0 and stats["gelu"].fused == 1, tfmx.report()
 

@@ -24,10 +24,11 @@ from __future__ import annotations
 from fusion.graph import GraphView
 from fusion.pattern import RewriteContext, register
 from fusion.stage import XLA_CALLS, emitted_units
-from fusion.stages.layer_norm import LABELS, ONEDNN_16, SCOPE
+from fusion.stages.layer_norm import LABELS, ONEDNN_16, SCOPE, XLA_GRADIENT
 
-_MARKS = {"fused": frozenset({"FusedBatchNormV3"}), "custom": frozenset({"Rsqrt"}),
-          "onednn": frozenset({"_MklLayerNorm"}), ONEDNN_16: frozenset({"_MklLayerNorm"}),
+_KERNELS = {"fused": frozenset({"FusedBatchNormV3"}), "custom": frozenset({"Rsqrt"}),
+            "onednn": frozenset({"_MklLayerNorm"}), ONEDNN_16: frozenset({"_MklLayerNorm"})}
+_MARKS = {**_KERNELS, **{name + XLA_GRADIENT: ops for name, ops in _KERNELS.items()},
           "rms custom": frozenset({"Rsqrt"}), "xla": XLA_CALLS, "rms xla": XLA_CALLS,
           "residual xla": XLA_CALLS, "rms residual xla": XLA_CALLS}
 

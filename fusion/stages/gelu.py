@@ -190,19 +190,15 @@ def gelu_xla_slope(x: tf.Tensor, approximate: bool = False) -> tf.Tensor:
     the backward is one multiplication, outside XLA. For a float32 ``x`` the arithmetic is
     :func:`gelu_custom`'s; a 16-bit ``x`` rounds as :func:`gelu_slope_kept` does.
 
-    >>> import numpy as np, tensorflow as tf
-    >>> x = tf.constant(np.linspace(-4.0, 4.0, 9, dtype="float32"))
+    >>> import tensorflow as tf
+    >>> x = tf.constant([-1.0, 0.0, 2.0], tf.bfloat16)
     >>> with tf.GradientTape() as tape:
     ...     _ = tape.watch(x)
     ...     y = gelu_xla_slope(x)
-    >>> dx = tape.gradient(y, x)
-    >>> with tf.GradientTape() as tape:
-    ...     _ = tape.watch(x)
-    ...     expected = tf.nn.gelu(x, approximate=False)
-    >>> bool(np.allclose(y, expected, atol=1e-6))
-    True
-    >>> bool(np.allclose(dx, tape.gradient(expected, x), atol=1e-6))
-    True
+    >>> y.dtype.name, [round(float(v), 2) for v in y]
+    ('bfloat16', [-0.16, 0.0, 1.95])
+    >>> [round(float(v), 2) for v in tape.gradient(y, x)]
+    [-0.08, 0.5, 1.09]
     """
     region = xla_region(lambda v: _value_and_slope(v, approximate, False))
 
