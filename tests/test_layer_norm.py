@@ -292,11 +292,12 @@ RMS_CASES = {  # name: (input shape, layer kwargs)
 }
 
 
+@pytest.mark.parametrize("form", sorted(stage.RMS_FORMS))
 @pytest.mark.parametrize("name", sorted(RMS_CASES))
-def test_rms_form_and_its_gradient_match_keras(name):
+def test_rms_form_and_its_gradient_match_keras(name, form):
     shape, kwargs = RMS_CASES[name]
     layer = keras.layers.RMSNormalization(**kwargs)
-    run, first = _against_keras(layer, shape, lambda x, first: stage.rms_norm_custom(
+    run, first = _against_keras(layer, shape, lambda x, first: stage.RMS_FORMS[form][0](
         x, stage._value(layer.scale), first, layer.epsilon))
     stock_ops = {n.op for n in run.get_concrete_function(False).graph.as_graph_def().node}
     fused_ops = {n.op for n in run.get_concrete_function(True).graph.as_graph_def().node}
@@ -326,7 +327,13 @@ def _rms_decoder(seed: int = 0) -> keras.Model:
     return model
 
 
-def test_rms_fit_matches_stock_with_the_form_in_the_graph_that_ran():
+@pytest.mark.parametrize("form", ["custom", "custom" + stage.XLA_GRADIENT])
+def test_rms_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, form):
+    from tfmx import state
+
+    monkeypatch.setattr(state, "tuner", lambda: PickForm(form, "layer_norm", strict=True))
     models, ran, stock = _fit_stock_and_fused(_rms_decoder)
     assert "RsqrtGrad" in stock and "RsqrtGrad" not in ran
-    _assert_fused_twice_and_within_rounding(models, stage.RMS_FORMS["rms custom"][1])
+    compiled = len(xla_functions(models[True].train_function))
+    assert compiled == (2 if form.endswith(stage.XLA_GRADIENT) else 0), compiled
+    _assert_fused_twice_and_within_rounding(models, stage.RMS_FORMS[f"rms {form}"][1])

@@ -29,7 +29,8 @@ from fusion.stages.layer_norm import LABELS, ONEDNN_16, SCOPE, XLA_GRADIENT
 _KERNELS = {"fused": frozenset({"FusedBatchNormV3"}), "custom": frozenset({"Rsqrt"}),
             "onednn": frozenset({"_MklLayerNorm"}), ONEDNN_16: frozenset({"_MklLayerNorm"})}
 _MARKS = {**_KERNELS, **{name + XLA_GRADIENT: ops for name, ops in _KERNELS.items()},
-          "rms custom": frozenset({"Rsqrt"}), "xla": XLA_CALLS, "rms xla": XLA_CALLS,
+          "rms custom": frozenset({"Rsqrt"}), "rms custom" + XLA_GRADIENT: frozenset({"Rsqrt"}),
+          "xla": XLA_CALLS, "rms xla": XLA_CALLS,
           "residual xla": XLA_CALLS, "rms residual xla": XLA_CALLS}
 
 

@@ -294,12 +294,14 @@ FORMS = {**_PLAIN_FORMS,
 """The correct forms besides Keras's composite: name -> (function, report label)."""
 
 
-def rms_norm_custom(x: tf.Tensor, scale: Any, first_axis: int, epsilon: float) -> tf.Tensor:
+def rms_norm_custom(x: tf.Tensor, scale: Any, first_axis: int, epsilon: float,
+                    xla_gradient: bool = False) -> tf.Tensor:
     """RMS norm over the axes ``first_axis:`` (``x * rsqrt(mean(x^2) + epsilon) * scale``, as
     Keras's ``RMSNormalization``) with its gradient in closed form:
     ``dx = inv * (g - xhat * mean(g * xhat))``, ``g = dy * scale``, ``xhat = x * inv``.
     No kernel computes RMS norm (batch norm subtracts a mean), so this is the one form besides
-    Keras's composite. Computed in float32 for 16-bit inputs, cast back to ``x``'s dtype.
+    Keras's composite. Computed in float32 for 16-bit inputs, cast back to ``x``'s dtype; with
+    ``xla_gradient`` the gradient is one XLA-compiled region.
 
     >>> import keras, numpy as np
     >>> x = tf.constant(np.arange(1, 13, dtype="float32").reshape(2, 2, 3))
@@ -315,27 +317,29 @@ def rms_norm_custom(x: tf.Tensor, scale: Any, first_axis: int, epsilon: float) -
     leading = list(range(first_axis))
     args = [] if scale is None else [scale]
 
+    def backward(dy, xhat, inv, *weights):
+        g = dy if not weights else dy * tf.cast(weights[0], tf.float32)
+        dx = inv * (g - xhat * tf.reduce_mean(g * xhat, axes, keepdims=True))
+        if not weights:
+            return dx
+        return dx, tf.cast(tf.reduce_sum(dy * xhat, leading), weights[0].dtype)
+
+    backward = xla_region(backward) if xla_gradient else backward
+
     @tf.custom_gradient
     def norm(x32, *weights):
         inv = tf.math.rsqrt(tf.reduce_mean(x32 * x32, axes, keepdims=True) + epsilon)
         xhat = x32 * inv
-        s32 = tf.cast(weights[0], tf.float32) if weights else None
-        y = xhat if s32 is None else xhat * s32
-
-        def grad(dy):
-            g = dy if s32 is None else dy * s32
-            dx = inv * (g - xhat * tf.reduce_mean(g * xhat, axes, keepdims=True))
-            if not weights:
-                return dx
-            return dx, tf.cast(tf.reduce_sum(dy * xhat, leading), weights[0].dtype)
-
-        return y, grad
+        y = xhat if not weights else xhat * tf.cast(weights[0], tf.float32)
+        return y, lambda dy: backward(dy, xhat, inv, *weights)
 
     y = norm(x32, *args)
     return y if dtype == tf.float32 else tf.cast(y, dtype)
 
 
-RMS_FORMS = {"rms custom": (rms_norm_custom, RMS_LABEL)}
+RMS_FORMS = {"rms custom": (rms_norm_custom, RMS_LABEL),
+             "rms custom" + XLA_GRADIENT: (functools.partial(rms_norm_custom, xla_gradient=True),
+                                          RMS_LABEL + ", the gradient one XLA-compiled region")}
 """The correct form of ``RMSNormalization`` besides Keras's composite."""
 
 
@@ -547,12 +551,17 @@ def fused_rms_call(ctx: StageContext, original: Callable, layer: Any, inputs: An
     inputs = tf.convert_to_tensor(inputs)
     first, why = find_rms_norm(layer, inputs)
 
-    def custom(x: Any) -> Any:
-        return rms_norm_custom(x, _value(layer.scale), first, layer.epsilon)
+    def emit(name: str) -> Callable[[Any], Any]:
+        def form(x: Any) -> Any:
+            return RMS_FORMS[f"rms {name}"][0](x, _value(layer.scale), first, layer.epsilon)
+
+        return form
+
+    names = ["custom"] + (["custom" + XLA_GRADIENT] if ctx.xla else [])
 
     signature = f"RMSNormalization input {shape_text(inputs.shape)} {inputs.dtype.name} " \
                 f"axes {first}"
-    return _rewrite(ctx, original, layer, inputs, first, why, {"custom": custom}, "rms ",
+    return _rewrite(ctx, original, layer, inputs, first, why, {n: emit(n) for n in names}, "rms ",
                     signature)
 
 
