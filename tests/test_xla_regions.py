@@ -21,11 +21,13 @@ class _PickXla:
     def __init__(self, form: str = XLA) -> None:
         self.form = form
         self.offered: dict[str, bool] = {}
+        self.names: set[str] = set()  # every candidate's name
 
     def choose(self, family, signature, candidates, conservative):
         from fusion.pattern import RewriteAlways
 
         self.offered[signature] = self.form in candidates
+        self.names.update(candidates)
         if self.form in candidates:
             candidates = {self.form: None}
         return RewriteAlways().choose(family, signature, candidates, conservative)
@@ -115,6 +117,11 @@ def test_no_xla_region_with_dropout_or_with_xla_off(monkeypatch):
     tfmx.enable(backend="cpu", patterns=["layer_norm"], guard=False, xla=False)
     _model("layer_norm").fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert len(chooser.offered) == 2 and not any(chooser.offered.values()), chooser.offered
+    # nor a form with a region inside (the norms' gradients, the GELU's value and derivative)
+    tfmx.enable(backend="cpu", patterns=["gelu"], guard=False, xla=False)
+    _model("gelu").fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert not [name for name in chooser.names if "xla" in name], chooser.names
+    assert "onednn" in chooser.names and "custom" in chooser.names  # the test can see forms
 
 
 def test_passes_leave_functions_xla_compiles_as_they_are():
