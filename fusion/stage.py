@@ -305,14 +305,13 @@ def xla_region(fn: Callable[..., Any]) -> Callable[..., Any]:
     return tf.function(body, jit_compile=True, autograph=False)
 
 
-def with_xla(ctx: StageContext, candidates: dict, forward: Callable[..., Any], shapes: list,
-             dtype: Any, variables: Any = (), compiled: bool = False) -> dict:
-    """``candidates`` plus, where ``ctx`` allows XLA, the region ``forward`` compiled by XLA
-    (:func:`xla_region`; ``compiled``: ``forward`` calls its own regions), timed as the
+def with_xla(ctx: StageContext, candidates: dict, region: Callable[..., Any], shapes: list,
+             dtype: Any, variables: Any = ()) -> dict:
+    """``candidates`` plus, where ``ctx`` allows XLA, the form ``region`` (a computation
+    compiled by XLA: :func:`xla_region`, or a form that calls such regions), timed as the
     others (:func:`timed_form`)."""
     if not ctx.xla:
         return candidates
-    region = forward if compiled else xla_region(forward)
     return {**candidates, XLA: timed_form(region, shapes, dtype, variables)}
 
 

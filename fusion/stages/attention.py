@@ -221,7 +221,7 @@ def _candidates(ctx: StageContext, layer: Any, original: Callable, shapes: list,
              for name, form in (("einsum", None), *((f, f) for f in forms))}
     if "bmm dropout" in forms:
         return timed
-    return with_xla(ctx, timed, forward(None), shapes, dtype)
+    return with_xla(ctx, timed, xla_region(forward(None)), shapes, dtype)
 
 
 def _xla(layer: Any, original: Callable, query: Any, key: Any, value: Any, mask: Any,
@@ -313,7 +313,7 @@ def fused_dot_product_attention(ctx: StageContext, original: Callable, query: An
         shapes = [t.shape for t in (query, key, value)]
         timed = {"einsum": timed_form(keras, shapes, query.dtype),
                  **{f: timed_form(form_of(f), shapes, query.dtype) for f in forms}}
-        return with_xla(ctx, timed, keras, shapes, query.dtype)
+        return with_xla(ctx, timed, xla_region(keras), shapes, query.dtype)
 
     return _rewrite(ctx, "dot_product_attention", why, forms, signature, candidates, keras,
                     lambda form: form_of(form)(query, key, value), prefix="sdpa ")

@@ -268,7 +268,7 @@ def fused_gelu(ctx: StageContext, original: Callable, x: Any, approximate: bool 
         timed = {"composite": timed_form(lambda v: original(v, approximate), [x.shape], x.dtype),
                  **{name: timed_form(f, [x.shape], x.dtype) for name, f in forms.items()}}
         return with_xla(ctx, timed, lambda v: gelu_xla_slope(v, approximate), [x.shape],
-                        x.dtype, compiled=True)
+                        x.dtype)
 
     def emit(form: str) -> Any:
         return gelu_xla_slope(x, approximate) if form == XLA else forms[form](x)

@@ -461,7 +461,8 @@ def _rewrite(ctx: StageContext, original: Callable, layer: Any, inputs: tf.Tenso
         if residual is None:
             timed = {name: timed_form(f, [inputs.shape], inputs.dtype, variables)
                      for name, f in every.items()}
-            return with_xla(ctx, timed, keras_form, [inputs.shape], inputs.dtype, variables)
+            return with_xla(ctx, timed, xla_region(keras_form), [inputs.shape], inputs.dtype,
+                            variables)
         shapes = [t.shape for t in residual]
         every[XLA] = xla_region(keras_form)
         timed = {name: timed_form(summed(f), shapes, inputs.dtype, variables)
