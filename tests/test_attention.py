@@ -59,6 +59,19 @@ def _fused_bmm_ran(fn, form: str) -> bool:
     return any(n.op == "BatchMatMulV2" and scope in n.name for n in nodes_that_ran(fn))
 
 
+def _assert_fused_once_as(label: str) -> None:
+    """The attention family fused one call, as ``label``, and observed it in the graph."""
+    stats = tfmx.report().patterns["attention"]
+    assert stats.fused == 1 and set(stats.fused_kinds) == {label}, tfmx.report()
+    assert stats.observed[label] >= 1
+
+
+def _assert_weights_within(models: dict, terms: int) -> None:
+    """The stock and tfmx fits' weights within ``terms`` roundings of each other."""
+    for a, b in zip(models[False].weights, models[True].weights):
+        assert_within_rounding(b.numpy(), a.numpy(), terms, what=a.name)
+
+
 # A step: the projections (D terms), the scores (KEY_DIM), softmax over T (TRANSCENDENTAL + T),
 # the weighted sum (T), the output projection, pooling and the Dense; backward twice that;
 # 6 steps (2 epochs of 3 batches).
@@ -87,11 +100,8 @@ def test_fit_matches_stock_with_batched_matmuls_in_the_graph_that_ran(monkeypatc
         model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
         models[on] = model
     assert _fused_bmm_ran(models[True].train_function, form)
-    stats = tfmx.report().patterns["attention"]
-    assert stats.fused == 1 and set(stats.fused_kinds) == {stage.LABELS[form]}, tfmx.report()
-    assert stats.observed[stage.LABELS[form]] >= 1
-    for a, b in zip(models[False].weights, models[True].weights):
-        assert_within_rounding(b.numpy(), a.numpy(), FIT, what=a.name)
+    _assert_fused_once_as(stage.LABELS[form])
+    _assert_weights_within(models, FIT)
 
 
 def test_forms_match_keras_dot_product_attention_and_its_gradient():
@@ -192,10 +202,7 @@ def test_mixed_bfloat16_fit_with_the_folded_form_in_the_graph_that_ran(monkeypat
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert "BatchMatMulV2" in ops_that_ran(models[True].train_function)
-    stats = tfmx.report().patterns["attention"]
-    label = stage.LABELS["bmm folded"]
-    assert stats.fused == 1 and set(stats.fused_kinds) == {label}, tfmx.report()
-    assert stats.observed[label] >= 1
+    _assert_fused_once_as(stage.LABELS["bmm folded"])
     # 6 steps; the folded form rounds the scaled query once more
     reference = fit_float32_reference(lambda: _model(causal=True, key_dim=6), x, y)
     assert_no_further_from_float32(reference, models[False], models[True], initial,
@@ -252,11 +259,8 @@ def test_cross_attention_fit_matches_stock_with_batched_matmuls_in_the_graph_tha
     x, y = _cross_data()
     models, _ = fit_stock_and_tfmx(lambda: _cross_model(dropout, causal), x, y, ["attention"])
     assert _fused_bmm_ran(models[True].train_function, form)
-    stats = tfmx.report().patterns["attention"]
-    assert stats.fused == 1 and set(stats.fused_kinds) == {stage.LABELS[form]}, tfmx.report()
-    assert stats.observed[stage.LABELS[form]] >= 1
-    for a, b in zip(models[False].weights, models[True].weights):
-        assert_within_rounding(b.numpy(), a.numpy(), CROSS_FIT, what=a.name)
+    _assert_fused_once_as(stage.LABELS[form])
+    _assert_weights_within(models, CROSS_FIT)
 
 
 def test_declines_with_a_reason():
@@ -332,11 +336,8 @@ def test_ops_dot_product_attention_matches_stock(monkeypatch, form, causal):
     assert "BatchMatMulV2" in ops_that_ran(models[True].train_function)
     assert "Einsum" not in ops_that_ran(models[True].train_function)
     label = stage.LABELS[f"sdpa {form}"]
-    stats = tfmx.report().patterns["attention"]
-    assert stats.fused == 1 and set(stats.fused_kinds) == {label}, tfmx.report()
-    assert stats.observed[label] >= 1
-    for a, b in zip(models[False].weights, models[True].weights):
-        assert_within_rounding(b.numpy(), a.numpy(), FIT, what=a.name)
+    _assert_fused_once_as(label)
+    _assert_weights_within(models, FIT)
 
 
 @needs_onednn("on")
