@@ -282,15 +282,22 @@ def layer_norm_onednn_16(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
 ONEDNN_16 = "onednn 16 bit"
 XLA_GRADIENT = " xla gradient"
 """The suffix of a form's name whose gradient is one XLA-compiled region."""
+
+
+def _xla_gradient_form(form: tuple[Callable, str]) -> tuple[Callable, str]:
+    """``form`` (function, report label) with its gradient compiled by XLA."""
+    fn, label = form
+    return (functools.partial(fn, xla_gradient=True),
+            label + ", the gradient one XLA-compiled region")
+
+
 _PLAIN_FORMS = {
     "fused": (layer_norm, LABEL), "custom": (layer_norm_custom, CUSTOM_LABEL),
     "onednn": (layer_norm_onednn, ONEDNN_LABEL),
     ONEDNN_16: (layer_norm_onednn_16, ONEDNN_LABEL + ", the kernel in the 16-bit input's dtype "
                                                      "(statistics float32)")}
-FORMS = {**_PLAIN_FORMS,
-         **{name + XLA_GRADIENT: (functools.partial(_PLAIN_FORMS[name][0], xla_gradient=True),
-                                  _PLAIN_FORMS[name][1] + ", the gradient one XLA-compiled region")
-            for name in ("custom", "onednn", ONEDNN_16)}}
+FORMS = {**_PLAIN_FORMS, **{name + XLA_GRADIENT: _xla_gradient_form(_PLAIN_FORMS[name])
+                            for name in ("custom", "onednn", ONEDNN_16)}}
 """The correct forms besides Keras's composite: name -> (function, report label)."""
 
 
@@ -338,8 +345,7 @@ def rms_norm_custom(x: tf.Tensor, scale: Any, first_axis: int, epsilon: float,
 
 
 RMS_FORMS = {"rms custom": (rms_norm_custom, RMS_LABEL),
-             "rms custom" + XLA_GRADIENT: (functools.partial(rms_norm_custom, xla_gradient=True),
-                                          RMS_LABEL + ", the gradient one XLA-compiled region")}
+             "rms custom" + XLA_GRADIENT: _xla_gradient_form((rms_norm_custom, RMS_LABEL))}
 """The correct form of ``RMSNormalization`` besides Keras's composite."""
 
 
