@@ -168,9 +168,15 @@ def gelu_slope_kept(x: tf.Tensor, approximate: bool = False, erfc: bool = False)
     >>> [round(float(v), 2) for v in y], [round(float(v), 2) for v in tape.gradient(y, x)]
     ([-0.16, 0.0, 1.95], [-0.08, 0.5, 1.09])
     """
+    return _slope_kept(x, lambda v: _value_and_slope(v, approximate, erfc))
+
+
+def _slope_kept(x: tf.Tensor, compute: Callable[[tf.Tensor], Any]) -> tf.Tensor:
+    """``x``'s GELU from ``compute(x) -> (value, derivative)``, its gradient ``dy`` times the
+    derivative computed there."""
     @tf.custom_gradient
     def gelu(x: tf.Tensor) -> Any:
-        y, kept = _value_and_slope(x, approximate, erfc)
+        y, kept = compute(x)
         return y, lambda dy: dy * kept
 
     return gelu(x)
@@ -200,14 +206,7 @@ def gelu_xla_slope(x: tf.Tensor, approximate: bool = False) -> tf.Tensor:
     >>> [round(float(v), 2) for v in tape.gradient(y, x)]
     [-0.08, 0.5, 1.09]
     """
-    region = xla_region(lambda v: _value_and_slope(v, approximate, False))
-
-    @tf.custom_gradient
-    def gelu(x: tf.Tensor) -> Any:
-        y, kept = region(x)
-        return y, lambda dy: dy * kept
-
-    return gelu(x)
+    return _slope_kept(x, xla_region(lambda v: _value_and_slope(v, approximate, False)))
 
 
 def _decline(x: Any) -> str | None:
