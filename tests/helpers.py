@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 
+def traced_graphs(fn) -> list:
+    """The GraphDef (with its function library) of every graph Keras's step function traced."""
+    fn = getattr(fn, "__wrapped__", fn)
+    candidates = [fn] + [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]
+    return [cf.graph.as_graph_def() for target in candidates
+            for cf in getattr(target, "_list_all_concrete_functions", lambda: [])()]
+
+
 def nodes_that_ran(fn) -> list:
     """Every node (NodeDef, with its attributes) of every graph and function library Keras's
     step function traced."""
-    fn = getattr(fn, "__wrapped__", fn)
     nodes: list = []
-    candidates = [fn] + [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]
-    for target in candidates:
-        if hasattr(target, "_list_all_concrete_functions"):
-            for cf in target._list_all_concrete_functions():
-                g = cf.graph.as_graph_def()
-                nodes.extend(g.node)
-                for f in g.library.function:
-                    nodes.extend(f.node_def)
+    for g in traced_graphs(fn):
+        nodes.extend(g.node)
+        for f in g.library.function:
+            nodes.extend(f.node_def)
     return nodes
 
 
@@ -23,13 +26,8 @@ def xla_functions(fn) -> list:
     """The functions XLA must compile in every graph Keras's step function traced."""
     import fusion.pipeline
 
-    fn = getattr(fn, "__wrapped__", fn)
-    found = []
-    for target in [fn] + [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]:
-        for cf in getattr(target, "_list_all_concrete_functions", lambda: [])():
-            found += [f for f in cf.graph.as_graph_def().library.function
-                      if fusion.pipeline.compiled_by_xla(f)]
-    return found
+    return [f for g in traced_graphs(fn) for f in g.library.function
+            if fusion.pipeline.compiled_by_xla(f)]
 
 
 def ops_that_ran(fn) -> set[str]:
