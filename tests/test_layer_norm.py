@@ -182,6 +182,13 @@ def _fit_stock_and_fused(build) -> tuple[dict, set, set]:
             ops_that_ran(models[False].train_function))
 
 
+def _assert_gradient_regions(models: dict, form: str) -> None:
+    """The tfmx step holds one XLA-compiled gradient per norm layer (two) where ``form`` has
+    its gradient compiled by XLA, and none otherwise."""
+    compiled = len(xla_functions(models[True].train_function))
+    assert compiled == (2 if form.endswith(stage.XLA_GRADIENT) else 0), compiled
+
+
 def _assert_fused_twice_and_within_rounding(models: dict, label: str) -> None:
     stats = tfmx.report().patterns["layer_norm"]
     assert stats.fused == 2 and set(stats.fused_kinds) == {label} and not stats.declined
@@ -205,8 +212,7 @@ def test_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, form
     if form.startswith("onednn"):
         assert stage.ONEDNN_OP in ran and stage.ONEDNN_OP not in stock
     # the gradient compiled by XLA: one region per layer, in the step that ran
-    compiled = len(xla_functions(models[True].train_function))
-    assert compiled == (2 if form.endswith(stage.XLA_GRADIENT) else 0), compiled
+    _assert_gradient_regions(models, form)
     _assert_fused_twice_and_within_rounding(models, stage.FORMS[form][1])
 
 
@@ -271,8 +277,7 @@ def test_mixed_bfloat16_fit_matches_stock_with_the_16_bit_kernel_in_the_graph_th
     kernels = [n for n in graphs if n.op == stage.ONEDNN_OP]
     assert kernels and all(n.attr["T"].type == tf.bfloat16.as_datatype_enum for n in kernels)
     assert stage.ONEDNN_OP not in stock
-    compiled = len(xla_functions(models[True].train_function))
-    assert compiled == (2 if form.endswith(stage.XLA_GRADIENT) else 0), compiled
+    _assert_gradient_regions(models, form)
     stats = tfmx.report().patterns["layer_norm"]
     label = stage.FORMS[form][1]
     assert stats.fused == 2 and set(stats.fused_kinds) == {label} and not stats.declined
@@ -334,6 +339,5 @@ def test_rms_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, 
     monkeypatch.setattr(state, "tuner", lambda: PickForm(form, "layer_norm", strict=True))
     models, ran, stock = _fit_stock_and_fused(_rms_decoder)
     assert "RsqrtGrad" in stock and "RsqrtGrad" not in ran
-    compiled = len(xla_functions(models[True].train_function))
-    assert compiled == (2 if form.endswith(stage.XLA_GRADIENT) else 0), compiled
+    _assert_gradient_regions(models, form)
     _assert_fused_twice_and_within_rounding(models, stage.RMS_FORMS[f"rms {form}"][1])
