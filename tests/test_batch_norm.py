@@ -21,6 +21,7 @@ from helpers import (
     exact_patterns,
     float_tolerance,
     needs_onednn,
+    nodes_that_ran,
 )
 
 import fusion
@@ -87,16 +88,7 @@ def data(kind: str, n: int = 32) -> tuple[np.ndarray, np.ndarray]:
 
 def train_ops(model: keras.Model) -> collections.Counter:
     """Op counts over every graph (and function library) the train step traced."""
-    fn = getattr(model.train_function, "__wrapped__", model.train_function)
-    counts: collections.Counter = collections.Counter()
-    targets = [fn] + [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]
-    for target in targets:
-        for cf in getattr(target, "_list_all_concrete_functions", lambda: [])():
-            g = cf.graph.as_graph_def()
-            counts.update(n.op for n in g.node)
-            for f in g.library.function:
-                counts.update(n.op for n in f.node_def)
-    return counts
+    return collections.Counter(n.op for n in nodes_that_ran(model.train_function))
 
 
 def run(enable: bool, kind: str, **kwargs) -> dict:

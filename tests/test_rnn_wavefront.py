@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_within_rounding, needs_onednn
+from helpers import assert_within_rounding, needs_onednn, nodes_that_ran
 
 import tfmx
 from fusion import stage
@@ -87,15 +87,11 @@ def test_pair_kernels_match_two_keras_loops(kind, return_sequences, use_bias, dr
 def _wavefronts(model: keras.Model) -> dict[str, int]:
     """Op counts under the wavefront scopes of the graph the train step traced (the
     forward: its custom gradient's ops are named where TensorFlow builds the backward)."""
-    fn = getattr(model.train_function, "__wrapped__", model.train_function)
     counts: dict[str, int] = {}
-    for target in [fn] + [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]:
-        for cf in getattr(target, "_list_all_concrete_functions", lambda: [])():
-            g = cf.graph.as_graph_def()
-            for node in [*g.node, *(n for f in g.library.function for n in f.node_def)]:
-                if "_" + rnn.WAVEFRONT + "/" in node.name and not node.name.startswith(
-                        stage.GRADIENT_SCOPES):
-                    counts[node.op] = counts.get(node.op, 0) + 1
+    for node in nodes_that_ran(model.train_function):
+        if "_" + rnn.WAVEFRONT + "/" in node.name and not node.name.startswith(
+                stage.GRADIENT_SCOPES):
+            counts[node.op] = counts.get(node.op, 0) + 1
     return counts
 
 
