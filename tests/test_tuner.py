@@ -204,8 +204,9 @@ def test_the_cache_is_reused_by_a_second_process(cache_dir):
 
 
 @pytest.mark.parametrize("field,value", [("tensorflow", "2.99.0"), ("onednn", "flipped"),
-                                         ("cpu", {"model": "another CPU"})])
-def test_the_cache_is_invalidated_by_another_tensorflow_onednn_state_or_cpu(
+                                         ("cpu", {"model": "another CPU"}),
+                                         ("code", "another tfmx")])
+def test_the_cache_is_invalidated_by_another_tensorflow_onednn_state_cpu_or_code(
         cache_dir, monkeypatch, field, value):
     Tuner("auto", TuningCache.for_backend("cpu"), _timer({"a": 2.0, "b": 1.0})).choose(
         "f", "s", {"a": None, "b": None}, "a")
@@ -221,6 +222,21 @@ def test_the_cache_is_invalidated_by_another_tensorflow_onednn_state_or_cpu(
     d = Tuner("auto", TuningCache.for_backend("cpu"), timer).choose(
         "f", "s", {"a": None, "b": None}, "a")
     assert (d.choice, d.source, len(timer.calls)) == ("a", "measured", 1)
+
+
+def test_the_code_digest_follows_every_source_file_of_the_packages(tmp_path, monkeypatch):
+    package = tmp_path / "formsdemo"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "forms.py").write_text("def gelu(x):\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(tuner_mod, "CODE_PACKAGES", ("formsdemo",))
+    digest = tuner_mod.code_digest.__wrapped__
+    first = digest()
+    assert digest() == first
+    (package / "sub" / "forms.py").write_text("def gelu(x):\n    return 2 * x\n")
+    assert digest() != first
+    assert tuner_mod.code_digest() != first  # the installed packages, not the demo
 
 
 def test_export_and_import_preseed_another_machine(cache_dir, tmp_path, monkeypatch):

@@ -31,9 +31,11 @@ Modes (``tfmx.enable(tune=...)`` or the environment variable ``TFMX_TUNE``):
 The cache is one JSON file per machine under :func:`cache_dir` (``$TFMX_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/tfmx``, else ``~/.cache/tfmx``), named by a hash of the machine's
 :func:`fingerprint`: the CPU model, family and relevant flags, the TensorFlow version, the
-oneDNN state and the backend. A new TensorFlow, oneDNN switched the other way or another
-processor reads another file, so nothing measured elsewhere is reused. :func:`export_cache` and
-:func:`import_cache` carry a file to identical machines (preseed a fleet).
+oneDNN state, the backend and tfmx's own code (:func:`code_digest`). A new TensorFlow, oneDNN
+switched the other way, another processor or another tfmx reads another file, so nothing
+measured elsewhere is reused, and a form reimplemented under the same name is measured again.
+:func:`export_cache` and :func:`import_cache` carry a file to identical machines running the
+same tfmx (preseed a fleet).
 
 Example (injected timings: the tuner keeps the faster form and says so):
     >>> from tfmx.tuner import Tuner
@@ -49,7 +51,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -158,11 +162,40 @@ def cache_dir() -> Path:
     return Path(base) / "tfmx"
 
 
+CODE_PACKAGES = ("tfmx", "fusion", "policies")
+"""The packages whose source decides what a form is (:func:`code_digest`)."""
+
+
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+    """A hash of tfmx's own source (every ``.py`` file of :data:`CODE_PACKAGES`).
+
+    A candidate's name says which form it is, not how that form is built: a form rebuilt under
+    its old name (the GELU's ``xla`` region became one loop computing value and derivative)
+    would otherwise keep the choice measured of its predecessor. With the code in the
+    fingerprint, another tfmx measures again.
+
+    >>> len(code_digest()), code_digest() == code_digest()
+    (16, True)
+    """
+    digest = hashlib.sha1()
+    for package in CODE_PACKAGES:
+        spec = importlib.util.find_spec(package)
+        if spec is None or spec.origin is None:
+            continue
+        root = Path(spec.origin).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(path.relative_to(root.parent).as_posix().encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def fingerprint(backend: str) -> dict[str, Any]:
-    """What a measurement is a fact about: processor, TensorFlow, oneDNN state, backend.
+    """What a measurement is a fact about: processor, TensorFlow, oneDNN state, backend and
+    tfmx's code.
 
     >>> sorted(fingerprint("cpu"))  # doctest: +NORMALIZE_WHITESPACE
-    ['backend', 'cpu', 'format', 'keras', 'onednn', 'tensorflow']
+    ['backend', 'code', 'cpu', 'format', 'keras', 'onednn', 'tensorflow']
     """
     from tfmx import machine
 
@@ -175,6 +208,7 @@ def fingerprint(backend: str) -> dict[str, Any]:
         "tensorflow": info.get("tensorflow"),
         "keras": info.get("keras"),
         "onednn": info.get("onednn"),
+        "code": code_digest(),
     }
 
 
@@ -499,8 +533,8 @@ def export_cache(path: str | os.PathLike, backend: str = "cpu") -> Path:
 def import_cache(path: str | os.PathLike, force: bool = False) -> int:
     """Merge an exported file into this machine's cache; returns the decisions added.
 
-    A file from a machine with another fingerprint (processor, TensorFlow, oneDNN state) is
-    refused with a ValueError saying what differs, unless ``force=True``.
+    A file from a machine with another fingerprint (processor, TensorFlow, oneDNN state, tfmx's
+    code) is refused with a ValueError saying what differs, unless ``force=True``.
     """
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or "fingerprint" not in data or "decisions" not in data:
@@ -511,11 +545,12 @@ def import_cache(path: str | os.PathLike, force: bool = False) -> int:
         differs = sorted(k for k in set(theirs) | set(cache.fingerprint)
                          if theirs.get(k) != cache.fingerprint.get(k))
         raise ValueError(
-            f"{path} was measured on another machine (differs in {', '.join(differs)}); its "
-            "timings are not facts about this one. Pass force=True (tfmx tune --import FILE "
-            "--force) to use them anyway.")
+            f"{path} was measured on another machine or by another tfmx (differs in "
+            f"{', '.join(differs)}); its timings are not facts about this one. Pass force=True "
+            "(tfmx tune --import FILE --force) to use them anyway.")
     return cache.merge(data["decisions"])
 
 
-__all__ = ["Decision", "MODES", "Timings", "Tuner", "TuningCache", "cache_dir", "export_cache",
-           "fingerprint", "import_cache", "measure", "resolve_mode", "sign_test", "within_noise"]
+__all__ = ["CODE_PACKAGES", "Decision", "MODES", "Timings", "Tuner", "TuningCache", "cache_dir",
+           "code_digest", "export_cache", "fingerprint", "import_cache", "measure",
+           "resolve_mode", "sign_test", "within_noise"]
