@@ -186,7 +186,10 @@ def code_digest() -> str:
         root = Path(spec.origin).parent
         for path in sorted(root.rglob("*.py")):
             digest.update(path.relative_to(root.parent).as_posix().encode())
-            digest.update(path.read_bytes())
+            try:
+                digest.update(path.read_bytes())
+            except OSError:  # unreadable: its name still counts
+                continue
     return digest.hexdigest()[:16]
 
 
