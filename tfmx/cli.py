@@ -110,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     tune = sub.add_parser(
         "tune", help="this machine's tuning cache: show, export, import, clear",
         description="tfmx times correct alternatives on each machine and caches the choices "
-                    "per machine (CPU, TensorFlow, oneDNN state, backend). Without an option: "
+                    "per machine (CPU, TensorFlow, oneDNN state, backend) and tfmx version (a "
+                    "hash of its source). Without an option: "
                     "show where the cache is and what it holds.")
     tune.add_argument("--backend", default="cpu", choices=("cpu", "cuda", "metal"),
                       help="whose cache (default cpu)")
