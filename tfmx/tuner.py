@@ -69,10 +69,6 @@ MODES = ("auto", "cached", "off")
 ENV_MODE = "TFMX_TUNE"
 ENV_DIR = "TFMX_CACHE_DIR"
 ENV_BUDGET = "TFMX_TUNE_BUDGET"
-CACHE_FORMAT = 6  # 2: tf.square loss (not a Pow); 3: sign test; 4: regions vs kernel forms;
-# 5: fragments fetch their outputs (before, Grappler pruned a stateless fragment: nothing ran);
-# 6: a stage's candidates in the layer's autocast dtype and through the step's GraphDef passes,
-# and measured for DECISION_SECONDS per candidate
 
 DEFAULT_BUDGET_S = 30.0
 """Seconds one rewrite may spend measuring (``TFMX_TUNE_BUDGET``); what is left unmeasured
@@ -198,14 +194,13 @@ def fingerprint(backend: str) -> dict[str, Any]:
     tfmx's code.
 
     >>> sorted(fingerprint("cpu"))  # doctest: +NORMALIZE_WHITESPACE
-    ['backend', 'code', 'cpu', 'format', 'keras', 'onednn', 'tensorflow']
+    ['backend', 'code', 'cpu', 'keras', 'onednn', 'tensorflow']
     """
     from tfmx import machine
 
     info = machine.fingerprint()
     cpu = info.get("cpu", {})
     return {
-        "format": CACHE_FORMAT,
         "backend": backend,
         "cpu": {k: cpu.get(k) for k in ("vendor", "model", "family", "model_number", "flags")},
         "tensorflow": info.get("tensorflow"),
