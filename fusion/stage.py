@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import re
 import threading
@@ -303,6 +304,44 @@ def xla_region(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args)
 
     return tf.function(body, jit_compile=True, autograph=False)
+
+
+def custom_gradient(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``tf.custom_gradient(fn)`` whose backward ops are named as TensorFlow names the gradient
+    of a registered op: under ``gradient_tape/<the forward's name scope>/``. TensorFlow calls a
+    custom gradient's function outside any scope, so its ops would otherwise be named ``mul``,
+    ``Sum_3``... at the top of the graph: a profile could not say whose backward they are, and
+    ``policies.audit`` would count their casts as the forward's.
+
+    >>> import tensorflow as tf
+    >>> @custom_gradient
+    ... def double(x):
+    ...     return 2.0 * x, lambda dy: dy * 2.0
+    >>> @tf.function
+    ... def step(x):
+    ...     with tf.GradientTape() as tape:
+    ...         tape.watch(x)
+    ...         with tf.name_scope("block"):
+    ...             y = double(x)
+    ...     return tape.gradient(y, x)
+    >>> graph = step.get_concrete_function(tf.TensorSpec([2])).graph
+    >>> [op.name for op in graph.get_operations() if op.type == "Mul"][-1]
+    'gradient_tape/block/mul'
+    """
+    import tensorflow as tf
+
+    @functools.wraps(fn)
+    def forward(*args: Any) -> Any:
+        outputs, gradient = fn(*args)
+        scope = tf.get_current_name_scope()
+
+        def named(*dys: Any) -> Any:
+            with tf.name_scope(f"gradient_tape/{scope}/" if scope else "gradient_tape/"):
+                return gradient(*dys)
+
+        return outputs, named
+
+    return tf.custom_gradient(forward)
 
 
 def with_xla(ctx: StageContext, candidates: dict, region: Callable[..., Any], shapes: list,

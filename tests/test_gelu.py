@@ -15,6 +15,7 @@ from helpers import (
     fit_float32_reference,
     fit_stock_and_tfmx,
     no_further_terms,
+    nodes_that_ran,
     ops_that_ran,
 )
 
@@ -188,6 +189,11 @@ def test_fit_matches_stock_with_the_closed_form_in_the_graph_that_ran():
     stats = tfmx.report().patterns["gelu"]
     assert stats.fused == 3 and set(stats.fused_kinds) == {stage.LABELS["custom"]}, stats
     assert stats.observed[stage.LABELS["custom"]] >= 3
+    # the closed-form derivative's ops are named under the gradient tape and the form's scope,
+    # as TensorFlow names a registered gradient's (a profile can say whose backward they are)
+    backward = {n.op for n in nodes_that_ran(models[True].train_function)
+                if n.name.startswith("gradient_tape/") and f"/{stage.SCOPE}_custom/" in n.name}
+    assert {"Mul", "Exp"} <= backward, backward
     # 8 steps of three Dense layers of 8-16 terms, their GELUs and derivatives, the softmax
     step = 3 * (8 + 16 + 16 + 16) + 3 * GELU_TERMS + 20
     assert_models_within_rounding(models[False], models[True], initial, 8 * step)

@@ -86,7 +86,7 @@ def test_pair_kernels_match_two_keras_loops(kind, return_sequences, use_bias, dr
 
 def _wavefronts(model: keras.Model) -> dict[str, int]:
     """Op counts under the wavefront scopes of the graph the train step traced (the
-    forward: its custom gradient's ops are named where TensorFlow builds the backward)."""
+    forward: its custom gradient's ops are under the gradient tape's scope)."""
     counts: dict[str, int] = {}
     for node in nodes_that_ran(model.train_function):
         if "_" + rnn.WAVEFRONT + "/" in node.name and not node.name.startswith(

@@ -66,6 +66,7 @@ from fusion.stage import (
     Hook,
     Stage,
     StageContext,
+    custom_gradient,
     register_stage,
     rewrite_call,
     timed_form,
@@ -146,7 +147,7 @@ def gelu_custom(x: tf.Tensor, approximate: bool = False, erfc: bool = False) -> 
     ``0.5 * erfc(-x / sqrt(2))`` (the forward then equals ``tf.nn.gelu``'s bit for bit; a
     backend may have one kernel and not the other: tensorflow-metal lists Erfc, not Erf)."""
 
-    @tf.custom_gradient
+    @custom_gradient
     def gelu(x: tf.Tensor) -> Any:
         y, slope = _tanh(x) if approximate else _exact(x, erfc)
         return y, lambda dy: dy * slope()
@@ -174,7 +175,7 @@ def gelu_slope_kept(x: tf.Tensor, approximate: bool = False, erfc: bool = False)
 def _slope_kept(x: tf.Tensor, compute: Callable[[tf.Tensor], Any]) -> tf.Tensor:
     """``x``'s GELU from ``compute(x) -> (value, derivative)``, its gradient ``dy`` times the
     derivative computed there."""
-    @tf.custom_gradient
+    @custom_gradient
     def gelu(x: tf.Tensor) -> Any:
         y, kept = compute(x)
         return y, lambda dy: dy * kept

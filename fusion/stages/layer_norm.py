@@ -59,6 +59,7 @@ from fusion.stage import (
     Hook,
     Stage,
     StageContext,
+    custom_gradient,
     functional_neighbours,
     register_stage,
     rewrite_call,
@@ -143,7 +144,7 @@ def layer_norm_custom(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
 
     backward = xla_region(backward) if xla_gradient else backward
 
-    @tf.custom_gradient
+    @custom_gradient
     def norm(x32, *weights):
         xhat, inv = _normalized(x32, axes, epsilon)
         y = xhat
@@ -247,7 +248,7 @@ def layer_norm_onednn(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
 
     backward = xla_region(backward) if xla_gradient else backward
 
-    @tf.custom_gradient
+    @custom_gradient
     def norm(flat, *weights):
         g32 = tf.cast(weights[0], tf.float32) if gamma is not None else None
         b32 = tf.cast(weights[-1], tf.float32) if beta is not None else None
@@ -333,7 +334,7 @@ def rms_norm_custom(x: tf.Tensor, scale: Any, first_axis: int, epsilon: float,
 
     backward = xla_region(backward) if xla_gradient else backward
 
-    @tf.custom_gradient
+    @custom_gradient
     def norm(x32, *weights):
         inv = tf.math.rsqrt(tf.reduce_mean(x32 * x32, axes, keepdims=True) + epsilon)
         xhat = x32 * inv

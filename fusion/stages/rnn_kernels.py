@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from fusion.stage import custom_gradient
+
 PARALLEL_ITERATIONS = 32  # as keras.ops.rnn
 CHUNKS = 5  # default loops per sequence, so big MatMuls overlap the recurrence (_lstm_core)
 
@@ -215,7 +217,7 @@ def _lstm_core(xps, h0, c0, rk, masks, sequence=True, training=True, steps=LOOPE
             hs.append(hs_j)
         return (tf.concat(hs, 0), h, c) if sequence else (h, c)
 
-    @tf.custom_gradient
+    @custom_gradient
     def core(*args):
         xps, (h0, c0, rk) = args[:k], args[k:]
         h, c, chunks = h0, c0, []
@@ -301,7 +303,7 @@ def _gru_core_after(xps, h0, rk, brec, masks, sequence=True, training=True, step
             hs.append(hs_j)
         return (tf.concat(hs, 0), h) if sequence else h
 
-    @tf.custom_gradient
+    @custom_gradient
     def core(*args):
         xps, (h0, rk, brec) = args[:k], args[k:]
         h, chunks = h0, []
@@ -392,7 +394,7 @@ def _gru_core_before(xp, h0, rk, mask, sequence=True, training=True, steps=LOOPE
         _, (h_t,), hs, _ = _forward(xp, (h0,), mask, cell, sequence, 0, steps)
         return (hs, h_t) if sequence else h_t
 
-    @tf.custom_gradient
+    @custom_gradient
     def core(xp, h0, rk):
         rk_zr, rk_h = rk[:, : 2 * units], rk[:, 2 * units:]
         n, (h_t,), hs, (rec, rhs) = _forward(xp, (h0,), mask,

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from fusion.stage import custom_gradient
 from fusion.stages.rnn_kernels import (
     flat,
     gru_after_back,
@@ -91,7 +92,7 @@ def lstm_pair(sequences: tf.Tensor, low_states: Sequence[tf.Tensor], low_weights
     steps = int(xp.shape[0])
     b2 = tf.zeros([4 * units2], k2.dtype) if b2 is None else b2
 
-    @tf.custom_gradient
+    @custom_gradient
     def core(xp, h1, c1, h2, c2, r1, k2, r2, b2):
         xs = tf.unstack(xp, num=steps)
         before1, ins2, before2, saved1, saved2, hs2 = [], [], [], [], [], []
@@ -162,7 +163,7 @@ def gru_pair(sequences: tf.Tensor, low_state: tf.Tensor, low_weights: Sequence,
     xp = _time_major_projection(sequences, k1, bin1)
     steps = int(xp.shape[0])
 
-    @tf.custom_gradient
+    @custom_gradient
     def core(xp, h1, h2, r1, brec1, k2, bin2, r2, brec2):
         xs = tf.unstack(xp, num=steps)
         low, up = gru_after_cell(r1, brec1, True), gru_after_cell(r2, brec2, True)
