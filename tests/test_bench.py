@@ -198,6 +198,18 @@ def test_markdown_gives_the_per_round_ratios():
                     "(0.800-0.825); tfmx/xla 0.889 (0.889-0.917); xla/stock 0.900 (0.900-0.900)")
 
 
+def test_markdown_says_when_a_run_was_noisy():
+    quiet = result("on", stock=10.0, tfmx=8.0)
+    assert "noisy" not in format_markdown([quiet])
+    r = result("on", stock=10.0, tfmx=8.0)
+    r["modes"]["stock"].update(p25_ms=9.0, p75_ms=12.5)  # a busy neighbour: 35 % of 10 ms
+    r["modes"]["tfmx"].update(p25_ms=7.9, p75_ms=8.6)  # 9 %: within NOISY_SPREAD
+    line = next(x for x in format_markdown([r]).splitlines() if x.startswith("A noisy run"))
+    assert line.startswith("A noisy run (oneDNN on): stock's p25-p75 spread is 35% of its "
+                           "median (over 10%).")
+    assert "tfmx's" not in line
+
+
 def test_onednn_line_says_when_the_state_came_from_the_calling_process():
     r = result("on", stock=1.0, isolated=False)
     r["env"]["onednn_env"] = None

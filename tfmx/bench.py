@@ -789,6 +789,25 @@ def paired_ratios(timing: Mapping[str, Mapping[str, Any]]) -> dict[str, tuple[fl
     return out
 
 
+NOISY_SPREAD = 0.10
+"""A mode whose p25-p75 spread is over this fraction of its median ran in a noisy spell: the
+markdown says so beside the table (:func:`noisy_modes`). A reading aid, not a decision."""
+
+
+def noisy_modes(timing: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """Each mode whose p25-p75 spread is over :data:`NOISY_SPREAD` of its median, with that
+    fraction: on a shared machine a busy neighbour widens it, and a ratio of medians moves
+    with the load (the per-round ratios of :func:`paired_ratios` move less).
+
+    >>> noisy_modes({"stock": {"median_ms": 50.0, "p25_ms": 47.0, "p75_ms": 71.0},
+    ...              "tfmx": {"median_ms": 30.0, "p25_ms": 29.5, "p75_ms": 30.5}})
+    {'stock': 0.48}
+    """
+    spreads = {mode: (t["p75_ms"] - t["p25_ms"]) / t["median_ms"] for mode, t in timing.items()
+               if t.get("median_ms")}
+    return {mode: round(f, 3) for mode, f in spreads.items() if f > NOISY_SPREAD}
+
+
 def _ratios(timing: dict[str, dict]) -> dict[str, float]:
     """``m/stock`` for every mode timed beside stock, and ``tfmx/xla``, of the medians."""
     ratios = {
@@ -1326,6 +1345,15 @@ def _format_workload(by_state: Mapping[str, Mapping[str, Any]], replicas: bool =
                 f"| {state if state != '?' else '-'} | {mode} | {t['median_ms']:.2f} | "
                 f"{t['p25_ms']:.2f}-{t['p75_ms']:.2f} | {t['min_ms']:.2f} | {_ratio(vs[0])} | "
                 f"{_ratio(vs[1])} | {t['first_call_s']:.1f} |")
+    for state, result in by_state.items():
+        noisy = noisy_modes(result["modes"])
+        if noisy:
+            where = "" if state == "?" else f" (oneDNN {state})"
+            lines += ["", f"A noisy run{where}: " + ", ".join(
+                f"{mode}'s p25-p75 spread is {f:.0%} of its median" for mode, f in noisy.items())
+                + f" (over {NOISY_SPREAD:.0%}). The machine was busy: a ratio of medians moves "
+                "with the load, the per-round ratios (each round's modes paired) less; run "
+                "again before reading a few points into it."]
     paired = [(s, paired_ratios(result["modes"])) for s, result in by_state.items()
               if all("rounds_ms" in t for t in result["modes"].values())]
     for state, ratios in paired:
@@ -1416,6 +1444,7 @@ def format_markdown(results: Mapping[str, Any] | Iterable[Mapping[str, Any]]) ->
 
 __all__ = [
     "MODES",
+    "NOISY_SPREAD",
     "ONEDNN_CHOICES",
     "REPLICA_TOLERANCE",
     "WORKLOADS",
@@ -1431,6 +1460,7 @@ __all__ = [
     "format_onednn",
     "format_replica_setup",
     "format_replicas",
+    "noisy_modes",
     "onednn_state",
     "onednn_states",
     "replica_modes",
