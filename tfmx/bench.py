@@ -1312,6 +1312,12 @@ def format_replicas(results: Iterable[Mapping[str, Any]],
     return "\n".join(lines)
 
 
+def _in_state(state: str) -> str:
+    """`` (oneDNN on)`` after a line of a workload's section, nothing where the state was not
+    recorded (``?``)."""
+    return "" if state == "?" else f" (oneDNN {state})"
+
+
 def _format_workload(by_state: Mapping[str, Mapping[str, Any]], replicas: bool = False) -> str:
     """One workload's section: per state and mode, the timing and the in-process ratios."""
     r = next(iter(by_state.values()))
@@ -1348,8 +1354,7 @@ def _format_workload(by_state: Mapping[str, Mapping[str, Any]], replicas: bool =
     for state, result in by_state.items():
         noisy = noisy_modes(result["modes"])
         if noisy:
-            where = "" if state == "?" else f" (oneDNN {state})"
-            lines += ["", f"A noisy run{where}: " + ", ".join(
+            lines += ["", f"A noisy run{_in_state(state)}: " + ", ".join(
                 f"{mode}'s p25-p75 spread is {f:.0%} of its median" for mode, f in noisy.items())
                 + f" (over {NOISY_SPREAD:.0%}). The machine was busy: a ratio of medians moves "
                 "with the load, the per-round ratios (each round's modes paired) less; run "
@@ -1358,8 +1363,7 @@ def _format_workload(by_state: Mapping[str, Mapping[str, Any]], replicas: bool =
               if all("rounds_ms" in t for t in result["modes"].values())]
     for state, ratios in paired:
         if ratios:
-            where = "" if state == "?" else f" (oneDNN {state})"
-            lines += ["", f"Per-round ratios{where}, median (p25-p75): " + "; ".join(
+            lines += ["", f"Per-round ratios{_in_state(state)}, median (p25-p75): " + "; ".join(
                 f"{name} {m:.3f} ({lo:.3f}-{hi:.3f})" for name, (m, lo, hi) in ratios.items())]
     traces = [(s, t) for s, result in by_state.items() for t in result.get("rewrite") or []]
     if traces:
@@ -1374,16 +1378,15 @@ def _format_workload(by_state: Mapping[str, Mapping[str, Any]], replicas: bool =
     if len(fused) == 1:
         state, n = fused[0]
         lines += ["", f"tfmx fused {n} chain(s)/update(s)"
-                      f"{'' if state == '?' else f' (oneDNN {state})'}."]
+                      f"{_in_state(state)}."]
     elif fused:
         lines += ["", "tfmx fused chain(s)/update(s): "
                       + ", ".join(f"{n} with oneDNN {s}" for s, n in fused) + "."]
     for state, result in by_state.items():
         for g in result.get("guard") or []:
-            where = "" if state == "?" else f" (oneDNN {state})"
-            lines.append(f"whole-step guard{where}: {g['function']} kept {g['kept']} (fused "
-                         f"{g['fused_ms']:.2f} ms, stock {g['stock_ms']:.2f} ms over "
-                         f"{g['pairs']} pairs; {g['reason']})")
+            lines.append(f"whole-step guard{_in_state(state)}: {g['function']} kept "
+                         f"{g['kept']} (fused {g['fused_ms']:.2f} ms, stock "
+                         f"{g['stock_ms']:.2f} ms over {g['pairs']} pairs; {g['reason']})")
     return "\n".join(lines)
 
 
