@@ -287,23 +287,36 @@ XLA = "xla"  # the name of the XLA-compiled form of a region among a decision's 
 XLA_CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})  # how a region is called
 
 
-def xla_region(fn: Callable[..., Any]) -> Callable[..., Any]:
+def xla_region(fn: Callable[..., Any], bfloat16_bits: bool = False) -> Callable[..., Any]:
     """``fn`` as one function compiled by XLA (``jit_compile=True``; TensorFlow compiles its
     gradient function too), traced with no stage active: XLA fuses the region itself, and
-    the GraphDef passes leave functions XLA must compile as they are.
+    the GraphDef passes leave functions XLA must compile as they are. With
+    ``bfloat16_bits`` its bfloat16 outputs are rounded by integer operations inside the region
+    and read back with a ``Bitcast`` (:mod:`fusion.bfloat16_bits`: the same bits, no gradient
+    through them: for regions no gradient is taken of).
 
     >>> import tensorflow as tf
     >>> region = xla_region(lambda x: tf.nn.relu(x) * 2.0)
     >>> region(tf.constant([-1.0, 3.0])).numpy().tolist()
     [0.0, 6.0]
+    >>> narrow = xla_region(lambda x: tf.cast(x * 2.0, tf.bfloat16), bfloat16_bits=True)
+    >>> y = narrow(tf.constant([-1.0, 3.0]))
+    >>> y.dtype.name, y.numpy().tolist()
+    ('bfloat16', [-2.0, 6.0])
     """
     import tensorflow as tf
 
+    from fusion import bfloat16_bits as bits
+
     def body(*args: Any) -> Any:
         with tracing(None):
-            return fn(*args)
+            out = fn(*args)
+        return tf.nest.map_structure(bits.encoded, out) if bfloat16_bits else out
 
-    return tf.function(body, jit_compile=True, autograph=False)
+    compiled = tf.function(body, jit_compile=True, autograph=False)
+    if not bfloat16_bits:
+        return compiled
+    return lambda *args: bits.decoded(compiled(*args))
 
 
 def custom_gradient(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -54,6 +54,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -61,6 +62,7 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.eager import execute
 
+from fusion.bfloat16_bits import integer_rounding
 from fusion.stage import (
     XLA,
     Hook,
@@ -191,11 +193,14 @@ def _value_and_slope(x: tf.Tensor, approximate: bool, erfc: bool) -> tuple[tf.Te
     return tf.cast(y, x.dtype), tf.cast(slope(), x.dtype)
 
 
-def gelu_xla_slope(x: tf.Tensor, approximate: bool = False) -> tf.Tensor:
+def gelu_xla_slope(x: tf.Tensor, approximate: bool = False,
+                   bfloat16_bits: bool = False) -> tf.Tensor:
     """GELU of ``x`` and its derivative computed in one XLA-compiled region (float32 inside: one
     fused loop that reads ``x`` once and writes both), the derivative kept in ``x``'s dtype;
     the backward is one multiplication, outside XLA. For a float32 ``x`` the arithmetic is
-    :func:`gelu_custom`'s; a 16-bit ``x`` rounds as :func:`gelu_slope_kept` does.
+    :func:`gelu_custom`'s; a 16-bit ``x`` rounds as :func:`gelu_slope_kept` does. With
+    ``bfloat16_bits`` a bfloat16 ``x``'s two results are rounded by integer operations in the
+    region's loop (:mod:`fusion.bfloat16_bits`: the same bits as XLA's convert).
 
     >>> import tensorflow as tf
     >>> x = tf.constant([-1.0, 0.0, 2.0], tf.bfloat16)
@@ -207,7 +212,9 @@ def gelu_xla_slope(x: tf.Tensor, approximate: bool = False) -> tf.Tensor:
     >>> [round(float(v), 2) for v in tape.gradient(y, x)]
     [-0.08, 0.5, 1.09]
     """
-    return _slope_kept(x, xla_region(lambda v: _value_and_slope(v, approximate, False)))
+    region = xla_region(lambda v: _value_and_slope(v, approximate, False),
+                        bfloat16_bits=bfloat16_bits and x.dtype == tf.bfloat16)
+    return _slope_kept(x, region)
 
 
 def _decline(x: Any) -> str | None:
@@ -264,14 +271,20 @@ def fused_gelu(ctx: StageContext, original: Callable, x: Any, approximate: bool 
     approximate = bool(approximate)
     forms = _forms(ctx, approximate, x.dtype)
 
+    @functools.cache
+    def rounded() -> bool:  # the region's bfloat16 outputs rounded by integer operations
+        return x.dtype == tf.bfloat16 and ctx.xla and integer_rounding(
+            ctx, "GELU", lambda v: _value_and_slope(v, approximate, False), [x.shape])
+
     def candidates() -> dict:
+        bits = rounded()  # decided before the forms are timed, not while one is
         timed = {"composite": timed_form(lambda v: original(v, approximate), [x.shape], x.dtype),
                  **{name: timed_form(f, [x.shape], x.dtype) for name, f in forms.items()}}
-        return with_xla(ctx, timed, lambda v: gelu_xla_slope(v, approximate), [x.shape],
-                        x.dtype)
+        return with_xla(ctx, timed, lambda v: gelu_xla_slope(v, approximate, bits),
+                        [x.shape], x.dtype)
 
     def emit(form: str) -> Any:
-        return gelu_xla_slope(x, approximate) if form == XLA else forms[form](x)
+        return gelu_xla_slope(x, approximate, rounded()) if form == XLA else forms[form](x)
 
     return rewrite_call(
         ctx, FAMILY, SCOPE, LABELS, what="GELU", why=_decline(x), forms=list(forms),

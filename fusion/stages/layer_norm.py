@@ -49,11 +49,13 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
 
+from fusion.bfloat16_bits import integer_rounding
 from fusion.stage import (
     XLA,
     Hook,
@@ -209,9 +211,32 @@ def onednn_layer_norm_runs(dtype_name: str) -> bool:
     return True
 
 
+def onednn_backward(epsilon: float, has_gamma: bool,
+                    has_beta: bool) -> Callable[..., tuple]:
+    """The backward of :func:`layer_norm_onednn` as a function of ``(flat, dy, *weights)``:
+    the row statistics recomputed from ``flat`` (the kernel returns only its output), then the
+    closed form; ``dx`` in ``flat``'s dtype, the weights' gradients in theirs.
+
+    >>> import numpy as np
+    >>> dx, dgamma, dbeta = onednn_backward(1e-3, True, True)(
+    ...     tf.constant([[1.0, 2.0, 4.0]]), tf.ones([1, 3]), tf.ones([3]), tf.zeros([3]))
+    >>> bool(np.allclose(dx, 0.0, atol=1e-6)), dbeta.numpy().tolist()
+    (True, [1.0, 1.0, 1.0])
+    """
+
+    def backward(flat: tf.Tensor, dy: tf.Tensor, *weights: Any) -> tuple:
+        xhat, inv = _normalized(tf.cast(flat, tf.float32), [1], epsilon)
+        g32 = tf.cast(weights[0], tf.float32) if has_gamma else None
+        dx, *dweights = _closed_form_grad(tf.cast(dy, tf.float32), xhat, inv, g32, [1], [0],
+                                          weights, has_beta)
+        return (tf.cast(dx, flat.dtype), *dweights)
+
+    return backward
+
+
 def layer_norm_onednn(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
                       epsilon: float, in_dtype: bool = False,
-                      xla_gradient: bool = False) -> tf.Tensor:
+                      xla_gradient: bool = False, bfloat16_bits: bool = False) -> tf.Tensor:
     """Layer norm over the last axis of ``x`` (``first_axis`` must be it) through oneDNN's
     ``_MklLayerNorm`` on ``x`` viewed ``[rows, cols]``, with the closed-form gradient of
     :func:`layer_norm_custom` from the row statistics recomputed in the backward (the kernel
@@ -220,7 +245,9 @@ def layer_norm_onednn(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
     oneDNN) with ``gamma`` and ``beta`` cast to ``x``'s dtype, and writes the output in it:
     no cast of the activations on the way in or out (the output may differ from the float32
     form's by one rounding of gamma and beta), the gradient still computed in float32. With
-    ``xla_gradient`` the backward (statistics and closed form) is one XLA-compiled region.
+    ``xla_gradient`` the backward (statistics and closed form) is one XLA-compiled region,
+    which with ``bfloat16_bits`` rounds a bfloat16 gradient by integer operations
+    (:mod:`fusion.bfloat16_bits`).
 
     >>> import keras, numpy as np
     >>> x = tf.constant(np.arange(24, dtype="float32").reshape(2, 3, 4) ** 1.5)
@@ -239,14 +266,9 @@ def layer_norm_onednn(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
     flat = tf.reshape(tf.cast(x, kernel_dtype), [-1, cols])
     args = [a for a in (gamma, beta) if a is not None]
 
-    def backward(flat, dy, *weights):  # the statistics recomputed: the kernel returns y alone
-        xhat, inv = _normalized(tf.cast(flat, tf.float32), [1], epsilon)
-        g32 = tf.cast(weights[0], tf.float32) if gamma is not None else None
-        dx, *dweights = _closed_form_grad(tf.cast(dy, tf.float32), xhat, inv, g32, [1], [0],
-                                          weights, beta is not None)
-        return (tf.cast(dx, flat.dtype), *dweights)
-
-    backward = xla_region(backward) if xla_gradient else backward
+    backward = onednn_backward(epsilon, gamma is not None, beta is not None)
+    if xla_gradient:
+        backward = xla_region(backward, bfloat16_bits=bfloat16_bits)
 
     @custom_gradient
     def norm(flat, *weights):
@@ -263,7 +285,8 @@ def layer_norm_onednn(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
 
 
 def layer_norm_onednn_16(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
-                         epsilon: float, xla_gradient: bool = False) -> tf.Tensor:
+                         epsilon: float, xla_gradient: bool = False,
+                         bfloat16_bits: bool = False) -> tf.Tensor:
     """:func:`layer_norm_onednn` with the kernel in a 16-bit ``x``'s own dtype
     (``in_dtype=True``).
 
@@ -277,7 +300,7 @@ def layer_norm_onednn_16(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
     ...     assert np.allclose(got.numpy().astype("float32"), expected, atol=1e-2)
     """
     return layer_norm_onednn(x, gamma, beta, first_axis, epsilon, in_dtype=True,
-                             xla_gradient=xla_gradient)
+                             xla_gradient=xla_gradient, bfloat16_bits=bfloat16_bits)
 
 
 ONEDNN_16 = "onednn 16 bit"
@@ -520,6 +543,22 @@ def layer_norm_forms(layer: Any, inputs: Any, target: Any, first: int | None,
     return names
 
 
+def _rounded_gradient(ctx: StageContext, layer: Any, inputs: tf.Tensor) -> bool:
+    """Whether the gradient region of the 16-bit oneDNN form rounds a bfloat16 ``dx`` by
+    integer operations (:func:`fusion.bfloat16_bits.integer_rounding`, timed on that region at
+    the call's rows and columns)."""
+    if inputs.dtype != tf.bfloat16 or not ctx.xla:
+        return False
+    cols = int(inputs.shape[-1])
+    known = inputs.shape[:-1]
+    rows = math.prod(known) if known.is_fully_defined() else None
+    backward = onednn_backward(layer.epsilon, True, True)
+    return integer_rounding(
+        ctx, "LayerNormalization gradient",
+        lambda flat, dy: backward(flat, dy, tf.ones([cols]), tf.zeros([cols])),
+        [[rows, cols], [rows, cols]])
+
+
 def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
                      *args: Any, **kwargs: Any) -> Any:
     """``LayerNormalization.call`` while tfmx traces: the fused, closed-form or XLA form
@@ -533,10 +572,17 @@ def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: 
     first, why = find_layer_norm(layer, inputs, ctx.target)
     names = layer_norm_forms(layer, inputs, ctx.target, first, ctx.xla)
 
+    # the 16-bit oneDNN form's gradient region rounds bfloat16 as the tuner measures faster,
+    # decided before the forms are timed (not while one is)
+    rounded = ONEDNN_16 + XLA_GRADIENT in names and why is None and _rounded_gradient(
+        ctx, layer, inputs)
+
     def emit(name: str) -> Callable[[Any], Any]:
+        extra = {"bfloat16_bits": True} if rounded and name == ONEDNN_16 + XLA_GRADIENT else {}
+
         def form(x: Any) -> Any:
             out = FORMS[name][0](x, _value(layer.gamma), _value(layer.beta), first,
-                                 layer.epsilon)
+                                 layer.epsilon, **extra)
             return tf.cast(out, layer.compute_dtype)
 
         return form
