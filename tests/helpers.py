@@ -22,6 +22,28 @@ def nodes_that_ran(fn) -> list:
     return nodes
 
 
+def profiled_ops(run, tmp_path) -> set[tuple[str, str]]:
+    """(node name, kernel) of every op that ran in one call of ``run()`` under TensorFlow's
+    profiler (profile written under ``tmp_path``): the graph as the runtime executed it, after
+    Grappler and the oneDNN pass, which a traced graph does not show."""
+    import glob
+
+    import tensorflow as tf
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    tf.profiler.experimental.start(str(tmp_path))
+    try:
+        run()
+    finally:
+        tf.profiler.experimental.stop()
+    space = xplane_pb2.XSpace()
+    with open(glob.glob(f"{tmp_path}/**/*.xplane.pb", recursive=True)[0], "rb") as f:
+        space.ParseFromString(f.read())
+    names = {plane.event_metadata[e.metadata_id].name
+             for plane in space.planes for line in plane.lines for e in line.events}
+    return {tuple(n.rsplit(":", 1)) for n in names if ":" in n}
+
+
 def xla_functions(fn) -> list:
     """The functions XLA must compile in every graph Keras's step function traced."""
     import fusion.pipeline

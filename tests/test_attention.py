@@ -17,6 +17,7 @@ from helpers import (
     no_further_terms,
     nodes_that_ran,
     ops_that_ran,
+    profiled_ops,
 )
 
 import tfmx
@@ -345,19 +346,8 @@ def test_onednn_fuses_the_added_causal_mask_into_the_batched_matmul(tmp_path):
     """The mask is added (``mask_adder``), not selected: TensorFlow's oneDNN pass then runs the
     scores' MatMul, scale and mask as one ``_MklFusedBatchMatMulV2`` (seen in a profile: the
     fusion happens when the graph runs, after tracing)."""
-    import glob
-
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
     q, k, v = (tf.random.normal([2, 6, 2, 4], seed=s) for s in (1, 2, 3))
     run = tf.function(lambda q, k, v: stage.attention(q, k, v, None, True, 0.5))
     run(q, k, v)
-    tf.profiler.experimental.start(str(tmp_path))
-    run(q, k, v)
-    tf.profiler.experimental.stop()
-    space = xplane_pb2.XSpace()
-    with open(glob.glob(f"{tmp_path}/**/*.xplane.pb", recursive=True)[0], "rb") as f:
-        space.ParseFromString(f.read())
-    kernels = {plane.event_metadata[e.metadata_id].name.rsplit(":", 1)[-1]
-               for plane in space.planes for line in plane.lines for e in line.events}
+    kernels = {kernel for _, kernel in profiled_ops(lambda: run(q, k, v), tmp_path)}
     assert "_MklFusedBatchMatMulV2" in kernels, sorted(kernels)

@@ -43,6 +43,10 @@ PIPELINE_ORDER: tuple[str, ...] = (
     # Bias gradients as MatMuls of ones where measured faster: their row of ones is a Const
     # that dedupe shares between the gradients of one shape.
     "bias_grad",
+    # A transpose_b MatMul (an input gradient dy @ w^T) reading its operand transposed once
+    # where measured faster: after the families that write MatMuls, before dedupe (which
+    # shares the transposition of a weight read twice).
+    "matmul_layout",
     # What the fused graph still computes twice (variable reads, Keras's per-variable
     # optimizer scalars) is computed once: after every family that removes or adds nodes.
     "dedupe",
