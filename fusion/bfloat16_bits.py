@@ -39,8 +39,9 @@ INTEGER = "integer rounding"  # the rounding as integer operations (:func:`to_bi
 
 
 def to_bits(x: tf.Tensor) -> tf.Tensor:
-    """The bits of ``x`` (float32) rounded to bfloat16 as TensorFlow's ``Cast`` rounds it
-    (to nearest, ties to even; NaN to the quiet NaN of its sign), as ``uint16``.
+    """The bits of ``x`` (float32) rounded to bfloat16 as XLA's convert rounds it (to nearest,
+    ties to even; NaN to the quiet NaN of its sign), as ``uint16``: TensorFlow's ``Cast``
+    too, but for the sign of a NaN, which its vectorized path drops.
 
     >>> import tensorflow as tf
     >>> [hex(int(b)) for b in to_bits(tf.constant([1.0, -2.0, float("inf")]))]
@@ -123,6 +124,7 @@ def integer_rounding(ctx: Any, what: str, region: Callable[..., Any], shapes: li
     signature = (f"{what} XLA region input {' '.join(shape_text(s) for s in shapes)} "
                  f"{tf.as_dtype(dtype).name}: bfloat16 outputs by XLA's convert or by integer "
                  "rounding")
+
     def timed(mode: str) -> Callable[[], Callable[[], None]]:
         compiled = xla_region(region, bfloat16_bits=mode == INTEGER)
         return timed_form(lambda *args: tf.add_n([  # one number of outputs of any dtypes

@@ -113,8 +113,17 @@ def _tensor_spec(view: GraphView, ref: str) -> Spec | None:
     return view.args[name] if name in view.args and port == 0 else None
 
 
-def _tensor_shape(view: GraphView, ref: str) -> tuple[int | None, ...] | None:
-    """The static shape of ``ref`` (:func:`_tensor_spec`), None where unknown."""
+def tensor_shape(view: GraphView, ref: str) -> tuple[int | None, ...] | None:
+    """The static shape of ``ref`` (:func:`_tensor_spec`: a node's output or a function
+    body's argument), None where unknown.
+
+    >>> import tensorflow as tf
+    >>> from fusion.graph import GraphView
+    >>> g = tf.function(lambda x: x * 2.0).get_concrete_function(
+    ...     tf.TensorSpec([3, None])).graph.as_graph_def(add_shapes=True)
+    >>> tensor_shape(GraphView(g.node), "x"), tensor_shape(GraphView(g.node), "missing")
+    ((3, None), None)
+    """
     spec = _tensor_spec(view, ref)
     return None if spec is None else spec[1]
 
@@ -130,7 +139,7 @@ def _variable_spec(view: GraphView, ref: str, unknown_dim: int) -> tuple[int, tu
         if consumer.op == "ReadVariableOp":
             shape = _concrete(output_shape(consumer), unknown_dim)
         elif consumer.op in _ASSIGNS and len(consumer.input) > 1:
-            shape = _concrete(_tensor_shape(view, consumer.input[1]), unknown_dim)
+            shape = _concrete(tensor_shape(view, consumer.input[1]), unknown_dim)
         else:
             continue
         if shape is not None:
@@ -140,7 +149,7 @@ def _variable_spec(view: GraphView, ref: str, unknown_dim: int) -> tuple[int, tu
 
 def _shape_value(view: GraphView, src: NodeDef, port: int, unknown_dim: int) -> list[int]:
     """The value of a Shape / ShapeN output: the static shape of what it reads."""
-    shape = _concrete(_tensor_shape(view, src.input[port if src.op == "ShapeN" else 0]),
+    shape = _concrete(tensor_shape(view, src.input[port if src.op == "ShapeN" else 0]),
                       unknown_dim)
     if shape is None:
         raise FragmentError(f"{src.name} reads a tensor of unknown rank")
@@ -389,4 +398,4 @@ def choose_rewrite(tuner: Chooser, family: str, signature: str, view: GraphView,
 
 
 __all__ = ["Fragment", "FragmentError", "choose_rewrite", "cut", "input_shapes", "make_inputs",
-           "output_dtype", "runner", "shape_text", "variant"]
+           "output_dtype", "runner", "shape_text", "tensor_shape", "variant"]

@@ -12,7 +12,7 @@ against the product's, so which form runs faster is a tuner decision per shape a
 The transposition is written as ``Reshape -> Transpose -> Reshape`` through a trailing axis of
 one (``[n, k] -> [n, k, 1] -> [k, n, 1] -> [k, n]``): Grappler folds a plain ``Transpose``
 feeding a MatMul back into its ``transpose_b`` flag, and not this one. The product is the same
-sum in the same order.
+sum (the kernel may add its terms in another order).
 
 Declined, with the reason: a ``transpose_a`` MatMul (both operands transposed), operands whose
 static shapes are not known, a dtype outside float32, bfloat16 and float16, a node with control
@@ -43,8 +43,8 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-from fusion.fragment import choose_rewrite
-from fusion.graph import GraphView, NodeDef, output_shape, parse_input
+from fusion.fragment import choose_rewrite, tensor_shape
+from fusion.graph import GraphView, NodeDef
 from fusion.match import const_node, dtype_name, new_node
 from fusion.pattern import Chooser, RewriteContext, Target, apply_matches, register
 
@@ -70,12 +70,6 @@ class LayoutMatch:
         return f"MatMul {dtype_name(self.node)} {m}x{k} x ({n}x{k})^T"
 
 
-def _shape(view: GraphView, ref: str) -> tuple[int | None, ...] | None:
-    name, port, _ = parse_input(ref)
-    producer = view.node(name)
-    return None if producer is None else output_shape(producer, port)
-
-
 def _blocker(view: GraphView, node: NodeDef) -> tuple[str | None, tuple, tuple]:
     """Why ``node`` keeps its ``transpose_b`` (or None), and its operands' shapes."""
     if node.attr["transpose_a"].b:
@@ -83,7 +77,7 @@ def _blocker(view: GraphView, node: NodeDef) -> tuple[str | None, tuple, tuple]:
     dtype = dtype_name(node)
     if dtype not in DTYPES:
         return f"dtype {dtype}", (), ()
-    a, b = (_shape(view, ref) for ref in view.data_inputs(node)[:2])
+    a, b = (tensor_shape(view, ref) for ref in view.data_inputs(node)[:2])
     if a is None or b is None or len(a) != 2 or len(b) != 2 or None in a + b:
         return "an operand's static shape is not fully known", (), ()
     if view.has_control_edges(node):
@@ -126,7 +120,7 @@ def rewrite_layout(view: GraphView, match: LayoutMatch) -> NodeDef:
     n, k = match.b_shape
     dtype = tf.as_dtype(node.attr["T"].type)
     base, device = f"{node.name}/{SCOPE}", node.device
-    a_ref, b_ref = view.data_inputs(node)[:2]
+    b_ref = view.data_inputs(node)[1]
     int32 = tf.int32
 
     def const(name: str, value: np.ndarray) -> str:

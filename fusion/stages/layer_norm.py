@@ -552,11 +552,14 @@ def _rounded_gradient(ctx: StageContext, layer: Any, inputs: tf.Tensor) -> bool:
     cols = int(inputs.shape[-1])
     known = inputs.shape[:-1]
     rows = math.prod(known) if known.is_fully_defined() else None
-    backward = onednn_backward(layer.epsilon, True, True)
-    return integer_rounding(
-        ctx, "LayerNormalization gradient",
-        lambda flat, dy: backward(flat, dy, tf.ones([cols]), tf.zeros([cols])),
-        [[rows, cols], [rows, cols]])
+    count = sum(w is not None for w in (layer.gamma, layer.beta))
+    backward = onednn_backward(layer.epsilon, layer.gamma is not None, layer.beta is not None)
+
+    def region(flat: tf.Tensor, dy: tf.Tensor) -> tuple:  # weights made in the timed graph
+        return backward(flat, dy, *[tf.ones([cols]) for _ in range(count)])
+
+    return integer_rounding(ctx, "LayerNormalization gradient", region,
+                            [[rows, cols], [rows, cols]])
 
 
 def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
