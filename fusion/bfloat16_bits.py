@@ -9,7 +9,10 @@ loop that only scales and narrows ran 0.20 against 0.18 ms. The integer form is
 round-to-nearest-even as TensorFlow and XLA round (add ``0x7FFF`` plus the lowest kept bit,
 keep the upper 16 bits; a NaN becomes the quiet NaN of its sign, as XLA's convert makes it),
 so the two forms give the same bits: which one a region uses is a matter of speed alone, and
-the tuner measures it on the region, on the machine (:func:`integer_rounding`).
+the tuner measures it on the region, on the machine (:func:`integer_rounding`). One exception
+on some CPUs: a conversion instruction that treats denormal inputs as zero (AVX512_BF16's
+``VCVTNEPS2BF16``), where XLA emits it, gives 0 for a float32 below 2^-126 that this form
+rounds to the nearest bfloat16 denormal.
 
 The region returns the 16 bits as ``uint16`` and the caller reads them as bfloat16 with a
 ``Bitcast`` (no copy). A gradient does not pass through a ``Bitcast``: the form is for regions
