@@ -292,8 +292,10 @@ def xla_region(fn: Callable[..., Any], bfloat16_bits: bool = False) -> Callable[
     gradient function too), traced with no stage active: XLA fuses the region itself, and
     the GraphDef passes leave functions XLA must compile as they are. With
     ``bfloat16_bits`` its bfloat16 outputs are rounded by integer operations inside the region
-    and read back with a ``Bitcast`` (:mod:`fusion.bfloat16_bits`: the same bits, no gradient
-    through them: for regions no gradient is taken of).
+    and read back with a ``Bitcast``, and the bfloat16 inputs its code reads through
+    ``fusion.bfloat16_bits.widened`` are widened by integer operations
+    (:mod:`fusion.bfloat16_bits`: the same bits, no gradient through them: for regions no
+    gradient is taken of).
 
     >>> import tensorflow as tf
     >>> region = xla_region(lambda x: tf.nn.relu(x) * 2.0)
@@ -309,7 +311,7 @@ def xla_region(fn: Callable[..., Any], bfloat16_bits: bool = False) -> Callable[
     from fusion import bfloat16_bits as bits
 
     def body(*args: Any) -> Any:
-        with tracing(None):
+        with tracing(None), bits.integer_edges(bfloat16_bits):
             out = fn(*args)
         return tf.nest.map_structure(bits.encoded, out) if bfloat16_bits else out
 

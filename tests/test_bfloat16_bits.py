@@ -1,6 +1,7 @@
-"""bfloat16 outputs of XLA regions rounded by integer operations (fusion.bfloat16_bits): the same
-bits as TensorFlow's Cast and XLA's convert, special values included; the regions that use it
-(the GELU's value and derivative, the 16-bit layer norm's gradient) give the same bits either
+"""bfloat16 at the edges of XLA regions by integer operations (fusion.bfloat16_bits): outputs
+rounded to the same bits as TensorFlow's Cast and XLA's convert, special values included,
+inputs widened to the same float32 as theirs (every bfloat16 word); the regions that use it (the
+GELU's value and derivative, the 16-bit layer norm's gradient) give the same results either
 way; and the choice is the tuner's, measured on the region itself."""
 
 import numpy as np
@@ -62,6 +63,47 @@ def test_the_bits_are_tensorflows_cast_and_xlas_convert(compiled):
     _assert_same_bits(got, convert(x).numpy().view(np.uint16), values)
     _assert_same_bits(got, tf.cast(x, tf.bfloat16).numpy().view(np.uint16), values,
                       nan_sign=False)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_widening_gives_the_float_of_every_bfloat16_word(compiled):
+    """All 65,536 words, NaNs and denormals included: the float32 TensorFlow's Cast (and
+    XLA's convert) gives, word for word; a NaN stays a NaN of its sign (its payload as the
+    conversion keeps it, compared where both keep it)."""
+    words = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    x = tf.bitcast(tf.constant(words), tf.bfloat16)
+    widen = tf.function(bits.widen_bits, jit_compile=True) if compiled else bits.widen_bits
+    got = widen(x).numpy().view(np.uint32)
+    np.testing.assert_array_equal(got, words.astype(np.uint32) << 16)  # the definition
+    for cast in (lambda v: tf.cast(v, tf.float32),
+                 tf.function(lambda v: tf.cast(v, tf.float32), jit_compile=True)):
+        want = cast(x).numpy().view(np.uint32)
+        nan = np.isnan(want.view(np.float32))
+        assert np.array_equal(nan, np.isnan(got.view(np.float32)))
+        assert np.array_equal(want[nan] >> 31, got[nan] >> 31)
+        np.testing.assert_array_equal(got[~nan], want[~nan])
+
+
+def test_a_region_in_integer_form_widens_by_shifts_and_a_plain_one_by_cast():
+    """``widened`` inside a region: integer operations where the region rounds by them, a
+    ``Cast`` in a plain region and outside any; the same values."""
+    x = tf.cast(tf.constant(_special_values()[17:]), tf.bfloat16)
+
+    def region(v):
+        return bits.widened(v) * 2.0
+
+    def ops(fn):
+        graph = fn.get_concrete_function(x).graph
+        return {op.type for op in graph.get_operations()}
+
+    plain, rounded = (tf.function(lambda v, b=b: xla_region(region, bfloat16_bits=b)(v))
+                      for b in (False, True))
+    inner = [f for f in tf.function(lambda v: xla_region(region, bfloat16_bits=True)(v))
+             .get_concrete_function(x).graph._functions.values()]  # noqa: SLF001
+    assert any("LeftShift" in {n.op for n in f.definition.node_def} for f in inner)
+    assert "LeftShift" not in ops(tf.function(region))
+    np.testing.assert_array_equal(plain(x).numpy(), rounded(x).numpy())
+    np.testing.assert_array_equal(tf.function(region)(x).numpy(), plain(x).numpy())
 
 
 def test_a_region_gives_xla_converts_bits_and_reads_back_as_bfloat16():

@@ -55,7 +55,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from fusion.bfloat16_bits import integer_rounding
+from fusion.bfloat16_bits import integer_rounding, widened
 from fusion.stage import (
     XLA,
     Hook,
@@ -225,9 +225,11 @@ def onednn_backward(epsilon: float, has_gamma: bool,
     """
 
     def backward(flat: tf.Tensor, dy: tf.Tensor, *weights: Any) -> tuple:
-        xhat, inv = _normalized(tf.cast(flat, tf.float32), [1], epsilon)
+        # widened: in an XLA region rounding bfloat16 by integer operations, the 16-bit
+        # inputs are widened that way too (fusion.bfloat16_bits); elsewhere a Cast
+        xhat, inv = _normalized(widened(flat), [1], epsilon)
         g32 = tf.cast(weights[0], tf.float32) if has_gamma else None
-        dx, *dweights = _closed_form_grad(tf.cast(dy, tf.float32), xhat, inv, g32, [1], [0],
+        dx, *dweights = _closed_form_grad(widened(dy), xhat, inv, g32, [1], [0],
                                           weights, has_beta)
         return (tf.cast(dx, flat.dtype), *dweights)
 
