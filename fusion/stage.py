@@ -22,8 +22,9 @@ One mechanism for every stage, as the GraphDef passes have :func:`fusion.pattern
 
 Example:
     >>> from fusion import stage
-    >>> sorted(s.name for s in stage.stages())
-    ['attention', 'batch_norm', 'einsum_dense', 'feed_forward', 'gelu', 'layer_norm', 'rnn']
+    >>> sorted(s.name for s in stage.stages())  # doctest: +NORMALIZE_WHITESPACE
+    ['attention', 'batch_norm', 'bias_row', 'einsum_dense', 'feed_forward', 'gelu',
+     'layer_norm', 'rnn']
     >>> stage.active() is None
     True
 """
@@ -76,6 +77,11 @@ class Hook:
     owner: str
     attribute: str
     handler: Callable[..., Any]
+    # Hooks of several stages on one method run as a chain, each handler's ``original`` the
+    # next one's routed method: the highest ``outer`` first (a stage that spans two calls of
+    # the method, as feed_forward two Dense layers, sees every call before one that rewrites
+    # a single call), then in the order the stages registered.
+    outer: int = 0
 
     def owner_class(self) -> type:
         module, name = self.owner.split(":")
@@ -226,6 +232,20 @@ def autocast(dtype: str | None) -> Iterator[None]:
 
     with AutocastScope(dtype):
         yield
+
+
+def layer_value(value: Any) -> Any:
+    """A Keras variable's value as a layer's call reads it (autocast to the call's compute
+    dtype inside a mixed-precision layer's call), a tensor as it is.
+
+    >>> import keras
+    >>> layer_value(keras.Variable([1.0, 2.0])).numpy().tolist()
+    [1.0, 2.0]
+    """
+    import tensorflow as tf
+
+    return value.value if hasattr(value, "value") and hasattr(value, "assign") else \
+        tf.convert_to_tensor(value)
 
 
 def timed_form(forward: Callable[..., Any], shapes: list, dtype: Any, variables: Any = (),
@@ -412,27 +432,44 @@ def rewrite_call(ctx: StageContext, family: str, scope: str, labels: dict[str, s
     return out
 
 
-def _routed(stage: Stage, hook: Hook) -> Callable[[Any], Any]:
-    def make(original: Any) -> Any:
-        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            ctx = active()
-            if ctx is None or not ctx.wants(stage.name):
-                return original(self, *args, **kwargs)
-            return hook.handler(ctx, original, self, *args, **kwargs)
+def _routed(chain: list[tuple[Stage, Hook]]) -> Callable[[Any], Any]:
+    """The patch of one method that ``chain``'s hooks route, in order: each handler runs where
+    its stage is on in the active trace, with the rest of the chain (then the method itself)
+    as its ``original``; a stage that is off passes the call on."""
 
+    def make(original: Any) -> Any:
+        method = original
+        for stage, hook in reversed(chain):
+            method = _link(stage, hook, method)
         method.__wrapped__ = original
         method.__doc__ = getattr(original, "__doc__", None)
-        method.__name__ = getattr(original, "__name__", hook.attribute)
+        method.__name__ = getattr(original, "__name__", chain[0][1].attribute)
         return method
 
     return make
 
 
+def _link(stage: Stage, hook: Hook, following: Callable[..., Any]) -> Callable[..., Any]:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        ctx = active()
+        if ctx is None or not ctx.wants(stage.name):
+            return following(self, *args, **kwargs)
+        return hook.handler(ctx, following, self, *args, **kwargs)
+
+    return method
+
+
 def install() -> None:
-    """Patch every registered stage's hooks (idempotent; ``uninstall`` puts them back)."""
+    """Patch every registered stage's hooks (idempotent; ``uninstall`` puts them back): one
+    patch per method, the hooks of several stages on it chained (:class:`Hook`'s ``outer``)."""
+    chains: dict[tuple[str, str], list[tuple[Stage, Hook]]] = {}
     for stage in stages():
         for hook in stage.hooks:
-            patches.install(GROUP, hook.owner_class(), hook.attribute, _routed(stage, hook))
+            chains.setdefault((hook.owner, hook.attribute), []).append((stage, hook))
+    for chain in chains.values():
+        chain.sort(key=lambda pair: -pair[1].outer)  # stable: registration order otherwise
+        hook = chain[0][1]
+        patches.install(GROUP, hook.owner_class(), hook.attribute, _routed(chain))
 
 
 def uninstall() -> None:

@@ -27,15 +27,16 @@ PIPELINE_ORDER: tuple[str, ...] = (
     "conv_bn_fold",
     # Optimizer updates: independent of the forward chains.
     "optimizer_update",
-    # Report what the rnn, layer_norm, gelu, feed_forward, attention and einsum_dense stages
-    # emitted while tracing (checks; einsum_dense's MatMuls may already be fused with their
-    # bias by contraction).
+    # Report what the rnn, layer_norm, gelu, feed_forward, attention, einsum_dense and
+    # bias_row stages emitted while tracing (checks; einsum_dense's MatMuls may already be
+    # fused with their bias by contraction).
     "rnn",
     "layer_norm",
     "gelu",
     "feed_forward",
     "attention",
     "einsum_dense",
+    "bias_row",
     # Inference batch norms that conv_bn_fold did not fold into a convolution.
     "batch_norm",
     # Cast round trips and identity casts, after the others produced their final dtypes.

@@ -41,7 +41,7 @@ from typing import Any
 import tensorflow as tf
 
 from fusion.pattern import PatternStats
-from fusion.stage import Hook, Stage, StageContext, register_stage, timed_form
+from fusion.stage import Hook, Stage, StageContext, layer_value, register_stage, timed_form
 
 FAMILY = "einsum_dense"
 SCOPE = "tfmx_einsum_dense"
@@ -79,23 +79,17 @@ def split_equation(equation: str) -> tuple[str, str, str] | None:
     return kept_x, contracted, kept_kernel
 
 
-def _tensor(value: Any) -> tf.Tensor:
-    """A Keras variable's value (autocast inside the layer's call), a tensor as it is."""
-    return value.value if hasattr(value, "value") and hasattr(value, "assign") else \
-        tf.convert_to_tensor(value)
-
-
 def as_matmul(layer: Any, inputs: tf.Tensor) -> tf.Tensor:
     """``layer``'s output (an ``EinsumDense`` whose equation :func:`split_equation` accepts)
     as ``Reshape`` + ``MatMul`` (+ ``BiasAdd``) + activation + ``Reshape``."""
     _, contracted, kept = split_equation(layer.equation)
-    kernel = _tensor(layer.kernel)
+    kernel = layer_value(layer.kernel)
     shape = kernel.shape.as_list()
     cols = math.prod(shape[: len(contracted)])
     kept_dims = shape[len(contracted):]
     rows = tf.reshape(inputs, [-1, cols])
     y = tf.matmul(rows, tf.reshape(kernel, [cols, math.prod(kept_dims)]))
-    bias = None if layer.bias is None else _tensor(layer.bias)
+    bias = None if layer.bias is None else layer_value(layer.bias)
     flat_bias = bias is not None and bias.shape.as_list() == kept_dims
     if flat_bias:
         y = tf.nn.bias_add(y, tf.reshape(bias, [-1]))
@@ -140,8 +134,8 @@ def fused_einsum_dense_call(ctx: StageContext, original: Callable, layer: Any, i
     stats = PatternStats(matched=1)
     inputs = tf.convert_to_tensor(inputs)
     why = find_einsum_dense(layer, inputs)
-    if why is None and _tensor(layer.kernel).dtype != inputs.dtype:
-        why = f"input {inputs.dtype.name} and kernel {_tensor(layer.kernel).dtype.name} differ"
+    if why is None and layer_value(layer.kernel).dtype != inputs.dtype:
+        why = f"input {inputs.dtype.name} and kernel {layer_value(layer.kernel).dtype.name} differ"
     use = why is None
     if use and ctx.chooser is not None:
         from fusion.fragment import shape_text
@@ -208,7 +202,7 @@ def find_shared_projection(layer: Any, query: Any, value: Any, key: Any) -> str 
         if dense.activation is not None and getattr(dense.activation, "__name__", "") != \
                 "linear":
             return f"a projection has the activation {dense.activation.__name__}"
-        kernel = _tensor(dense.kernel)
+        kernel = layer_value(dense.kernel)
         if kernel.dtype != query.dtype:
             return f"input {query.dtype.name} and kernel {kernel.dtype.name} differ"
         if dense.bias is not None and \
@@ -234,14 +228,14 @@ def shared_projection(layer: Any, x: tf.Tensor) -> list[tf.Tensor]:
     """
     denses = _projections(layer)
     _, contracted, _ = split_equation(denses[0].equation)
-    kernels = [_tensor(d.kernel) for d in denses]
+    kernels = [layer_value(d.kernel) for d in denses]
     cols = math.prod(kernels[0].shape.as_list()[: len(contracted)])
     kept = [k.shape.as_list()[len(contracted):] for k in kernels]
     widths = [math.prod(dims) for dims in kept]
     y = tf.matmul(tf.reshape(x, [-1, cols]), tf.concat(
         [tf.reshape(k, [cols, n]) for k, n in zip(kernels, widths)], 1))
     if denses[0].bias is not None:
-        y = tf.nn.bias_add(y, tf.concat([tf.reshape(_tensor(d.bias), [-1]) for d in denses], 0))
+        y = tf.nn.bias_add(y, tf.concat([tf.reshape(layer_value(d.bias), [-1]) for d in denses], 0))
     leading = x.shape[: x.shape.rank - len(contracted)]
     dynamic = tf.shape(x)[: x.shape.rank - len(contracted)]
     outs = []

@@ -138,5 +138,6 @@ STAGE = register_stage(Stage(
     FAMILY,
     "Keras Dense(activation) -> Dense on tokens (a transformer's FFN) -> one XLA-compiled "
     "region (forward and gradient), where measured faster than the two layers",
-    (Hook("keras.src.layers.core.dense:Dense", "call", fused_dense_call),),
+    # outer: it sees both Dense layers of a block before bias_row rewrites either one
+    (Hook("keras.src.layers.core.dense:Dense", "call", fused_dense_call, outer=1),),
 ))

@@ -1,0 +1,202 @@
+"""The bias_row stage: a Dense's bias as one more row of its kernel (one MatMul forward, one for
+the kernel's and the bias's gradients), and stage hooks chained on one method."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import (
+    TRANSCENDENTAL,
+    assert_models_within_rounding,
+    assert_no_further_from_float32,
+    assert_within_rounding,
+    fit_float32_reference,
+    fit_stock_and_tfmx,
+    no_further_terms,
+)
+
+import tfmx
+from fusion import stage as stage_mechanism
+from fusion.pattern import PlainTarget, RewriteAlways
+from fusion.stage import autocast
+from fusion.stages import bias_row as stage
+
+# Every match rewritten, whatever the tuner would measure here (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("every_rewrite")
+
+CASES = {  # name: (units, activation, input shape)
+    "tokens": (12, None, (3, 5, 8)),
+    "rows_relu": (7, "relu", (6, 10)),
+    "tokens_gelu": (16, "gelu", (2, 4, 6)),
+}
+
+
+def _layer(name: str, policy: str = "float32") -> tuple:
+    units, activation, shape = CASES[name]
+    rng = np.random.default_rng(0)
+    layer = keras.layers.Dense(units, activation=activation, dtype=policy)
+    layer.build(shape)
+    for v in layer.weights:
+        v.assign(rng.standard_normal(v.shape) * 0.5)
+    return layer, tf.constant(rng.standard_normal(shape), layer.compute_dtype)
+
+
+def _run(layer, x, fused: bool):
+    @tf.function
+    def run():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            if fused:
+                compute = layer.compute_dtype
+                with autocast(None if compute == layer.variable_dtype else compute):
+                    y = stage.dense_with_bias_row(layer, x)  # as inside the layer's call
+            else:
+                y = layer(x)
+            y = tf.cast(y, tf.float32)
+            loss = tf.reduce_sum(y * tf.sin(y))
+        return [y, *tape.gradient(loss, [x, *layer.trainable_variables])]
+
+    return run
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_form_and_its_gradient_match_keras(name):
+    layer, x = _layer(name)
+    run_fused, run_keras = _run(layer, x, True), _run(layer, x, False)
+    graph = run_fused.get_concrete_function().graph.as_graph_def()
+    depth = x.shape[-1]
+    widened = [n for n in graph.node if n.op == "MatMul" and "BiasAdd" not in n.name]
+    assert widened and not [n for n in graph.node if n.op in ("BiasAdd", "AddV2")
+                            and "tfmx" in n.name]
+    rows = int(np.prod(x.shape[:-1]))
+    for i, (got, want) in enumerate(zip(run_fused(), run_keras())):
+        # y: the K-term product and the bias; dx: a units-term product; the kernel's and the
+        # bias's gradients: sums over the rows; the activation and the loss's sin around them
+        terms = (depth + 2, CASES[name][0], rows, rows)[i] + 3 * TRANSCENDENTAL + 10
+        assert_within_rounding(got.numpy(), want.numpy(), terms, what=f"{name} output {i}")
+
+
+@pytest.mark.parametrize("name", ["tokens", "tokens_gelu"])
+def test_the_bfloat16_form_matches_keras(name):
+    """In a mixed_bfloat16 call both forms contract bfloat16 operands in float32 and round the
+    product with its bias once; the gradients round dy and each product once more."""
+    layer, x = _layer(name, "mixed_bfloat16")
+    fused, keras_form = _run(layer, x, True)(), _run(layer, x, False)()
+    act = TRANSCENDENTAL if CASES[name][1] else 0
+    for i, (got, want) in enumerate(zip(fused, keras_form)):
+        assert_within_rounding(got.numpy(), want.numpy(), 2 + act if i == 0 else 6 + 2 * act,
+                               dtype="bfloat16", what=f"{name} output {i}")
+
+
+def test_declines_with_a_reason():
+    x = tf.zeros([2, 3, 4])
+    plain = keras.layers.Dense(5)
+    plain.build(x.shape)
+    assert stage.find_bias_row(plain, x) is None
+    assert "float64" in stage.find_bias_row(plain, tf.zeros([2, 3, 4], tf.float64))
+    quantized = keras.layers.Dense(5)
+    quantized.build(x.shape)
+    quantized.quantize("int8")
+    assert "quantized" in stage.find_bias_row(quantized, x)
+
+
+def _model() -> keras.Model:
+    """Under the global policy but for the head, float32 as a mixed-precision model's."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((6, 8))
+    x = keras.layers.Dense(24, activation="relu")(inp)
+    x = keras.layers.Dense(8, use_bias=False)(x)  # not a match: no bias
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    out = keras.layers.Dense(3, activation="softmax", dtype="float32")(x)
+    model = keras.Model(inp, out)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss="sparse_categorical_crossentropy")
+    return model
+
+
+def _data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1)
+    return rng.standard_normal((24, 6, 8)).astype("float32"), rng.integers(0, 3, 24)
+
+
+def _emitted(report) -> list:
+    (trace,) = [t for t in report.traces if t.graph_after is not None][:1]
+    return [n for n in trace.graph_after.node if "tfmx_dense_bias_row" in n.name
+            and n.op in ("MatMul", "_FusedMatMul") and not n.name.startswith("gradient")]
+
+
+def test_fit_matches_stock_with_the_widened_matmuls_in_the_graph_that_ran():
+    x, y = _data()
+    models, initial = fit_stock_and_tfmx(_model, x, y, ["bias_row"])
+    stats = tfmx.report().patterns["bias_row"]
+    assert stats.fused == 2 and not stats.declined, stats  # the two Dense with a bias
+    assert stats.observed[stage.LABEL] >= 2
+    emitted = _emitted(tfmx.report())
+    assert len(emitted) == 2
+    # 6 steps: the Dense (8 + 2 terms), the second (24), pooling (6), the head (8 + 2), the
+    # loss; backward about twice that
+    step = 3 * (10 + 24 + 6 + 10 + TRANSCENDENTAL + 10)
+    assert_models_within_rounding(models[False], models[True], initial, 6 * step)
+
+
+def test_mixed_bfloat16_fit_is_no_further_from_float32_than_stock():
+    x, y = _data()
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        models, initial = fit_stock_and_tfmx(_model, x, y, ["bias_row"])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    emitted = _emitted(tfmx.report())
+    assert {tf.as_dtype(n.attr["T"].type).name for n in emitted} == {"bfloat16", "float32"}
+    reference = fit_float32_reference(_model, x, y)
+    assert_no_further_from_float32(reference, models[False], models[True], initial,
+                                   no_further_terms(6))
+
+
+def test_a_feed_forward_block_is_seen_before_bias_row_rewrites_its_layers():
+    """Both stages hook ``Dense.call``: feed_forward's hook runs first (``outer``), so it sees
+    both layers of a block and emits its region (here, every rewrite taken), the bias-row
+    form of the first layer then read by nobody."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((6, 8))
+    x = keras.layers.Dense(16, activation="gelu")(inp)
+    out = keras.layers.Dense(8)(x)
+    model = keras.Model(inp, out)
+    model.compile(optimizer="sgd", loss="mse")
+    tfmx.enable(backend="cpu", patterns=["feed_forward", "bias_row"], guard=False)
+    model.fit(np.ones((8, 6, 8), "float32"), np.ones((8, 6, 8), "float32"), batch_size=8,
+              epochs=1, verbose=0)
+    assert tfmx.report().patterns["feed_forward"].fused == 1, tfmx.report()
+
+
+def test_hooks_on_one_method_run_as_a_chain_outer_first():
+    class Owner:
+        def call(self, x):
+            return [*x, "method"]
+
+    seen = []
+
+    def handler(name):
+        def run(ctx, original, instance, x):
+            seen.append(name)
+            return original(instance, [*x, name])
+        return run
+
+    inner = stage_mechanism.Hook("m:Owner", "call", handler("inner"))
+    outer = stage_mechanism.Hook("m:Owner", "call", handler("outer"), outer=1)
+    chain = [(stage_mechanism.Stage("inner", "", (inner,)), inner),
+             (stage_mechanism.Stage("outer", "", (outer,)), outer)]
+    chain.sort(key=lambda pair: -pair[1].outer)
+    method = stage_mechanism._routed(chain)(Owner.call)  # noqa: SLF001
+    assert method(Owner(), []) == ["method"]  # outside a trace: the method alone
+    ctx = stage_mechanism.StageContext(PlainTarget("cpu"), RewriteAlways(),
+                                       families=("inner", "outer"))
+    with stage_mechanism.tracing(ctx):
+        assert method(Owner(), []) == ["outer", "inner", "method"]
+    only_inner = stage_mechanism.StageContext(PlainTarget("cpu"), RewriteAlways(),
+                                              families=("inner",))
+    with stage_mechanism.tracing(only_inner):
+        assert method(Owner(), []) == ["inner", "method"]
+    assert seen == ["outer", "inner", "inner"]
