@@ -25,16 +25,16 @@ from __future__ import annotations
 from fusion.graph import GraphView
 from fusion.pattern import RewriteContext, register
 from fusion.stage import emitted_units
-from fusion.stages.einsum_dense import LABEL, SCOPE, SHARED_LABEL
+from fusion.stages.einsum_dense import LABELS, SCOPE
 
 _MATMULS = frozenset({"MatMul", "_FusedMatMul"})
-_MARKS = {"matmul": _MATMULS, "shared": _MATMULS}
-_LABELS = {"matmul": LABEL, "shared": SHARED_LABEL}
+_MARKS = {form: _MATMULS for form in LABELS}
 
 
 def find_einsum_dense_units(view: GraphView) -> list[tuple[str, str]]:
     """(scope, form) of every EinsumDense (``matmul``) or set of attention projections
-    (``shared``) the stage emitted in ``view`` whose MatMul (plain or fused) is there."""
+    (``shared``; either with its bias as a row of the kernel: ``... bias row``) the stage
+    emitted in ``view`` whose MatMul (plain or fused) is there."""
     return emitted_units(view, SCOPE, _MARKS)
 
 
@@ -46,4 +46,4 @@ def find_einsum_dense_units(view: GraphView) -> list[tuple[str, str]]:
 def einsum_dense_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Observe the EinsumDense calls the stage rewrote in ``view``."""
     for _, form in find_einsum_dense_units(view):
-        ctx.stats.observe(_LABELS[form])
+        ctx.stats.observe(LABELS[form])

@@ -47,6 +47,13 @@ FAMILY = "einsum_dense"
 SCOPE = "tfmx_einsum_dense"
 LABEL = "EinsumDense: Reshape + MatMul (+ BiasAdd) in place of Einsum"
 SHARED_LABEL = "MultiHeadAttention: query, key and value projections as one MatMul"
+ROW = " bias row"  # a form's suffix: its bias as a row of the kernel (fusion.stages.bias_row)
+ROW_LABEL = "EinsumDense: Reshape + one MatMul, the bias a row of the kernel, in place of Einsum"
+SHARED_ROW_LABEL = ("MultiHeadAttention: query, key and value projections as one MatMul, the "
+                    "biases a row of the kernels")
+LABELS = {"matmul": LABEL, "shared": SHARED_LABEL, "matmul" + ROW: ROW_LABEL,
+          "shared" + ROW: SHARED_ROW_LABEL}
+"""Each form's report label, by its name (its scope: ``tfmx_einsum_dense_<form>``)."""
 _pending = threading.local()  # .outputs: id(EinsumDense) -> its output, computed in advance
 
 
@@ -79,19 +86,35 @@ def split_equation(equation: str) -> tuple[str, str, str] | None:
     return kept_x, contracted, kept_kernel
 
 
-def as_matmul(layer: Any, inputs: tf.Tensor) -> tf.Tensor:
+def has_flat_bias(layer: Any) -> bool:
+    """Whether ``layer`` (an ``EinsumDense`` :func:`split_equation` accepts) has a bias over
+    all its kept kernel axes: one per output column of its MatMul form."""
+    _, contracted, _ = split_equation(layer.equation)
+    return layer.bias is not None and \
+        tuple(layer.bias.shape) == tuple(layer.kernel.shape[len(contracted):])
+
+
+def as_matmul(layer: Any, inputs: tf.Tensor, bias_row: bool = False) -> tf.Tensor:
     """``layer``'s output (an ``EinsumDense`` whose equation :func:`split_equation` accepts)
-    as ``Reshape`` + ``MatMul`` (+ ``BiasAdd``) + activation + ``Reshape``."""
+    as ``Reshape`` + ``MatMul`` (+ ``BiasAdd``) + activation + ``Reshape``; with ``bias_row``
+    a bias over all the kept axes is a row of the kernel instead (one MatMul,
+    ``fusion.stages.bias_row``)."""
+    from fusion.stages.bias_row import bias_row_product
+
     _, contracted, kept = split_equation(layer.equation)
     kernel = layer_value(layer.kernel)
     shape = kernel.shape.as_list()
     cols = math.prod(shape[: len(contracted)])
     kept_dims = shape[len(contracted):]
     rows = tf.reshape(inputs, [-1, cols])
-    y = tf.matmul(rows, tf.reshape(kernel, [cols, math.prod(kept_dims)]))
+    flat_kernel = tf.reshape(kernel, [cols, math.prod(kept_dims)])
     bias = None if layer.bias is None else layer_value(layer.bias)
     flat_bias = bias is not None and bias.shape.as_list() == kept_dims
-    if flat_bias:
+    if flat_bias and bias_row:
+        y = bias_row_product(rows, flat_kernel, tf.reshape(bias, [-1]))
+    else:
+        y = tf.matmul(rows, flat_kernel)
+    if flat_bias and not bias_row:
         y = tf.nn.bias_add(y, tf.reshape(bias, [-1]))
     early = layer.activation is not None and (len(kept) == 1 and (flat_bias or bias is None))
     if early:  # on the last axis, which the reshape keeps: the contraction family fuses it
@@ -143,24 +166,35 @@ def fused_einsum_dense_call(ctx: StageContext, original: Callable, layer: Any, i
         signature = (f"EinsumDense {layer.equation} input {shape_text(inputs.shape)} "
                      f"{inputs.dtype.name} bias={layer.bias is not None} "
                      f"activation={getattr(layer.activation, '__name__', None)}")
+        variables = layer.trainable_variables
         candidates = {
             "einsum": timed_form(lambda x: original(layer, x), [inputs.shape], inputs.dtype,
-                                 layer.trainable_variables),
-            "matmul": timed_form(lambda x: as_matmul(layer, x), [inputs.shape], inputs.dtype,
-                                 layer.trainable_variables),
+                                 variables),
+            **{form: timed_form(lambda x, row=row: as_matmul(layer, x, bias_row=row),
+                                [inputs.shape], inputs.dtype, variables)
+               for form, row in _matmul_forms(layer)},
         }
         conservative = "einsum" if ctx.target.runs_op("Einsum") else "matmul"
-        if ctx.chooser.choose(FAMILY, signature, candidates, conservative).choice == "einsum":
+        form = ctx.chooser.choose(FAMILY, signature, candidates, conservative).choice
+        if form == "einsum":
             use, why = False, f"{signature}: Keras's Einsum kept: measured faster"
+    else:
+        form = "matmul"
     if not use:
         stats.decline(f"EinsumDense: {why}")
         ctx.record(FAMILY, stats)
         return original(layer, inputs, *args, **kwargs)
-    with tf.name_scope(f"{SCOPE}_matmul"):
-        out = as_matmul(layer, inputs)
-    stats.fuse(LABEL)
+    with tf.name_scope(f"{SCOPE}_{form.replace(' ', '_')}"):
+        out = as_matmul(layer, inputs, bias_row=form.endswith(ROW))
+    stats.fuse(LABELS[form])
     ctx.record(FAMILY, stats)
     return out
+
+
+def _matmul_forms(layer: Any) -> list[tuple[str, bool]]:
+    """The MatMul forms of ``layer`` the tuner weighs: (name, bias as a row); the bias-row one
+    where the bias is over all the kept axes."""
+    return [("matmul", False), *([("matmul" + ROW, True)] if has_flat_bias(layer) else [])]
 
 
 def _projections(layer: Any) -> tuple[Any, Any, Any]:
@@ -211,12 +245,13 @@ def find_shared_projection(layer: Any, query: Any, value: Any, key: Any) -> str 
     return None
 
 
-def shared_projection(layer: Any, x: tf.Tensor) -> list[tf.Tensor]:
+def shared_projection(layer: Any, x: tf.Tensor, bias_row: bool = False) -> list[tf.Tensor]:
     """The query, key and value projections of ``x`` (a ``MultiHeadAttention``'s, accepted by
     :func:`find_shared_projection`) as one ``MatMul`` of ``x`` viewed ``[rows, features]`` with
     the three kernels concatenated (+ one ``BiasAdd``), split back into the three outputs:
     the backward is one MatMul for the input's gradient (no sum of three) and one for the
-    kernels'.
+    kernels'. With ``bias_row`` the biases are a row of the kernels (``fusion.stages.bias_row``:
+    one MatMul for the kernels' and the biases' gradients too).
 
     >>> import keras, numpy as np
     >>> mha = keras.layers.MultiHeadAttention(2, 3)
@@ -232,10 +267,18 @@ def shared_projection(layer: Any, x: tf.Tensor) -> list[tf.Tensor]:
     cols = math.prod(kernels[0].shape.as_list()[: len(contracted)])
     kept = [k.shape.as_list()[len(contracted):] for k in kernels]
     widths = [math.prod(dims) for dims in kept]
-    y = tf.matmul(tf.reshape(x, [-1, cols]), tf.concat(
-        [tf.reshape(k, [cols, n]) for k, n in zip(kernels, widths)], 1))
-    if denses[0].bias is not None:
-        y = tf.nn.bias_add(y, tf.concat([tf.reshape(layer_value(d.bias), [-1]) for d in denses], 0))
+    rows = tf.reshape(x, [-1, cols])
+    kernel = tf.concat([tf.reshape(k, [cols, n]) for k, n in zip(kernels, widths)], 1)
+    bias = None if denses[0].bias is None else \
+        tf.concat([tf.reshape(layer_value(d.bias), [-1]) for d in denses], 0)
+    if bias is not None and bias_row:
+        from fusion.stages.bias_row import bias_row_product
+
+        y = bias_row_product(rows, kernel, bias)
+    else:
+        y = tf.matmul(rows, kernel)
+        if bias is not None:
+            y = tf.nn.bias_add(y, bias)
     leading = x.shape[: x.shape.rank - len(contracted)]
     dynamic = tf.shape(x)[: x.shape.rank - len(contracted)]
     outs = []
@@ -265,24 +308,32 @@ def fused_attention_call(ctx: StageContext, original: Callable, layer: Any, quer
         def separate(v: Any) -> Any:
             return tf.stack([tf.reduce_sum(tf.square(as_matmul(d, v))) for d in denses])
 
-        def shared(v: Any) -> Any:
-            return tf.stack([tf.reduce_sum(tf.square(o)) for o in shared_projection(layer, v)])
+        def shared(v: Any, row: bool) -> Any:
+            return tf.stack([tf.reduce_sum(tf.square(o))
+                             for o in shared_projection(layer, v, bias_row=row)])
 
         contracted = len(split_equation(denses[0].equation)[1])
         signature = (f"MultiHeadAttention projections {denses[0].equation} input "
                      f"{shape_text(x.shape)} {x.dtype.name} widths "
                      f"{[math.prod(d.kernel.shape[contracted:]) for d in denses]}")
+        rows = [False, *([True] if denses[0].bias is not None else [])]
         candidates = {"separate": timed_form(separate, [x.shape], x.dtype, variables),
-                      "shared": timed_form(shared, [x.shape], x.dtype, variables)}
-        if ctx.chooser.choose(FAMILY, signature, candidates, "separate").choice == "separate":
+                      **{"shared" + (ROW if row else ""): timed_form(
+                          lambda v, row=row: shared(v, row), [x.shape], x.dtype, variables)
+                         for row in rows}}
+        form = ctx.chooser.choose(FAMILY, signature, candidates, "separate").choice
+        if form == "separate":
             why = f"{signature}: three MatMuls kept: measured faster"
+    else:
+        form = "shared"
     if why is not None:
         stats.decline(f"MultiHeadAttention projections: {why}")
         ctx.record(FAMILY, stats)
         return original(layer, query, value, key, **kwargs)
-    with tf.name_scope(f"{SCOPE}_shared"):
-        outs = shared_projection(layer, tf.convert_to_tensor(query))
-    stats.fuse(SHARED_LABEL)
+    with tf.name_scope(f"{SCOPE}_{form.replace(' ', '_')}"):
+        outs = shared_projection(layer, tf.convert_to_tensor(query),
+                                 bias_row=form.endswith(ROW))
+    stats.fuse(LABELS[form])
     ctx.record(FAMILY, stats)
     before = getattr(_pending, "outputs", {})
     _pending.outputs = {**before, **{id(d): out for d, out in zip(denses, outs)}}

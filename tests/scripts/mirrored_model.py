@@ -34,7 +34,8 @@ import tfmx  # noqa: E402
 from fusion.pattern import RewriteAlways  # noqa: E402
 from tfmx import guard, state  # noqa: E402
 
-PATTERNS = [p for p in fusion.available_patterns() if p != "onednn"]  # helpers.exact_patterns
+# helpers.exact_patterns
+PATTERNS = [p for p in fusion.available_patterns() if p not in ("onednn", "bias_row")]
 
 
 def run_keras(strategy, fused: bool) -> dict:

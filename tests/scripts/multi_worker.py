@@ -59,7 +59,8 @@ from dist_common import (  # noqa: E402
 import fusion  # noqa: E402
 import tfmx  # noqa: E402
 
-PATTERNS = [p for p in fusion.available_patterns() if p != "onednn"]  # helpers.exact_patterns
+# helpers.exact_patterns
+PATTERNS = [p for p in fusion.available_patterns() if p not in ("onednn", "bias_row")]
 TASK = json.loads(os.environ.get("TF_CONFIG", '{"task": {"index": 0}}'))["task"]["index"]
 
 
