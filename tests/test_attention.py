@@ -210,6 +210,94 @@ def test_mixed_bfloat16_fit_with_the_folded_form_in_the_graph_that_ran(monkeypat
                                    no_further_terms(6, extra=1))
 
 
+def _needs_exact_bfloat16_softmax() -> None:
+    if not stage.bfloat16_softmax_exact():
+        pytest.skip("this process's bfloat16 softmax rounds otherwise than Keras's float32 "
+                    "one (oneDNN off: Eigen rounds every op): the form is not offered")
+
+
+@needs_onednn("either")
+def test_the_bfloat16_softmax_form_is_offered_where_its_softmax_is_keras(monkeypatch):
+    """Offered for unmasked bfloat16 on cpu with XLA where the probe finds the bfloat16
+    softmax giving Keras's bits; the probe agrees with a direct comparison at another shape."""
+    from fusion.pattern import PlainTarget
+    from fusion.stage import StageContext
+
+    scores = tf.cast(tf.random.normal([3, 2, 40, 24], seed=5) * 3.0, tf.bfloat16)
+    same = np.array_equal(
+        tf.nn.softmax(scores).numpy().view(np.uint16),
+        tf.cast(tf.nn.softmax(tf.cast(scores, tf.float32)), tf.bfloat16).numpy().view(np.uint16))
+    layer = keras.layers.MultiHeadAttention(HEADS, KEY_DIM)
+    cpu = StageContext(PlainTarget("cpu"), xla=True)
+    query = tf.zeros([2, T, HEADS, KEY_DIM], tf.bfloat16)
+    offered = stage.SOFTMAX_16 in stage._forms(cpu, layer, query, True)  # noqa: SLF001
+    assert offered == stage.bfloat16_softmax_exact()
+    if stage.bfloat16_softmax_exact():  # eager oneDNN ops: compared where the probe passed
+        assert same or not offered
+    assert stage.SOFTMAX_16 not in stage._forms(cpu, layer, query, False)  # noqa: SLF001
+    assert stage.SOFTMAX_16 not in stage._forms(  # noqa: SLF001
+        cpu, layer, tf.zeros([2, T, HEADS, KEY_DIM]), True)
+    assert stage.SOFTMAX_16 not in stage._forms(  # noqa: SLF001
+        StageContext(PlainTarget("cpu"), xla=False), layer, query, True)
+    with pytest.raises(ValueError, match="without a mask"):
+        stage.attention(query, query, query, None, True, 0.5, folded=True, narrow_softmax=True)
+
+
+def test_the_bfloat16_softmax_is_kerass_forward_and_rounds_its_gradient_once_more():
+    """Forward: Keras's bits (the float32 softmax cast back). Gradient: TensorFlow's softmax
+    gradient in float32 from the bfloat16 probabilities, within two bfloat16 roundings of
+    Keras's (its own and the probabilities')."""
+    _needs_exact_bfloat16_softmax()
+    scores = tf.cast(tf.random.normal([4, 2, 16, 16], seed=1) * 3.0, tf.bfloat16)
+    w = tf.random.normal([4, 2, 16, 16], seed=2)
+
+    @tf.function(autograph=False)
+    def run(narrow: bool):
+        with tf.GradientTape() as tape:
+            tape.watch(scores)
+            probs = stage.bfloat16_softmax(scores) if narrow else tf.cast(
+                tf.nn.softmax(tf.cast(scores, tf.float32)), tf.bfloat16)
+            loss = tf.reduce_sum(tf.cast(probs, tf.float32) * w)
+        return probs, tape.gradient(loss, scores)
+
+    (p16, g16), (p, g) = run(True), run(False)
+    np.testing.assert_array_equal(p16.numpy().view(np.uint16), p.numpy().view(np.uint16))
+    scale = float(np.max(np.abs(w.numpy())))  # |dl| <= 2 max |w| p; the sum's terms: 16
+    assert_within_rounding(tf.cast(g16, tf.float64).numpy(), tf.cast(g, tf.float64).numpy(),
+                           2 + 16, dtype="bfloat16", scale=scale, what="gradient")
+
+
+def test_mixed_bfloat16_fit_with_the_bfloat16_softmax_in_the_graph_that_ran(monkeypatch,
+                                                                           tmp_path):
+    _needs_exact_bfloat16_softmax()
+    from tfmx import state
+
+    monkeypatch.setattr(state, "tuner", lambda: PickForm(stage.SOFTMAX_16, "attention",
+                                                          strict=True))
+    x, y = _data()
+    build = lambda: _model(key_dim=6)  # noqa: E731 - no mask: the form's domain
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        models, initial = fit_stock_and_tfmx(build, x, y, ["attention"])
+        fused = models[True]
+        ran = profiled_ops(lambda: fused.fit(x, y, batch_size=8, epochs=1, verbose=0,
+                                             shuffle=False), tmp_path)
+        models[False].fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    scope = f"{stage.SCOPE}_{stage.SOFTMAX_16.replace(' ', '_')}/"
+    assert any(scope in name and "Softmax" in kernel for name, kernel in ran), sorted(ran)
+    stats = tfmx.report().patterns["attention"]  # one call per trace (fit traced twice)
+    label = stage.LABELS[stage.SOFTMAX_16]
+    assert stats.fused >= 1 and set(stats.fused_kinds) == {label}, tfmx.report()
+    assert stats.observed[label] >= 1
+    # 9 steps (3 epochs of 3 batches); the folded query's rounding and the probabilities'
+    # in the gradient
+    reference = fit_float32_reference(build, x, y, epochs=3)
+    assert_no_further_from_float32(reference, models[False], models[True], initial,
+                                   no_further_terms(9, extra=2))
+
+
 TK, VALUE_DIM = 4, 3  # the context's length and the value heads' width (cross-attention)
 
 
