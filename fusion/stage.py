@@ -433,17 +433,19 @@ def rewrite_call(ctx: StageContext, family: str, scope: str, labels: dict[str, s
 
 
 def _routed(chain: list[tuple[Stage, Hook]]) -> Callable[[Any], Any]:
-    """The patch of one method that ``chain``'s hooks route, in order: each handler runs where
-    its stage is on in the active trace, with the rest of the chain (then the method itself)
-    as its ``original``; a stage that is off passes the call on."""
+    """The patch of one method that ``chain``'s hooks route (in registration order), run
+    highest ``outer`` first, then in that order: each handler runs where its stage is on in
+    the active trace, with the rest of the chain (then the method itself) as its
+    ``original``; a stage that is off passes the call on."""
+    ordered = sorted(chain, key=lambda pair: -pair[1].outer)  # stable
 
     def make(original: Any) -> Any:
         method = original
-        for stage, hook in reversed(chain):
+        for stage, hook in reversed(ordered):
             method = _link(stage, hook, method)
         method.__wrapped__ = original
         method.__doc__ = getattr(original, "__doc__", None)
-        method.__name__ = getattr(original, "__name__", chain[0][1].attribute)
+        method.__name__ = getattr(original, "__name__", ordered[0][1].attribute)
         return method
 
     return make
@@ -467,7 +469,6 @@ def install() -> None:
         for hook in stage.hooks:
             chains.setdefault((hook.owner, hook.attribute), []).append((stage, hook))
     for chain in chains.values():
-        chain.sort(key=lambda pair: -pair[1].outer)  # stable: registration order otherwise
         hook = chain[0][1]
         patches.install(GROUP, hook.owner_class(), hook.attribute, _routed(chain))
 

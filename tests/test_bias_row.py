@@ -90,7 +90,7 @@ def test_the_bfloat16_form_matches_keras(name):
                                dtype="bfloat16", what=f"{name} output {i}")
 
 
-def test_declines_with_a_reason():
+def test_declines_with_a_reason_and_passes_sparse_inputs_on():
     x = tf.zeros([2, 3, 4])
     plain = keras.layers.Dense(5)
     plain.build(x.shape)
@@ -100,6 +100,17 @@ def test_declines_with_a_reason():
     quantized.build(x.shape)
     quantized.quantize("int8")
     assert "quantized" in stage.find_bias_row(quantized, x)
+    sparse = tf.sparse.from_dense(tf.eye(2, 4))
+    ctx = stage_mechanism.StageContext(PlainTarget("cpu"), RewriteAlways())
+    calls = []
+
+    @tf.function
+    def run():
+        return stage.fused_dense_call(ctx, lambda *a, **k: calls.append(a) or tf.zeros([2, 5]),
+                                      plain, sparse)
+
+    run()
+    assert len(calls) == 1  # Keras's call, as it is
 
 
 def _model() -> keras.Model:
@@ -186,9 +197,8 @@ def test_hooks_on_one_method_run_as_a_chain_outer_first():
 
     inner = stage_mechanism.Hook("m:Owner", "call", handler("inner"))
     outer = stage_mechanism.Hook("m:Owner", "call", handler("outer"), outer=1)
-    chain = [(stage_mechanism.Stage("inner", "", (inner,)), inner),
+    chain = [(stage_mechanism.Stage("inner", "", (inner,)), inner),  # registration order
              (stage_mechanism.Stage("outer", "", (outer,)), outer)]
-    chain.sort(key=lambda pair: -pair[1].outer)
     method = stage_mechanism._routed(chain)(Owner.call)  # noqa: SLF001
     assert method(Owner(), []) == ["method"]  # outside a trace: the method alone
     ctx = stage_mechanism.StageContext(PlainTarget("cpu"), RewriteAlways(),

@@ -126,7 +126,8 @@ def fused_dense_call(ctx: StageContext, original: Callable, layer: Any, inputs: 
                      training: Any = None) -> Any:
     """``Dense.call`` while tfmx traces: the bias-row form where the tuner measures it faster
     than Keras's (or without a tuner), else Keras's with the reason recorded."""
-    if getattr(layer, "bias", None) is None or not tf.inside_function():
+    if getattr(layer, "bias", None) is None or not tf.inside_function() or \
+            isinstance(inputs, (tf.SparseTensor, tf.RaggedTensor)):
         return original(layer, inputs, training=training)
     inputs = tf.convert_to_tensor(inputs)
     stats = PatternStats(matched=1)
