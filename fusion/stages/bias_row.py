@@ -41,7 +41,6 @@ from typing import Any
 
 import tensorflow as tf
 
-from fusion.pattern import PatternStats
 from fusion.stage import (
     Hook,
     Stage,
@@ -49,6 +48,7 @@ from fusion.stage import (
     custom_gradient,
     layer_value,
     register_stage,
+    rewrite_call,
     timed_form,
 )
 
@@ -125,37 +125,32 @@ def _keras_affine(layer: Any, inputs: tf.Tensor) -> tf.Tensor:
 def fused_dense_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
                      training: Any = None) -> Any:
     """``Dense.call`` while tfmx traces: the bias-row form where the tuner measures it faster
-    than Keras's (or without a tuner), else Keras's with the reason recorded."""
+    than Keras's (or without a tuner), else Keras's with the reason recorded
+    (:func:`fusion.stage.rewrite_call`)."""
     if getattr(layer, "bias", None) is None or not tf.inside_function() or \
             isinstance(inputs, (tf.SparseTensor, tf.RaggedTensor)):
         return original(layer, inputs, training=training)
     inputs = tf.convert_to_tensor(inputs)
-    stats = PatternStats(matched=1)
-    why = find_bias_row(layer, inputs)
-    if why is None and ctx.chooser is not None:
+
+    def signature() -> str:
         from fusion.fragment import shape_text
 
-        kernel = layer_value(layer.kernel)
-        signature = (f"Dense input {shape_text(inputs.shape)} x {shape_text(kernel.shape)} "
-                     f"{inputs.dtype.name} + bias")
+        return (f"Dense input {shape_text(inputs.shape)} x "
+                f"{shape_text(layer_value(layer.kernel).shape)} {inputs.dtype.name} + bias")
+
+    def candidates() -> dict:  # the layer without its activation, the same in both forms
         variables = layer.trainable_variables
-        candidates = {
-            CONSERVATIVE: timed_form(lambda x: _keras_affine(layer, x), [inputs.shape],
-                                     inputs.dtype, variables),
-            FORM: timed_form(lambda x: dense_with_bias_row(layer, x, activation=False),
-                             [inputs.shape], inputs.dtype, variables),
-        }
-        if ctx.chooser.choose(FAMILY, signature, candidates, CONSERVATIVE).choice != FORM:
-            why = f"{signature}: Keras's MatMul and bias kept: measured faster"
-    if why is not None:
-        stats.decline(f"Dense: {why}")
-        ctx.record(FAMILY, stats)
-        return original(layer, inputs, training=training)
-    with tf.name_scope(f"{SCOPE}_{FORM.replace(' ', '_')}"):
-        out = dense_with_bias_row(layer, inputs, activation=False)
-    stats.fuse(LABEL)
-    ctx.record(FAMILY, stats)
-    return out if layer.activation is None else layer.activation(out)
+        return {CONSERVATIVE: timed_form(lambda x: _keras_affine(layer, x), [inputs.shape],
+                                         inputs.dtype, variables),
+                FORM: timed_form(lambda x: dense_with_bias_row(layer, x, activation=False),
+                                 [inputs.shape], inputs.dtype, variables)}
+
+    return rewrite_call(ctx, FAMILY, SCOPE, {FORM: LABEL}, what="Dense",
+                        why=find_bias_row(layer, inputs), forms=[FORM], signature=signature,
+                        candidates=candidates, conservative=CONSERVATIVE,
+                        kept="Keras's MatMul and bias",
+                        keras=lambda: original(layer, inputs, training=training),
+                        emit=lambda form: dense_with_bias_row(layer, inputs))
 
 
 STAGE = register_stage(Stage(
