@@ -42,6 +42,7 @@ import tensorflow as tf
 
 from fusion.pattern import PatternStats
 from fusion.stage import Hook, Stage, StageContext, layer_value, register_stage, timed_form
+from fusion.stages.bias_row import bias_row_product
 
 FAMILY = "einsum_dense"
 SCOPE = "tfmx_einsum_dense"
@@ -99,8 +100,6 @@ def as_matmul(layer: Any, inputs: tf.Tensor, bias_row: bool = False) -> tf.Tenso
     as ``Reshape`` + ``MatMul`` (+ ``BiasAdd``) + activation + ``Reshape``; with ``bias_row``
     a bias over all the kept axes is a row of the kernel instead (one MatMul,
     ``fusion.stages.bias_row``)."""
-    from fusion.stages.bias_row import bias_row_product
-
     _, contracted, kept = split_equation(layer.equation)
     kernel = layer_value(layer.kernel)
     shape = kernel.shape.as_list()
@@ -109,7 +108,7 @@ def as_matmul(layer: Any, inputs: tf.Tensor, bias_row: bool = False) -> tf.Tenso
     rows = tf.reshape(inputs, [-1, cols])
     flat_kernel = tf.reshape(kernel, [cols, math.prod(kept_dims)])
     bias = None if layer.bias is None else layer_value(layer.bias)
-    flat_bias = bias is not None and bias.shape.as_list() == kept_dims
+    flat_bias = has_flat_bias(layer)
     if flat_bias and bias_row:
         y = bias_row_product(rows, flat_kernel, tf.reshape(bias, [-1]))
     else:
@@ -272,8 +271,6 @@ def shared_projection(layer: Any, x: tf.Tensor, bias_row: bool = False) -> list[
     bias = None if denses[0].bias is None else \
         tf.concat([tf.reshape(layer_value(d.bias), [-1]) for d in denses], 0)
     if bias is not None and bias_row:
-        from fusion.stages.bias_row import bias_row_product
-
         y = bias_row_product(rows, kernel, bias)
     else:
         y = tf.matmul(rows, kernel)
