@@ -15,8 +15,12 @@ from tfmx.guard import StepGuard
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
     monkeypatch.setenv("TFMX_TUNE", "off")
+    # the trial's logic, run to its end; the budget has its own tests (tests/test_guard_budget.py)
+    monkeypatch.setenv("TFMX_GUARD_BUDGET", "none")
+    guard.forget()  # each test's trials start afresh in this process
     yield
     guard.set_test_delay()
+    guard.forget()
 
 
 def test_decisions_from_timings():
@@ -76,7 +80,7 @@ def test_fit_keeps_the_faster_step_and_trains_like_stock(slow, kept, steps_per_e
     report = tfmx.report()
     train = [g.summary() for g in report.guards if g.function.endswith("train_step")]
     assert [g.kept for g in train] == [kept], [g.describe() for g in train]
-    assert train[0].pairs >= 3  # a plainly slower challenger is dropped after 3 pairs
+    assert train[0].pairs >= 2  # a plainly slower challenger is dropped after 2-3 pairs
     assert "whole-step guard" in str(report) and f"kept {kept}" in str(report)
     assert report.to_dict()["guards"][0]["kept"] == kept
     # Stock and fused steps alternated, then one form ran: the weights are stock's, within

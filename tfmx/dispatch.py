@@ -90,6 +90,7 @@ class IteratorDispatch:
         spec = iterator._type_spec
         slot = self._slots.get(spec)
         if slot is None:
+            start = time.perf_counter()
             with guard.collecting() as embedded:
                 outputs = self._function(iterator)  # traces (or retraces) as TensorFlow decides
             slot = _Slot({"fused": self._function.get_concrete_function(iterator)})
@@ -97,15 +98,20 @@ class IteratorDispatch:
                 slot.guard = self._make_guard(sum((collections.Counter(e.ops) for e in embedded),
                                                   collections.Counter()),
                                               "+".join(e.signature for e in embedded))
+                if slot.guard is not None:  # what tracing it cost: a seed of the other forms'
+                    slot.guard.first_call_s = time.perf_counter() - start
             self._slots[spec] = slot
             return outputs
         if slot.guard is None:
             return slot.forms["fused"](iterator)
-        form = slot.guard.next_form()
-        if form not in slot.forms:  # its first call (also a form a cached decision kept)
-            return self._trace_form(slot, form, iterator)
         if slot.guard.decided:  # the per-step path after the trial: one lookup
-            return slot.forms[form](iterator)
+            form = slot.guard.kept
+            if form in slot.forms:
+                return slot.forms[form](iterator)
+            return self._trace_form(slot, form, iterator)  # e.g. a form a cached decision kept
+        form = slot.guard.next_form()
+        if form not in slot.forms:  # its first call
+            return self._trace_form(slot, form, iterator)
         return slot.guard.run({name: functools.partial(concrete, iterator)
                                for name, concrete in slot.forms.items()})
 

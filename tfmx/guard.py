@@ -5,19 +5,35 @@ whether the user's training got faster. So when tfmx changed a step, the first s
 (``evaluate``, ``predict``, a ``tfmx.function`` loop) run the fused and the stock step
 alternately on the real batches: both are built from the same Python step function (the stock
 one traced with no tfmx stage and no rewrite, as TensorFlow would run it), every step trains as
-usual, nothing is computed twice. After each pair the guard compares them; as soon as one is
-faster beyond noise (a sign test over the pairs' time ratios) or after :data:`MAX_PAIRS` pairs,
-it keeps one form for good: the fused step only if it is faster beyond noise. ``tfmx.report()``
-shows which was kept and both medians.
+usual, nothing is computed twice. After each pair the guard compares them: a sequential t-test
+on the pairs' log time ratios (from 2 pairs, at p < :data:`P_EARLY` per look, so a form slower
+by a wide margin is dropped after 2-3 pairs) and a sign test (from :data:`MIN_PAIRS` pairs);
+after :data:`MAX_PAIRS` pairs it keeps the fused step only if it is faster beyond noise.
+``tfmx.report()`` shows which was kept, both medians and what the trial cost.
 
 On cpu and cuda the winner then meets a third form: the step compiled by XLA (the Python step
 with ``jit_compile=True``, as Keras's own ``jit_compile=True`` builds it), kept only if faster
-again beyond noise; a challenger plainly slower after 3 pairs (1.25x) is dropped at once, and
-one XLA cannot compile loses. XLA was 0.6-0.8x stock on transformer-like and GELU MLP steps of
-this project's CPUs and 1.7-2.7x on CNNs: neither choice is right for every model.
+again beyond noise; one XLA cannot compile loses. Whether XLA is tried is measured too: its
+compile (its first call) is paid only when the trial's budget covers the compile time expected
+on this machine (:func:`expected_first_call`, learnt from the first calls measured here), and
+its measured compile time counts against the budget. A step that reduces across replicas is
+not tried (:func:`xla_pruned`: a correctness reason).
 
-The first call of each form compiles it and is not timed (its time counts as the trial's
-cost). The other forms are traced only when the guard first needs them.
+The budget: a trial costs at most :data:`BUDGET_SHARE` (2 %) of the run it serves
+(``TFMX_GUARD_BUDGET``). Its cost is the first calls of the forms other than fused (tracing,
+compiling) and the time every slower step took beyond the best form's median. The run's time is
+what Keras's ``fit`` plans (epochs x steps per epoch, from its callbacks' params: see
+:func:`plan_fit`) at the best step time measured, or, where no plan is known (a custom loop,
+``evaluate``, ``predict``, a dataset of unknown length), the time the run has taken so far.
+Before each run the guard checks that what it is about to pay (a form's first call, or a slower
+step) fits in what is left; if not, the trial pauses and keeps the form best so far on the
+evidence, conservatively: a challenger only if faster beyond noise (p < :data:`P_FINAL`), the
+fused step when stock was never run (it is the step already running). A paused trial resumes
+when a later ``fit`` (or the time run) gives it budget again.
+
+A finished trial's outcome is kept per step signature for the process and in the tuner's cache
+on this machine (``tune="auto"``): a later ``fit``, a new model of the same architecture, a new
+process run it at once, and the report says what the trial had cost (what the reuse saved).
 
 Switch the guard off with ``tfmx.enable(guard=False)`` or ``TFMX_GUARD=0``; the XLA duel alone
 with ``tfmx.enable(xla=False)`` or ``TFMX_XLA=0``.
@@ -36,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import os
 import statistics
@@ -48,14 +65,38 @@ from tfmx.tuner import sign_test
 
 ENV = "TFMX_GUARD"
 ENV_XLA = "TFMX_XLA"
+ENV_BUDGET = "TFMX_GUARD_BUDGET"
 MIN_PAIRS = 6
-"""Pairs before any decision."""
+"""Pairs before the sign test may decide (the t-test may decide from 2)."""
 MAX_PAIRS = 24
 """Pairs after which the guard decides whatever the evidence (stock unless fused is faster)."""
 P_EARLY = 0.01
-"""Sign-test p-value that ends the trial early in favour of one form."""
+"""p-value that ends a duel early in favour of one form."""
 P_FINAL = 0.05
-"""At :data:`MAX_PAIRS`, the fused step is kept only at this significance."""
+"""At :data:`MAX_PAIRS`, or when the budget runs out, a challenger is kept only at this
+significance."""
+BUDGET_SHARE = 0.02
+"""The share of the run a trial may cost (``TFMX_GUARD_BUDGET``: a fraction, or ``none``)."""
+NOISE_FLOOR = 0.01
+"""The least standard deviation of a pair's log time ratio the t-test assumes (1 %): two
+timings that agree better than that are not taken for proof."""
+XLA_SEED = 2.0
+"""Before any XLA first call was measured on this machine, its compile is expected to cost
+this many times stock's first call (a seed: the first measurement replaces it)."""
+SEED_S_PER_OP = 1e-3
+"""Before any first call was measured here and with no fused first call to go by, stock's is
+expected to cost this many seconds per op of its step (a seed, as :data:`XLA_SEED`)."""
+
+# one-sided Student t quantiles for 1..30 degrees of freedom, at p = 0.01 and 0.05
+_T_CRIT = {
+    0.01: (31.82, 6.965, 4.541, 3.747, 3.365, 3.143, 2.998, 2.896, 2.821, 2.764, 2.718, 2.681,
+           2.650, 2.624, 2.602, 2.583, 2.567, 2.552, 2.539, 2.528, 2.518, 2.508, 2.500, 2.492,
+           2.485, 2.479, 2.473, 2.467, 2.462, 2.457),
+    0.05: (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782,
+           1.771, 1.761, 1.753, 1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711,
+           1.708, 1.706, 1.703, 1.701, 1.699, 1.697),
+}
+_T_LIMIT = {0.01: 2.326, 0.05: 1.645}
 
 _local = threading.local()
 _test_delay = {"fused": 0.0, "stock": 0.0, "xla": 0.0}
@@ -126,60 +167,207 @@ def embedded(changed: bool, ops: Mapping[str, int] | None = None, signature: str
         collected.append(Embedded(changed, dict(ops or {}), signature))
 
 
-CONVOLUTIONS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative",
-                          "Conv2DBackpropInput", "Conv2DBackpropFilter",
-                          "DepthwiseConv2dNativeBackpropInput",
-                          "DepthwiseConv2dNativeBackpropFilter"})
-OTHER_CONTRACTIONS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3",
-                                "Einsum"})
+def budget_share() -> float | None:
+    """The share of a run a trial may cost: ``$TFMX_GUARD_BUDGET`` or :data:`BUDGET_SHARE`;
+    None (``none``, ``off``) lets a trial run to its end whatever it costs.
+
+    >>> budget_share()
+    0.02
+    """
+    raw = os.environ.get(ENV_BUDGET, "").strip().lower()
+    if not raw:
+        return BUDGET_SHARE
+    if raw in ("none", "off", "inf"):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"${ENV_BUDGET} must be a fraction of the run (0.02) or none, "
+                         f"got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"${ENV_BUDGET} must be >= 0, got {raw!r}")
+    return value
+
+
+def t_test(ratios: list[float], p: float) -> int:
+    """A one-sided t-test on the log of the pairs' time ratios (challenger / incumbent): -1 if
+    the challenger is faster at significance ``p``, 1 if slower, 0 if neither. The standard
+    deviation is taken as at least :data:`NOISE_FLOOR`.
+
+    >>> t_test([5.1, 4.9], 0.01), t_test([1.02, 0.97, 1.01], 0.01), t_test([0.5] * 3, 0.01)
+    (1, 0, -1)
+    """
+    n = len(ratios)
+    if n < 2 or p not in _T_CRIT:
+        return 0
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    sd = max(statistics.stdev(logs), NOISE_FLOOR)
+    table = _T_CRIT[p]
+    critical = table[n - 2] if n - 1 <= len(table) else _T_LIMIT[p]
+    t = mean / (sd / math.sqrt(n))
+    return -1 if t < -critical else 1 if t > critical else 0
+
+
+# -- what a fit plans --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class FitPlan:
+    """One ``fit``: its number (in this process) and how many calls of its train function it
+    plans (None: unknown, e.g. a dataset of unknown length)."""
+
+    serial: int
+    calls: int | None
+
+
+_serials = itertools.count(1)
+
+
+def plan_fit(epochs: int | None, steps: int | None, steps_per_execution: int = 1) -> FitPlan:
+    """Announce a ``fit`` of ``epochs`` x ``steps`` batches, ``steps_per_execution`` batches a
+    call, in this thread: the train step's guard sizes its budget on it.
+
+    >>> plan_fit(3, 16, 4).calls
+    12
+    >>> current_plan().calls
+    12
+    """
+    calls = None
+    if epochs and steps and steps > 0:
+        calls = epochs * -(-int(steps) // max(1, int(steps_per_execution or 1)))
+    plan = FitPlan(next(_serials), calls)
+    _local.plan = plan
+    return plan
+
+
+def current_plan() -> FitPlan | None:
+    """The last ``fit`` announced in this thread (:func:`plan_fit`), None before any."""
+    return getattr(_local, "plan", None)
+
+
+def planning_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap Keras's ``CallbackList.on_train_begin`` (install with ``fusion.patches``): when a
+    fit begins, its callbacks' params (``epochs``, ``steps``) and the model's
+    ``steps_per_execution`` announce its plan (:func:`plan_fit`)."""
+
+    def on_train_begin(self: Any, logs: Any = None) -> Any:
+        params = getattr(self, "params", None) or {}
+        model = getattr(self, "model", None)
+        try:
+            plan_fit(params.get("epochs"), params.get("steps"),
+                     getattr(model, "steps_per_execution", 1) or 1)
+        except (TypeError, ValueError):
+            plan_fit(None, None)
+        return original(self, logs)
+
+    on_train_begin.__wrapped__ = original
+    return on_train_begin
+
+
+# -- first calls: what tracing or compiling a form costs on this machine ----------------------
+_first_calls: dict[str, tuple[float, int]] = {}  # form -> (mean log s/op, observations)
+
+
+def _learnt(form: str, cache: Any) -> tuple[float, int] | None:
+    known = _first_calls.get(form)
+    if known is None and cache is not None:
+        d = cache.get(f"guard-first-call|{form}")
+        if d is not None and d.times_ms.get("ms_per_op", 0) > 0:
+            known = (math.log(d.times_ms["ms_per_op"] / 1e3), int(d.times_ms.get("n", 1)))
+            _first_calls[form] = known
+    return known
+
+
+def learn_first_call(form: str, seconds: float, ops: int, cache: Any = None) -> None:
+    """Record that ``form``'s first call (tracing, compiling, one step) took ``seconds`` for a
+    step of ``ops`` ops: :func:`expected_first_call` goes by the geometric mean per op.
+
+    >>> learn_first_call("demo", 2.0, 1000)
+    >>> round(expected_first_call("demo", 500)[0], 3)
+    1.0
+    """
+    if ops <= 0 or seconds <= 0:
+        return
+    mean, n = _learnt(form, cache) or (0.0, 0)
+    mean = (mean * n + math.log(seconds / ops)) / (n + 1)
+    _first_calls[form] = (mean, n + 1)
+    if cache is not None:
+        from tfmx.tuner import Decision
+
+        cache.put(Decision("guard-first-call", form, form, (form,),
+                           {"ms_per_op": math.exp(mean) * 1e3, "n": n + 1}, "measured"))
+
+
+def expected_first_call(form: str, ops: int, fused_first_s: float = 0.0, cache: Any = None
+                        ) -> tuple[float, str]:
+    """Seconds ``form``'s first call is expected to take for a step of ``ops`` ops, and how
+    that was estimated: from the first calls measured on this machine (per op), else seeded by
+    the fused step's own first call (tracing and rewriting the same step: more than stock's)
+    or :data:`SEED_S_PER_OP`, XLA's at :data:`XLA_SEED` times stock's.
+
+    >>> expected_first_call("nothing measured", 100, fused_first_s=3.0)[1]
+    'seed: the fused first call'
+    """
+    known = _learnt(form, cache)
+    if known is not None and ops > 0:
+        rate = math.exp(known[0])
+        return rate * ops, (f"{rate * 1e3:.2f} ms per op, measured here over {known[1]} first "
+                            "call(s)")
+    if form == "xla":
+        stock, how = expected_first_call("stock", ops, fused_first_s, cache)
+        return XLA_SEED * stock, f"seed: {XLA_SEED:g} x stock's first call ({how})"
+    if fused_first_s > 0:
+        return fused_first_s, "seed: the fused first call"
+    return SEED_S_PER_OP * max(ops, 1), f"seed: {SEED_S_PER_OP * 1e3:g} ms per op"
 
 
 def xla_pruned(backend: str, ops: Mapping[str, int]) -> str | None:
-    """Why the XLA duel is not worth its compile time here, or None: on cpu, XLA ran every
-    convolutional network's step on this project's CPUs 1.6-2.7x slower than stock (Zen 3,
-    Zen 4, Zen 5: small CNN, batch-norm ResNet, ResNet-50), so a step whose contractions are
-    mostly convolutions does not try it (a pruning seed, not a measurement of this step). A
-    step with a few convolutions among many MatMuls (a ViT's patch embedding) is measured.
-
-    >>> xla_pruned("cpu", {"Conv2D": 4, "Conv2DBackpropFilter": 4, "MatMul": 6})[:25]
-    'convolutions on cpu (8 of'
-    >>> xla_pruned("cpu", {"Conv2D": 1, "Conv2DBackpropFilter": 1, "Einsum": 30}) is None
-    True
-    >>> xla_pruned("cuda", {"Conv2D": 1}) is None
-    True
-
-    A step that reduces across replicas (``tf.distribute``: its collectives) is not tried:
-    XLA compiles the step for one device, and under MirroredStrategy it failed on the other
-    replicas' variables (one batch of Keras's loop would be lost to each failed trial).
+    """Why XLA's form cannot be tried for this step, or None. Speed is not a reason here (the
+    guard measures it within its budget): a step that reduces across replicas
+    (``tf.distribute``: its collectives) is not tried, because XLA compiles the step for one
+    device, and under MirroredStrategy it failed on the other replicas' variables (one batch of
+    Keras's loop would be lost to each failed trial).
 
     >>> xla_pruned("cpu", {"CollectiveReduceV2": 2, "MatMul": 6})[:34]
     'the step reduces across replicas ('
+    >>> xla_pruned("cpu", {"Conv2D": 4, "DepthwiseConv2dNative": 4}) is None
+    True
     """
     collectives = sorted(op for op in ops if op.startswith(("Collective", "Nccl")))
     if collectives:
         return (f"the step reduces across replicas ({', '.join(collectives)}): XLA compiles "
                 "one device's step")
-    convolutions = sum(n for op, n in ops.items() if op in CONVOLUTIONS)
-    others = sum(n for op, n in ops.items() if op in OTHER_CONTRACTIONS)
-    if backend == "cpu" and convolutions and convolutions >= others:
-        return (f"convolutions on cpu ({convolutions} of the step's {convolutions + others} "
-                "contractions): XLA ran every CNN step 1.6-2.7x stock on this project's CPUs, "
-                "not worth its compile time")
     return None
 
 
+_decided: dict[str, Any] = {}  # step key -> the tuner Decision a trial stored, this process
+
+
+def forget() -> None:
+    """Drop what this process learnt (trials' outcomes, first calls measured); the machine's
+    tuning cache keeps its copy.
+
+    >>> forget()
+    """
+    _decided.clear()
+    _first_calls.clear()
+
+
 def make_guard(function: str, opts: Any, ops: Mapping[str, int], signature: str = "",
-               cache: Any = None) -> StepGuard:
+               cache: Any = None, planned: bool = False) -> StepGuard:
     """The guard for one step under ``opts`` (``tfmx.state.Options``): its challengers, with
-    XLA left out where :func:`xla_pruned` says so (the report says why). With a
-    ``tfmx.tuner.TuningCache`` and the step's ``signature``, what a trial on this machine kept
-    for the same step before is kept at once, and a new trial's outcome is stored."""
+    XLA left out where :func:`xla_pruned` says so (the report says why), its budget
+    (:func:`budget_share`; ``planned``: the step is a fit's train step, whose plan
+    :func:`plan_fit` announces). With the step's ``signature``, what a trial kept for the same
+    step before in this process, or on this machine (a ``tfmx.tuner.TuningCache``), is kept at
+    once, and a new trial's outcome is stored."""
     challengers = opts.guard_challengers()
     why = xla_pruned(opts.backend.name, ops) if "xla" in challengers else None
     if why:
         challengers = tuple(c for c in challengers if c != "xla")
-    made = StepGuard(function, challengers, notes=(f"XLA not tried: {why}",) if why else ())
-    if cache is not None and signature:
+    made = StepGuard(function, challengers, notes=(f"XLA not tried: {why}",) if why else (),
+                     budget=budget_share(), planned=planned, ops=sum(ops.values()),
+                     cache=cache)
+    if signature:
         made.remember(cache, f"{function} {signature}")
     return made
 
@@ -196,17 +384,30 @@ class GuardRecord:
     reason: str
     cost_s: float = 0.0  # what the trial cost: the other forms' first calls and slower steps
     xla_ms: float = float("nan")  # nan: not tried
+    final: bool = True  # False: kept while the trial is paused (its budget spent)
+    budget_s: float = float("nan")  # what the trial may cost so far (nan: no budget)
+    run_s: float = 0.0  # the run the budget is a share of: the fits' planned time, or so far
+    xla_compile_s: float = float("nan")  # XLA's first call, measured (nan: not compiled)
+    saved_s: float = 0.0  # a cached outcome: what its trial had cost
 
     def describe(self) -> str:
         ratio = self.fused_ms / self.stock_ms if self.stock_ms else float("nan")
         xla = "" if math.isnan(self.xla_ms) else f", XLA {self.xla_ms:.2f} ms"
+        share = (f"{self.cost_s / self.run_s:.1%} of the run's ~{self.run_s:.1f} s"
+                 if self.run_s > 0 else "")
+        budget = ("" if math.isnan(self.budget_s) else
+                  f", budget {self.budget_s:.2f} s")
+        cost = f"the trial cost {self.cost_s:.2f} s" + (f" ({share}{budget})" if share else "")
+        if self.saved_s:
+            cost = f"no trial: {self.saved_s:.2f} s saved, what the trial had cost"
         if self.kept == "undecided":
             return (f"{self.function}: trial under way, {self.pairs} pairs so far (fused "
                     f"{self.fused_ms:.2f} ms, stock {self.stock_ms:.2f} ms{xla}, ratio "
-                    f"{ratio:.3f})")
-        return (f"{self.function}: kept {self.kept} (fused {self.fused_ms:.2f} ms, stock "
+                    f"{ratio:.3f}); {self.reason + '; ' if self.reason else ''}{cost}")
+        kept = f"kept {self.kept}" + ("" if self.final else " for now")
+        return (f"{self.function}: {kept} (fused {self.fused_ms:.2f} ms, stock "
                 f"{self.stock_ms:.2f} ms{xla}, fused/stock {ratio:.3f}, {self.pairs} pairs; "
-                f"{self.reason}; the trial cost {self.cost_s:.2f} s)")
+                f"{self.reason}; {cost})")
 
 
 class StepGuard:
@@ -216,11 +417,28 @@ class StepGuard:
     The trial is a sequence of duels: each challenger (``"fused"``, then ``"xla"`` where
     given) against the form kept so far (``"stock"`` at first); a challenger is kept only if
     faster beyond noise. A challenger whose first call fails (:meth:`failed`) loses its duel.
+
+    With a ``budget`` (a share of the run, see module doc) the trial first times the fused
+    step once (it runs anyway), then pays for nothing the budget does not cover: it pauses,
+    keeping the best form so far (see module doc), and resumes when a new fit's plan or the time
+    run allow. ``clock`` (seconds) can be injected; ``first_call_s`` is the fused step's first
+    call where the caller timed it; ``ops`` the stock step's op count (for the expected cost of
+    the other forms' first calls).
+
+    Example (a 2 % budget of a 40-step fit of 10 ms steps: stock's 5 s trace does not fit, the
+    fused step is kept for now, untried):
+        >>> g = StepGuard("demo", budget=0.02, planned=True, first_call_s=5.0)
+        >>> _ = plan_fit(1, 40)
+        >>> g.record(g.next_form(), 0.010)
+        >>> g.next_form(), g.decided, g.summary().final
+        ('fused', True, False)
     """
 
     def __init__(self, function: str, challengers: tuple[str, ...] = ("fused",),
                  min_pairs: int = MIN_PAIRS, max_pairs: int = MAX_PAIRS,
-                 notes: tuple[str, ...] = ()) -> None:
+                 notes: tuple[str, ...] = (), budget: float | None = None,
+                 planned: bool = False, first_call_s: float = 0.0, ops: int = 0,
+                 cache: Any = None, clock: Callable[[], float] = time.perf_counter) -> None:
         self.function = function
         self.min_pairs, self.max_pairs = min_pairs, max_pairs
         self.kept: str | None = None
@@ -232,17 +450,59 @@ class StepGuard:
         self._pair: dict[str, list[float]] = {self.challenger: [], self.incumbent: []}
         self._warm: dict[str, float] = {"fused": 0.0}  # the first traced call ran the fused form
         self._next = self.incumbent if self.challenger in self._warm else self.challenger
-        self._cache: Any = None  # see remember()
+        self._cache: Any = cache  # the machine's tuning cache: learnt first calls, outcomes
         self._key = ""
         self._cached: Any = None
+        # the budget (see module doc)
+        self.budget = budget
+        self.planned = planned
+        self.first_call_s = first_call_s
+        self.ops = ops
+        self._clock = clock
+        self._start = clock()
+        self._fits: dict[int, int | None] = {}  # fit serial -> its planned calls
+        self._paused = False
+        self._pause_why = ""
+        self._pause_serial: int | None = None
+        self._resume_at = math.inf
+        self._xla_why = ""  # why XLA was not compiled (when its duel was paused)
+        if budget is not None and self.challenger in self._warm:
+            self._next = self.challenger  # one timed run of the step already running first
 
     @property
     def decided(self) -> bool:
-        return self.kept is not None
+        """True once a form is kept: for good, or while a paused trial waits for budget (then
+        it resumes here, on the first call its budget covers again)."""
+        if self.kept is None:
+            return False
+        if not self._paused:
+            return True
+        plan = current_plan() if self.planned else None
+        new_fit = plan is not None and plan.serial != self._pause_serial
+        if not new_fit and self._clock() < self._resume_at:
+            return True
+        if self._affordable(self._next):
+            self.kept, self._paused, self._pause_why = None, False, ""
+            return False
+        self._pause_serial = plan.serial if plan is not None else None
+        self._resume_at = self._when_affordable(self._next)
+        return True
 
     def next_form(self) -> str:
-        """The form to run next: alternates during the trial, then the kept one."""
-        return self.kept if self.kept is not None else self._next
+        """The form to run next: alternates during the trial (pausing it if the budget does
+        not cover what the next run would cost), then the kept one."""
+        if self.kept is not None:
+            return self.kept
+        form = self._next
+        if self.budget is not None and not self._affordable(form):
+            self._pause(form)
+            return self.kept
+        if form == "xla" and form not in self._warm:
+            expected, how = expected_first_call(form, self.ops, self.first_call_s, self._cache)
+            left = self.budget_seconds() - self._cost()
+            self._xla_why = (f"expected ~{expected:.2f} s, {how}; budget left {left:.2f} s"
+                             if self.budget is not None else "no budget")
+        return form
 
     def record(self, form: str, seconds: float) -> None:
         """Record one run of ``form`` (its first run only warms it up)."""
@@ -250,9 +510,13 @@ class StepGuard:
             return
         if form not in self._warm:
             self._warm[form] = seconds  # tracing and compiling it: the guard's doing
+            learn_first_call(form, seconds, self.ops, self._cache)
+            if form == "xla":
+                self._xla_why = f"XLA tried: compiled in {seconds:.2f} s ({self._xla_why})"
         else:
-            self._pair.setdefault(form, []).append(seconds)
             self._all.setdefault(form, []).append(seconds)
+            if self.incumbent in self._warm and self.challenger in self._warm:
+                self._pair.setdefault(form, []).append(seconds)  # the duel has begun
         self._next = self.incumbent if form == self.challenger else self.challenger
         self._maybe_decide()
 
@@ -263,17 +527,25 @@ class StepGuard:
 
     def _ratios(self) -> list[float]:
         mine, theirs = self._pair[self.challenger], self._pair[self.incumbent]
-        return [c / i for c, i in zip(mine, theirs) if i > 0]
+        return [c / i for c, i in zip(mine, theirs) if i > 0 and c > 0]
 
     def _maybe_decide(self) -> None:
         challenger, incumbent = self.challenger, self.incumbent
+        if len(self._pair[challenger]) != len(self._pair[incumbent]):
+            return
         ratios = self._ratios()
         n = len(ratios)
-        if len(self._pair[challenger]) != len(self._pair[incumbent]) or n < 3:
+        if n < 2:
             return
         median = statistics.median(ratios)
-        if n == 3 and min(ratios) > 1.1 and median > 1.25:  # plainly slower: stop paying
-            self._end_duel(incumbent, f"{challenger} {median:.2f}x {incumbent} in 3 pairs")
+        verdict = t_test(ratios, P_EARLY)
+        if verdict < 0 and median < 1.0:
+            self._end_duel(challenger, f"{challenger} {median:.2f}x {incumbent}, faster in "
+                                       f"{n} pairs (t-test, p<{P_EARLY})")
+            return
+        if verdict > 0:
+            self._end_duel(incumbent, f"{challenger} {median:.2f}x {incumbent}, slower in {n} "
+                                      f"pairs (t-test, p<{P_EARLY})")
             return
         if n < self.min_pairs:
             return
@@ -287,26 +559,115 @@ class StepGuard:
             self._end_duel(incumbent, f"{incumbent} faster than {challenger} in {n - faster} "
                                       f"of {n} pairs (p={p_old:.3f})")
         elif n >= self.max_pairs:
-            if p_new < P_FINAL and median < 1.0:
+            if self._significantly_faster():
                 self._end_duel(challenger, f"{challenger} faster than {incumbent} in {faster} "
-                                           f"of {n} pairs (p={p_new:.3f})")
+                                           f"of {n} pairs (p<{P_FINAL})")
             else:
                 self._end_duel(incumbent, f"{challenger} not faster than {incumbent} beyond "
                                           f"noise: faster in {faster} of {n} pairs "
                                           f"(p={p_new:.2f}), median ratio {median:.3f}")
 
+    def _significantly_faster(self) -> bool:
+        """The challenger is faster at :data:`P_FINAL` (the t-test or the sign test)."""
+        ratios = self._ratios()
+        if not ratios or statistics.median(ratios) >= 1.0:
+            return False
+        faster = sum(r < 1.0 for r in ratios)
+        return t_test(ratios, P_FINAL) < 0 or sign_test(faster, len(ratios)) < P_FINAL
+
+    # -- the budget ----------------------------------------------------------------------------
+    def _observe_plan(self) -> None:
+        plan = current_plan() if self.planned else None
+        if plan is not None and plan.serial not in self._fits:
+            self._fits[plan.serial] = plan.calls
+
+    def _best_ms(self) -> float | None:
+        timed = [statistics.median(v) for v in self._all.values() if v]
+        return min(timed) if timed else None
+
+    def run_seconds(self) -> float:
+        """The run the budget is a share of: the planned fits at the best step time measured,
+        or the time run so far, whichever is longer (plus the fused step's first call)."""
+        elapsed = self._clock() - self._start
+        best = self._best_ms()
+        planned = 0.0
+        if self._fits and best is not None and all(c for c in self._fits.values()):
+            planned = sum(self._fits.values()) * best
+        return self.first_call_s + max(elapsed, planned)
+
+    def budget_seconds(self) -> float:
+        """What the trial may cost so far (inf without a budget)."""
+        if self.budget is None:
+            return math.inf
+        self._observe_plan()
+        return self.budget * self.run_seconds()
+
+    def _expense(self, form: str) -> float:
+        """What running ``form`` next is expected to cost: its first call, or the time one of
+        its steps takes beyond the best form's median."""
+        if form not in self._warm:
+            return expected_first_call(form, self.ops, self.first_call_s, self._cache)[0]
+        best = self._best_ms()
+        runs = self._all.get(form)
+        if best is None or not runs:
+            return 0.0
+        return max(0.0, statistics.median(runs) - best)
+
+    def _affordable(self, form: str) -> bool:
+        return self._cost() + self._expense(form) <= self.budget_seconds()
+
+    def _when_affordable(self, form: str) -> float:
+        """The clock time at which the run so far makes a budget covering ``form`` (inf
+        without a budget share)."""
+        if not self.budget:
+            return math.inf
+        needed = (self._cost() + self._expense(form)) / self.budget - self.first_call_s
+        return self._start + needed
+
+    def _pause(self, form: str) -> None:
+        """The budget does not cover running ``form`` next: keep the best form so far."""
+        challenger, incumbent = self.challenger, self.incumbent
+        if incumbent not in self._warm:  # stock never ran: the step already running stays
+            kept = challenger
+        elif challenger not in self._warm:
+            kept = incumbent
+        else:
+            kept = challenger if self._significantly_faster() else incumbent
+        expense = self._expense(form)
+        budget = self.budget_seconds()
+        what = (f"{form}'s first call (~{expense:.2f} s expected, "
+                f"{expected_first_call(form, self.ops, self.first_call_s, self._cache)[1]})"
+                if form not in self._warm else f"another {form} step (+{expense * 1e3:.2f} ms)")
+        self._pause_why = (f"trial paused, its budget spent: {what} would take it past "
+                           f"{budget:.2f} s ({self.budget:.0%} of the run's "
+                           f"~{self.run_seconds():.1f} s); kept {kept}, the best so far "
+                           "(a challenger only if faster beyond noise)")
+        if form == "xla" and form not in self._warm:
+            self._xla_why = (f"XLA not tried: its compile, ~{expense:.2f} s expected, is more "
+                             f"than the budget left ({max(0.0, budget - self._cost()):.2f} s)")
+        self.kept, self._paused = kept, True
+        plan = current_plan() if self.planned else None
+        self._pause_serial = plan.serial if plan is not None else None
+        self._resume_at = self._when_affordable(form)
+
+    # -- outcomes ------------------------------------------------------------------------------
     def remember(self, cache: Any, key: str) -> None:
-        """Keep what ``cache`` (a ``tfmx.tuner.TuningCache``) says a trial of this step kept
-        here before; store this trial's outcome there when it ends."""
-        self._cache, self._key = cache, key
-        known = cache.get(f"guard|{key}")
+        """Keep what a trial of this step kept before, in this process or on this machine
+        (``cache``, a ``tfmx.tuner.TuningCache``, may be None); store this trial's outcome
+        there when it ends."""
+        self._cache = cache if cache is not None else self._cache
+        self._key = key
+        known = _decided.get(key)
+        if known is None and cache is not None:
+            known = cache.get(f"guard|{key}")
         forms = ("stock", self.challenger, *self._queue)
         if known is not None and known.choice in forms:
             self.kept = known.choice
             self._cached = known
-            self._reasons.append("kept as a trial on this machine decided before (cached: "
-                                 + ", ".join(f"{f} {t:.2f} ms" for f, t in
-                                             known.times_ms.items()) + ")")
+            where = "in this process" if key in _decided else "on this machine"
+            times = {f: t for f, t in known.times_ms.items() if f in forms}
+            self._reasons.append(f"kept as a trial {where} decided before (cached: "
+                                 + ", ".join(f"{f} {t:.2f} ms" for f, t in times.items()) + ")")
 
     def _end_duel(self, winner: str, reason: str) -> None:
         self._reasons.append(reason)
@@ -319,13 +680,17 @@ class StepGuard:
         self._next = self.challenger
 
     def _store(self) -> None:
-        if self._cache is None:
+        if not self._key:
             return
         from tfmx.tuner import Decision
 
         times = {f: statistics.median(v) * 1e3 for f, v in self._all.items() if v}
-        self._cache.put(Decision("guard", self._key, self.kept, tuple(times), times,
-                                 "measured"))
+        forms = tuple(times)
+        times["trial_s"] = self._cost()
+        decision = Decision("guard", self._key, self.kept, forms, times, "measured")
+        _decided[self._key] = decision
+        if self._cache is not None:
+            self._cache.put(decision)
 
     def summary(self) -> GuardRecord:
         """What was measured so far (medians in ms; from the cache for a remembered step)."""
@@ -338,9 +703,15 @@ class StepGuard:
             return statistics.median(values) * 1e3 if values else float("nan")
 
         pairs = sum(len(v) for v in self._all.values()) // 2
+        reasons = [*self._reasons, *([self._xla_why] if self._xla_why else []),
+                   *([self._pause_why] if self._pause_why else [])]
+        saved = float(cached.times_ms.get("trial_s", 0.0)) if cached is not None else 0.0
+        budget = math.nan if self.budget is None or cached is not None else self.budget_seconds()
         return GuardRecord(self.function, self.kept or "undecided", med("fused"),
-                           med("stock"), pairs, "; ".join(self._reasons), self._cost(),
-                           med("xla"))
+                           med("stock"), pairs, "; ".join(reasons), self._cost(),
+                           med("xla"), final=not self._paused, budget_s=budget,
+                           run_s=0.0 if cached is not None else self.run_seconds(),
+                           xla_compile_s=self._warm.get("xla", math.nan), saved_s=saved)
 
     def _cost(self) -> float:
         """Seconds the trial added: the first calls of the forms other than fused (tracing,
@@ -391,6 +762,7 @@ def _sync(outputs: Any) -> None:
                 return
 
 
-__all__ = ["Embedded", "GuardRecord", "StepGuard", "collecting", "embedded", "forced_form",
-           "forcing", "xla_pruned",
-           "set_test_delay"]
+__all__ = ["Embedded", "FitPlan", "GuardRecord", "StepGuard", "budget_share", "collecting",
+           "current_plan", "embedded", "expected_first_call", "forced_form", "forcing", "forget",
+           "learn_first_call", "plan_fit", "planning_callbacks", "set_test_delay", "t_test",
+           "xla_pruned"]

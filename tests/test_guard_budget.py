@@ -1,0 +1,236 @@
+"""The whole-step guard's price: its budget, early decisions, reused outcomes, XLA's compile.
+
+Every test here runs on injected times and an injected clock (or on what a fit plans), never on
+a timed assertion.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import tfmx
+from tfmx import guard
+from tfmx.guard import StepGuard, plan_fit
+from tfmx.tuner import TuningCache
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    monkeypatch.setenv("TFMX_TUNE", "off")
+    monkeypatch.delenv("TFMX_GUARD_BUDGET", raising=False)
+    guard.forget()
+    yield
+    guard.set_test_delay()
+    guard.forget()
+
+
+class Clock:
+    """A clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _run(g: StepGuard, times: dict, clock: Clock | None = None, limit: int = 200,
+         first: dict | None = None) -> int:
+    """Run ``g`` until it keeps a form; ``times[form]`` a step time or a list cycled through,
+    ``first[form]`` its first call's; the clock advances by each step. Returns the steps run."""
+    seen: dict[str, int] = {}
+    for steps in range(limit):
+        if g.decided:
+            return steps
+        form = g.next_form()
+        if g.decided:
+            return steps
+        t = times[form]
+        if first and form in first and form not in g._warm:
+            t = first[form]
+        elif isinstance(t, list):
+            t = t[seen.get(form, 0) % len(t)]
+            seen[form] = seen.get(form, 0) + 1
+        if clock is not None:
+            clock.now += t
+        g.record(form, t)
+    return limit
+
+
+def test_a_plain_loser_is_dropped_after_two_pairs():
+    g = StepGuard("t")
+    _run(g, {"fused": 0.010, "stock": 0.002})
+    assert g.kept == "stock" and g.summary().pairs == 2, g.summary().describe()
+    assert "t-test" in g.summary().reason
+    # XLA 5x slower than the fused step that beat stock: dropped at its second pair
+    g = StepGuard("t", ("fused", "xla"))
+    steps = _run(g, {"fused": 0.002, "stock": 0.004, "xla": [0.0101, 0.0099]})
+    assert g.kept == "fused" and len(g._all["xla"]) == 2, g.summary().describe()
+    assert steps <= 2 + 2 * 2 + 1 + 2 * 2
+
+
+def test_forms_within_noise_still_take_the_full_trial():
+    rng = np.random.default_rng(0)
+    noisy = list(1.0 + rng.normal(0, 0.05, 200))
+    g = StepGuard("t")
+    _run(g, {"fused": noisy, "stock": noisy[::-1]})
+    assert g.kept == "stock" and g.summary().pairs >= guard.MIN_PAIRS
+
+
+def test_stock_is_not_traced_when_its_trace_would_cost_more_than_the_budget():
+    """A short fit: 2 % of it does not cover stock's first call, so no trial at all."""
+    clock = Clock()
+    g = StepGuard("t", budget=0.02, planned=True, first_call_s=2.0, clock=clock)
+    plan_fit(3, 16)  # 48 steps of 10 ms after a 2 s first call: a 2.5 s fit, 0.05 s budget
+    _run(g, {"fused": 0.010, "stock": 0.008}, clock)
+    s = g.summary()
+    assert g.kept == "fused" and not s.final and s.cost_s == 0.0, s.describe()
+    assert "stock" not in g._warm and "paused" in s.reason and "stock's first call" in s.reason
+    assert s.budget_s == pytest.approx(0.02 * s.run_s)
+
+
+def test_the_budget_stops_a_trial_and_a_longer_fit_resumes_it():
+    clock = Clock()
+    g = StepGuard("t", budget=0.02, planned=True, first_call_s=0.01, clock=clock)
+    plan_fit(1, 80)  # 80 steps of ~10 ms: a ~0.8 s fit, a ~16 ms budget
+    # stock's first call 5 ms, then a noisy stock against a steady fused: no quick verdict,
+    # every slower step costs
+    times = {"fused": 0.010, "stock": [0.014, 0.007, 0.015, 0.006, 0.016, 0.005]}
+    _run(g, times, clock, first={"stock": 0.005})
+    s = g.summary()
+    assert g.decided and not s.final and "paused" in s.reason, s.describe()
+    assert s.pairs < guard.MAX_PAIRS
+    assert s.cost_s <= s.budget_s  # it stopped before paying what it could not afford
+    # conservatively: the fused step is not faster beyond noise, stock is kept for now
+    assert g.kept == "stock"
+    # a long fit gives it budget again: the trial goes on from its evidence, and ends
+    plan_fit(10, 1000)
+    assert not g.decided
+    _run(g, times, clock, first={"stock": 0.005})
+    s = g.summary()
+    assert s.final and g.kept in ("fused", "stock") and s.pairs >= guard.MIN_PAIRS
+    assert s.cost_s <= s.budget_s
+
+
+def test_without_a_plan_the_budget_grows_with_the_time_run():
+    """A custom loop: the trial may cost 2 % of the time run so far."""
+    clock = Clock()
+    g = StepGuard("t", budget=0.02, ops=100, clock=clock)  # stock's trace: 0.1 s (the seed)
+    g.record(g.next_form(), 0.010)  # the fused step, timed once
+    assert g.next_form() == "fused" and g.decided  # 0.1 s is more than 2 % of 0 s
+    clock.now += 4.0
+    assert g.decided  # 2 % of 4 s: not yet
+    clock.now += 1.1
+    assert not g.decided and g.next_form() == "stock"  # 2 % of 5.1 s covers it
+
+
+def test_xla_compile_time_is_measured_and_counted():
+    g = StepGuard("t", ("fused", "xla"))
+    g.record("fused", 0.002)
+    _run(g, {"fused": 0.002, "stock": 0.004, "xla": 0.003}, limit=3)  # stock's first call
+    while "xla" not in g._warm:
+        form = g.next_form()
+        g.record(form, 3.0 if form == "xla" else {"fused": 0.002, "stock": 0.004}[form])
+    _run(g, {"fused": 0.002, "stock": 0.004, "xla": 0.003})
+    s = g.summary()
+    assert g.kept == "fused" and s.xla_compile_s == 3.0
+    assert s.cost_s >= 3.0 and "compiled in 3.00 s" in s.reason, s.describe()
+
+
+def test_xla_is_not_compiled_when_its_expected_compile_exceeds_the_budget():
+    clock = Clock()
+    g = StepGuard("t", ("fused", "xla"), budget=0.02, planned=True, first_call_s=0.1,
+                  ops=1000, clock=clock)
+    plan_fit(1, 4000)  # ~4000 x 2 ms: an 8 s fit, a 0.16 s budget
+    _run(g, {"fused": 0.002, "stock": 0.004, "xla": 0.001}, clock, first={"stock": 0.05})
+    s = g.summary()
+    # stock's first call (50 ms) was measured: XLA's seed is twice that per op, 0.1 s, which
+    # fits; a second fit teaches the guard that XLA's first calls take 1 ms per op: 1 s
+    assert "xla" in g._warm or not s.final, s.describe()
+    guard.forget()
+    guard.learn_first_call("xla", 1.0, 1000)
+    g = StepGuard("t", ("fused", "xla"), budget=0.02, planned=True, first_call_s=0.1,
+                  ops=1000, clock=clock)
+    plan_fit(1, 4000)
+    _run(g, {"fused": 0.002, "stock": 0.004, "xla": 0.001}, clock, first={"stock": 0.05})
+    s = g.summary()
+    assert "xla" not in g._warm and g.kept == "fused" and not s.final, s.describe()
+    assert "XLA not tried: its compile, ~1.00 s expected" in s.reason
+
+
+def test_an_outcome_is_reused_by_a_fresh_guard_from_the_same_cache(tmp_path):
+    path = tmp_path / "tuning.json"
+    g = StepGuard("t", first_call_s=1.0)
+    g.remember(TuningCache(path, {"machine": "m"}), "t sig")
+    _run(g, {"fused": 0.010, "stock": [0.5, 0.002]})
+    assert g.kept == "stock" and g.summary().final
+    cost = g.summary().cost_s
+    assert cost >= 0.5
+    guard.forget()  # as a new process: only the file remains
+    fresh = StepGuard("t")
+    fresh.remember(TuningCache(path, {"machine": "m"}), "t sig")
+    s = fresh.summary()
+    assert fresh.decided and fresh.kept == "stock" and s.pairs == 0 and s.cost_s == 0.0
+    assert s.saved_s == pytest.approx(cost) and "saved" in s.describe()
+    other = StepGuard("t")
+    other.remember(TuningCache(path, {"machine": "another"}), "t sig")
+    assert not other.decided  # another machine's outcome is not this one's
+
+
+def test_an_outcome_is_reused_in_the_process_without_a_cache():
+    g = StepGuard("t")
+    g.remember(None, "t sig")
+    _run(g, {"fused": 0.002, "stock": 0.004})
+    again = StepGuard("t")
+    again.remember(None, "t sig")
+    assert again.kept == "fused" and "in this process" in again.summary().reason
+
+
+def _model():
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((16,))
+    h = keras.layers.Dense(32, activation="relu")(inp)
+    model = keras.Model(inp, keras.layers.Dense(4)(h))
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _train_guards():
+    return [g for g in tfmx.report().guards if g.function.endswith("train_step")]
+
+
+def test_a_short_fit_announces_its_plan_and_pays_no_trial():
+    x = np.random.default_rng(0).normal(size=(512, 16)).astype("float32")
+    y = np.zeros(512, "int32")
+    tfmx.enable(backend="cpu", guard=True, tune="off", xla=False)
+    model = _model()
+    model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+    assert guard.current_plan().calls == 48
+    (g,) = _train_guards()
+    s = g.summary()
+    assert not s.final and s.cost_s == 0.0 and "paused" in s.reason, s.describe()
+    assert "of the run's" in s.describe()
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=4)
+    model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+    assert guard.current_plan().calls == 12
+
+
+def test_a_second_fit_and_a_second_model_reuse_the_decision(monkeypatch):
+    monkeypatch.setenv("TFMX_GUARD_BUDGET", "none")  # the first trial runs to its end
+    x = np.random.default_rng(0).normal(size=(640, 16)).astype("float32")
+    y = np.zeros(640, "int32")
+    tfmx.enable(backend="cpu", guard=True, tune="off", xla=False)
+    guard.set_test_delay(fused=0.004)
+    model = _model()
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    (first,) = _train_guards()
+    assert first.kept == "stock" and first.summary().final
+    pairs = first.summary().pairs
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # the same guard: no new pair
+    assert _train_guards() == [first] and first.summary().pairs == pairs
+    _model().fit(x, y, batch_size=16, epochs=1, verbose=0)  # same architecture, new model
+    second = _train_guards()[-1].summary()
+    assert second.kept == "stock" and second.pairs == 0 and second.saved_s > 0
