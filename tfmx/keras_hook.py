@@ -27,7 +27,7 @@ from fusion import patches, stage
 from tfmx import state
 from tfmx.dispatch import IteratorDispatch
 from tfmx.fused_function import FusedFunction
-from tfmx.guard import make_guard
+from tfmx.guard import make_guard, planning_callbacks
 from tfmx.verify import as_verification_error
 
 _STAMP = "_tfmx_stamp"
@@ -105,7 +105,8 @@ class _TfWithFusedFunction:
         opts = state.options()
         if opts is None or not opts.guard:
             return None
-        made = make_guard(self._name, opts, ops, signature, state.tuning_cache())
+        made = make_guard(self._name, opts, ops, signature, state.tuning_cache(),
+                          planned=self._name.endswith(".train_step"))  # fit's plan sizes it
         state.report().add_guard(made)
         return made
 
@@ -230,6 +231,10 @@ def install() -> None:
         patches.install(GROUP, trainer, f"make_{kind}_function", _make_builder(kind, attr))
     patches.install(GROUP, trainer, "_maybe_symbolic_build", _symbolic_build_wrapper)
     patches.install(GROUP, _trainer_module(), "reduce_per_replica", _reduce_wrapper)
+    from keras.src.callbacks.callback_list import CallbackList
+
+    # a fit's epochs and steps, from its callbacks' params: the guard's budget (tfmx.guard)
+    patches.install(GROUP, CallbackList, "on_train_begin", planning_callbacks)
 
 
 def uninstall() -> None:
