@@ -1,0 +1,261 @@
+"""Keras's own tests, at the installed Keras version, give the same outcomes with tfmx enabled
+for every test as they give stock.
+
+Keras's source distribution on PyPI carries its tests. :func:`keras_source` downloads it once
+(``pip download --no-deps --no-binary :all: keras==<installed>``) into a cache directory and
+unpacks it; :data:`KERAS_TESTS` picks the files that exercise what tfmx touches. Two child
+pytest processes run them against the installed Keras, each with this directory's
+``keras_suite/tfmx_keras_plugin.py`` recording every test's outcome: one stock, one with
+``--tfmx`` (``tfmx.enable()`` before every test, ``tfmx.disable()`` after it). The test
+asserts the two outcome maps are equal, and lists every test whose outcome differs with the
+tfmx run's traceback tail.
+
+Keras's tests fail in both runs where a package they import is missing (torch, grain): the
+same outcome both ways, so no difference. trainer_test.py imports jax at the top: jax is in
+the ``test`` extra.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+PLUGIN_DIR = HERE / "keras_suite"
+PLUGIN = "tfmx_keras_plugin"
+
+# Where the unpacked source distribution is kept: $TFMX_KERAS_TESTS_DIR, else
+# $XDG_CACHE_HOME/tfmx-keras-tests, else ~/.cache/tfmx-keras-tests; one subdirectory per version.
+ENV_DIR = "TFMX_KERAS_TESTS_DIR"
+
+# Keras's test files and folders (relative to the unpacked source). What tfmx's stages and passes
+# touch: the layers it reroutes or fuses (Dense, EinsumDense, the convolutions, batch and layer
+# normalization, multi-head attention, the recurrent layers), every optimizer (the update
+# patterns), the trainer (the step tfmx traces, rewrites and rebuilds), saving, and the callbacks
+# that save, restore or change what a step runs.
+KERAS_TESTS: tuple[str, ...] = (
+    "keras/src/layers/core/dense_test.py",
+    "keras/src/layers/core/einsum_dense_test.py",
+    "keras/src/layers/convolutional/conv_test.py",
+    "keras/src/layers/convolutional/conv_transpose_test.py",
+    "keras/src/layers/convolutional/depthwise_conv_test.py",
+    "keras/src/layers/convolutional/separable_conv_test.py",
+    "keras/src/layers/normalization/batch_normalization_test.py",
+    "keras/src/layers/normalization/layer_normalization_test.py",
+    "keras/src/layers/attention/multi_head_attention_test.py",
+    "keras/src/layers/rnn/lstm_test.py",
+    "keras/src/layers/rnn/gru_test.py",
+    "keras/src/layers/rnn/rnn_test.py",
+    "keras/src/layers/rnn/bidirectional_test.py",
+    "keras/src/optimizers",
+    "keras/src/trainers/trainer_test.py",
+    "keras/src/saving/saving_lib_test.py",
+    "keras/src/saving/saving_api_test.py",
+    "keras/src/callbacks/model_checkpoint_test.py",
+    "keras/src/callbacks/backup_and_restore_test.py",
+    "keras/src/callbacks/early_stopping_test.py",
+    "keras/src/callbacks/reduce_lr_on_plateau_test.py",
+    "keras/src/callbacks/learning_rate_scheduler_test.py",
+    "keras/src/callbacks/csv_logger_test.py",
+    "keras/src/callbacks/terminate_on_nan_test.py",
+    "keras/src/callbacks/lambda_callback_test.py",
+    "keras/src/callbacks/swap_ema_weights_test.py",
+)
+
+# Tests of those files left out (pytest node ids), each for its time.
+DESELECTED: tuple[str, ...] = ()
+
+# tfmx's switches the child's environment must not carry: the tfmx run is tfmx's defaults (the
+# tuner measures, the guard times the fused step against stock), what a user gets. This suite's
+# conftest.py turns the guard off for the process running it; not for the child.
+TFMX_SWITCHES = ("TFMX_GUARD", "TFMX_TUNE", "TFMX_XLA", "TFMX_TUNE_BUDGET")
+
+TIMEOUT = 40 * 60  # seconds, each child
+
+
+def cache_root() -> Path:
+    """Where unpacked Keras sources are kept (see :data:`ENV_DIR`)."""
+    explicit = os.environ.get(ENV_DIR)
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tfmx-keras-tests"
+
+
+def keras_source(version: str) -> Path:
+    """The unpacked source distribution of ``keras==version`` (downloaded on first use).
+
+    Raises:
+        RuntimeError: ``pip download`` failed (no network to PyPI, or no such release), with
+            what to do instead.
+    """
+    root = cache_root()
+    target = root / f"keras-{version}"
+    if (target / "keras" / "src").is_dir():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               "--disable-pip-version-check", "-d", tmp, f"keras=={version}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        archives = sorted(Path(tmp).glob("keras-*.tar.gz"))
+        if proc.returncode != 0 or not archives:
+            raise RuntimeError(
+                f"could not download Keras {version}'s source distribution, which carries the "
+                f"tests this test runs: `{' '.join(cmd)}` exited {proc.returncode}:\n"
+                f"{proc.stderr[-2000:]}\nThis test needs PyPI. Without a network, unpack "
+                f"keras-{version}.tar.gz (from PyPI's 'Download files') so that "
+                f"{target}/keras/src exists, or point ${ENV_DIR} at a directory holding "
+                f"keras-{version}/.")
+        with tarfile.open(archives[0]) as tar:
+            extract = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tar.extractall(tmp, **extract)
+        unpacked = Path(tmp) / f"keras-{version}"
+        try:
+            unpacked.rename(target)
+        except OSError:  # another process unpacked it first
+            if not (target / "keras" / "src").is_dir():
+                raise
+    return target
+
+
+def read_outcomes(path: Path) -> dict[str, dict[str, str]]:
+    """The plugin's JSON lines as ``{nodeid: {"outcome", "message"}}``."""
+    if not path.exists():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return {d.pop("nodeid"): d for d in map(json.loads, filter(str.strip, f))}
+
+
+@dataclasses.dataclass
+class Run:
+    """A finished child pytest: exit code, output, wall and CPU (user + system) seconds."""
+
+    returncode: int
+    output: str
+    wall: float
+    cpu: float
+
+
+def run_keras_tests(source: Path, out: Path, tfmx_on: bool, env: Mapping[str, str]) -> Run:
+    """Run :data:`KERAS_TESTS` from ``source`` in a child pytest writing outcomes to ``out``
+    (its output to ``out`` with the suffix ``.log``)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", PLUGIN,
+           f"--rootdir={source}", "-c", str(source / "pyproject.toml"), "-o", "addopts=",
+           "--keras-outcomes", str(out), *(["--tfmx"] if tfmx_on else []), *KERAS_TESTS,
+           *(f"--deselect={nodeid}" for nodeid in DESELECTED)]
+    log = out.with_suffix(".log")
+    start = time.perf_counter()
+    with open(log, "w", encoding="utf-8") as f:
+        proc = subprocess.Popen(cmd, cwd=source, env=dict(env), stdout=f,
+                                stderr=subprocess.STDOUT)
+        timer = threading.Timer(TIMEOUT, proc.kill)
+        timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            timer.cancel()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return Run(proc.returncode, log.read_text(encoding="utf-8", errors="replace"),
+               time.perf_counter() - start, usage.ru_utime + usage.ru_stime)
+
+
+def child_env(cache: Path) -> dict[str, str]:
+    """The environment of both children: Keras on TensorFlow, the plugin importable, tfmx's
+    defaults, the tuner's cache in ``cache``."""
+    env = {k: v for k, v in os.environ.items() if k not in TFMX_SWITCHES}
+    env["KERAS_BACKEND"] = "tensorflow"
+    env["TF_CPP_MIN_LOG_LEVEL"] = env.get("TF_CPP_MIN_LOG_LEVEL", "3")
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    env["TFMX_CACHE_DIR"] = str(cache)
+    return env
+
+
+def differences(stock: Mapping[str, Mapping[str, str]], fused: Mapping[str, Mapping[str, str]]
+                ) -> list[str]:
+    """One entry per test whose outcome differs (``missing``: the run recorded no outcome, its
+    process died first), with the tfmx run's message (and stock's where stock did not pass)."""
+    missing = {"outcome": "missing", "message": ""}
+    lines = []
+    for nodeid in sorted(set(stock) | set(fused)):
+        a, b = stock.get(nodeid, missing), fused.get(nodeid, missing)
+        if a["outcome"] == b["outcome"]:
+            continue
+        lines.append(f"{nodeid}: stock {a['outcome']}, tfmx {b['outcome']}")
+        for name, entry in (("tfmx", b), ("stock", a)):
+            if entry["message"] and entry["outcome"] != "passed":
+                lines += [f"    {name}: {line}" for line in entry["message"].splitlines()]
+    return lines
+
+
+def test_keras_own_tests_same_outcomes_with_tfmx(tmp_path: Path) -> None:
+    """Every selected Keras test has the same outcome (passed, failed, skipped, error, xfailed)
+    with tfmx enabled as stock. The two runs go in parallel, one per core; each prints its wall
+    time."""
+    version = importlib.metadata.version("keras")
+    try:
+        source = keras_source(version)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        pytest.fail(str(e), pytrace=False)
+    env = child_env(tmp_path / "tfmx-cache")
+    outs = {"stock": tmp_path / "stock.jsonl", "tfmx": tmp_path / "tfmx.jsonl"}
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(run_keras_tests, source, out, name == "tfmx", env)
+                   for name, out in outs.items()}
+        runs = {name: f.result() for name, f in futures.items()}
+    outcomes = {name: read_outcomes(out) for name, out in outs.items()}
+    for name, run in runs.items():
+        counts = collections.Counter(entry["outcome"] for entry in outcomes[name].values())
+        print(f"Keras {version} tests, {name}: wall {run.wall:.0f} s, CPU {run.cpu:.0f} s, "
+              f"exit {run.returncode}, {dict(sorted(counts.items()))}")
+        # 0: all passed, 1: some failed; anything else is pytest's own failure (usage, crash,
+        # killed at TIMEOUT)
+        assert run.returncode in (0, 1), (
+            f"the {name} run of Keras's tests exited {run.returncode}:\n{run.output[-5000:]}")
+    assert outcomes["stock"], f"the stock run recorded no test:\n{runs['stock'].output[-5000:]}"
+    diff = differences(outcomes["stock"], outcomes["tfmx"])
+    changed = sum(not line.startswith(" ") for line in diff)
+    assert not diff, f"{changed} Keras tests differ with tfmx enabled:\n" + "\n".join(diff)
+
+
+def test_differences_lists_each_changed_outcome() -> None:
+    """The comparison names a changed outcome, a test missing from one run, and keeps equal
+    ones out."""
+    stock = {"a": {"outcome": "passed", "message": ""},
+             "b": {"outcome": "skipped", "message": "no jax"},
+             "c": {"outcome": "passed", "message": ""}}
+    fused = {"a": {"outcome": "passed", "message": ""},
+             "b": {"outcome": "skipped", "message": "no jax"},
+             "c": {"outcome": "failed", "message": "E   TypeError: boom"}}
+    assert differences(stock, stock) == []
+    assert differences(stock, fused) == ["c: stock passed, tfmx failed",
+                                         "    tfmx: E   TypeError: boom"]
+    assert differences(stock, {})[0] == "a: stock passed, tfmx missing"
+
+
+def test_keras_source_failure_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                              ) -> None:
+    """Without the release on PyPI (here: a version that does not exist) the error names the
+    command and what to do instead."""
+    monkeypatch.setenv(ENV_DIR, str(tmp_path))
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "2")
+    with pytest.raises(RuntimeError, match="This test needs PyPI"):
+        keras_source("0.0.0")
+    assert list(tmp_path.iterdir()) == []
