@@ -179,6 +179,28 @@ def test_an_outcome_is_reused_by_a_fresh_guard_from_the_same_cache(tmp_path):
     assert not other.decided  # another machine's outcome is not this one's
 
 
+def test_a_cached_form_is_switched_to_only_where_it_pays_for_its_first_call():
+    g = StepGuard("t")
+    g.remember(None, "t sig")
+    _run(g, {"fused": 0.004, "stock": 0.002})  # stock kept: 2 ms a step faster
+    assert g.kept == "stock"
+    guard.learn_first_call("stock", 1.0, 1000)  # and its first call takes 1 s here
+    for calls, kept in ((48, "fused"), (5000, "stock")):
+        plan_fit(1, calls)
+        again = StepGuard("t", budget=0.02, planned=True, ops=1000)
+        again.remember(None, "t sig")
+        assert again.decided and again.next_form() == kept
+        s = again.summary()
+        assert s.saved_s > 0 and s.final == (kept == "stock"), s.describe()
+    # without a plan (a custom loop): fused until the time it lost covers stock's first call
+    loop = StepGuard("t", budget=0.02, ops=1000)
+    loop.remember(None, "t sig")
+    calls = 0
+    while loop.decided and loop.next_form() == "fused":
+        calls += 1
+    assert 495 <= calls <= 505 and loop.kept == "stock"  # 1 s / 2 ms
+
+
 def test_an_outcome_is_reused_in_the_process_without_a_cache():
     g = StepGuard("t")
     g.remember(None, "t sig")

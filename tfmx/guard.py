@@ -6,8 +6,9 @@ whether the user's training got faster. So when tfmx changed a step, the first s
 alternately on the real batches: both are built from the same Python step function (the stock
 one traced with no tfmx stage and no rewrite, as TensorFlow would run it), every step trains as
 usual, nothing is computed twice. After each pair the guard compares them: a sequential t-test
-on the pairs' log time ratios (from 2 pairs, at p < :data:`P_EARLY` per look, so a form slower
-by a wide margin is dropped after 2-3 pairs) and a sign test (from :data:`MIN_PAIRS` pairs);
+on the pairs' log time ratios (from 2 pairs, at p < :data:`P_EARLY` per look; a form slower
+by a wide margin is dropped after 2-3 pairs, see also :data:`PLAIN`) and a sign test (from
+:data:`MIN_PAIRS` pairs);
 after :data:`MAX_PAIRS` pairs it keeps the fused step only if it is faster beyond noise.
 ``tfmx.report()`` shows which was kept, both medians and what the trial cost.
 
@@ -75,6 +76,9 @@ P_EARLY = 0.01
 P_FINAL = 0.05
 """At :data:`MAX_PAIRS`, or when the budget runs out, a challenger is kept only at this
 significance."""
+PLAIN = (1.1, 1.25)
+"""A challenger slower in each of its first 3 pairs by at least the first, and by the second in
+their median, is dropped then, however noisy (its t-test may not yet be)."""
 BUDGET_SHARE = 0.02
 """The share of the run a trial may cost (``TFMX_GUARD_BUDGET``: a fraction, or ``none``)."""
 NOISE_FLOOR = 0.01
@@ -466,6 +470,8 @@ class StepGuard:
         self._pause_serial: int | None = None
         self._resume_at = math.inf
         self._xla_why = ""  # why XLA was not compiled (when its duel was paused)
+        self._switch: tuple[str, float, float] | None = None  # see _switch_worth_it
+        self._calls = 0
         if budget is not None and self.challenger in self._warm:
             self._next = self.challenger  # one timed run of the step already running first
 
@@ -475,6 +481,9 @@ class StepGuard:
         it resumes here, on the first call its budget covers again)."""
         if self.kept is None:
             return False
+        if self._switch is not None:
+            self._switch_worth_it()
+            return True
         if not self._paused:
             return True
         plan = current_plan() if self.planned else None
@@ -487,6 +496,22 @@ class StepGuard:
         self._pause_serial = plan.serial if plan is not None else None
         self._resume_at = self._when_affordable(self._next)
         return True
+
+    def lift_budget(self) -> None:
+        """Let the trial run to its end whatever it costs (a benchmark of the steady state):
+        a paused trial resumes on the next call.
+
+        >>> g = StepGuard("demo", budget=0.0)
+        >>> g.record(g.next_form(), 0.01)
+        >>> g.next_form(), g.decided
+        ('fused', True)
+        >>> g.lift_budget()
+        >>> g.decided, g.next_form()
+        (False, 'stock')
+        """
+        self.budget = None
+        if self._paused:
+            self.kept, self._paused, self._pause_why = None, False, ""
 
     def next_form(self) -> str:
         """The form to run next: alternates during the trial (pausing it if the budget does
@@ -546,6 +571,10 @@ class StepGuard:
         if verdict > 0:
             self._end_duel(incumbent, f"{challenger} {median:.2f}x {incumbent}, slower in {n} "
                                       f"pairs (t-test, p<{P_EARLY})")
+            return
+        if n == 3 and min(ratios) > PLAIN[0] and median > PLAIN[1]:  # slower in every pair
+            self._end_duel(incumbent, f"{challenger} {median:.2f}x {incumbent}, slower in "
+                                      "each of 3 pairs")
             return
         if n < self.min_pairs:
             return
@@ -668,6 +697,31 @@ class StepGuard:
             times = {f: t for f, t in known.times_ms.items() if f in forms}
             self._reasons.append(f"kept as a trial {where} decided before (cached: "
                                  + ", ".join(f"{f} {t:.2f} ms" for f, t in times.items()) + ")")
+            gain = (times.get("fused", math.nan) - times.get(known.choice, math.nan)) / 1e3
+            if self.budget is not None and known.choice != "fused" and gain > 0:
+                self.kept = "fused"  # until what the kept form saves covers its first call
+                self._switch = (known.choice, gain, math.nan)
+
+    def _switch_worth_it(self) -> bool:
+        """Whether switching to the form a cached outcome kept pays for its first call (it is
+        traced or compiled afresh): over a fit's planned calls, or, without a plan, once the
+        calls run in the fused form have lost as much as that first call costs."""
+        form, gain, cost = self._switch
+        if math.isnan(cost):
+            cost = expected_first_call(form, self.ops, self.first_call_s, self._cache)[0]
+            self._switch = (form, gain, cost)
+        plan = current_plan() if self.planned else None
+        self._calls += 1
+        calls = plan.calls if plan is not None and plan.calls else self._calls
+        if calls * gain < cost:
+            self._pause_why = (f"the fused form runs: {form}'s first call (~{cost:.2f} s "
+                               f"expected) costs more than it saves over {calls} calls "
+                               f"({gain * 1e3:.2f} ms each)")
+            return False
+        self._reasons.append(f"switched to {form}: its first call (~{cost:.2f} s expected) "
+                             f"pays off over {calls} calls ({gain * 1e3:.2f} ms each)")
+        self.kept, self._switch, self._pause_why = form, None, ""
+        return True
 
     def _end_duel(self, winner: str, reason: str) -> None:
         self._reasons.append(reason)
@@ -703,13 +757,19 @@ class StepGuard:
             return statistics.median(values) * 1e3 if values else float("nan")
 
         pairs = sum(len(v) for v in self._all.values()) // 2
-        reasons = [*self._reasons, *([self._xla_why] if self._xla_why else []),
+        xla_why = self._xla_why
+        if not xla_why and self._paused and "xla" in (self.challenger, *self._queue):
+            expected, how = expected_first_call("xla", self.ops, self.first_call_s, self._cache)
+            xla_why = (f"XLA not tried: the trial paused before its duel (its compile ~"
+                       f"{expected:.2f} s expected, {how})")
+        reasons = [*self._reasons, *([xla_why] if xla_why else []),
                    *([self._pause_why] if self._pause_why else [])]
         saved = float(cached.times_ms.get("trial_s", 0.0)) if cached is not None else 0.0
         budget = math.nan if self.budget is None or cached is not None else self.budget_seconds()
         return GuardRecord(self.function, self.kept or "undecided", med("fused"),
                            med("stock"), pairs, "; ".join(reasons), self._cost(),
-                           med("xla"), final=not self._paused, budget_s=budget,
+                           med("xla"), final=not self._paused and self._switch is None,
+                           budget_s=budget,
                            run_s=0.0 if cached is not None else self.run_seconds(),
                            xla_compile_s=self._warm.get("xla", math.nan), saved_s=saved)
 
