@@ -826,6 +826,8 @@ def _settle_guards(fn: Callable[[Any], Any], dataset: Any) -> None:
     from tfmx.guard import MAX_PAIRS
 
     iterator = iter(dataset)
+    for g in tfmx.report().guards:  # the steady state of a long fit: each trial to its end
+        g.lift_budget()
     for _ in range(4 * MAX_PAIRS + 8):  # two duels (fused vs stock, then vs XLA)
         if all(g.decided for g in tfmx.report().guards):
             return
