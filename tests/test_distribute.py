@@ -127,7 +127,9 @@ def test_mirrored_two_replicas_fit_evaluate_predict_and_custom_loop_match_stock(
 def test_mirrored_synchronized_batch_norm_is_declined_and_tuner_measures_once(tmp_path):
     # measured afresh, every decision: a budget no slower processor runs out of (a 6 s budget,
     # the default then, left a decision to its conservative form on a Zen 3 under the suite)
-    env = dict(os.environ, TFMX_CACHE_DIR=str(tmp_path), TFMX_TUNE_BUDGET="300")
+    # and the whole-step guard's trials run to their end (no budget: the fits are short)
+    env = dict(os.environ, TFMX_CACHE_DIR=str(tmp_path), TFMX_TUNE_BUDGET="300",
+               TFMX_GUARD_BUDGET="none")
     result = run_script("mirrored_model.py", "tuned", env=env)
     _check_mirrored(result)
     report = result["fused"]["report"]
