@@ -62,6 +62,9 @@ class StageContext:
     # ConcreteFunction to the one to run (None: the candidate runs as traced): a form whose
     # gradient a pass rewrites in the step (a BiasAddGrad, a MatMul + BiasAdd) is timed so.
     passes: Callable[[Any], Any] | None = None
+    # A handler that raises falls back to Keras's call (see :func:`transaction`); strict: the
+    # exception reaches the caller instead (tests, ``tfmx.enable(strict=True)``).
+    strict: bool = False
 
     def wants(self, family: str) -> bool:
         return self.families is None or family in self.families
@@ -456,7 +459,7 @@ def _link(stage: Stage, hook: Hook, following: Callable[..., Any]) -> Callable[.
         ctx = active()
         if ctx is None or not ctx.wants(stage.name):
             return following(self, *args, **kwargs)
-        return hook.handler(ctx, following, self, *args, **kwargs)
+        return transaction(ctx, stage.name, hook.handler, following, self, args, kwargs)
 
     return method
 
@@ -476,3 +479,151 @@ def install() -> None:
 def uninstall() -> None:
     """Restore the methods :func:`install` patched."""
     patches.uninstall(GROUP)
+
+
+# -- transactions ------------------------------------------------------------------------------
+FAULT_POINTS = ("handler", "tuner", "emit")
+_faults: dict[str, str] = {}  # family -> where a test makes its stage fail
+
+
+@contextlib.contextmanager
+def failing(family: str, where: str = "handler") -> Iterator[None]:
+    """Test hook: inside the block, ``family``'s stage raises at ``where``: as its handler
+    starts (``"handler"``), when it asks the tuner (``"tuner"``), or after it emitted its
+    form (``"emit"``: the form is in the graph and must not run).
+
+    >>> with failing("layer_norm", "emit"):
+    ...     _faults["layer_norm"]
+    'emit'
+    """
+    if where not in FAULT_POINTS:
+        raise ValueError(f"where must be one of {FAULT_POINTS}, got {where!r}")
+    previous = _faults.get(family)
+    _faults[family] = where
+    try:
+        yield
+    finally:
+        if previous is None:
+            _faults.pop(family, None)
+        else:
+            _faults[family] = previous
+
+
+class InjectedFault(RuntimeError):
+    """The failure :func:`failing` injects."""
+
+
+class _FailingChooser:
+    def choose(self, family: str, *args: Any, **kwargs: Any) -> Any:
+        raise InjectedFault(f"{family}: injected failure in the tuner")
+
+
+def _inject(family: str, where: str) -> None:
+    if _faults.get(family) == where:
+        raise InjectedFault(f"{family}: injected failure at {where}")
+
+
+def transaction(ctx: StageContext, family: str, handler: Callable[..., Any],
+                following: Callable[..., Any], instance: Any, args: tuple,
+                kwargs: dict) -> Any:
+    """Run a stage's ``handler`` for one call as a transaction: its statistics, Keras variable
+    writes and losses (``fusion.transaction.Attempt``) take effect only if it returns. If it
+    raises, the call is ``following``'s (the rest of the chain, then Keras's method), what
+    the handler emitted is left unread (pruned when the step runs), and the report records the
+    failure with its error, warned once per family and error type; with ``ctx.strict`` the
+    exception reaches the caller instead.
+
+    >>> import tensorflow as tf
+    >>> from fusion.pattern import PlainTarget
+    >>> seen = []
+    >>> ctx = StageContext(PlainTarget("cpu"), record=lambda f, s: seen.append(dict(s.declined)))
+    >>> def broken(ctx, original, layer, x):
+    ...     raise ValueError("a bug")
+    >>> class Layer:
+    ...     pass
+    >>> float(transaction(ctx, "demo", broken, lambda self, x: x + 1.0, Layer(),
+    ...                   (tf.constant(1.0),), {}))
+    2.0
+    >>> seen
+    [{"Layer: the demo stage failed (ValueError: a bug); Keras's call kept": 1}]
+    """
+    from fusion.transaction import Attempt
+
+    unsupported = unsupported_inputs((instance, *args), kwargs)
+    if unsupported is not None:
+        stats = PatternStats(matched=1)
+        stats.decline(f"{_caller(instance)}: {unsupported}: Keras's call kept")
+        ctx.record(family, stats)
+        return following(instance, *args, **kwargs)
+    recorded: list[tuple[str, PatternStats]] = []
+    chooser = _FailingChooser() if _faults.get(family) == "tuner" else ctx.chooser
+    attempt_ctx = dataclasses.replace(ctx, chooser=chooser,
+                                      record=lambda f, stats: recorded.append((f, stats)))
+    attempt = Attempt()
+    try:
+        with tracing(attempt_ctx), attempt:
+            _inject(family, "handler")
+            out = handler(attempt_ctx, following, instance, *args, **kwargs)
+            _inject(family, "emit")
+    except Exception as exc:
+        if ctx.strict:
+            raise
+        left = attempt.abandon()
+        what = f"{_caller(instance)}: the {family} stage failed"
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        error = error if len(error) <= 200 else error[:197] + "..."
+        stats = PatternStats(matched=1)
+        stats.decline(f"{what} ({error}); Keras's call kept")
+        stats.errors.append(f"{what}: {error}" + (
+            f"; its attempt left {len(left)} variable write(s) in the step: {', '.join(left)}"
+            if left else ""))
+        ctx.record(family, stats)
+        ctx.warn(f"stage:{family}:{type(exc).__name__}",
+                 f"tfmx: the {family} stage failed on a {_caller(instance)} call "
+                 f"({error}); that call runs as Keras wrote it. tfmx.report() has the details; "
+                 "tfmx.enable(strict=True) raises instead.")
+        return following(instance, *args, **kwargs)
+    attempt.commit(instance)
+    for f, stats in recorded:
+        ctx.record(f, stats)
+    return out
+
+
+def _caller(instance: Any) -> str:
+    """What a stage's call is, for the report: the layer's class, or for a hooked module
+    function (whose first argument ``instance`` is then a tensor) the word "call"."""
+    import tensorflow as tf
+
+    return "call" if tf.is_tensor(instance) else type(instance).__name__
+
+
+def unsupported_inputs(args: tuple, kwargs: dict) -> str | None:
+    """Why no stage handles a call with these arguments (the layer, or a hooked function's
+    first argument, then the rest), or None: every stage's handler reads a dense floating-point
+    tensor as the call's first tensor, and none takes a sparse or ragged one anywhere.
+
+    >>> import tensorflow as tf
+    >>> unsupported_inputs((object(), tf.ones([2, 2])), {}) is None
+    True
+    >>> unsupported_inputs((object(), tf.sparse.eye(2)), {})
+    'a SparseTensor input'
+    >>> unsupported_inputs((object(), tf.ones([2], tf.int32)), {})
+    'an int32 input'
+    >>> unsupported_inputs((object(), {"a": tf.ones([2])}), {})
+    'a dict input (nested)'
+    """
+    import tensorflow as tf
+
+    for value in tf.nest.flatten((args, kwargs), expand_composites=False):
+        if isinstance(value, (tf.SparseTensor, tf.RaggedTensor, tf.IndexedSlices)):
+            return f"a {type(value).__name__} input"
+    rest = list(args if tf.is_tensor(args[0]) else args[1:]) or list(kwargs.values())
+    first = rest[0] if rest else None
+    if isinstance(first, (dict, list, tuple)):
+        return f"a {type(first).__name__} input (nested)"
+    if first is None or not tf.is_tensor(first):
+        return f"a {type(first).__name__} input, not a tensor"
+    dtype = tf.as_dtype(first.dtype)
+    if not dtype.is_floating:
+        return f"an {dtype.name} input" if dtype.name[0] in "aeiou" else f"a {dtype.name} input"
+    return None

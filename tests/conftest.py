@@ -14,6 +14,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # of this session's own, never to the user's ~/.cache (TFMX_CACHE_DIR). The guard and the tuner
 # have their own tests (tests/test_guard.py, tests/test_tuner.py); TFMX_TUNE is left as it is.
 os.environ.setdefault("TFMX_GUARD", "0")
+# A stage that fails falls back to Keras's call for users; here it raises, so a bug shows.
+os.environ.setdefault("TFMX_STRICT", "1")
 if not (os.environ.get(CHILD_ENV) and os.environ.get("TFMX_CACHE_DIR")):
     # (a child of tests/test_onednn_settings.py shares its parent's)
     _CACHE = tempfile.mkdtemp(prefix="tfmx-test-cache-")

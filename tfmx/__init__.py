@@ -57,6 +57,7 @@ def enable(
     tune: str | None = None,
     guard: bool | None = None,
     xla: bool | None = None,
+    strict: bool | None = None,
 ) -> None:
     """Switch the rewrite on for every Keras model's fit/evaluate/predict and tfmx.function.
 
@@ -79,6 +80,11 @@ def enable(
         xla: the guard also times the step compiled by XLA (cpu and cuda; never metal) and
             keeps it where it is faster still, and the stages offer XLA-compiled regions (a
             layer norm, an attention) to the tuner. None: ``$TFMX_XLA`` (default on).
+        strict: a stage (a rewrite made while a step is traced) that fails raises its
+            exception: for tests and for debugging tfmx. Off (the default: ``$TFMX_STRICT``,
+            else off), the call it failed on runs as Keras wrote it, ``tfmx.report()``
+            records the error and a :class:`TfmxWarning` says so once: training goes on. (A
+            GraphDef pass that fails always leaves its part of the graph as it was.)
 
     Global and idempotent: calling it again replaces the settings; models compiled before
     rebuild their step functions on next use. Bad names raise ValueError listing the choices.
@@ -103,13 +109,14 @@ def enable(
         verify = "first-step" if target.name in ("cuda", "metal") and target.available else False
     if not isinstance(verify, bool) and verify != "first-step":
         raise ValueError(f"verify must be True, False, 'first-step' or None, got {verify!r}")
-    for name, value in (("guard", guard), ("xla", xla)):
+    for name, value in (("guard", guard), ("xla", xla), ("strict", strict)):
         if value is not None and not isinstance(value, bool):
             raise ValueError(f"{name} must be True, False or None, got {value!r}")
     new = state.Options(backend=target, patterns=patterns, verify=verify,
                         tune=resolve_mode(tune),
                         guard=enabled_by_env() if guard is None else guard,
-                        xla=enabled_by_env(ENV_XLA) if xla is None else xla)
+                        xla=enabled_by_env(ENV_XLA) if xla is None else xla,
+                        strict=state.strict_by_env() if strict is None else strict)
     if state.options() == new:
         return
     keras_hook.install()

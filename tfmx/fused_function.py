@@ -40,6 +40,7 @@ from tensorflow.python.framework.ops import EagerTensor
 
 from fusion.graph import op_histogram
 from fusion.pipeline import rewrite
+from fusion.transaction import abandoned, without_abandoned
 from tfmx import guard, staging, state
 from tfmx.errors import BackendUnavailableError
 from tfmx.rebuild import control_output_names, protected_names, rebuild
@@ -310,6 +311,8 @@ def build_entry(concrete: Any, opts: state.Options, name: str) -> _Entry:
     rec.ops_before = op_histogram(graph_def)
     stats = None
     entry = _Entry(stock=concrete, fused=concrete, record=rec)
+    # what stages that failed while tracing emitted: taken out, so that none of it runs
+    graph_def, dropped = without_abandoned(graph_def, abandoned(concrete.graph))
     try:
         result = rewrite_traced(concrete, opts, graph_def)
         stats = result.stats
@@ -322,7 +325,7 @@ def build_entry(concrete: Any, opts: state.Options, name: str) -> _Entry:
         if not opts.backend.available:
             entry.plan_only = True
             rec.status = "plan only"
-        elif result.changed:
+        elif result.changed or dropped:
             entry.fused = rebuild(concrete, result.graph_def, result.control_renames)
             rec.status = "rewritten"
     except Exception as exc:  # noqa: BLE001 - never break training because of tfmx

@@ -51,6 +51,7 @@ def context(opts: state.Options | None,
         warn=state.warn_once,
         xla=opts.xla_allowed(),
         passes=fragment_passes(opts) if opts.backend.available else None,
+        strict=opts.strict,
     )
 
 

@@ -11,6 +11,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import warnings
 from typing import Any
@@ -32,6 +33,7 @@ class Options:
     tune: str = "auto"  # tfmx.tuner.MODES
     guard: bool = True  # the whole-step guard (tfmx.guard)
     xla: bool = True  # the guard tries the XLA-compiled step, stages XLA regions (cpu, cuda)
+    strict: bool = False  # a stage that fails raises instead of falling back to Keras's call
 
     def xla_allowed(self) -> bool:
         """XLA may compile steps and regions: asked for, and a backend Keras compiles for."""
@@ -40,6 +42,25 @@ class Options:
     def guard_challengers(self) -> tuple[str, ...]:
         """The forms a whole-step guard tries against stock, in order."""
         return ("fused", "xla") if self.xla_allowed() else ("fused",)
+
+
+ENV_STRICT = "TFMX_STRICT"
+
+
+def strict_by_env() -> bool:
+    """``$TFMX_STRICT``: 1 (on) makes a failing stage raise; unset or 0, off.
+
+    >>> import os
+    >>> strict_by_env() == (os.environ.get("TFMX_STRICT", "0").strip().lower() in
+    ...                     ("1", "true", "on", "yes"))
+    True
+    """
+    value = os.environ.get(ENV_STRICT, "0").strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no", ""):
+        return False
+    raise ValueError(f"${ENV_STRICT} must be 1 or 0 (on/off), got {value!r}")
 
 
 _lock = threading.Lock()

@@ -1,0 +1,164 @@
+"""Stages never break training: a stage that fails, or meets an input it does not take, leaves
+the call as Keras wrote it.
+
+For each stage family, a small model where the family applies (every rewrite taken, so the
+stage emits its form): with a failure injected as the handler starts, in the tuner, and after
+the form was emitted, ``fit`` trains, the weights equal stock's, the report holds the error and
+nothing the failed stage emitted runs. And each family's handler takes or declines, with a
+reason, every input form Keras layers take (sparse, ragged, masked, integer, nested, 16-bit
+policies, ``training=None/False/True``, symbolic calls, ``run_eagerly``, ``jit_compile``,
+``train_step`` overrides, subclasses of the hooked layers).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import keras
+import numpy as np
+import pytest
+from helpers import nodes_that_ran
+
+import tfmx
+from fusion import stage
+from tfmx import state
+from tfmx.errors import TfmxWarning
+
+pytestmark = pytest.mark.usefixtures("every_rewrite")
+
+L = keras.layers
+
+
+def _tokens(inp: keras.KerasTensor, x: keras.KerasTensor) -> keras.Model:
+    return keras.Model(inp, L.Dense(4)(L.GlobalAveragePooling1D()(x)))
+
+
+def _bias_row() -> keras.Model:
+    inp = keras.Input((8,))
+    return keras.Model(inp, L.Dense(4)(L.Dense(16, activation="relu")(inp)))
+
+
+def _gelu() -> keras.Model:
+    inp = keras.Input((8,))
+    return keras.Model(inp, L.Dense(4)(L.Dense(16, activation="gelu")(inp)))
+
+
+def _feed_forward() -> keras.Model:
+    inp = keras.Input((6, 8))
+    return _tokens(inp, L.Dense(8)(L.Dense(16, activation="gelu")(inp)))
+
+
+def _layer_norm() -> keras.Model:
+    inp = keras.Input((6, 8))
+    return _tokens(inp, L.LayerNormalization()(L.Dense(8)(inp)))
+
+
+def _attention() -> keras.Model:
+    inp = keras.Input((6, 8))
+    return _tokens(inp, L.MultiHeadAttention(2, 4)(inp, inp))
+
+
+def _einsum_dense() -> keras.Model:
+    inp = keras.Input((6, 8))
+    return _tokens(inp, L.EinsumDense("abc,cd->abd", (None, 16), bias_axes="d")(inp))
+
+
+def _batch_norm() -> keras.Model:
+    inp = keras.Input((6, 6, 3))
+    x = L.ReLU()(L.BatchNormalization()(L.Conv2D(4, 3)(inp)))
+    return keras.Model(inp, L.Dense(4)(L.GlobalAveragePooling2D()(x)))
+
+
+def _rnn() -> keras.Model:
+    inp = keras.Input((5, 3))
+    return keras.Model(inp, L.Dense(4)(L.LSTM(8)(inp)))
+
+
+MODELS: dict[str, Callable[[], keras.Model]] = {
+    "attention": _attention, "batch_norm": _batch_norm, "bias_row": _bias_row,
+    "einsum_dense": _einsum_dense, "feed_forward": _feed_forward, "gelu": _gelu,
+    "layer_norm": _layer_norm, "rnn": _rnn,
+}
+
+
+def test_every_stage_family_has_a_model_here():
+    assert sorted(MODELS) == sorted(s.name for s in stage.stages())
+
+
+def _data(model: keras.Model, n: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1)
+    shape = tuple(model.inputs[0].shape[1:])
+    return rng.normal(size=(n, *shape)).astype("float32"), rng.normal(size=(n, 4)).astype(
+        "float32")
+
+
+def _fit(family: str, **enable) -> tuple[keras.Model, list[np.ndarray]]:
+    """Build ``family``'s model (seeded), train it two epochs with tfmx as ``enable`` says (None:
+    off); the model and its initial weights."""
+    if enable.get("off"):
+        tfmx.disable()
+    else:
+        tfmx.enable(backend="cpu", patterns=[family], guard=False, **enable)
+    keras.utils.set_random_seed(0)
+    model = MODELS[family]()
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    initial = [w.numpy() for w in model.weights]
+    x, y = _data(model)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    return model, initial
+
+
+def _emitted(model: keras.Model) -> list[str]:
+    """The nodes a stage emitted (under a ``tfmx_`` scope) that compute something in what
+    the train function runs (a failed attempt's ops become NoOps)."""
+    return [n.name for n in nodes_that_ran(model.train_function)
+            if "tfmx_" in n.name and n.op != "NoOp"]
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(state, "_warned", set())
+
+
+_STOCK: dict[str, list[np.ndarray]] = {}
+
+
+def _stock_weights(family: str) -> list[np.ndarray]:
+    """``family``'s model trained stock (once per session), its weights."""
+    if family not in _STOCK:
+        _STOCK[family] = [w.numpy() for w in _fit(family, off=True)[0].weights]
+    return _STOCK[family]
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_each_stage_emits_its_form_on_its_model(family):
+    """What the failure tests below take away is there without a failure."""
+    fused, _ = _fit(family)
+    assert tfmx.report().patterns[family].fused, tfmx.report().patterns[family].as_dict()
+    assert _emitted(fused)
+
+
+@pytest.mark.parametrize("where", stage.FAULT_POINTS)
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_a_failing_stage_leaves_keras_call_and_trains_as_stock(family, where, fresh_warnings):
+    stock = _stock_weights(family)
+    with stage.failing(family, where), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        failed, _ = _fit(family, strict=False)
+    stats = tfmx.report().patterns[family]
+    if not stats.errors:  # a family that asks no tuner cannot fail there: its form ran
+        assert where == "tuner" and stats.fused, (family, where, stats.as_dict())
+        return
+    assert "injected failure" in stats.errors[0]
+    assert any(issubclass(w.category, TfmxWarning) and family in str(w.message) for w in seen)
+    assert stats.fused == 0 and not stats.observed, stats.as_dict()
+    assert not _emitted(failed), _emitted(failed)[:5]
+    for a, b in zip(failed.weights, stock):
+        np.testing.assert_array_equal(a.numpy(), b, err_msg=a.path)
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_strict_raises_what_the_stage_raised(family):
+    with stage.failing(family, "handler"), pytest.raises(Exception, match="injected failure"):
+        _fit(family, strict=True)
