@@ -178,6 +178,7 @@ class Workload:
     batch_size: int
     rounds: int
     steps: int
+    vocabulary: int = 0  # > 0: the inputs are int32 token ids below it (else float features)
 
 
 def small_cnn_model(seed: int = 0, image_shape: tuple[int, int, int] = (32, 32, 3),
@@ -384,12 +385,42 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
+def _zoo_workloads() -> dict[str, Workload]:
+    """``zoo_<name>`` for each model of :mod:`tfmx.zoo` at its bench size (keras_hub is
+    imported only when a backbone is built)."""
+    from tfmx import zoo
+
+    return {f"zoo_{m.name}": Workload(
+        f"zoo_{m.name}", m.description, functools.partial(zoo.build, m.name, "bench"),
+        m.input_shape, 10, batch_size=m.batch_size, rounds=m.rounds, steps=m.steps,
+        vocabulary=m.vocabulary) for m in zoo.MODELS.values()}
+
+
+WORKLOADS.update(_zoo_workloads())
+#: Names ``run_benchmarks`` (``tfmx bench --model``) expands to several workloads.
+GROUPS: dict[str, tuple[str, ...]] = {"zoo": tuple(n for n in WORKLOADS if n.startswith("zoo_"))}
+
+
+def expand_models(models: Sequence[str]) -> list[str]:
+    """``models`` with each group name of :data:`GROUPS` replaced by its workloads, in order,
+    each workload once.
+
+    >>> expand_models(["mlp", "zoo", "mlp"])[:3]
+    ['mlp', 'zoo_mobilenet_v3_small', 'zoo_efficientnet_b0']
+    """
+    names = [n for m in models for n in GROUPS.get(m, (m,))]
+    return list(dict.fromkeys(names))
+
+
 def _dataset(workload: Workload, batch_size: int, seed: int, batches: int = 4) -> Any:
     import tensorflow as tf
 
     rng = np.random.default_rng(seed)
     n = batch_size * batches
-    x = rng.standard_normal((n, *workload.input_shape)).astype(np.float32)
+    if workload.vocabulary:
+        x = rng.integers(0, workload.vocabulary, (n, *workload.input_shape)).astype(np.int32)
+    else:
+        x = rng.standard_normal((n, *workload.input_shape)).astype(np.float32)
     y = rng.integers(0, workload.num_classes, size=n).astype(np.int32)
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(
         batch_size, drop_remainder=True).repeat()
@@ -926,7 +957,7 @@ def run_benchmarks(models: Sequence[str], onednn: str | None = None, replicas: i
     """:func:`run_benchmark` for each of ``models``, here or once per oneDNN state.
 
     Args:
-        models: workload names (``WORKLOADS``).
+        models: workload names (``WORKLOADS``) or group names (``GROUPS``: ``"zoo"``).
         onednn: None runs in this process, in its oneDNN state. ``"on"``, ``"off"`` or
             ``"both"``: one new process per state (:func:`child_command`), one after the
             other (never two at once: they would share the cores); their results are tagged
@@ -945,9 +976,11 @@ def run_benchmarks(models: Sequence[str], onednn: str | None = None, replicas: i
     >>> [(r["model"], onednn_state(r)) for r in results]  # doctest: +SKIP
     [('mlp', 'on'), ('mlp', 'off')]
     """
+    models = expand_models(models)
     unknown = [m for m in models if m not in WORKLOADS]
     if unknown:
-        raise ValueError(f"unknown model(s) {unknown}; choose from {tuple(WORKLOADS)}")
+        raise ValueError(f"unknown model(s) {unknown}; choose from {tuple(WORKLOADS)} or a "
+                         f"group: {tuple(GROUPS)}")
     modes = options.get("modes") or replica_modes(replicas)
     check_replicas(replicas, modes, options.get("policy"),
                    {m: options.get("batch_size") or WORKLOADS[m].batch_size for m in models})
@@ -1448,6 +1481,7 @@ def format_markdown(results: Mapping[str, Any] | Iterable[Mapping[str, Any]]) ->
 
 
 __all__ = [
+    "GROUPS",
     "MODES",
     "NOISY_SPREAD",
     "ONEDNN_CHOICES",
@@ -1459,6 +1493,7 @@ __all__ = [
     "compare",
     "compare_replicas",
     "environment",
+    "expand_models",
     "format_comparison",
     "format_environment",
     "format_markdown",
