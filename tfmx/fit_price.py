@@ -60,7 +60,7 @@ def _env(name: str, value: str | None) -> Iterator[None]:
 
 
 def _fit_once(workload: Any, mode: str, weights: list, x: Any, y: Any, epochs: int,
-              batch_size: int) -> dict[str, Any]:
+              batch_size: int, tune: str = "cached") -> dict[str, Any]:
     """One timed fit of a new model in ``mode``; what the train step's guard did."""
     import tfmx
     from tfmx import guard
@@ -71,7 +71,7 @@ def _fit_once(workload: Any, mode: str, weights: list, x: Any, y: Any, epochs: i
     else:
         if mode != "decided":
             guard.forget()  # each mode's trial from nothing (``decided`` reuses the last one)
-        tfmx.enable(guard=mode != "guard off", tune="cached")
+        tfmx.enable(guard=mode != "guard off", tune=tune)
         tfmx.report(reset=True)
     model = _build(workload, "stock" if mode == "stock" else "tfmx", 0, weights)
     with _env("TFMX_GUARD_BUDGET", "none" if mode == "no budget" else None):
@@ -84,8 +84,8 @@ def _fit_once(workload: Any, mode: str, weights: list, x: Any, y: Any, epochs: i
                   if g.function.endswith("train_step")]
         if guards:
             g = guards[0]
-            out.update(kept=g.kept, final=g.final, cost_s=g.cost_s, saved_s=g.saved_s,
-                       xla_compile_s=g.xla_compile_s, guard=g.describe())
+            out.update(kept=g.kept, final=g.final, cost_s=g.cost_s, run_s=g.run_s,
+                       saved_s=g.saved_s, xla_compile_s=g.xla_compile_s, guard=g.describe())
     tfmx.disable()
     return out
 

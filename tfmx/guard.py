@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -253,6 +254,7 @@ def planning_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
     fit begins, its callbacks' params (``epochs``, ``steps``) and the model's
     ``steps_per_execution`` announce its plan (:func:`plan_fit`)."""
 
+    @functools.wraps(original)
     def on_train_begin(self: Any, logs: Any = None) -> Any:
         params = getattr(self, "params", None) or {}
         model = getattr(self, "model", None)
@@ -263,7 +265,6 @@ def planning_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
             plan_fit(None, None)
         return original(self, logs)
 
-    on_train_begin.__wrapped__ = original
     return on_train_begin
 
 
@@ -395,23 +396,25 @@ class GuardRecord:
     saved_s: float = 0.0  # a cached outcome: what its trial had cost
 
     def describe(self) -> str:
-        ratio = self.fused_ms / self.stock_ms if self.stock_ms else float("nan")
-        xla = "" if math.isnan(self.xla_ms) else f", XLA {self.xla_ms:.2f} ms"
+        """One line: what was kept, each form's median, the pairs, why, what it cost."""
+        times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in (
+            ("fused", self.fused_ms), ("stock", self.stock_ms), ("XLA", self.xla_ms))
+            if not math.isnan(ms))
+        ratio = self.fused_ms / self.stock_ms if self.stock_ms else math.nan
+        if not math.isnan(ratio):
+            times += f", fused/stock {ratio:.3f}"
         share = (f"{self.cost_s / self.run_s:.1%} of the run's ~{self.run_s:.1f} s"
                  if self.run_s > 0 else "")
-        budget = ("" if math.isnan(self.budget_s) else
-                  f", budget {self.budget_s:.2f} s")
+        budget = "" if math.isnan(self.budget_s) else f", budget {self.budget_s:.2f} s"
         cost = f"the trial cost {self.cost_s:.2f} s" + (f" ({share}{budget})" if share else "")
         if self.saved_s:
             cost = f"no trial: {self.saved_s:.2f} s saved, what the trial had cost"
+        reason = f"; {self.reason}" if self.reason else ""
         if self.kept == "undecided":
-            return (f"{self.function}: trial under way, {self.pairs} pairs so far (fused "
-                    f"{self.fused_ms:.2f} ms, stock {self.stock_ms:.2f} ms{xla}, ratio "
-                    f"{ratio:.3f}); {self.reason + '; ' if self.reason else ''}{cost}")
+            return (f"{self.function}: trial under way, {self.pairs} pairs so far ({times})"
+                    f"{reason}; {cost}")
         kept = f"kept {self.kept}" + ("" if self.final else " for now")
-        return (f"{self.function}: {kept} (fused {self.fused_ms:.2f} ms, stock "
-                f"{self.stock_ms:.2f} ms{xla}, fused/stock {ratio:.3f}, {self.pairs} pairs; "
-                f"{self.reason}; {cost})")
+        return f"{self.function}: {kept} ({times}; {self.pairs} pairs{reason}; {cost})"
 
 
 class StepGuard:
