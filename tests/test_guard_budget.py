@@ -114,6 +114,18 @@ def test_the_budget_stops_a_trial_and_a_longer_fit_resumes_it():
     assert s.cost_s <= s.budget_s
 
 
+def test_a_first_call_beyond_its_expected_cost_leaves_the_fused_step_running():
+    """Stock's trace fit the budget as expected, took longer: no timed pair, fused stays."""
+    clock = Clock()
+    g = StepGuard("t", budget=0.02, planned=True, first_call_s=0.5, clock=clock)
+    plan_fit(1, 4000)  # ~40 s: a 0.8 s budget covers the 0.5 s expected
+    _run(g, {"fused": 0.010, "stock": 0.009}, clock, first={"stock": 1.0})
+    s = g.summary()
+    assert "stock" in g._warm and s.pairs <= 1 and g.kept == "fused" and not s.final, \
+        s.describe()
+    assert s.cost_s == pytest.approx(1.0 + 0.001 * s.pairs)
+
+
 def test_without_a_plan_the_budget_grows_with_the_time_run():
     """A custom loop: the trial may cost 2 % of the time run so far."""
     clock = Clock()

@@ -269,12 +269,12 @@ def planning_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # -- first calls: what tracing or compiling a form costs on this machine ----------------------
-_first_calls: dict[str, tuple[float, int]] = {}  # form -> (mean log s/op, observations)
+_first_calls: dict[str, tuple[float, int]] = {}  # form -> (max log s/op, observations)
 
 
 def _learnt(form: str, cache: Any) -> tuple[float, int] | None:
     known = _first_calls.get(form)
-    if known is None and cache is not None:
+    if known is None and cache is not None:  # another process's measurements
         d = cache.get(f"guard-first-call|{form}")
         if d is not None and d.times_ms.get("ms_per_op", 0) > 0:
             known = (math.log(d.times_ms["ms_per_op"] / 1e3), int(d.times_ms.get("n", 1)))
@@ -284,7 +284,8 @@ def _learnt(form: str, cache: Any) -> tuple[float, int] | None:
 
 def learn_first_call(form: str, seconds: float, ops: int, cache: Any = None) -> None:
     """Record that ``form``'s first call (tracing, compiling, one step) took ``seconds`` for a
-    step of ``ops`` ops: :func:`expected_first_call` goes by the geometric mean per op.
+    step of ``ops`` ops: :func:`expected_first_call` goes by the most per op measured here (a
+    budget is a bound: the slowest first call seen, not a typical one).
 
     >>> learn_first_call("demo", 2.0, 1000)
     >>> round(expected_first_call("demo", 500)[0], 3)
@@ -292,14 +293,14 @@ def learn_first_call(form: str, seconds: float, ops: int, cache: Any = None) -> 
     """
     if ops <= 0 or seconds <= 0:
         return
-    mean, n = _learnt(form, cache) or (0.0, 0)
-    mean = (mean * n + math.log(seconds / ops)) / (n + 1)
-    _first_calls[form] = (mean, n + 1)
+    most, n = _learnt(form, cache) or (-math.inf, 0)
+    most = max(most, math.log(seconds / ops))
+    _first_calls[form] = (most, n + 1)
     if cache is not None:
         from tfmx.tuner import Decision
 
         cache.put(Decision("guard-first-call", form, form, (form,),
-                           {"ms_per_op": math.exp(mean) * 1e3, "n": n + 1}, "measured"))
+                           {"ms_per_op": math.exp(most) * 1e3, "n": n + 1}, "measured"))
 
 
 def expected_first_call(form: str, ops: int, fused_first_s: float = 0.0, cache: Any = None
@@ -315,8 +316,8 @@ def expected_first_call(form: str, ops: int, fused_first_s: float = 0.0, cache: 
     known = _learnt(form, cache)
     if known is not None and ops > 0:
         rate = math.exp(known[0])
-        return rate * ops, (f"{rate * 1e3:.2f} ms per op, measured here over {known[1]} first "
-                            "call(s)")
+        return rate * ops, (f"{rate * 1e3:.2f} ms per op, the most of {known[1]} first "
+                            "call(s) measured here")
     if form == "xla":
         stock, how = expected_first_call("stock", ops, fused_first_s, cache)
         return XLA_SEED * stock, f"seed: {XLA_SEED:g} x stock's first call ({how})"
@@ -659,10 +660,8 @@ class StepGuard:
     def _pause(self, form: str) -> None:
         """The budget does not cover running ``form`` next: keep the best form so far."""
         challenger, incumbent = self.challenger, self.incumbent
-        if incumbent not in self._warm:  # stock never ran: the step already running stays
-            kept = challenger
-        elif challenger not in self._warm:
-            kept = incumbent
+        if not self._ratios():  # no timed pair: the step that ran before the duel stays
+            kept = challenger if challenger == "fused" and incumbent == "stock" else incumbent
         else:
             kept = challenger if self._significantly_faster() else incumbent
         expense = self._expense(form)
