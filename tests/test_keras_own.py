@@ -86,6 +86,10 @@ TFMX_SWITCHES = ("TFMX_GUARD", "TFMX_TUNE", "TFMX_XLA", "TFMX_TUNE_BUDGET")
 
 TIMEOUT = 40 * 60  # seconds, each child
 
+# The tfmx run must have rewritten a traced function in at least this many tests (a run where
+# tfmx did nothing would give stock's outcomes too).
+MIN_REWRITTEN = 100
+
 
 def cache_root() -> Path:
     """Where unpacked Keras sources are kept (see :data:`ENV_DIR`)."""
@@ -186,6 +190,39 @@ def child_env(cache: Path) -> dict[str, str]:
     return env
 
 
+@dataclasses.dataclass
+class TfmxActivity:
+    """What tfmx did over the tfmx run, from each test's ``"tfmx"`` entry (the plugin's
+    ``tfmx_summary``)."""
+
+    tests: int = 0  # tests with an entry
+    traced: int = 0  # tests in which tfmx traced a function
+    rewritten: int = 0  # tests in which it rewrote one
+    fused: int = 0  # chains and updates fused, over all tests
+    errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    @classmethod
+    def of(cls, outcomes: Mapping[str, Mapping[str, object]]) -> TfmxActivity:
+        activity = cls()
+        for entry in outcomes.values():
+            summary = entry.get("tfmx")
+            if not isinstance(summary, dict):
+                continue
+            activity.tests += 1
+            activity.traced += summary["traced"] > 0
+            activity.rewritten += summary["rewritten"] > 0
+            activity.fused += summary["fused"]
+            activity.errors.update(summary["errors"])
+        return activity
+
+    def __str__(self) -> str:
+        lines = [f"tfmx: {self.tests} tests, traced in {self.traced}, rewrote in "
+                 f"{self.rewritten}, {self.fused} fused; errors its stages and passes recorded "
+                 f"(the part left as it was), by the number of tests: {len(self.errors)}"]
+        lines += [f"  {n} x {text[:300]}" for text, n in self.errors.most_common()]
+        return "\n".join(lines)
+
+
 def differences(stock: Mapping[str, Mapping[str, str]], fused: Mapping[str, Mapping[str, str]]
                 ) -> list[str]:
     """One entry per test whose outcome differs (``missing``: the run recorded no outcome, its
@@ -228,9 +265,13 @@ def test_keras_own_tests_same_outcomes_with_tfmx(tmp_path: Path) -> None:
         assert run.returncode in (0, 1), (
             f"the {name} run of Keras's tests exited {run.returncode}:\n{run.output[-5000:]}")
     assert outcomes["stock"], f"the stock run recorded no test:\n{runs['stock'].output[-5000:]}"
+    activity = TfmxActivity.of(outcomes["tfmx"])
+    print(activity)
     diff = differences(outcomes["stock"], outcomes["tfmx"])
     changed = sum(not line.startswith(" ") for line in diff)
     assert not diff, f"{changed} Keras tests differ with tfmx enabled:\n" + "\n".join(diff)
+    # the same outcomes, and tfmx was at work: it rewrote a traced function in many tests
+    assert activity.rewritten >= MIN_REWRITTEN, activity
 
 
 def test_differences_lists_each_changed_outcome() -> None:

@@ -10,7 +10,8 @@ see ``tests/test_keras_own.py``):
   ``xpassed``, ``error`` (its setup or teardown raised), the message the last lines of the
   failure or the skip reason, the seconds its setup, call and teardown took.
 - ``--tfmx``: an autouse fixture calls ``tfmx.enable()`` (its defaults: what a user gets)
-  before each test and ``tfmx.disable()`` after it.
+  before each test and ``tfmx.disable()`` after it; the test's line gets a ``"tfmx"`` entry,
+  what ``tfmx.report()`` says tfmx did in it (:func:`tfmx_summary`).
 
 Each test file of Keras's source tree (``keras/src/...`` under pytest's rootdir, the unpacked
 source distribution) is imported under its own name in the installed package
@@ -32,8 +33,6 @@ from typing import Any
 
 import pytest
 
-_PENDING = pytest.StashKey[dict[str, dict[str, Any]]]()
-
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("tfmx-keras", "Keras's own tests with and without tfmx")
@@ -44,12 +43,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.stash[_PENDING] = {}
     if config.getoption("--tfmx"):
         config.pluginmanager.register(_TfmxEachTest(), "tfmx-each-test")
     path = config.getoption("--keras-outcomes")
     if path is not None:
-        config.pluginmanager.register(_Recorder(config, path), "tfmx-keras-outcomes")
+        config.pluginmanager.register(_Recorder(path), "tfmx-keras-outcomes")
 
 
 class KerasTestModule(pytest.Module):
@@ -91,14 +89,25 @@ class _TfmxEachTest:
     """Holds the autouse fixture, registered only under ``--tfmx``."""
 
     @pytest.fixture(autouse=True)
-    def _tfmx_enabled(self) -> Iterator[None]:
+    def _tfmx_enabled(self, request: pytest.FixtureRequest) -> Iterator[None]:
         import tfmx
 
         tfmx.enable()
         try:
             yield
         finally:
+            request.node.user_properties.append(("tfmx", tfmx_summary(tfmx.report(reset=True))))
             tfmx.disable()
+
+
+def tfmx_summary(report: Any) -> dict[str, Any]:
+    """What tfmx did in one test, from its ``tfmx.report()``: functions traced, rewritten,
+    chains fused, and the errors its stages and passes recorded (each left its part of the
+    graph as it was)."""
+    return {"traced": len(report.traces),
+            "rewritten": sum(t.status == "rewritten" for t in report.traces),
+            "fused": report.fused(),
+            "errors": sorted({e for t in report.traces for e in t.errors})}
 
 
 def _message(report: pytest.TestReport | pytest.CollectReport, lines: int = 12) -> str:
@@ -113,14 +122,15 @@ class _Recorder:
     """Folds each test's setup, call and teardown reports into one outcome, written as a JSON
     line once the test has finished."""
 
-    def __init__(self, config: pytest.Config, path: str) -> None:
-        self.pending = config.stash[_PENDING]
+    def __init__(self, path: str) -> None:
+        self.pending: dict[str, dict[str, Any]] = {}
         self.path = path
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         entry = self.pending.setdefault(report.nodeid,
                                         {"outcome": "", "message": "", "seconds": 0.0})
         entry["seconds"] = round(entry["seconds"] + report.duration, 3)
+        entry.update((k, v) for k, v in report.user_properties if k == "tfmx")
         xfail = hasattr(report, "wasxfail")
         if report.when == "call":
             if entry["outcome"] == "error":
