@@ -700,7 +700,7 @@ class StepGuard:
             self._reasons.append(f"kept as a trial {where} decided before (cached: "
                                  + ", ".join(f"{f} {t:.2f} ms" for f, t in times.items()) + ")")
             gain = (times.get("fused", math.nan) - times.get(known.choice, math.nan)) / 1e3
-            if self.budget is not None and known.choice != "fused" and gain > 0:
+            if self.budget is not None and known.choice != "fused" and not math.isnan(gain):
                 self.kept = "fused"  # until what the kept form saves covers its first call
                 self._switch = (known.choice, gain, math.nan)
 
@@ -715,6 +715,10 @@ class StepGuard:
         plan = current_plan() if self.planned else None
         self._calls += 1
         calls = plan.calls if plan is not None and plan.calls else self._calls
+        if gain <= 0:
+            self._pause_why = (f"the fused form runs: {form}'s median was not below it, so "
+                               f"its first call (~{cost:.2f} s expected) would not pay")
+            return False
         if calls * gain < cost:
             self._pause_why = (f"the fused form runs: {form}'s first call (~{cost:.2f} s "
                                f"expected) costs more than it saves over {calls} calls "
