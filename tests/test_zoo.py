@@ -164,6 +164,21 @@ def test_the_families_the_model_has_are_fused(runs, name):
     fused = {family: report.fused(family) for family in zoo.MODELS[name].families}
     assert all(fused.values()), f"{name}: nothing fused by {fused}:\n{report}"
     assert any(t.status == "rewritten" for t in report.traces), str(report)
+    _, after = report.op_histogram()  # the step's graph as tfmx rewrote it
+    if {"batch_norm", "layer_norm"} & set(fused):  # both run through FusedBatchNormV3
+        assert after["FusedBatchNormV3"] and after["FusedBatchNormGradV3"], dict(after)
+
+
+def test_the_zoo_is_a_bench_group():
+    from tfmx.bench import WORKLOADS, _dataset, expand_models
+
+    assert expand_models(["zoo"]) == [f"zoo_{name}" for name in zoo.MODELS]
+    llama = WORKLOADS["zoo_llama"]
+    x, y = next(iter(_dataset(llama, 4, seed=0)))
+    assert x.dtype.name == "int32" and tuple(x.shape) == (4, 64)
+    assert 0 <= int(np.min(x)) and int(np.max(x)) < llama.vocabulary
+    x, _ = next(iter(_dataset(WORKLOADS["zoo_convnext_tiny"], 2, seed=0)))
+    assert x.dtype.name == "float32" and tuple(x.shape) == (2, 32, 32, 3)
 
 
 # What the report says tfmx declined or left apart in each tiny model (a part of a reason).
