@@ -662,8 +662,10 @@ class StepGuard:
         challenger, incumbent = self.challenger, self.incumbent
         if not self._ratios():  # no timed pair: the step that ran before the duel stays
             kept = challenger if challenger == "fused" and incumbent == "stock" else incumbent
+            why = "it ran before this duel, which has no timed pair"
         else:
             kept = challenger if self._significantly_faster() else incumbent
+            why = "the best so far (a challenger only if faster beyond noise)"
         expense = self._expense(form)
         budget = self.budget_seconds()
         what = (f"{form}'s first call (~{expense:.2f} s expected, "
@@ -671,8 +673,7 @@ class StepGuard:
                 if form not in self._warm else f"another {form} step (+{expense * 1e3:.2f} ms)")
         self._pause_why = (f"trial paused, its budget spent: {what} would take it past "
                            f"{budget:.2f} s ({self.budget:.0%} of the run's "
-                           f"~{self.run_seconds():.1f} s); kept {kept}, the best so far "
-                           "(a challenger only if faster beyond noise)")
+                           f"~{self.run_seconds():.1f} s); kept {kept}: {why}")
         if form == "xla" and form not in self._warm:
             self._xla_why = (f"XLA not tried: its compile, ~{expense:.2f} s expected, is more "
                              f"than the budget left ({max(0.0, budget - self._cost()):.2f} s)")
