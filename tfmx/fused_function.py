@@ -37,6 +37,7 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.eager import context, record
 from tensorflow.python.framework.ops import EagerTensor
+from tensorflow.python.util import tf_decorator
 
 from fusion.graph import op_histogram
 from fusion.pipeline import rewrite
@@ -136,22 +137,24 @@ class FusedFunction:
         autograph: bool = True,
         reduce_retracing: bool = False,
         jit_compile: bool | None = None,
+        prepare: Callable[[tuple, dict], None] | None = None,
     ) -> None:
         self.python_function = python_function
         self.name = name or getattr(python_function, "__name__", "function")
         self._trace_options = {"input_signature": input_signature, "autograph": autograph,
                                "reduce_retracing": reduce_retracing}
         self._jit = bool(jit_compile)
-        self._stock = tf.function(python_function, jit_compile=jit_compile,
-                                  **self._trace_options)
+        self._prepare = prepare
+        self._stock = tf.function(self._counted(python_function, "stock"),
+                                  jit_compile=jit_compile, **self._trace_options)
         # The same function, traced with the stages on (fusion.stage, tfmx.staging).
-        self._staged = tf.function(staging.staged(python_function), jit_compile=jit_compile,
-                                   **self._trace_options)
+        self._staged = tf.function(staging.staged(self._counted(python_function, "stages")),
+                                   jit_compile=jit_compile, **self._trace_options)
         # The same, for calls under an outer tape: traced apart, because a call under a tape
         # changes the traced function (TensorFlow adds the outputs its gradient needs), which
         # the rewrite of the plain call must not see.
-        self._taped = tf.function(staging.staged(python_function), jit_compile=jit_compile,
-                                  **self._trace_options)
+        self._taped = tf.function(staging.staged(self._counted(python_function, "taped")),
+                                  jit_compile=jit_compile, **self._trace_options)
         self._xla_function: Any = None
         self._entries: dict[tuple[int, int], _Entry] = {}
         # call_key -> entry: skips tf.function's per-call lookup, which hashes every captured
@@ -240,9 +243,18 @@ class FusedFunction:
         """The Python function compiled by XLA (``jit_compile=True``), made on first need:
         the guard's third form."""
         if self._xla_function is None:
-            self._xla_function = tf.function(self.python_function, jit_compile=True,
-                                             **self._trace_options)
+            self._xla_function = tf.function(self._counted(self.python_function, "xla"),
+                                             jit_compile=True, **self._trace_options)
         return self._xla_function
+
+    def _counted(self, fn: Callable, form: str) -> Callable:
+        """``fn``, each trace of it counted in the report as one of ``form``."""
+
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            state.report().count_trace(self.name, form)
+            return fn(*args, **kwargs)
+
+        return tf_decorator.make_decorator(fn, traced)
 
     def _reference(self, entry: _Entry, args: tuple, kwargs: dict) -> Any:
         """The function traced with no tfmx stage and no rewrite: the staged trace itself when
@@ -275,6 +287,14 @@ class FusedFunction:
 
     # -- internals ---------------------------------------------------------------------------
     def _entry(self, opts: state.Options, args: tuple, kwargs: dict) -> _Entry:
+        if self._prepare is not None:  # once, before the first trace
+            prepare, self._prepare = self._prepare, None
+            try:
+                prepare(args, kwargs)
+            except Exception as exc:  # noqa: BLE001 - the step builds what it needs itself
+                state.report().note(f"{self.name}: not prepared before its first trace "
+                                    f"({type(exc).__name__}: {exc}); it builds what it needs "
+                                    "while traced, as Keras does")
         concrete = self._staged.get_concrete_function(*args, **kwargs)  # stages on
         key = (id(concrete), state.generation())
         entry = self._entries.get(key)

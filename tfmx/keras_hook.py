@@ -94,9 +94,10 @@ class _TfWithFusedFunction:
     ``tf.function`` of a Keras step returns a FusedFunction, of Keras's per-iterator loop an
     :class:`~tfmx.dispatch.IteratorDispatch`; everything else is TensorFlow's."""
 
-    def __init__(self, tf: Any, name: str) -> None:
+    def __init__(self, tf: Any, name: str, prepare: Any = None) -> None:
         self._tf = tf
         self._name = name
+        self._prepare = prepare
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._tf, attr)
@@ -126,8 +127,37 @@ class _TfWithFusedFunction:
             return self._tf.function(fn, **kwargs)
         return FusedFunction(
             fn, name=self._name, autograph=False,
-            reduce_retracing=kwargs.get("reduce_retracing", False),
+            reduce_retracing=kwargs.get("reduce_retracing", False), prepare=self._prepare,
         )
+
+
+def _builder_of(model: Any) -> Any:
+    """What a model's train or test step runs before its first trace: Keras's own symbolic
+    build (what its trainer runs before the first step under a distribution strategy) from
+    the batch the step is traced for, where the model's layers are built and its optimizer,
+    compiled metrics or loss are not. Keras otherwise builds those inside the first trace,
+    and a ``tf.function`` that creates variables there is traced twice; built before, the
+    step is traced once."""
+    ref = weakref.ref(model)
+
+    def build(args: tuple, kwargs: dict) -> None:
+        import tensorflow as tf
+
+        model = ref()
+        if model is None or len(args) != 1 or kwargs:
+            return
+        if not all(layer.built for layer in model._flatten_layers()):
+            return  # its layers' weights: drawn where Keras draws them, in the trace
+        optimizer = getattr(model, "optimizer", None)
+        metrics = getattr(model, "_compile_metrics", None)
+        loss = getattr(model, "_compile_loss", None)
+        if ((optimizer is None or optimizer.built) and (metrics is None or metrics.built)
+                and (loss is None or loss.built)):
+            return
+        with tf.init_scope(), stage.tracing(None), model.distribute_strategy.scope():
+            model._symbolic_build(data_batch=args[0])
+
+    return build
 
 
 def _trainer_module() -> Any:
@@ -151,7 +181,9 @@ def _make_builder(kind: str, attr: str) -> Any:
                 return getattr(self, attr)
             if _fusable(self, f"{kind}_step"):
                 module = _trainer_module()
-                proxy = _TfWithFusedFunction(module.tf, f"{type(self).__name__}.{kind}_step")
+                proxy = _TfWithFusedFunction(
+                    module.tf, f"{type(self).__name__}.{kind}_step",
+                    prepare=_builder_of(self) if kind in ("train", "test") else None)
                 with patches.temporarily(module, "tf", proxy):
                     original(self, force=True)
             else:

@@ -69,6 +69,10 @@ class Report:
     # tfmx.tuner.Decision and tfmx.guard.StepGuard, in the order they were made
     decisions: list = dataclasses.field(default_factory=list)
     guards: list = dataclasses.field(default_factory=list)
+    # (function, form) -> how often TensorFlow traced the user's step function for that form
+    # ("stages": the one tfmx rewrites; "stock": the guard's and verify's reference; "taped":
+    # under an outer tape; "xla": the guard's XLA form)
+    python_traces: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     # -- recording -------------------------------------------------------------------------
     def add_trace(self, record: TraceRecord, stats: dict[str, PatternStats] | None = None) -> None:
@@ -87,6 +91,21 @@ class Report:
         """Follow a whole-step guard (:class:`tfmx.guard.StepGuard`): the report shows its
         trial as it stands when printed."""
         self.guards.append(guard)
+
+    def count_trace(self, function: str, form: str) -> None:
+        """One more trace of ``function``'s Python for ``form`` (see :attr:`python_traces`)."""
+        self.python_traces[(function, form)] += 1
+
+    def traces_of(self, function: str) -> int:
+        """How often the Python of ``function`` was traced, every form counted.
+
+        >>> report = Report()
+        >>> report.count_trace("M.train_step", "stages")
+        >>> report.count_trace("M.train_step", "stock")
+        >>> report.traces_of("M.train_step")
+        2
+        """
+        return sum(n for (name, _), n in self.python_traces.items() if name == function)
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -118,6 +137,8 @@ class Report:
             },
             "decisions": [d.as_dict() for d in self.decisions],
             "guards": [dataclasses.asdict(g.summary()) for g in self.guards],
+            "python_traces": {f"{name} ({form})": n
+                              for (name, form), n in self.python_traces.items()},
             "notes": list(self.notes),
         }
 
@@ -164,6 +185,13 @@ class Report:
             lines.append("whole-step guard (fused vs stock on the first real steps):")
             for g in self.guards:
                 lines.append(f"  {g.summary().describe()}")
+        if self.python_traces:
+            lines.append("")
+            lines.append("traces of each step function's Python (by form):")
+            for name in dict.fromkeys(name for name, _ in self.python_traces):
+                forms = ", ".join(f"{form} {n}" for (other, form), n in
+                                  self.python_traces.items() if other == name)
+                lines.append(f"  {name}: {self.traces_of(name)} ({forms})")
         for t in self.traces:
             for err in t.errors:
                 lines.append(f"note: {t.function}: {err}")
