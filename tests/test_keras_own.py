@@ -6,9 +6,14 @@ Keras's source distribution on PyPI carries its tests. :func:`keras_source` down
 unpacks it; :data:`KERAS_TESTS` picks the files that exercise what tfmx touches. Two child
 pytest processes run them against the installed Keras, each with this directory's
 ``keras_suite/tfmx_keras_plugin.py`` recording every test's outcome: one stock, one with
-``--tfmx`` (``tfmx.enable()`` before every test, ``tfmx.disable()`` after it). The test
-asserts the two outcome maps are equal, and lists every test whose outcome differs with the
-tfmx run's traceback tail.
+``--tfmx`` (``tfmx.enable()`` before every test, ``tfmx.disable()`` after it, tfmx's defaults
+as a user gets them: see :func:`child_env`). The test asserts the two outcome maps are equal,
+listing every test whose outcome differs with the tfmx run's traceback tail, and that tfmx did
+rewrite steps (:data:`MIN_REWRITTEN`); it prints each run's wall and CPU time and what tfmx
+did, with any error its stages recorded.
+
+The two runs go in parallel, one per core: each is mostly one Python thread (the tfmx run needs
+about 1.2 times stock's CPU time), so together they take about as long as the tfmx run alone.
 
 Keras's tests fail in both runs where a package they import is missing (torch, grain): the
 same outcome both ways, so no difference. trainer_test.py imports jax at the top: jax is in
