@@ -19,8 +19,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from fusion import patches, stage
@@ -154,10 +156,30 @@ def _builder_of(model: Any) -> Any:
         if ((optimizer is None or optimizer.built) and (metrics is None or metrics.built)
                 and (loss is None or loss.built)):
             return
-        with tf.init_scope(), stage.tracing(None), model.distribute_strategy.scope():
+        from tensorflow.python.distribute import distribute_lib
+
+        if tf.distribute.get_strategy() is not distribute_lib._get_default_strategy():
+            return  # Keras builds these itself under a strategy (its symbolic build)
+        # Built as outside any function: the trace this runs in (Keras's step loop) would
+        # otherwise capture the new variables and be traced again for them.
+        with tf.init_scope(), stage.tracing(None), _plain_variables():
             model._symbolic_build(data_batch=args[0])
 
     return build
+
+
+@contextlib.contextmanager
+def _plain_variables() -> Iterator[None]:
+    """Variables created inside are plain eager variables, whatever ``tf.function`` trace is
+    running (its variable creator, which would trace its function again, is not called)."""
+    from tensorflow.python.framework import ops
+    from tensorflow.python.ops import resource_variable_ops
+
+    def plain(next_creator: Any, **kwargs: Any) -> Any:
+        return resource_variable_ops.default_variable_creator_v2(None, **kwargs)
+
+    with ops.get_default_graph()._variable_creator_scope(plain, priority=100):
+        yield
 
 
 def _trainer_module() -> Any:
