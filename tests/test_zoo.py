@@ -165,8 +165,10 @@ def test_the_families_the_model_has_are_fused(runs, name):
     assert all(fused.values()), f"{name}: nothing fused by {fused}:\n{report}"
     assert any(t.status == "rewritten" for t in report.traces), str(report)
     _, after = report.op_histogram()  # the step's graph as tfmx rewrote it
-    if {"batch_norm", "layer_norm"} & set(fused):  # both run through FusedBatchNormV3
-        assert after["FusedBatchNormV3"] and after["FusedBatchNormGradV3"], dict(after)
+    if {"batch_norm", "layer_norm"} & set(fused):  # both run through FusedBatchNormV3, as
+        # TensorFlow's kernel or (the onednn family, oneDNN off) as oneDNN's
+        for op in ("FusedBatchNormV3", "FusedBatchNormGradV3"):
+            assert after[op] or after[f"_MklNative{op}"], f"no {op}: {dict(after)}"
 
 
 def test_the_zoo_is_a_bench_group():
