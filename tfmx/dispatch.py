@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -59,12 +60,32 @@ def _dispatchable(iterator: Any) -> bool:
     return isinstance(iterator, input_lib.DistributedIterator) and not state.multi_worker()
 
 
+WATCHED_CALLS = 5
+"""Calls of a step the price gate ran as stock that are timed (with its first) for its price
+record (:func:`tfmx.guard.learn_price`): the next fit decides from them."""
+
+
+def _price_key(embedded: list[guard.Embedded]) -> str:
+    """The price record's key of a loop's step (a step traced twice into it counts once)."""
+    return "+".join(dict.fromkeys(e.price_key for e in embedded if e.price_key))
+
+
+@dataclasses.dataclass
+class _Watch:
+    """A step the price gate ran as stock: its first call and its next calls, timed."""
+
+    price_key: str
+    first_s: float
+    samples: list[float] = dataclasses.field(default_factory=list)
+
+
 @dataclasses.dataclass
 class _Slot:
     """One iterator type: its traced loop per form ("fused" first), and its guard."""
 
     forms: dict[str, Any]
     guard: guard.StepGuard | None = None
+    watch: _Watch | None = None
 
 
 class IteratorDispatch:
@@ -100,8 +121,13 @@ class IteratorDispatch:
                                               "+".join(e.signature for e in embedded))
                 if slot.guard is not None:  # what tracing it cost: a seed of the other forms'
                     slot.guard.first_call_s = time.perf_counter() - start
+                    slot.guard.price_key = _price_key(embedded)
+            elif embedded and all(e.gated for e in embedded):  # stock by the price gate
+                slot.watch = _Watch(_price_key(embedded), time.perf_counter() - start)
             self._slots[spec] = slot
             return outputs
+        if slot.watch is not None:
+            return self._watched(slot, iterator)
         if slot.guard is None:
             return slot.forms["fused"](iterator)
         if slot.guard.decided:  # the per-step path after the trial: one lookup
@@ -114,6 +140,24 @@ class IteratorDispatch:
             return self._trace_form(slot, form, iterator)
         return slot.guard.run({name: functools.partial(concrete, iterator)
                                for name, concrete in slot.forms.items()})
+
+    def _watched(self, slot: _Slot, iterator: Any) -> Any:
+        """A call of a step the price gate ran as stock, timed until :data:`WATCHED_CALLS`
+        are, then its price learnt (the next fit's gate decides from it)."""
+        watch = slot.watch
+        start = time.perf_counter()
+        outputs = slot.forms["fused"](iterator)
+        guard._sync(outputs)
+        watch.samples.append(time.perf_counter() - start)
+        if len(watch.samples) >= WATCHED_CALLS:
+            cache = state.tuning_cache()
+            guard.learn_price(watch.price_key, cache, stock_first_s=watch.first_s,
+                              stock_ms=statistics.median(watch.samples) * 1e3)
+            ops = int(guard.price_figures(watch.price_key, cache).get("ops", 0))
+            if ops:  # the stock first call per op, as the guard learns it
+                guard.learn_first_call("stock", watch.first_s, ops, cache)
+            slot.watch = None
+        return outputs
 
     def _trace_form(self, slot: _Slot, form: str, iterator: Any) -> Any:
         """Trace and run the loop with tfmx's steps in ``form`` (the guard's first, untimed,

@@ -103,6 +103,8 @@ class _Entry:
     reference: Any = None
     staged: bool = False  # a pre-differentiation stage fused something in ``stock``
     guard: guard.StepGuard | None = None  # eager calls: fused vs reference on the first steps
+    price_key: str = ""  # the step's price record (tfmx.guard.price_gate), "" where none
+    gated: bool = False  # the price gate runs it as stock: no stage, no rewrite
 
     @property
     def signature(self) -> str:
@@ -138,6 +140,7 @@ class FusedFunction:
         reduce_retracing: bool = False,
         jit_compile: bool | None = None,
         prepare: Callable[[tuple, dict], None] | None = None,
+        price_key: Callable[[tuple, dict], str] | None = None,
     ) -> None:
         self.python_function = python_function
         self.name = name or getattr(python_function, "__name__", "function")
@@ -145,6 +148,9 @@ class FusedFunction:
                                "reduce_retracing": reduce_retracing}
         self._jit = bool(jit_compile)
         self._prepare = prepare
+        # a fit's train step: what it is before it is traced, the key of its price record
+        # (tfmx.guard.price_gate decides from it whether rewriting it pays within the fit)
+        self._price_key = price_key
         self._stock = tf.function(self._counted(python_function, "stock"),
                                   jit_compile=jit_compile, **self._trace_options)
         # The same function, traced with the stages on (fusion.stage, tfmx.staging).
@@ -236,7 +242,8 @@ class FusedFunction:
                 return functions[entry.guard.kept]()(*args, **kwargs)
             return entry.guard.run({name: lambda get=get: get()(*args, **kwargs)
                                     for name, get in functions.items()})
-        guard.embedded(entry.changed, entry.stock_ops, entry.signature)
+        guard.embedded(entry.changed, entry.stock_ops, entry.signature, entry.price_key,
+                       entry.gated)
         return entry.fused(*args, **kwargs)
 
     def _xla(self) -> Any:
@@ -295,14 +302,60 @@ class FusedFunction:
                 state.report().note(f"{self.name}: not prepared before its first trace "
                                     f"({type(exc).__name__}: {exc}); it builds what it needs "
                                     "while traced, as Keras does")
+        price_key, verdict = self._gate(opts, args, kwargs)
+        if verdict is not None and verdict.run == "stock":
+            return self._gated_entry(opts, price_key, args, kwargs)
+        tuner = state.tuner() if opts.backend.available else None
+        spent = getattr(tuner, "spent", 0.0)
+        start = time.perf_counter()
         concrete = self._staged.get_concrete_function(*args, **kwargs)  # stages on
         key = (id(concrete), state.generation())
         entry = self._entries.get(key)
         if entry is None or entry.stock is not concrete:
+            traced = time.perf_counter() - start
             staged = staging.commit(concrete.graph) > 0  # what the stages rewrote in it
             entry = build_entry(concrete, opts, self.name)
             entry.staged = staged
+            entry.price_key = price_key
+            if entry.record is not None:  # the price of this trace, as the report shows it
+                entry.record.trace_seconds = traced
+                entry.record.tune_seconds = getattr(tuner, "spent", 0.0) - spent
             self._entries = {k: v for k, v in self._entries.items() if k[1] == key[1]}
+            self._entries[key] = entry
+        return entry
+
+    def _gate(self, opts: state.Options, args: tuple, kwargs: dict
+              ) -> tuple[str, guard.GateDecision | None]:
+        """A fit's train step under the guard: its price key and the price gate's verdict
+        (:func:`tfmx.guard.price_gate`), said in the report; ("", None) elsewhere."""
+        if self._price_key is None or not opts.guard or not opts.backend.available:
+            return "", None
+        plan = guard.active_plan()
+        if plan is None or not plan.calls:
+            return "", None
+        key = self._price_key(args, kwargs)
+        cache = state.tuning_cache()
+        figures = guard.price_figures(key, cache)
+        verdict = guard.price_gate(figures, plan.calls, guard.budget_share(), cache)
+        state.report().note(verdict.describe(self.name))
+        known = [figures[k] / 1e3 for k in ("fused_ms", "stock_ms") if figures.get(k)]
+        tuner = state.tuner()
+        if tuner is not None and known and plan.steps:  # the tuner's share sizes on it
+            step = min(known) * plan.calls / plan.steps
+            tuner.step_hint = lambda: step
+        return key, verdict
+
+    def _gated_entry(self, opts: state.Options, price_key: str, args: tuple,
+                     kwargs: dict) -> _Entry:
+        """The step as TensorFlow alone traces it (no stage, no rewrite): the price gate's
+        verdict where rewriting it would not pay within the fit."""
+        concrete = self._stock.get_concrete_function(*args, **kwargs)
+        key = (id(concrete), state.generation())
+        entry = self._entries.get(key)
+        if entry is None or entry.stock is not concrete:
+            state.report().add_trace(TraceRecord(function=self.name, backend=opts.backend.name,
+                                                 status="stock: price gate"))
+            entry = _Entry(stock=concrete, fused=concrete, price_key=price_key, gated=True)
             self._entries[key] = entry
         return entry
 

@@ -63,7 +63,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from tfmx.tuner import sign_test
+from tfmx.tuner import share_from_env, sign_test
 
 ENV = "TFMX_GUARD"
 ENV_XLA = "TFMX_XLA"
@@ -163,13 +163,16 @@ class Embedded:
     changed: bool  # it differs from stock (a stage or a pass rewrote it)
     ops: Mapping[str, int] = dataclasses.field(default_factory=dict)  # its stock graph's ops
     signature: str = ""  # what the step is (its ops, shapes, what tfmx made of it): a cache key
+    price_key: str = ""  # what the step is before it is traced: its price record's key
+    gated: bool = False  # the price gate ran it as stock (see :func:`price_gate`)
 
 
-def embedded(changed: bool, ops: Mapping[str, int] | None = None, signature: str = "") -> None:
+def embedded(changed: bool, ops: Mapping[str, int] | None = None, signature: str = "",
+             price_key: str = "", gated: bool = False) -> None:
     """A tfmx step function was traced into an outer function (see :class:`Embedded`)."""
     collected = getattr(_local, "collected", None)
     if collected is not None:
-        collected.append(Embedded(changed, dict(ops or {}), signature))
+        collected.append(Embedded(changed, dict(ops or {}), signature, price_key, gated))
 
 
 def budget_share() -> float | None:
@@ -179,19 +182,7 @@ def budget_share() -> float | None:
     >>> budget_share()
     0.02
     """
-    raw = os.environ.get(ENV_BUDGET, "").strip().lower()
-    if not raw:
-        return BUDGET_SHARE
-    if raw in ("none", "off", "inf"):
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"${ENV_BUDGET} must be a fraction of the run (0.02) or none, "
-                         f"got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"${ENV_BUDGET} must be >= 0, got {raw!r}")
-    return value
+    return share_from_env(ENV_BUDGET, BUDGET_SHARE)
 
 
 def t_test(ratios: list[float], p: float) -> int:
@@ -217,11 +208,13 @@ def t_test(ratios: list[float], p: float) -> int:
 # -- what a fit plans --------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class FitPlan:
-    """One ``fit``: its number (in this process) and how many calls of its train function it
-    plans (None: unknown, e.g. a dataset of unknown length)."""
+    """One ``fit``: its number (in this process), how many calls of its train function it
+    plans and how many steps (batches) those run (None: unknown, e.g. a dataset of unknown
+    length)."""
 
     serial: int
     calls: int | None
+    steps: int | None = None
 
 
 _serials = itertools.count(1)
@@ -236,10 +229,11 @@ def plan_fit(epochs: int | None, steps: int | None, steps_per_execution: int = 1
     >>> current_plan().calls
     12
     """
-    calls = None
+    calls = total = None
     if epochs and steps and steps > 0:
         calls = epochs * -(-int(steps) // max(1, int(steps_per_execution or 1)))
-    plan = FitPlan(next(_serials), calls)
+        total = int(epochs) * int(steps)
+    plan = FitPlan(next(_serials), calls, total)
     _local.plan = plan
     return plan
 
@@ -247,6 +241,33 @@ def plan_fit(epochs: int | None, steps: int | None, steps_per_execution: int = 1
 def current_plan() -> FitPlan | None:
     """The last ``fit`` announced in this thread (:func:`plan_fit`), None before any."""
     return getattr(_local, "plan", None)
+
+
+def active_plan() -> FitPlan | None:
+    """The plan of the ``fit`` under way in this thread (from its ``on_train_begin`` to its
+    ``on_train_end``, see :func:`planning_callbacks`, or inside :func:`fitting`), else None:
+    what the tuner's budget and the price gate size themselves on.
+
+    >>> active_plan() is None
+    True
+    >>> with fitting(3, 16):
+    ...     active_plan().steps
+    48
+    """
+    return getattr(_local, "active", None)
+
+
+@contextlib.contextmanager
+def fitting(epochs: int | None, steps: int | None,
+            steps_per_execution: int = 1) -> Iterator[FitPlan]:
+    """Announce a fit (:func:`plan_fit`) that is under way (:func:`active_plan`) for the
+    block: what Keras's callbacks do around a ``fit``; tests and custom loops use it."""
+    previous = getattr(_local, "active", None)
+    _local.active = plan = plan_fit(epochs, steps, steps_per_execution)
+    try:
+        yield plan
+    finally:
+        _local.active = previous
 
 
 def planning_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -259,13 +280,26 @@ def planning_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
         params = getattr(self, "params", None) or {}
         model = getattr(self, "model", None)
         try:
-            plan_fit(params.get("epochs"), params.get("steps"),
-                     getattr(model, "steps_per_execution", 1) or 1)
+            plan = plan_fit(params.get("epochs"), params.get("steps"),
+                            getattr(model, "steps_per_execution", 1) or 1)
         except (TypeError, ValueError):
-            plan_fit(None, None)
+            plan = plan_fit(None, None)
+        _local.active = plan
         return original(self, logs)
 
     return on_train_begin
+
+
+def ending_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap Keras's ``CallbackList.on_train_end``: the fit's plan is no longer under way
+    (:func:`active_plan`)."""
+
+    @functools.wraps(original)
+    def on_train_end(self: Any, logs: Any = None) -> Any:
+        _local.active = None
+        return original(self, logs)
+
+    return on_train_end
 
 
 # -- first calls: what tracing or compiling a form costs on this machine ----------------------
@@ -356,6 +390,118 @@ def forget() -> None:
     """
     _decided.clear()
     _first_calls.clear()
+    _prices.clear()
+
+
+# -- the price gate: does rewriting a fit's step pay within that fit? -------------------------
+PRICE_FAMILY = "price"
+"""The tuner cache's family of price records: per step (before it is traced), what its first
+calls and steps cost in each form, as measured here."""
+
+_prices: dict[str, dict[str, float]] = {}  # price key -> figures learnt in this process
+
+
+def price_figures(key: str, cache: Any = None) -> dict[str, float]:
+    """What was measured on this machine of the step ``key``: ``fused_first_s`` and
+    ``stock_first_s`` (the first call of the fit's loop: tracing, rewriting, graph
+    optimization, one step), ``fused_ms`` and ``stock_ms`` (medians of a call), ``ops``.
+
+    >>> learn_price("demo step", fused_ms=5.0)
+    >>> price_figures("demo step")["fused_ms"]
+    5.0
+    """
+    known: dict[str, float] = {}
+    if cache is not None and key:
+        found = cache.get(f"{PRICE_FAMILY}|{key}")
+        if found is not None:
+            known.update(found.times_ms)
+    known.update(_prices.get(key, {}))
+    return known
+
+
+def learn_price(key: str, cache: Any = None, **figures: float | None) -> None:
+    """Record ``figures`` (see :func:`price_figures`) of the step ``key`` for this process and,
+    with ``cache`` (a ``tfmx.tuner.TuningCache``), for this machine."""
+    if not key:
+        return
+    new = {k: float(v) for k, v in figures.items()
+           if v is not None and math.isfinite(float(v)) and float(v) > 0}
+    if not new:
+        return
+    merged = {**price_figures(key, cache), **new}
+    _prices[key] = merged
+    if cache is not None:
+        from tfmx.tuner import Decision
+
+        cache.put(Decision(PRICE_FAMILY, key, "figures", (), merged, "measured"))
+
+
+@dataclasses.dataclass(frozen=True)
+class GateDecision:
+    """The price gate's verdict on one fit's step: ``run`` is ``"tfmx"`` (traced with the
+    stages, rewritten, guarded) or ``"stock"`` (as TensorFlow alone traces it), and why."""
+
+    run: str
+    why: str
+
+    def describe(self, function: str) -> str:
+        """The report's line: ``price gate: M.train_step ran as stock: <why>``."""
+        return f"price gate: {function} ran as {self.run}: {self.why}"
+
+
+def price_gate(figures: Mapping[str, float], calls: int | None,
+               share: float | None = BUDGET_SHARE, cache: Any = None) -> GateDecision:
+    """Whether rewriting a step pays within a fit of ``calls`` calls of it, from what this
+    machine measured of it (``figures``, :func:`price_figures`):
+
+    - both forms' step times known: tfmx runs if what the fused step saves over the fit
+      (``calls`` x (stock - fused)) is more than its first call costs beyond stock's;
+    - only the fused step's known (the trial never ran stock): tfmx runs if its first call
+      beyond stock's expected one (:func:`expected_first_call`, learnt here, else nothing) is
+      within the trial's budget, ``share`` of the planned run (the guard's budget logic);
+      else stock runs, and its figures are measured for the next fit;
+    - nothing known, or no plan: tfmx runs (and learns).
+
+    >>> fig = {"fused_first_s": 9.0, "stock_first_s": 3.0, "fused_ms": 40.0, "stock_ms": 60.0}
+    >>> price_gate(fig, 48).run, price_gate(fig, 1000).run
+    ('stock', 'tfmx')
+    >>> price_gate(fig, 48).why  # doctest: +NORMALIZE_WHITESPACE
+    "its first call costs 6.00 s more than stock's (9.00 s, 3.00 s), more than it saves over
+    the fit's 48 calls (0.96 s: fused 40.00 ms, stock 60.00 ms a call)"
+    """
+    if not calls:
+        return GateDecision("tfmx", "no plan of the fit's length")
+    fused_first = figures.get("fused_first_s")
+    fused_ms = figures.get("fused_ms")
+    if not fused_first or not fused_ms:
+        return GateDecision("tfmx", "nothing measured of this step's price here yet: tfmx runs "
+                                    "and measures it")
+    stock_first = figures.get("stock_first_s")
+    how = f"{stock_first:.2f} s" if stock_first else ""
+    if not stock_first:
+        ops = int(figures.get("ops", 0))
+        known = _learnt("stock", cache)
+        stock_first = math.exp(known[0]) * ops if known is not None and ops > 0 else 0.0
+        how = (f"~{stock_first:.2f} s expected, learnt here per op" if stock_first
+               else "not measured")
+    extra = max(0.0, fused_first - stock_first)
+    first = (f"its first call costs {extra:.2f} s more than stock's ({fused_first:.2f} s, "
+             f"{how})")
+    stock_ms = figures.get("stock_ms")
+    if stock_ms:
+        saved = calls * (stock_ms - fused_ms) / 1e3
+        steps = (f"the fit's {calls} calls ({saved:.2f} s: fused {fused_ms:.2f} ms, stock "
+                 f"{stock_ms:.2f} ms a call)")
+        if saved > extra:
+            return GateDecision("tfmx", f"{first}, less than it saves over {steps}")
+        return GateDecision("stock", f"{first}, more than it saves over {steps}")
+    run_s = calls * fused_ms / 1e3
+    if share is None or extra <= share * run_s:
+        return GateDecision("tfmx", f"{first}, within the trial's budget ({share or 0:.0%} of "
+                                    f"the planned ~{run_s:.1f} s); stock's step not measured")
+    return GateDecision("stock", f"{first}, more than the trial's budget ({share:.0%} of the "
+                                 f"planned ~{run_s:.1f} s), and stock's step was never measured "
+                                 "to show a gain: stock runs and is measured for the next fit")
 
 
 def make_guard(function: str, opts: Any, ops: Mapping[str, int], signature: str = "",
@@ -476,6 +622,7 @@ class StepGuard:
         self._xla_why = ""  # why XLA was not compiled (when its duel was paused)
         self._switch: tuple[str, float, float] | None = None  # see _switch_worth_it
         self._calls = 0
+        self.price_key = ""  # the step's price record (see price_gate): what the trial learnt
         if budget is not None and self.challenger in self._warm:
             self._next = self.challenger  # one timed run of the step already running first
 
@@ -678,6 +825,7 @@ class StepGuard:
             self._xla_why = (f"XLA not tried: its compile, ~{expense:.2f} s expected, is more "
                              f"than the budget left ({max(0.0, budget - self._cost()):.2f} s)")
         self.kept, self._paused = kept, True
+        self._learn_price()
         plan = current_plan() if self.planned else None
         self._pause_serial = plan.serial if plan is not None else None
         self._resume_at = self._when_affordable(form)
@@ -740,7 +888,15 @@ class StepGuard:
         self._pair = {self.challenger: [], self.incumbent: []}
         self._next = self.challenger
 
+    def _learn_price(self) -> None:
+        """What the trial measured of the step's price (:func:`learn_price`)."""
+        med = {f: statistics.median(v) * 1e3 for f, v in self._all.items() if v}
+        learn_price(self.price_key, self._cache, fused_first_s=self.first_call_s,
+                    stock_first_s=self._warm.get("stock"), fused_ms=med.get("fused"),
+                    stock_ms=med.get("stock"), ops=self.ops)
+
     def _store(self) -> None:
+        self._learn_price()
         if not self._key:
             return
         from tfmx.tuner import Decision
@@ -829,7 +985,8 @@ def _sync(outputs: Any) -> None:
                 return
 
 
-__all__ = ["Embedded", "FitPlan", "GuardRecord", "StepGuard", "budget_share", "collecting",
-           "current_plan", "embedded", "expected_first_call", "forced_form", "forcing", "forget",
-           "learn_first_call", "plan_fit", "planning_callbacks", "set_test_delay", "t_test",
-           "xla_pruned"]
+__all__ = ["Embedded", "FitPlan", "GateDecision", "GuardRecord", "StepGuard", "active_plan",
+           "budget_share", "collecting", "current_plan", "embedded", "ending_callbacks",
+           "expected_first_call", "fitting", "forced_form", "forcing", "forget",
+           "learn_first_call", "learn_price", "plan_fit", "planning_callbacks", "price_figures",
+           "price_gate", "set_test_delay", "t_test", "xla_pruned"]

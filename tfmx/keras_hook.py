@@ -29,7 +29,7 @@ from fusion import patches, stage
 from tfmx import state
 from tfmx.dispatch import IteratorDispatch
 from tfmx.fused_function import FusedFunction
-from tfmx.guard import make_guard, planning_callbacks
+from tfmx.guard import ending_callbacks, make_guard, planning_callbacks
 from tfmx.verify import as_verification_error
 
 _STAMP = "_tfmx_stamp"
@@ -96,10 +96,11 @@ class _TfWithFusedFunction:
     ``tf.function`` of a Keras step returns a FusedFunction, of Keras's per-iterator loop an
     :class:`~tfmx.dispatch.IteratorDispatch`; everything else is TensorFlow's."""
 
-    def __init__(self, tf: Any, name: str, prepare: Any = None) -> None:
+    def __init__(self, tf: Any, name: str, prepare: Any = None, price_key: Any = None) -> None:
         self._tf = tf
         self._name = name
         self._prepare = prepare
+        self._price_key = price_key
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._tf, attr)
@@ -130,6 +131,7 @@ class _TfWithFusedFunction:
         return FusedFunction(
             fn, name=self._name, autograph=False,
             reduce_retracing=kwargs.get("reduce_retracing", False), prepare=self._prepare,
+            price_key=self._price_key,
         )
 
 
@@ -182,6 +184,33 @@ def _plain_variables() -> Iterator[None]:
         yield
 
 
+def _price_key_of(model: Any) -> Any:
+    """The key of a train step's price record (``tfmx.guard.price_gate``), known before it is
+    traced: the model's class, its layers' classes and weight shapes, its optimizer's class,
+    ``steps_per_execution`` and the batch's dtypes and shapes. Two models of the same
+    architecture share it; layer names (numbered per process) are left out."""
+    ref = weakref.ref(model)
+
+    def key(args: tuple, kwargs: dict) -> str:
+        import hashlib
+
+        import tensorflow as tf
+
+        model = ref()
+        if model is None:
+            return ""
+        layers = [(type(layer).__name__, [tuple(w.shape) for w in layer.weights])
+                  for layer in model._flatten_layers(include_self=False)]
+        batch = [(str(t.dtype), tuple(t.shape)) if hasattr(t, "shape") else type(t).__name__
+                 for t in tf.nest.flatten((args, kwargs))]
+        parts = [layers, type(getattr(model, "optimizer", None)).__name__,
+                 getattr(model, "steps_per_execution", 1), batch]
+        digest = hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
+        return f"{type(model).__name__}.train_step {digest}"
+
+    return key
+
+
 def _trainer_module() -> Any:
     import keras.src.backend.tensorflow.trainer as module
 
@@ -205,7 +234,8 @@ def _make_builder(kind: str, attr: str) -> Any:
                 module = _trainer_module()
                 proxy = _TfWithFusedFunction(
                     module.tf, f"{type(self).__name__}.{kind}_step",
-                    prepare=_builder_of(self) if kind in ("train", "test") else None)
+                    prepare=_builder_of(self) if kind in ("train", "test") else None,
+                    price_key=_price_key_of(self) if kind == "train" else None)
                 with patches.temporarily(module, "tf", proxy):
                     original(self, force=True)
             else:
@@ -289,6 +319,7 @@ def install() -> None:
 
     # a fit's epochs and steps, from its callbacks' params: the guard's budget (tfmx.guard)
     patches.install(GROUP, CallbackList, "on_train_begin", planning_callbacks)
+    patches.install(GROUP, CallbackList, "on_train_end", ending_callbacks)
 
 
 def uninstall() -> None:

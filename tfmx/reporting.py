@@ -39,6 +39,8 @@ class TraceRecord:
     errors: list[str] = dataclasses.field(default_factory=list)
     graph_before: graph_pb2.GraphDef | None = None
     graph_after: graph_pb2.GraphDef | None = None
+    trace_seconds: float = 0.0  # tracing the step with the stages on (their tuning included)
+    tune_seconds: float = 0.0  # the tuner's measuring, in the trace and in the rewrite
 
     def as_dict(self) -> dict:
         changed = {
@@ -51,6 +53,8 @@ class TraceRecord:
             "backend": self.backend,
             "status": self.status,
             "rewrite_seconds": round(self.seconds, 4),
+            "trace_seconds": round(self.trace_seconds, 4),
+            "tune_seconds": round(self.tune_seconds, 4),
             "nodes_before": self.nodes_before,
             "nodes_after": self.nodes_after,
             "ops_changed": changed,
@@ -146,11 +150,13 @@ class Report:
         lines = [f"tfmx report (backend {self.backend}): {len(self.traces)} traced function(s)"]
         if self.traces:
             lines.append("")
-            lines.append(f"{'function':<28} {'status':<24} {'nodes':>13} {'rewrite s':>10}")
+            lines.append(f"{'function':<28} {'status':<24} {'nodes':>13} {'rewrite s':>10} "
+                         f"{'trace s':>8} {'tuning s':>9}")
             for t in self.traces:
                 nodes = f"{t.nodes_before}->{t.nodes_after}"
                 lines.append(f"{t.function[:28]:<28} {t.status[:24]:<24} {nodes:>13} "
-                             f"{t.seconds:>10.3f}")
+                             f"{t.seconds:>10.3f} {t.trace_seconds:>8.3f} "
+                             f"{t.tune_seconds:>9.3f}")
         if self.patterns:
             lines.append("")
             width = max(14, *(len(name) for name in self.patterns))

@@ -69,6 +69,7 @@ MODES = ("auto", "cached", "off")
 ENV_MODE = "TFMX_TUNE"
 ENV_DIR = "TFMX_CACHE_DIR"
 ENV_BUDGET = "TFMX_TUNE_BUDGET"
+ENV_SHARE = "TFMX_TUNE_SHARE"
 
 DEFAULT_BUDGET_S = 30.0
 """Seconds one rewrite may spend measuring (``TFMX_TUNE_BUDGET``); what is left unmeasured
@@ -78,13 +79,21 @@ Zen 3 (its attention, layer-norm and feed-forward forms 1-2.5 s each, a MatMul 0
 
 DECISION_SECONDS = 0.075
 """Seconds of interleaved rounds per candidate of a decision (after one warm-up call of each):
-0.15 s for two forms, 0.45 s for six. Until session 21 a decision had 0.1 s whatever its
-candidates, so one between six layer-norm forms ran its minimum 8 rounds, where a form 30%
-faster than the conservative one won 6 of them: within noise, the slower form kept."""
+0.15 s for two forms, 0.45 s for six. A fixed time whatever the candidates would leave a
+decision between six forms at its minimum rounds, too few to tell a faster form from noise."""
 
 MIN_ROUNDS, MAX_ROUNDS = 8, 30
 """Rounds of one decision: at least 8, so a form that wins every round is told from chance
 (:data:`SIGNIFICANCE`: 8 of 8 by chance has probability 0.004, 7 of 8 0.035)."""
+
+PLAN_SHARE = 0.02
+"""In a ``fit`` whose plan is known (``tfmx.guard.active_plan``), the share of the planned run
+the tuner may spend measuring (``TFMX_TUNE_SHARE``: a fraction, or ``none``). The run's time
+is the planned steps at the step time known for it: the sum of the conservative forms'
+medians measured in this fit so far (a lower bound of the step), or the time a previous fit
+of the same step measured (``Tuner.step_hint``); with neither known, the fit's first decision
+is measured, which seeds it. What the share does not cover takes the conservative form and is
+measured on a later run."""
 
 SIGNIFICANCE = 0.05
 """The largest probability that chance alone wins a form as many rounds as it won against the
@@ -142,6 +151,38 @@ def budget_seconds() -> float:
     if value < 0:
         raise ValueError(f"${ENV_BUDGET} must be >= 0, got {raw!r}")
     return value
+
+
+def share_from_env(name: str, default: float) -> float | None:
+    """A share of a run from the environment variable ``name``: a fraction, ``none`` (None:
+    unbounded), or ``default`` where unset; ValueError naming the variable otherwise.
+
+    >>> share_from_env("TFMX_NO_SUCH_SHARE", 0.02)
+    0.02
+    """
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("none", "off", "inf"):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"${name} must be a fraction of the run (0.02) or none, "
+                         f"got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"${name} must be >= 0, got {raw!r}")
+    return value
+
+
+def plan_share() -> float | None:
+    """The share of a planned run the tuner may spend measuring: ``$TFMX_TUNE_SHARE`` or
+    :data:`PLAN_SHARE`; None (``none``) bounds it by :func:`budget_seconds` alone.
+
+    >>> plan_share()
+    0.02
+    """
+    return share_from_env(ENV_SHARE, PLAN_SHARE)
 
 
 def cache_dir() -> Path:
@@ -226,6 +267,8 @@ class Decision:
     # "measured", "cached", or "conservative (<why>)"
     source: str = "measured"
     note: str = ""  # e.g. that the fastest median was within noise of the conservative form
+    # each candidate's first call (building it, its first run: tracing, graph optimization)
+    first_ms: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -245,8 +288,11 @@ class Decision:
         """One line: ``family signature: choice (source) a 1.20 ms, b 0.90 ms``."""
         times = ", ".join(f"{n} {self.times_ms[n]:.3f} ms" for n in self.candidates
                           if n in self.times_ms)
+        first = ", ".join(f"{n} {self.first_ms[n]:.0f} ms" for n in self.candidates
+                          if n in self.first_ms)
         return f"{self.family} {self.signature}: {self.choice} ({self.source})" + (
-            f"  {times}" if times else "") + (f"  [{self.note}]" if self.note else "")
+            f"  {times}" if times else "") + (f"; first calls {first}" if first else "") + (
+            f"  [{self.note}]" if self.note else "")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"candidates": list(self.candidates)}
@@ -294,7 +340,7 @@ class TuningCache:
         try:
             return Decision(raw["family"], raw["signature"], raw["choice"],
                             tuple(raw["candidates"]), dict(raw.get("times_ms", {})), "cached",
-                            str(raw.get("note", "")))
+                            str(raw.get("note", "")), dict(raw.get("first_ms", {})))
         except (KeyError, TypeError):
             return None
 
@@ -333,11 +379,14 @@ class TuningCache:
 class Timings(dict):
     """Median seconds per candidate (the dict), and every round's sample of each
     (``samples[name][i]``: round ``i``, the rounds of all candidates aligned), so that a choice
-    can be tested against the noise (:func:`sign_test`)."""
+    can be tested against the noise (:func:`sign_test`); ``first``: each candidate's first
+    call in seconds (building it and running it once), where measured."""
 
-    def __init__(self, samples: Mapping[str, list[float]]) -> None:
+    def __init__(self, samples: Mapping[str, list[float]],
+                 first: Mapping[str, float] | None = None) -> None:
         super().__init__({name: statistics.median(s) for name, s in samples.items()})
         self.samples = {name: list(s) for name, s in samples.items()}
+        self.first = dict(first or {})
 
 
 def sign_test(wins: int, rounds: int) -> float:
@@ -378,21 +427,56 @@ def within_noise(timings: Mapping[str, float], best: str, conservative: str
     return (wins, len(pairs)) if sign_test(wins, len(pairs)) > SIGNIFICANCE else None
 
 
-def measure(candidates: Mapping[str, RunFactory], seconds: float) -> Timings:
+class OverBudget(Exception):
+    """Measuring a decision would take it past its allowance (:func:`measure`); ``call_s``:
+    the first candidate's time per call, as measured before it stopped."""
+
+    def __init__(self, message: str, call_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.call_s = call_s
+
+
+def measure(candidates: Mapping[str, RunFactory], seconds: float,
+            allowance: Callable[[float], float] | None = None) -> Timings:
     """Median seconds per candidate, with every round's samples (:class:`Timings`): each is
-    built, run once untimed (graph optimization, first-run allocation), then the candidates
-    run interleaved (order rotated every round) for ``seconds``, at least
-    :data:`MIN_ROUNDS` and at most :data:`MAX_ROUNDS` rounds.
+    built and run once (graph optimization, first-run allocation: its first call, timed apart
+    in ``first``), then the candidates run interleaved (order rotated every round) for
+    ``seconds``, at least :data:`MIN_ROUNDS` and at most :data:`MAX_ROUNDS` rounds.
+
+    ``allowance`` bounds what building the candidates may take: called with the first
+    candidate's time per call (timed once more after its first call), it returns the seconds
+    the decision may spend; a candidate whose build (expected to take as long as the longest
+    so far) would take it past them is not built, and :class:`OverBudget` is raised.
 
     >>> import time
     >>> t = measure({"fast": lambda: (lambda: None), "slow": lambda: (lambda: time.sleep(0.002))},
     ...             0.01)
     >>> t["fast"] < t["slow"]
     True
+    >>> measure({"a": lambda: (lambda: time.sleep(0.01)), "b": lambda: (lambda: None)}, 0.01,
+    ...         allowance=lambda call_s: 0.0)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    tfmx.tuner.OverBudget: building the candidates would take ~0.0... s, over the 0.00 s allowed
     """
-    runs = {name: factory() for name, factory in candidates.items()}
-    for run in runs.values():
-        run()
+    runs, first = {}, {}
+    start = time.perf_counter()
+    limit, call_s = math.inf, 0.0
+    for name, factory in candidates.items():
+        spent = time.perf_counter() - start
+        expected = spent + max(first.values(), default=0.0)
+        if first and expected > limit:
+            raise OverBudget(f"building the candidates would take ~{expected:.2f} s, over the "
+                             f"{max(limit, 0.0):.2f} s allowed", call_s)
+        t0 = time.perf_counter()
+        runs[name] = factory()
+        runs[name]()
+        first[name] = time.perf_counter() - t0
+        if allowance is not None and len(first) == 1:
+            t0 = time.perf_counter()
+            runs[name]()
+            call_s = time.perf_counter() - t0
+            limit = allowance(call_s)
     samples: dict[str, list[float]] = {name: [] for name in runs}
     order = list(runs)
     start = time.perf_counter()
@@ -403,7 +487,7 @@ def measure(candidates: Mapping[str, RunFactory], seconds: float) -> Timings:
             runs[name]()
             samples[name].append(time.perf_counter() - t0)
         rounds += 1
-    return Timings(samples)
+    return Timings(samples, first)
 
 
 class Tuner:
@@ -430,6 +514,11 @@ class Tuner:
         self.spent = 0.0
         self.on_decision = on_decision
         self._memo: dict[str, Decision] = {}
+        self.step_hint: Callable[[], float | None] | None = None  # a planned step's known s
+        self._plan_serial: int | None = None  # the fit whose measuring is counted below
+        self._plan_spent = 0.0  # seconds measured in that fit
+        self._plan_step = 0.0  # the conservative forms' medians measured in it (seconds)
+        self._plan_decisions = 0
 
     def choose(self, family: str, signature: str, candidates: Mapping[str, RunFactory | None],
                conservative: str) -> Decision:
@@ -446,7 +535,11 @@ class Tuner:
         key = f"{family}|{signature}"
         decision = self._memo.get(key)
         if decision is None:
+            self._sync_plan()
             decision = self._decide(family, signature, candidates, conservative)
+            if conservative in decision.times_ms:  # a lower bound of the planned step's time
+                self._plan_step += decision.times_ms[conservative] / 1e3
+            decision = for_plan(decision, conservative, planned_steps())
             self._memo[key] = decision
             if self.on_decision is not None:
                 self.on_decision(decision)
@@ -471,16 +564,34 @@ class Tuner:
             return fallback("not in the cache; tune=cached")
         if self.spent >= self.budget:
             return fallback(f"tuning budget of {self.budget:g} s spent; measured on a later run")
+        left = self.budget - self.spent
+        timer, timed = self.timer, candidates
+        planned = self._plan_left()
+        if planned is not None:
+            allowed, why = planned
+            if allowed(0.0) <= 0:
+                return fallback(why(0.0))
+            if timer is measure:  # conservative form first: its call time sizes the run
+                timer = functools.partial(measure, allowance=allowed)
+                timed = {conservative: candidates[conservative],
+                         **{n: f for n, f in candidates.items() if n != conservative}}
         start = time.perf_counter()
         try:
-            seconds = _outside_trace(self.timer, candidates,
-                                     min(DECISION_SECONDS * len(candidates),
-                                         max(self.budget - self.spent, 0.0)))
+            seconds = _outside_trace(timer, timed,
+                                     min(DECISION_SECONDS * len(candidates), max(left, 0.0)))
             times = {n: float(seconds[n]) * 1e3 for n in names}
+        except OverBudget as exc:  # the conservative form's call still tells of the step
+            self._plan_step += exc.call_s
+            return fallback(f"{planned[1](0.0)} ({exc})")
         except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is not chosen
             return fallback(f"measuring failed: {type(exc).__name__}: {exc}"[:200])
         finally:
-            self.spent += time.perf_counter() - start
+            took = time.perf_counter() - start
+            self.spent += took
+            self._plan_spent += took
+        self._plan_decisions += 1
+        first = {n: float(v) * 1e3 for n, v in getattr(seconds, "first", {}).items()
+                 if n in candidates}
         # Ties go to the conservative form; otherwise the fastest median wins, if it won
         # enough of its rounds against the conservative form to be more than noise.
         best = min(names, key=lambda n: (times[n], n != conservative))
@@ -499,10 +610,92 @@ class Tuner:
                          f"noise, {conservative} kept")
             best = conservative
         note = "; ".join(notes)
-        decision = Decision(family, signature, best, names, times, "measured", note)
+        decision = Decision(family, signature, best, names, times, "measured", note, first)
         if self.cache is not None:
             self.cache.put(decision)
         return decision
+
+    def _sync_plan(self) -> None:
+        """Count this fit's measuring and step time afresh when a new fit began."""
+        from tfmx.guard import active_plan
+
+        plan = active_plan()
+        serial = plan.serial if plan is not None else None
+        if serial != self._plan_serial:
+            self._plan_serial, self._plan_spent = serial, 0.0
+            self._plan_step, self._plan_decisions = 0.0, 0
+
+    def _plan_left(self) -> tuple[Callable[[float], float], Callable[[float], str]] | None:
+        """Within a planned fit (see :data:`PLAN_SHARE`): a function from the time per call of
+        the decision's conservative form (0 before it is timed) to the seconds left to measure
+        in this fit, and one saying why there are none; None outside a fit (or without a
+        share)."""
+        from tfmx.guard import active_plan
+
+        share = plan_share()
+        plan = active_plan()
+        if share is None or plan is None or not plan.steps:
+            return None
+        self._sync_plan()
+        hint = (self.step_hint() if self.step_hint is not None else None) or 0.0
+
+        def step(call_s: float) -> float:
+            return max(self._plan_step + call_s, hint)
+
+        def allowed(call_s: float) -> float:
+            if call_s <= 0 and step(0.0) <= 0:
+                return math.inf  # nothing known yet: the conservative form's call will say
+            return share * plan.steps * step(call_s) - self._plan_spent
+
+        def why(call_s: float) -> str:
+            how = ("known from a previous fit" if hint > 0 and hint >= self._plan_step + call_s
+                   else "the conservative forms measured in this fit")
+            return (f"measuring budget spent: {share:.0%} of the planned run, {plan.steps} "
+                    f"steps x {step(call_s) * 1e3:.1f} ms a step ({how}) = "
+                    f"{share * plan.steps * step(call_s):.2f} s; measured on a later run")
+
+        return allowed, why
+
+
+def planned_steps() -> int | None:
+    """The steps the ``fit`` under way plans (``tfmx.guard.active_plan``), None outside one.
+
+    >>> planned_steps() is None
+    True
+    """
+    from tfmx.guard import active_plan
+
+    plan = active_plan()
+    return plan.steps if plan is not None else None
+
+
+def for_plan(decision: Decision, conservative: str, steps: int | None) -> Decision:
+    """``decision`` for a run of ``steps`` steps: a form other than the conservative one is
+    kept only where what it saves over those steps (its median against the conservative
+    form's) is more than what its first call costs beyond the conservative form's (building,
+    tracing, graph optimization: ``first_ms``). Unchanged without a plan or first calls.
+
+    >>> d = Decision("f", "s", "fast", ("stock", "fast"), {"stock": 2.0, "fast": 1.0}, "measured",
+    ...              first_ms={"stock": 100.0, "fast": 600.0})
+    >>> for_plan(d, "stock", 1000).choice, for_plan(d, "stock", 48).choice
+    ('fast', 'stock')
+    >>> print(for_plan(d, "stock", 48).note)  # doctest: +NORMALIZE_WHITESPACE
+    fast's first call (+500 ms) is more than it saves over the planned 48 steps (48 ms):
+    stock kept
+    """
+    choice, first, times = decision.choice, decision.first_ms, decision.times_ms
+    if (not steps or choice == conservative or choice not in first
+            or conservative not in first or choice not in times
+            or conservative not in times):
+        return decision
+    extra = first[choice] - first[conservative]
+    saved = steps * (times[conservative] - times[choice])
+    if saved > extra:
+        return decision
+    note = (f"{choice}'s first call (+{extra:.0f} ms) is more than it saves over the planned "
+            f"{steps} steps ({saved:.0f} ms): {conservative} kept")
+    return dataclasses.replace(decision, choice=conservative,
+                               note="; ".join(filter(None, (decision.note, note))))
 
 
 def _outside_trace(timer: Timer, candidates: Mapping[str, RunFactory],
@@ -549,6 +742,7 @@ def import_cache(path: str | os.PathLike, force: bool = False) -> int:
     return cache.merge(data["decisions"])
 
 
-__all__ = ["CODE_PACKAGES", "Decision", "MODES", "Timings", "Tuner", "TuningCache", "cache_dir",
-           "code_digest", "export_cache", "fingerprint", "import_cache", "measure",
-           "resolve_mode", "sign_test", "within_noise"]
+__all__ = ["CODE_PACKAGES", "Decision", "MODES", "OverBudget", "Timings", "Tuner", "TuningCache",
+           "cache_dir", "code_digest", "export_cache", "fingerprint", "for_plan", "import_cache",
+           "measure", "plan_share", "planned_steps", "share_from_env", "resolve_mode", "sign_test",
+           "within_noise"]

@@ -1,0 +1,225 @@
+"""The price of a fit: the price gate's verdict, the tuner's share of a planned run, the report.
+
+Every test here decides from injected figures, timings and plans, never from a timed assertion.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import tfmx
+from tfmx import guard
+from tfmx import tuner as tuner_mod
+from tfmx.guard import GateDecision, StepGuard, fitting, learn_price, price_figures, price_gate
+from tfmx.reporting import Report, TraceRecord
+from tfmx.tuner import Decision, Timings, Tuner, TuningCache, for_plan
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    monkeypatch.setenv("TFMX_TUNE", "off")
+    monkeypatch.delenv("TFMX_GUARD_BUDGET", raising=False)
+    monkeypatch.delenv("TFMX_TUNE_SHARE", raising=False)
+    guard.forget()
+    yield
+    guard.forget()
+
+
+KNOWN = {"fused_first_s": 9.0, "stock_first_s": 3.0, "fused_ms": 40.0, "stock_ms": 60.0,
+         "ops": 700.0}
+
+
+# -- the verdict ------------------------------------------------------------------------------
+def test_a_rewrite_that_saves_less_than_its_first_call_costs_runs_stock():
+    verdict = price_gate(KNOWN, 48)  # saves 48 x 20 ms = 0.96 s, costs 6 s more
+    assert verdict.run == "stock"
+    assert "6.00 s more than stock's" in verdict.why and "0.96 s" in verdict.why
+
+
+def test_a_long_fit_pays_for_the_same_rewrite():
+    assert price_gate(KNOWN, 301).run == "tfmx"  # 301 x 20 ms = 6.02 s > 6 s
+    assert price_gate(KNOWN, 300).run == "stock"  # 6.00 s: not more than it costs
+
+
+def test_a_fused_step_slower_than_stock_never_pays():
+    slower = {**KNOWN, "fused_ms": 70.0, "fused_first_s": 3.0}
+    assert price_gate(slower, 10**6).run == "stock"
+
+
+def test_nothing_measured_or_no_plan_runs_tfmx():
+    assert price_gate({}, 48).run == "tfmx"
+    assert "nothing measured" in price_gate({}, 48).why
+    assert price_gate(KNOWN, None).run == "tfmx"
+
+
+def test_stock_unmeasured_the_rewrite_runs_within_the_trials_budget():
+    fused_only = {"fused_first_s": 0.03, "fused_ms": 40.0}
+    # its whole first call (stock's not measured, none learnt): 0.03 s <= 2% of 48 x 40 ms
+    assert price_gate(fused_only, 48).run == "tfmx"
+    costly = {"fused_first_s": 5.0, "fused_ms": 40.0}
+    verdict = price_gate(costly, 48)
+    assert verdict.run == "stock" and "measured for the next fit" in verdict.why
+    assert price_gate(costly, 48, share=None).run == "tfmx"  # no budget: the trial decides
+    assert price_gate(costly, 10**4).run == "tfmx"  # 2% of 400 s covers it
+
+
+def test_stock_unmeasured_its_first_call_is_expected_from_what_was_learnt_per_op():
+    guard.learn_first_call("stock", 4.98, 700)  # the most per op measured here
+    verdict = price_gate({"fused_first_s": 5.0, "fused_ms": 40.0, "ops": 700.0}, 48)
+    assert verdict.run == "tfmx" and "learnt here per op" in verdict.why
+
+
+def test_the_report_line_names_the_function_the_form_and_the_figures():
+    line = price_gate(KNOWN, 48).describe("Functional.train_step")
+    assert line.startswith("price gate: Functional.train_step ran as stock: ")
+    assert "fused 40.00 ms, stock 60.00 ms a call" in line
+    assert GateDecision("tfmx", "why").describe("f") == "price gate: f ran as tfmx: why"
+
+
+# -- what is learnt -----------------------------------------------------------------------------
+def test_figures_are_merged_and_kept_in_the_machines_cache(tmp_path):
+    cache = TuningCache(tmp_path / "t.json", {"backend": "cpu"})
+    learn_price("step", cache, fused_first_s=9.0, fused_ms=40.0, stock_ms=None)
+    learn_price("step", cache, stock_ms=60.0, stock_first_s=float("nan"))
+    guard.forget()  # a new process: the cache file alone
+    again = TuningCache(tmp_path / "t.json", {"backend": "cpu"})
+    assert price_figures("step", again) == {"fused_first_s": 9.0, "fused_ms": 40.0,
+                                            "stock_ms": 60.0}
+    learn_price("", cache, fused_ms=1.0)  # no key: nothing
+    assert price_figures("", cache) == {}
+
+
+def test_a_paused_trial_records_the_fused_steps_price():
+    g = StepGuard("demo", budget=0.02, planned=True, first_call_s=5.0, ops=700)
+    g.price_key = "demo step"
+    with fitting(1, 40):
+        g.record(g.next_form(), 0.040)
+        assert g.next_form() == "fused" and not g.summary().final  # paused: stock unaffordable
+    assert price_figures("demo step") == {"fused_first_s": 5.0, "fused_ms": 40.0, "ops": 700.0}
+
+
+def test_a_finished_trial_records_both_forms():
+    g = StepGuard("demo", budget=None, first_call_s=5.0, ops=700)
+    g.price_key = "demo step"
+    while not g.decided:
+        form = g.next_form()
+        g.record(form, 0.010 if form == "fused" else 0.020)
+    figures = price_figures("demo step")
+    assert figures["fused_ms"] == 10.0 and figures["stock_ms"] == 20.0
+    assert figures["stock_first_s"] == 0.020  # stock's first (untimed) call, as recorded
+
+
+# -- the tuner within a planned fit ---------------------------------------------------------------
+def _timings(first):
+    return lambda candidates, seconds: Timings(
+        {"stock": [0.002] * 8, "fast": [0.001] * 8}, first)
+
+
+def test_a_form_whose_first_call_does_not_pay_over_the_plan_is_not_taken():
+    costly = _timings({"stock": 0.1, "fast": 0.6})  # +0.5 s to save 1 ms a step
+    with fitting(1, 48):
+        d = Tuner("auto", None, costly).choose("f", "s", {"stock": None, "fast": None}, "stock")
+    assert d.choice == "stock" and "first call (+500 ms)" in d.note
+    with fitting(10, 100):  # 1000 steps save 1 s
+        d = Tuner("auto", None, costly).choose("f", "s", {"stock": None, "fast": None}, "stock")
+    assert d.choice == "fast"
+    d = Tuner("auto", None, costly).choose("f", "s", {"stock": None, "fast": None}, "stock")
+    assert d.choice == "fast" and d.first_ms == {"stock": 100.0, "fast": 600.0}  # no plan
+
+
+def test_for_plan_leaves_decisions_without_first_calls_as_they_are():
+    d = Decision("f", "s", "fast", ("stock", "fast"), {"stock": 2.0, "fast": 1.0})
+    assert for_plan(d, "stock", 1) is d
+
+
+def test_the_tuners_share_of_a_planned_run_bounds_its_measuring():
+    tuner = Tuner("auto", None, lambda candidates, seconds: pytest.fail("measured"))
+    tuner.step_hint = lambda: 0.001  # a step known from a previous fit: 1 ms
+    with fitting(1, 48):  # 2% of 48 x 1 ms: 0.96 ms
+        tuner._sync_plan()
+        tuner._plan_spent = 0.001  # what this fit measured already, beyond its share
+        d = tuner.choose("f", "s", {"stock": None, "fast": None}, "stock")
+    assert d.choice == "stock" and d.source.startswith("conservative (measuring budget spent")
+    assert "48 steps x 1.0 ms a step (known from a previous fit)" in d.source
+
+
+def test_the_share_counts_afresh_in_each_fit_and_not_outside_one():
+    timer = _timings({})
+    tuner = Tuner("auto", None, timer)
+    with fitting(1, 48):
+        tuner._sync_plan()
+        tuner._plan_spent = 10.0
+    with fitting(1, 48):  # a new fit: its own share; nothing known of its step, one measured
+        assert tuner.choose("f", "a", {"stock": None, "fast": None}, "stock").source == "measured"
+    assert tuner.choose("f", "b", {"stock": None, "fast": None}, "stock").source == "measured"
+
+
+def test_plan_share_reads_its_environment_variable(monkeypatch):
+    monkeypatch.setenv("TFMX_TUNE_SHARE", "none")
+    assert tuner_mod.plan_share() is None
+    monkeypatch.setenv("TFMX_TUNE_SHARE", "0.1")
+    assert tuner_mod.plan_share() == 0.1
+    monkeypatch.setenv("TFMX_TUNE_SHARE", "lots")
+    with pytest.raises(ValueError, match="TFMX_TUNE_SHARE"):
+        tuner_mod.plan_share()
+
+
+# -- the report --------------------------------------------------------------------------------
+def test_the_report_shows_each_traces_tracing_and_tuning_seconds():
+    report = Report(backend="cpu")
+    report.add_trace(TraceRecord("M.train_step", "cpu", "rewritten", seconds=0.25,
+                                 trace_seconds=1.5, tune_seconds=0.75))
+    text = str(report)
+    assert "rewrite s  trace s  tuning s" in text
+    assert "0.250    1.500     0.750" in text
+    assert report.to_dict()["traces"][0]["tune_seconds"] == 0.75
+
+
+# -- a fit ---------------------------------------------------------------------------------------
+def _model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(4)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_a_gated_fit_runs_stock_untraced_by_tfmx_and_learns_stocks_price(monkeypatch):
+    seen = []
+
+    def gate(figures, calls, share=None, cache=None):
+        seen.append(calls)
+        return GateDecision("stock", "injected")
+
+    monkeypatch.setattr(guard, "price_gate", gate)
+    x = np.random.default_rng(0).normal(size=(256, 16)).astype("float32")
+    y = np.zeros(256, "int32")
+    tfmx.enable(backend="cpu", guard=True, tune="off", xla=False)
+    try:
+        model = _model()
+        model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+        report = tfmx.report()
+        assert seen == [16]
+        assert [t.status for t in report.traces] == ["stock: price gate"]
+        assert "price gate: Sequential.train_step ran as stock: injected" in report.notes
+        assert not [g for g in report.guards if g.function.endswith("train_step")]
+        assert report.python_traces[("Sequential.train_step", "stages")] == 0
+        (key,) = guard._prices
+        assert key.startswith("Sequential.train_step ")
+        assert set(guard._prices[key]) == {"stock_first_s", "stock_ms"}
+        assert guard.active_plan() is None  # the fit ended
+    finally:
+        tfmx.disable()
+
+
+def test_a_fit_without_the_guard_is_not_gated(monkeypatch):
+    monkeypatch.setattr(guard, "price_gate", lambda *a, **k: pytest.fail("gated"))
+    x = np.random.default_rng(0).normal(size=(64, 16)).astype("float32")
+    tfmx.enable(backend="cpu", guard=False, tune="off")
+    try:
+        _model().fit(x, np.zeros(64, "int32"), batch_size=32, epochs=1, verbose=0)
+        assert tfmx.report().traces[0].status != "stock: price gate"
+    finally:
+        tfmx.disable()
