@@ -17,9 +17,11 @@ weights, timed from ``fit``'s call to its return, in these modes, interleaved ro
 
 Before the rounds one tfmx fit of each workload fills the tuner's cache, so the timed fits
 measure tracing, rewriting and the guard, not the tuner's first measurements (they are made
-once per machine and shape; the timed tfmx fits run ``tune="cached"``).
+once per machine and shape; the timed tfmx fits run ``tune="cached"``, or ``--tune``).
+With ``--cold`` there is no such fit: every tfmx fit starts from an empty cache of its own
+(``tune="auto"``, as a first fit on a new machine), so it pays the tuner's measurements too.
 
-Run it with ``python -m tfmx.fit_price [--model M ...] [--epochs 3] [--samples 512]``.
+Run it with ``python -m tfmx.fit_price [--model M ...] [--epochs 3] [--samples 512] [--cold]``.
 
 Example:
     >>> from tfmx.fit_price import format_fit_prices, run_fit_prices
@@ -34,6 +36,7 @@ import contextlib
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -61,18 +64,32 @@ def _env(name: str, value: str | None) -> Iterator[None]:
 
 def _fit_once(workload: Any, mode: str, weights: list, x: Any, y: Any, epochs: int,
               batch_size: int, tune: str = "cached") -> dict[str, Any]:
-    """One timed fit of a new model in ``mode``; what the train step's guard did."""
+    """One timed fit of a new model in ``mode``; what the train step's guard did. ``tune``:
+    the tuner's mode, or ``"cold"``: ``"auto"`` with an empty cache of the fit's own."""
     import tfmx
     from tfmx import guard
-    from tfmx.bench import _build
 
+    cold = tune == "cold"
     if mode == "stock":
         tfmx.disable()
     else:
         if mode != "decided":
             guard.forget()  # each mode's trial from nothing (``decided`` reuses the last one)
-        tfmx.enable(guard=mode != "guard off", tune=tune)
-        tfmx.report(reset=True)
+    with contextlib.ExitStack() as stack:
+        if cold and mode != "stock":  # a first fit on a new machine: an empty cache
+            stack.enter_context(_env("TFMX_CACHE_DIR", tempfile.mkdtemp(prefix="tfmx-cold-")))
+        if mode != "stock":
+            tfmx.enable(guard=mode != "guard off", tune="auto" if cold else tune)
+            tfmx.report(reset=True)
+        out = _timed_fit(workload, mode, weights, x, y, epochs, batch_size)
+    return out
+
+
+def _timed_fit(workload: Any, mode: str, weights: list, x: Any, y: Any, epochs: int,
+               batch_size: int) -> dict[str, Any]:
+    import tfmx
+    from tfmx.bench import _build
+
     model = _build(workload, "stock" if mode == "stock" else "tfmx", 0, weights)
     with _env("TFMX_GUARD_BUDGET", "none" if mode == "no budget" else None):
         start = time.perf_counter()
@@ -86,15 +103,22 @@ def _fit_once(workload: Any, mode: str, weights: list, x: Any, y: Any, epochs: i
             g = guards[0]
             out.update(kept=g.kept, final=g.final, cost_s=g.cost_s, run_s=g.run_s,
                        saved_s=g.saved_s, xla_compile_s=g.xla_compile_s, guard=g.describe())
+        report = tfmx.report()
+        out["rewrite_s"] = sum(t.seconds for t in report.traces)
+        out["tune_s"] = sum(getattr(t, "tune_seconds", 0.0) for t in report.traces)
+        out["price"] = [n for n in report.notes if n.startswith("price gate")]
     tfmx.disable()
     return out
 
 
 def run_fit_prices(models: Sequence[str], epochs: int = 3, samples: int = 512,
                    batch_size: int = 32, rounds: int = 2,
-                   modes: Sequence[str] = MODES) -> list[dict[str, Any]]:
+                   modes: Sequence[str] = MODES, tune: str = "cached",
+                   cold: bool = False) -> list[dict[str, Any]]:
     """Time whole fits of each of ``models`` in ``modes`` (see module doc), ``rounds`` times
-    interleaved; one row per workload with each mode's median seconds and its fits."""
+    interleaved; one row per workload with each mode's median seconds and its fits.
+    ``tune``: the timed tfmx fits' tuner mode after the cache-filling fit; ``cold``: no such
+    fit, every tfmx fit from an empty cache of its own."""
     import keras
 
     import tfmx
@@ -108,18 +132,20 @@ def run_fit_prices(models: Sequence[str], epochs: int = 3, samples: int = 512,
         y = rng.integers(0, workload.num_classes, size=samples).astype(np.int32)
         keras.utils.set_random_seed(0)
         weights = _build(workload, "stock", 0, None).get_weights()
-        tfmx.enable(tune="auto", guard=False)  # fills the tuner's cache for this shape
-        _build(workload, "tfmx", 0, weights).fit(x, y, epochs=1, batch_size=batch_size,
-                                                 verbose=0)
-        tfmx.disable()
+        if not cold:
+            tfmx.enable(tune="auto", guard=False)  # fills the tuner's cache for this shape
+            _build(workload, "tfmx", 0, weights).fit(x, y, epochs=1, batch_size=batch_size,
+                                                     verbose=0)
+            tfmx.disable()
         fits: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         for r in range(rounds):
             for mode in modes:
-                fits[mode].append(_fit_once(workload, mode, weights, x, y, epochs, batch_size))
+                fits[mode].append(_fit_once(workload, mode, weights, x, y, epochs, batch_size,
+                                            "cold" if cold else tune))
                 print(f"{name} round {r + 1} {mode}: {fits[mode][-1]['seconds']:.2f} s",
                       file=sys.stderr, flush=True)
         medians = {m: statistics.median(f["seconds"] for f in fits[m]) for m in modes}
-        rows.append({"workload": name, "epochs": epochs, "samples": samples,
+        rows.append({"workload": name, "epochs": epochs, "samples": samples, "cold": cold,
                      "batch_size": batch_size, "steps": epochs * -(-samples // batch_size),
                      "median_s": medians, "fits": fits})
     return rows
@@ -157,6 +183,10 @@ def format_fit_prices(rows: Sequence[dict[str, Any]]) -> str:
             for fit in r["fits"].get(m, [])[-1:]:
                 if fit.get("guard"):
                     lines.append(f"- {r['workload']}, {m}: {fit['guard']}")
+                if "rewrite_s" in fit:
+                    lines.append(f"- {r['workload']}, {m}: rewrite {fit['rewrite_s']:.2f} s, "
+                                 f"tuner measuring {fit.get('tune_s', 0.0):.2f} s"
+                                 + "".join(f"; {p}" for p in fit.get("price", [])))
     return "\n".join(lines)
 
 
@@ -172,9 +202,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--tune", default="cached", choices=("auto", "cached", "off"),
+                        help="the timed tfmx fits' tuner mode (after a fit fills the cache)")
+    parser.add_argument("--cold", action="store_true",
+                        help="no cache-filling fit: each tfmx fit from an empty cache")
     args = parser.parse_args(argv)
     rows = run_fit_prices(args.model, args.epochs, args.samples, args.batch_size, args.rounds,
-                          [m for m in MODES if m in args.modes])
+                          [m for m in MODES if m in args.modes], args.tune, args.cold)
     print(format_environment(environment()))
     print()
     print(format_fit_prices(rows))
