@@ -36,8 +36,18 @@ A finished trial's outcome is kept per step signature for the process and in the
 on this machine (``tune="auto"``): a later ``fit``, a new model of the same architecture, a new
 process run it at once, and the report says what the trial had cost (what the reuse saved).
 
+Before a fit's train step is first traced, the price gate (:func:`price_gate`) asks whether
+rewriting it can pay within this fit: from the fit's plan and what this machine measured of
+the same step before (its price record, :func:`price_figures`, keyed by what the step is
+before it is traced: the fused and stock first calls, each form's median), it runs the step as
+stock, with no stage and no rewrite, where the rewrite's extra first call is more than the
+fused step saves over the planned calls, or, where stock's step was never measured, more than
+the trial's budget; the report says so with the figures. A step so run is timed on its first
+calls, so the next fit decides from both forms. With nothing measured yet, tfmx runs and the
+guard's trial records the figures.
+
 Switch the guard off with ``tfmx.enable(guard=False)`` or ``TFMX_GUARD=0``; the XLA duel alone
-with ``tfmx.enable(xla=False)`` or ``TFMX_XLA=0``.
+with ``tfmx.enable(xla=False)`` or ``TFMX_XLA=0``. The price gate is part of the guard.
 
 Example (injected times: the fused step is slower, stock is kept):
     >>> from tfmx.guard import StepGuard

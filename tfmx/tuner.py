@@ -20,6 +20,13 @@ is not one by more than noise: a region is one call the step waits on whole, com
 first run, and its fragment's time does not show what the step loses in overlap, so between a
 region and a kernel form within noise of each other the kernel form is kept.
 
+A decision costs more than its rounds: each candidate's first call (building, tracing, graph
+optimization) is measured too (``Decision.first_ms``). Within a ``fit`` whose plan is known,
+a form is kept only where what it saves over the planned steps pays for its first call beyond
+the conservative form's (:func:`for_plan`), and the tuner measures for at most a share of the
+planned run (:data:`PLAN_SHARE`); the decisions it leaves unmeasured take the conservative
+form, and the report says why.
+
 Modes (``tfmx.enable(tune=...)`` or the environment variable ``TFMX_TUNE``):
 
 - ``"auto"`` (default): a decision found in the cache is reused; others are measured and
