@@ -223,3 +223,20 @@ def test_a_fit_without_the_guard_is_not_gated(monkeypatch):
         assert tfmx.report().traces[0].status != "stock: price gate"
     finally:
         tfmx.disable()
+
+
+def test_decisions_made_while_measuring_another_are_made_for_the_same_fit():
+    tuner = Tuner("auto", None)
+    seen = []
+
+    def timer(candidates, seconds):  # on the measuring thread
+        seen.append(guard.active_plan())
+        if len(seen) == 1:  # the outer decision's candidates make one of their own
+            seen.append(tuner.choose("g", "inner", {"stock": None, "fast": None}, "stock"))
+        return Timings({"stock": [0.002] * 8, "fast": [0.001] * 8})
+
+    tuner.timer = timer
+    with fitting(1, 48) as plan:
+        outer = tuner.choose("f", "outer", {"stock": None, "fast": None}, "stock")
+    assert seen[0] is plan and seen[1] is plan  # the outer's thread, the inner's thread
+    assert seen[2].source == "measured" and outer.source == "measured"

@@ -268,6 +268,23 @@ def active_plan() -> FitPlan | None:
 
 
 @contextlib.contextmanager
+def adopting(plan: FitPlan | None) -> Iterator[None]:
+    """Make ``plan`` the fit under way in this thread for the block (a thread working for the
+    fit's thread, e.g. the tuner's measuring thread).
+
+    >>> with adopting(FitPlan(0, 4, 4)):
+    ...     active_plan().calls
+    4
+    """
+    previous = getattr(_local, "active", None)
+    _local.active = plan
+    try:
+        yield
+    finally:
+        _local.active = previous
+
+
+@contextlib.contextmanager
 def fitting(epochs: int | None, steps: int | None,
             steps_per_execution: int = 1) -> Iterator[FitPlan]:
     """Announce a fit (:func:`plan_fit`) that is under way (:func:`active_plan`) for the
@@ -996,7 +1013,7 @@ def _sync(outputs: Any) -> None:
 
 
 __all__ = ["Embedded", "FitPlan", "GateDecision", "GuardRecord", "StepGuard", "active_plan",
-           "budget_share", "collecting", "current_plan", "embedded", "ending_callbacks",
-           "expected_first_call", "fitting", "forced_form", "forcing", "forget",
-           "learn_first_call", "learn_price", "plan_fit", "planning_callbacks", "price_figures",
-           "price_gate", "set_test_delay", "t_test", "xla_pruned"]
+           "adopting", "budget_share", "collecting", "current_plan", "embedded",
+           "ending_callbacks", "expected_first_call", "fitting", "forced_form", "forcing",
+           "forget", "learn_first_call", "learn_price", "plan_fit", "planning_callbacks",
+           "price_figures", "price_gate", "set_test_delay", "t_test", "xla_pruned"]

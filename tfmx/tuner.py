@@ -526,6 +526,7 @@ class Tuner:
         self._plan_spent = 0.0  # seconds measured in that fit
         self._plan_step = 0.0  # the conservative forms' medians measured in it (seconds)
         self._plan_decisions = 0
+        self._depth = 0  # decisions being measured (nested: one inside another's candidates)
 
     def choose(self, family: str, signature: str, candidates: Mapping[str, RunFactory | None],
                conservative: str) -> Decision:
@@ -583,6 +584,7 @@ class Tuner:
                 timed = {conservative: candidates[conservative],
                          **{n: f for n, f in candidates.items() if n != conservative}}
         start = time.perf_counter()
+        self._depth += 1  # a decision made while building another's candidates is nested
         try:
             seconds = _outside_trace(timer, timed,
                                      min(DECISION_SECONDS * len(candidates), max(left, 0.0)))
@@ -593,9 +595,11 @@ class Tuner:
         except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is not chosen
             return fallback(f"measuring failed: {type(exc).__name__}: {exc}"[:200])
         finally:
-            took = time.perf_counter() - start
-            self.spent += took
-            self._plan_spent += took
+            self._depth -= 1
+            if self._depth == 0:  # a nested decision's time is in the outer one's
+                took = time.perf_counter() - start
+                self.spent += took
+                self._plan_spent += took
         self._plan_decisions += 1
         first = {n: float(v) * 1e3 for n, v in getattr(seconds, "first", {}).items()
                  if n in candidates}
@@ -709,9 +713,19 @@ def _outside_trace(timer: Timer, candidates: Mapping[str, RunFactory],
                    seconds: float) -> Mapping[str, float]:
     """Run ``timer`` on a thread of its own: a rewrite runs while TensorFlow traces a step
     (inside a graph, under Keras's gradient tape), and the candidates must be built and timed
-    eagerly with no tape recording; TensorFlow keeps both per thread."""
+    eagerly with no tape recording; TensorFlow keeps both per thread. The fit under way
+    (``tfmx.guard.active_plan``) is the thread's too: decisions its candidates make are made
+    for it."""
+    from tfmx.guard import active_plan, adopting
+
+    plan = active_plan()
+
+    def timed() -> Mapping[str, float]:
+        with adopting(plan):
+            return timer(candidates, seconds)
+
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(timer, candidates, seconds).result()
+        return pool.submit(timed).result()
 
 
 def export_cache(path: str | os.PathLike, backend: str = "cpu") -> Path:
