@@ -141,12 +141,19 @@ def set_test_delay(fused: float = 0.0, stock: float = 0.0, xla: float = 0.0) -> 
 def forcing(form: str) -> Iterator[None]:
     """While a guard traces another form (``"stock"``, ``"xla"``) of an outer function
     (Keras's step loop), tfmx's step functions traced inside it embed that form."""
-    previous = getattr(_local, "forced", None)
-    _local.forced = form
+    with _swapped("forced", form):
+        yield
+
+
+@contextlib.contextmanager
+def _swapped(attr: str, value: Any) -> Iterator[None]:
+    """This thread's ``attr`` (of the guard's thread-local state) is ``value`` for the block."""
+    previous = getattr(_local, attr, None)
+    setattr(_local, attr, value)
     try:
         yield
     finally:
-        _local.forced = previous
+        setattr(_local, attr, previous)
 
 
 def forced_form() -> str | None:
@@ -276,12 +283,8 @@ def adopting(plan: FitPlan | None) -> Iterator[None]:
     ...     active_plan().calls
     4
     """
-    previous = getattr(_local, "active", None)
-    _local.active = plan
-    try:
+    with _swapped("active", plan):
         yield
-    finally:
-        _local.active = previous
 
 
 @contextlib.contextmanager
@@ -289,12 +292,9 @@ def fitting(epochs: int | None, steps: int | None,
             steps_per_execution: int = 1) -> Iterator[FitPlan]:
     """Announce a fit (:func:`plan_fit`) that is under way (:func:`active_plan`) for the
     block: what Keras's callbacks do around a ``fit``; tests and custom loops use it."""
-    previous = getattr(_local, "active", None)
-    _local.active = plan = plan_fit(epochs, steps, steps_per_execution)
-    try:
+    plan = plan_fit(epochs, steps, steps_per_execution)
+    with _swapped("active", plan):
         yield plan
-    finally:
-        _local.active = previous
 
 
 def planning_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
