@@ -240,3 +240,21 @@ def test_decisions_made_while_measuring_another_are_made_for_the_same_fit():
         outer = tuner.choose("f", "outer", {"stock": None, "fast": None}, "stock")
     assert seen[0] is plan and seen[1] is plan  # the outer's thread, the inner's thread
     assert seen[2].source == "measured" and outer.source == "measured"
+
+
+def test_a_fused_step_kept_after_one_timed_call_is_timed_on_for_its_price(monkeypatch):
+    learnt = []
+    real = guard.learn_price
+    monkeypatch.setattr(guard, "learn_price", lambda key, cache=None, **figures: (
+        learnt.append(sorted(k for k, v in figures.items() if v)), real(key, cache, **figures)))
+    x = np.random.default_rng(0).normal(size=(512, 16)).astype("float32")
+    tfmx.enable(backend="cpu", guard=True, tune="off", xla=False)
+    try:
+        _model().fit(x, np.zeros(512, "int32"), batch_size=32, epochs=3, verbose=0)
+        (g,) = [g for g in tfmx.report().guards if g.function.endswith("train_step")]
+        assert g.kept == "fused" and len(g.samples("fused")) < 5  # paused: stock unaffordable
+        assert learnt[-1] == ["fused_ms"]  # the median of the trial's and the next calls
+        (figures,) = guard._prices.values()
+        assert figures["fused_ms"] > 0 and "stock_ms" not in figures
+    finally:
+        tfmx.disable()

@@ -86,6 +86,7 @@ class _Slot:
     forms: dict[str, Any]
     guard: guard.StepGuard | None = None
     watch: _Watch | None = None
+    followed: list[float] | None = dataclasses.field(default_factory=list)  # see _followed
 
 
 class IteratorDispatch:
@@ -133,6 +134,8 @@ class IteratorDispatch:
         if slot.guard.decided:  # the per-step path after the trial: one lookup
             form = slot.guard.kept
             if form in slot.forms:
+                if form == "fused" and slot.followed is not None:
+                    return self._followed(slot, iterator)
                 return slot.forms[form](iterator)
             return self._trace_form(slot, form, iterator)  # e.g. a form a cached decision kept
         form = slot.guard.next_form()
@@ -157,6 +160,24 @@ class IteratorDispatch:
             if ops:  # the stock first call per op, as the guard learns it
                 guard.learn_first_call("stock", watch.first_s, ops, cache)
             slot.watch = None
+        return outputs
+
+    def _followed(self, slot: _Slot, iterator: Any) -> Any:
+        """A call of the fused step after its trial (ended or paused): timed until the trial's
+        and these samples make :data:`WATCHED_CALLS`, then the fused step's median is learnt
+        for its price record (a trial paused after one timed call says little of it)."""
+        timed = slot.guard.samples("fused")
+        if not slot.guard.price_key or len(timed) >= WATCHED_CALLS:
+            slot.followed = None
+            return slot.forms["fused"](iterator)
+        start = time.perf_counter()
+        outputs = slot.forms["fused"](iterator)
+        guard._sync(outputs)
+        slot.followed.append(time.perf_counter() - start)
+        if len(timed) + len(slot.followed) >= WATCHED_CALLS:
+            guard.learn_price(slot.guard.price_key, state.tuning_cache(),
+                              fused_ms=statistics.median(timed + slot.followed) * 1e3)
+            slot.followed = None
         return outputs
 
     def _trace_form(self, slot: _Slot, form: str, iterator: Any) -> Any:

@@ -915,6 +915,10 @@ class StepGuard:
         self._pair = {self.challenger: [], self.incumbent: []}
         self._next = self.challenger
 
+    def samples(self, form: str) -> list[float]:
+        """Every timed run of ``form`` in the trial (seconds)."""
+        return list(self._all.get(form, ()))
+
     def _learn_price(self) -> None:
         """What the trial measured of the step's price (:func:`learn_price`)."""
         med = {f: statistics.median(v) * 1e3 for f, v in self._all.items() if v}
