@@ -44,7 +44,7 @@ def _replicas(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from tfmx.bench import MODES, ONEDNN_CHOICES, WORKLOADS
+    from tfmx.bench import GROUPS, MODES, ONEDNN_CHOICES, WORKLOADS
 
     parser = argparse.ArgumentParser(
         prog="tfmx", description="tfmx: graph-rewrite fusion for Keras 3 on TensorFlow."
@@ -59,9 +59,10 @@ def _parser() -> argparse.ArgumentParser:
                     "state), warm-up excluded; print a markdown table with the fastest "
                     "alternative to tfmx.",
     )
-    bench.add_argument("--model", nargs="+", default=["small_cnn"], choices=sorted(WORKLOADS),
-                       metavar="M", help=f"workload(s): {', '.join(WORKLOADS)} "
-                                         "(default small_cnn)")
+    bench.add_argument("--model", nargs="+", default=["small_cnn"],
+                       choices=sorted(WORKLOADS) + sorted(GROUPS), metavar="M",
+                       help=f"workload(s): {', '.join(WORKLOADS)}, or a group of them: "
+                            f"{', '.join(GROUPS)} (default small_cnn)")
     bench.add_argument("--rounds", type=int, default=None,
                        help="interleaved rounds (default: per workload)")
     bench.add_argument("--steps", type=int, default=None,
@@ -155,6 +156,7 @@ def _bench(args: argparse.Namespace) -> int:
     from tfmx.bench import (
         WORKLOADS,
         check_replicas,
+        expand_models,
         format_markdown,
         replica_modes,
         results_document,
@@ -164,7 +166,8 @@ def _bench(args: argparse.Namespace) -> int:
     modes = list(args.modes or replica_modes(args.replicas))
     try:  # before anything runs: what cannot run under --replicas, and what to do
         check_replicas(args.replicas, modes, args.policy,
-                       {m: args.batch_size or WORKLOADS[m].batch_size for m in args.model})
+                       {m: args.batch_size or WORKLOADS[m].batch_size
+                        for m in expand_models(args.model)})
     except ValueError as err:
         raise SystemExit(f"tfmx bench: {err}") from None
     try:
