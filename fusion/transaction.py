@@ -38,12 +38,13 @@ def _scope_class() -> type:
 
     class Deferred(StatelessScope):
         """Keras's StatelessScope that holds back the writes and losses made in ``graph``
-        (and keeps which variable each write was for). A write computed in another graph (a
+        (and keeps which variable each write was for); a Keras variable created inside is
+        initialized when it ends, as Keras's own scope does. A write computed in another graph (a
         scratch graph a handler traces Keras's call into, a loop body) is made at once, as
         without the scope: only the attempt's own graph can make it later."""
 
         def __init__(self, graph: Any) -> None:
-            super().__init__(collect_losses=True, initialize_variables=False)
+            super().__init__(collect_losses=True)
             self.graph = graph
             self.updates: dict[int, tuple[Any, Any]] = {}
 

@@ -162,3 +162,17 @@ def test_a_failing_stage_leaves_keras_call_and_trains_as_stock(family, where, fr
 def test_strict_raises_what_the_stage_raised(family):
     with stage.failing(family, "handler"), pytest.raises(Exception, match="injected failure"):
         _fit(family, strict=True)
+
+
+def test_a_variable_created_inside_an_attempt_is_initialized_when_it_ends():
+    """A layer built lazily inside a stage's attempt (its variables created in Keras's
+    StatelessScope, so deferred) has them initialized when the attempt ends, committed or
+    not, as Keras's own scope does: a metric or weight created there is usable after."""
+    from fusion.transaction import Attempt
+
+    for commit in (True, False):
+        with Attempt() as attempt:
+            made = keras.Variable(initializer="ones", shape=(2,))
+        attempt.commit() if commit else attempt.abandon()
+        made.assign_add([1.0, 1.0])  # an uninitialized variable has nothing to add to
+        assert made.numpy().tolist() == [2.0, 2.0]
