@@ -125,7 +125,7 @@ _STOCK: dict[str, list[np.ndarray]] = {}
 
 
 def _stock_weights(family: str) -> list[np.ndarray]:
-    """``family``'s model trained stock (once per session), its weights."""
+    """``family``'s model trained stock (once per test run), its weights."""
     if family not in _STOCK:
         _STOCK[family] = [w.numpy() for w in _fit(family, off=True)[0].weights]
     return _STOCK[family]
