@@ -128,8 +128,9 @@ def test_mirrored_synchronized_batch_norm_is_declined_and_tuner_measures_once(tm
     # measured afresh, every decision: a budget no slower processor runs out of (a 6 s budget,
     # the default then, left a decision to its conservative form on a Zen 3 under the suite)
     # and the whole-step guard's trials run to their end (no budget: the fits are short)
+    # (and no share of the planned fit: these fits are a few steps)
     env = dict(os.environ, TFMX_CACHE_DIR=str(tmp_path), TFMX_TUNE_BUDGET="300",
-               TFMX_GUARD_BUDGET="none")
+               TFMX_TUNE_SHARE="none", TFMX_GUARD_BUDGET="none")
     result = run_script("mirrored_model.py", "tuned", env=env)
     _check_mirrored(result)
     report = result["fused"]["report"]
@@ -143,6 +144,10 @@ def test_mirrored_synchronized_batch_norm_is_declined_and_tuner_measures_once(tm
     # (the script makes the fused step 50 ms slower in the trials: stock is kept)
     assert kept["Sequential.train_step"] == kept["step"] == "stock", kept
     assert "Sequential.test_step" in kept
+    # XLA's form is not tried in a step of two replicas (it fails on the other replica's
+    # variables, after Keras's loop took a batch: evaluate would miss that batch)
+    reasons = {g["function"]: g["reason"] for g in report["guards"]}
+    assert "runs in 2 replicas" in reasons["Sequential.test_step"], reasons
 
 
 # -- MultiWorkerMirroredStrategy: two workers, each a process, on loopback --------------------

@@ -252,6 +252,22 @@ def test_a_short_fit_announces_its_plan_and_pays_no_trial():
     assert guard.current_plan().calls == 12
 
 
+def test_a_fit_that_raises_leaves_no_plan_under_way():
+    """A fit interrupted after ``on_train_begin`` (its ``on_train_end`` never runs) ends its
+    plan too: later measurements outside a fit are not sized on it."""
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise KeyboardInterrupt
+
+    x = np.random.default_rng(0).normal(size=(64, 16)).astype("float32")
+    tfmx.enable(backend="cpu", guard=True, tune="off", xla=False)
+    with pytest.raises(KeyboardInterrupt):
+        _model().fit(x, np.zeros(64, "int32"), batch_size=32, epochs=1, verbose=0,
+                     callbacks=[Interrupt()])
+    assert guard.current_plan().calls == 2 and guard.active_plan() is None
+
+
 def test_a_second_fit_and_a_second_model_reuse_the_decision(monkeypatch):
     monkeypatch.setenv("TFMX_GUARD_BUDGET", "none")  # the first trial runs to its end
     x = np.random.default_rng(0).normal(size=(640, 16)).astype("float32")

@@ -94,7 +94,7 @@ class IteratorDispatch:
     per iterator type (see the module doc). Other attributes are the wrapped function's."""
 
     def __init__(self, function: Any, twin: Callable[[], Any] | None = None,
-                 make_guard: Callable[[frozenset[str], str], guard.StepGuard | None] | None = None,
+                 make_guard: Callable[[Any, str, int], guard.StepGuard | None] | None = None,
                  ) -> None:
         self._function = function
         self._twin = twin
@@ -119,7 +119,8 @@ class IteratorDispatch:
             if any(e.changed for e in embedded) and self._twin is not None and self._make_guard:
                 slot.guard = self._make_guard(sum((collections.Counter(e.ops) for e in embedded),
                                                   collections.Counter()),
-                                              "+".join(e.signature for e in embedded))
+                                              "+".join(e.signature for e in embedded),
+                                              max(e.replicas for e in embedded))
                 if slot.guard is not None:  # what tracing it cost: a seed of the other forms'
                     slot.guard.first_call_s = time.perf_counter() - start
                     slot.guard.price_key = _price_key(embedded)

@@ -105,6 +105,7 @@ class _Entry:
     guard: guard.StepGuard | None = None  # eager calls: fused vs reference on the first steps
     price_key: str = ""  # the step's price record (tfmx.guard.price_gate), "" where none
     gated: bool = False  # the price gate runs it as stock: no stage, no rewrite
+    replicas: int | None = None  # the devices its graph places nodes on (see _replicas)
 
     @property
     def signature(self) -> str:
@@ -233,7 +234,8 @@ class FusedFunction:
         if opts.guard and entry.changed and tf.executing_eagerly() and not state.multi_worker():
             if entry.guard is None:  # called eagerly (a custom loop, predict): a trial
                 entry.guard = guard.make_guard(self.name, opts, entry.stock_ops,
-                                               entry.signature, state.tuning_cache())
+                                               entry.signature, state.tuning_cache(),
+                                               replicas=_replicas(entry))
                 state.report().add_guard(entry.guard)
             functions = {"fused": lambda: entry.fused,  # each form's function, got when needed
                          "stock": lambda: self._reference(entry, args, kwargs),
@@ -243,7 +245,7 @@ class FusedFunction:
             return entry.guard.run({name: lambda get=get: get()(*args, **kwargs)
                                     for name, get in functions.items()})
         guard.embedded(entry.changed, entry.stock_ops, entry.signature, entry.price_key,
-                       entry.gated)
+                       entry.gated, _replicas(entry))
         return entry.fused(*args, **kwargs)
 
     def _xla(self) -> Any:
@@ -358,6 +360,20 @@ class FusedFunction:
             entry = _Entry(stock=concrete, fused=concrete, price_key=price_key, gated=True)
             self._entries[key] = entry
         return entry
+
+
+def _replicas(entry: _Entry) -> int:
+    """The replicas a traced step runs in: the devices its graph places nodes on (a step that
+    runs ``strategy.run``, as Keras's do under a ``tf.distribute`` strategy), at least 1;
+    counted once per entry."""
+    if entry.replicas is None:
+        graph_def = (entry.record.graph_before if entry.record is not None
+                     and entry.record.graph_before is not None
+                     else entry.stock.graph.as_graph_def())
+        devices = {tf.DeviceSpec.from_string(n.device).replace(job=None, replica=None, task=None)
+                   .to_string() for n in graph_def.node if n.device}
+        entry.replicas = max(1, len(devices))
+    return entry.replicas
 
 
 def rewrite_traced(concrete: Any, opts: state.Options, graph_def: Any = None) -> Any:

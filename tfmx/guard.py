@@ -182,14 +182,16 @@ class Embedded:
     signature: str = ""  # what the step is (its ops, shapes, what tfmx made of it): a cache key
     price_key: str = ""  # what the step is before it is traced: its price record's key
     gated: bool = False  # the price gate ran it as stock (see :func:`price_gate`)
+    replicas: int = 1  # the replicas it runs in (``tf.distribute``): one trace each
 
 
 def embedded(changed: bool, ops: Mapping[str, int] | None = None, signature: str = "",
-             price_key: str = "", gated: bool = False) -> None:
+             price_key: str = "", gated: bool = False, replicas: int = 1) -> None:
     """A tfmx step function was traced into an outer function (see :class:`Embedded`)."""
     collected = getattr(_local, "collected", None)
     if collected is not None:
-        collected.append(Embedded(changed, dict(ops or {}), signature, price_key, gated))
+        collected.append(Embedded(changed, dict(ops or {}), signature, price_key, gated,
+                                  replicas))
 
 
 def budget_share() -> float | None:
@@ -329,6 +331,34 @@ def ending_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
     return on_train_end
 
 
+def closing_fit(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap Keras's ``Trainer.fit``: whatever way the fit ends (``on_train_end``, or an
+    exception that skips it), the plan under way before it (:func:`active_plan`, None outside a
+    fit) is the one under way after it.
+
+    >>> def fit(self):
+    ...     plan_fit(1, 1)
+    ...     _local.active = current_plan()
+    ...     raise KeyboardInterrupt
+    >>> try:
+    ...     closing_fit(fit)(None)
+    ... except KeyboardInterrupt:
+    ...     pass
+    >>> active_plan() is None
+    True
+    """
+
+    @functools.wraps(original)
+    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        before = getattr(_local, "active", None)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _local.active = before
+
+    return fit
+
+
 # -- first calls: what tracing or compiling a form costs on this machine ----------------------
 _first_calls: dict[str, tuple[float, int]] = {}  # form -> (max log s/op, observations)
 
@@ -387,15 +417,17 @@ def expected_first_call(form: str, ops: int, fused_first_s: float = 0.0, cache: 
     return SEED_S_PER_OP * max(ops, 1), f"seed: {SEED_S_PER_OP * 1e3:g} ms per op"
 
 
-def xla_pruned(backend: str, ops: Mapping[str, int]) -> str | None:
+def xla_pruned(backend: str, ops: Mapping[str, int], replicas: int = 1) -> str | None:
     """Why XLA's form cannot be tried for this step, or None. Speed is not a reason here (the
-    guard measures it within its budget): a step that reduces across replicas
-    (``tf.distribute``: its collectives) is not tried, because XLA compiles the step for one
-    device, and under MirroredStrategy it failed on the other replicas' variables (one batch of
-    Keras's loop would be lost to each failed trial).
+    guard measures it within its budget). A step that runs in several replicas
+    (``tf.distribute``) or reduces across them (its collectives) is not tried: XLA compiles
+    the step for one device, under MirroredStrategy it fails on the other replicas' variables,
+    and a trial that fails after Keras's loop took its batch would lose that batch.
 
     >>> xla_pruned("cpu", {"CollectiveReduceV2": 2, "MatMul": 6})[:34]
     'the step reduces across replicas ('
+    >>> xla_pruned("cpu", {"MatMul": 6}, replicas=2)
+    "the step runs in 2 replicas (tf.distribute): XLA compiles one device's step"
     >>> xla_pruned("cpu", {"Conv2D": 4, "DepthwiseConv2dNative": 4}) is None
     True
     """
@@ -403,6 +435,9 @@ def xla_pruned(backend: str, ops: Mapping[str, int]) -> str | None:
     if collectives:
         return (f"the step reduces across replicas ({', '.join(collectives)}): XLA compiles "
                 "one device's step")
+    if replicas > 1:
+        return (f"the step runs in {replicas} replicas (tf.distribute): XLA compiles one "
+                "device's step")
     return None
 
 
@@ -532,15 +567,16 @@ def price_gate(figures: Mapping[str, float], calls: int | None,
 
 
 def make_guard(function: str, opts: Any, ops: Mapping[str, int], signature: str = "",
-               cache: Any = None, planned: bool = False) -> StepGuard:
+               cache: Any = None, planned: bool = False, replicas: int = 1) -> StepGuard:
     """The guard for one step under ``opts`` (``tfmx.state.Options``): its challengers, with
-    XLA left out where :func:`xla_pruned` says so (the report says why), its budget
+    XLA left out where :func:`xla_pruned` says so (``replicas``: the replicas the step runs in;
+    the report says why), its budget
     (:func:`budget_share`; ``planned``: the step is a fit's train step, whose plan
     :func:`plan_fit` announces). With the step's ``signature``, what a trial kept for the same
     step before in this process, or on this machine (a ``tfmx.tuner.TuningCache``), is kept at
     once, and a new trial's outcome is stored."""
     challengers = opts.guard_challengers()
-    why = xla_pruned(opts.backend.name, ops) if "xla" in challengers else None
+    why = xla_pruned(opts.backend.name, ops, replicas) if "xla" in challengers else None
     if why:
         challengers = tuple(c for c in challengers if c != "xla")
     made = StepGuard(function, challengers, notes=(f"XLA not tried: {why}",) if why else (),
@@ -1017,7 +1053,7 @@ def _sync(outputs: Any) -> None:
 
 
 __all__ = ["Embedded", "FitPlan", "GateDecision", "GuardRecord", "StepGuard", "active_plan",
-           "adopting", "budget_share", "collecting", "current_plan", "embedded",
+           "adopting", "budget_share", "closing_fit", "collecting", "current_plan", "embedded",
            "ending_callbacks", "expected_first_call", "fitting", "forced_form", "forcing",
            "forget", "learn_first_call", "learn_price", "plan_fit", "planning_callbacks",
            "price_figures", "price_gate", "set_test_delay", "t_test", "xla_pruned"]

@@ -29,7 +29,7 @@ from fusion import patches, stage
 from tfmx import state
 from tfmx.dispatch import IteratorDispatch
 from tfmx.fused_function import FusedFunction
-from tfmx.guard import ending_callbacks, make_guard, planning_callbacks
+from tfmx.guard import closing_fit, ending_callbacks, make_guard, planning_callbacks
 from tfmx.verify import as_verification_error
 
 _STAMP = "_tfmx_stamp"
@@ -105,12 +105,13 @@ class _TfWithFusedFunction:
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._tf, attr)
 
-    def _make_guard(self, ops: Any, signature: str) -> Any:
+    def _make_guard(self, ops: Any, signature: str, replicas: int = 1) -> Any:
         opts = state.options()
         if opts is None or not opts.guard:
             return None
         made = make_guard(self._name, opts, ops, signature, state.tuning_cache(),
-                          planned=self._name.endswith(".train_step"))  # fit's plan sizes it
+                          planned=self._name.endswith(".train_step"),  # fit's plan sizes it
+                          replicas=replicas)
         state.report().add_guard(made)
         return made
 
@@ -320,6 +321,7 @@ def install() -> None:
     # a fit's epochs and steps, from its callbacks' params: the guard's budget (tfmx.guard)
     patches.install(GROUP, CallbackList, "on_train_begin", planning_callbacks)
     patches.install(GROUP, CallbackList, "on_train_end", ending_callbacks)
+    patches.install(GROUP, trainer, "fit", closing_fit)
 
 
 def uninstall() -> None:
