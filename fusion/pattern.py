@@ -197,21 +197,26 @@ class Pattern:
     name: str
     description: str
     run: PassFn
+    # the ops a match starts from: where a function XLA must compile holds some, the family
+    # says it left them to XLA (fusion.pipeline)
+    anchors: frozenset[str] = frozenset()
 
 
 _REGISTRY: dict[str, Pattern] = {}
 
 
-def register(name: str, description: str) -> Callable[[PassFn], PassFn]:
-    """Register a pass function as pattern ``name`` (decorator).
+def register(name: str, description: str,
+             anchors: frozenset[str] = frozenset()) -> Callable[[PassFn], PassFn]:
+    """Register a pass function as pattern ``name`` (decorator); ``anchors``: the ops its
+    matches start from.
 
     >>> from fusion.pattern import register, registered
-    >>> "contraction" in registered()
-    True
+    >>> "contraction" in registered(), sorted(registered()["contraction"].anchors)[0]
+    (True, 'Conv2D')
     """
 
     def wrap(fn: PassFn) -> PassFn:
-        _REGISTRY[name] = Pattern(name, description, fn)
+        _REGISTRY[name] = Pattern(name, description, fn, frozenset(anchors))
         return fn
 
     return wrap

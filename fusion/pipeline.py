@@ -176,6 +176,7 @@ def rewrite(
     skipped: dict[str, str] = {}
     for name, fdef in library.items():
         if compiled_by_xla(fdef):  # XLA fuses it; a fused kernel there has no XLA lowering
+            _left_to_xla(fdef, selected, stats)
             continue
         try:
             body = FunctionBody(fdef, library)
@@ -201,6 +202,21 @@ def rewrite(
     return RewriteResult(
         out, stats, time.perf_counter() - start, renames, skipped, dict(view.control_renames)
     )
+
+
+XLA_REASON = ("in a function XLA must compile (jit_compile=True, as Keras compiles a grouped "
+              "convolution, which has no CPU kernel): left to XLA's own fusion")
+
+
+def _left_to_xla(fdef: function_pb2.FunctionDef, selected: list[Pattern],
+                 stats: dict[str, PatternStats]) -> None:
+    """Each family whose anchor ops a function XLA must compile holds declines them there,
+    with :data:`XLA_REASON`."""
+    ops = {n.op for n in fdef.node_def}
+    for pattern in selected:
+        found = sorted(ops & pattern.anchors)
+        if found:
+            stats[pattern.name].decline(f"{'/'.join(found)} {XLA_REASON}")
 
 
 def compiled_by_xla(fdef: function_pb2.FunctionDef) -> bool:

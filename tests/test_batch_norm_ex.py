@@ -174,3 +174,28 @@ def test_keras_mixed_float16_resnet_block_plan(monkeypatch):
     activation = next(c for c in plan.consumers(ex.name) if c.op == "Identity")
     assert any(i.startswith("^") for i in activation.input)  # the moving-average updates
     assert not plan.cycle()
+
+
+@pytest.mark.parametrize("backend, why", [
+    ("cpu", "cpu: no _FusedBatchNormEx in training"),
+    ("cuda", "no residual Add: left to Grappler's remapper"),
+])
+def test_a_batch_norm_and_its_relu_alone_are_declined_with_the_reason(monkeypatch, backend, why):
+    """BN-ReLU with no residual Add (DenseNet's pre-activation order): the family fuses
+    _FusedBatchNormEx with a side input only; it says why this one stays apart."""
+    monkeypatch.setenv(ENV, "1")
+
+    @tf.function(autograph=False)
+    def f(x, scale, offset):
+        y, *_ = tf.raw_ops.FusedBatchNormV3(x=x, scale=scale, offset=offset,
+                                            mean=tf.zeros([0]), variance=tf.zeros([0]),
+                                            is_training=True)
+        return tf.nn.relu(y)
+
+    concrete = f.get_concrete_function(tf.TensorSpec([2, 4, 4, 8], tf.float16),
+                                       tf.TensorSpec([8]), tf.TensorSpec([8]))
+    result = fusion.rewrite(concrete.graph.as_graph_def(add_shapes=True), get_backend(backend),
+                            ["batch_norm"], protected_names(concrete))
+    declined = result.stats["batch_norm"].declined
+    assert [d for d in declined if d.startswith("FusedBatchNormV3+Relu: ") and why in d], declined
+    assert not any(n.op == "_FusedBatchNormEx" for n in result.graph_def.node)

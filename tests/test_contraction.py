@@ -527,3 +527,23 @@ def test_two_chains_in_one_graph(trace, fuse, cpu, rng, assert_same_numbers):
                      ("_FusedMatMul", ("BiasAdd", "Sigmoid"))]
     assert res.stats["contraction"].fused == 2
     assert_same_numbers(cf, res, *_args(rng, *specs))
+
+
+def test_a_contraction_in_a_function_xla_must_compile_is_declined_with_the_reason(cpu):
+    """Keras compiles a grouped convolution (ConvNeXt's depthwise 7x7) with XLA: the family
+    leaves the function to XLA and says so."""
+    @tf.function(jit_compile=True, autograph=False)
+    def grouped(x, w):
+        return tf.nn.conv2d(x, w, 1, "SAME")
+
+    @tf.function(autograph=False)
+    def f(x, w, b):
+        return tf.nn.relu(tf.nn.bias_add(grouped(x, w), b))
+
+    concrete = f.get_concrete_function(X4, W4, B3)
+    result = fusion.rewrite(concrete.graph.as_graph_def(add_shapes=True), cpu, ["contraction"],
+                            protected_names(concrete))
+    declined = result.stats["contraction"].declined
+    assert any(d.startswith("Conv2D in a function XLA must compile") for d in declined), declined
+    (fdef,) = [f for f in result.graph_def.library.function if "grouped" in f.signature.name]
+    assert [n.op for n in fdef.node_def if n.op.startswith("_Fused")] == []

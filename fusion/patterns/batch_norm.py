@@ -606,6 +606,10 @@ def find_batch_norm_ex(view: GraphView,
         if relu.op != "Relu":
             continue
         add = view.node(relu.input[0])
+        direct = _behind_identity(view, relu.input[0])
+        if direct is not None:  # a batch norm and its activation, no residual (pre-activation)
+            declined.append(f"FusedBatchNormV3+Relu: {_without_side_input(view, direct, target)}")
+            continue
         if add is None or add.op not in ("Add", "AddV2") or parse_input(relu.input[0])[1]:
             continue
         inputs = view.data_inputs(add)
@@ -659,6 +663,24 @@ def find_batch_norm_ex(view: GraphView,
         matches.append(BatchNormExMatch(fused=fused, add=add, relu=relu, side_input=side,
                                         identity=identity, relu_grad=relu_grad, grad=grad))
     return matches, declined
+
+
+def _without_side_input(view: GraphView, fused: NodeDef, target: Target) -> str:
+    """Why a FusedBatchNormV3 followed by a Relu alone (no residual Add) stays apart: the
+    target's kernel reason, else that this family fuses ``_FusedBatchNormEx`` with a side
+    input only and leaves this one to Grappler's remapper (which fuses it where the device has
+    the kernel)."""
+    shape = output_shape(fused, 0)
+    fmt = fused.attr["data_format"].s.decode()
+    channels = None
+    if shape is not None and len(shape) == 4:
+        channels = shape[3] if fmt == "NHWC" else shape[1]
+    why = kernel_blocker(target, "_FusedBatchNormEx", dtype_name(fused), fmt,
+                         fused.attr["is_training"].b, channels, fused.attr["epsilon"].f)
+    if why is not None:
+        return f"{why}; the Relu stays apart"
+    return ("no residual Add: left to Grappler's remapper, which fuses a batch norm and its "
+            "Relu into _FusedBatchNormEx where the device has it")
 
 
 def rewrite_batch_norm_ex(view: GraphView, match: BatchNormExMatch) -> NodeDef:

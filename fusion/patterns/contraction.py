@@ -381,6 +381,7 @@ def rewrite_contraction(view: GraphView, match: ContractionMatch) -> NodeDef:
     "contraction",
     "Conv2D / DepthwiseConv2dNative / MatMul + BiasAdd (+ residual Add) (+ activation) "
     "-> _FusedConv2D / _FusedDepthwiseConv2dNative / _FusedMatMul",
+    anchors=frozenset(FUSED_OP),
 )
 def contraction_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Find every contraction chain in ``view`` and fuse it for ``ctx.target``."""
