@@ -138,12 +138,14 @@ def explain() -> str:
 
 
 def reset() -> None:
-    """Back to Keras's float32 global policy; forget what ``set_global`` and compile recorded.
+    """Back to Keras's float32 global policy; forget what ``set_global`` and compile recorded,
+    and put back Keras's ``compile`` and ``Layer.__call__`` (the hook's patches).
 
     >>> import policies
+    >>> from policies import hook
     >>> policies.reset()
-    >>> policies.current()
-    'float32'
+    >>> policies.current(), hook.installed()
+    ('float32', False)
     """
     from policies import hook
 
@@ -151,3 +153,4 @@ def reset() -> None:
     _STATE.choice, _STATE.safe, _STATE.tune = None, True, True
     _STATE.replaced.clear()
     hook.forget_compiled_models()
+    hook.uninstall()

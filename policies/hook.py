@@ -1,6 +1,7 @@
 """The compile hook: safe defaults and warnings reach ``model.compile`` of every Keras model.
 
-Installed by ``set_global`` / ``scope`` / ``apply`` (idempotent). Before Keras's own compile it
+Installed by ``set_global`` / ``scope`` / ``apply`` (idempotent; a model built in a ``scope``
+is compiled after it), removed by ``policies.reset``. Before Keras's own compile it
 (1) warns about layers built before the last ``set_global`` that keep the old policy, (2) under
 "auto" with a 16-bit choice, tunes the model per layer (:func:`policies.tune`), (3) puts the
 output layer, softmax and non-upcasting normalization in float32 and (4) wraps the optimizer in a

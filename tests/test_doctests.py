@@ -34,8 +34,8 @@ def test_docstring_examples_run(name: str) -> None:
 
 
 def _restore_policies() -> None:
-    """Docstring examples of ``policies`` set keras's global policy; put float32 back."""
-    from policies import global_policy, hook
+    """Docstring examples of ``policies`` set keras's global policy; put float32 back (and
+    Keras's own compile and Layer.__call__)."""
+    from policies import global_policy
 
     global_policy.reset()
-    hook.uninstall()
