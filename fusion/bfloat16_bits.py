@@ -44,12 +44,13 @@ from typing import Any
 
 import tensorflow as tf
 
+from fusion import trace_state
+
 FAMILY = "bfloat16_bits"  # the tuner's family of the decisions below (a region's own family
 # forces its forms by name: this one has its own)
 CONVERT = "convert"  # XLA's own float32 -> bfloat16 conversion
 INTEGER = "integer rounding"  # the rounding as integer operations (:func:`to_bits`), and the
 # widening (:func:`widened`)
-_INTEGER_EDGES = "_tfmx_bfloat16_integer_edges"  # marks the graph of a region in that form
 
 
 def to_bits(x: tf.Tensor) -> tf.Tensor:
@@ -86,13 +87,8 @@ def integer_edges(on: bool = True) -> Iterator[None]:
     """While a region's function is traced: :func:`widened` widens bfloat16 by integer
     operations in the graph being traced (``on``), or by ``Cast`` (XLA's convert). What
     :func:`fusion.stage.xla_region` sets around the function it compiles."""
-    graph = tf.compat.v1.get_default_graph()
-    before = getattr(graph, _INTEGER_EDGES, None)
-    setattr(graph, _INTEGER_EDGES, on)
-    try:
+    with trace_state.scoped(tf.compat.v1.get_default_graph(), "integer_edges", on):
         yield
-    finally:
-        setattr(graph, _INTEGER_EDGES, before)
 
 
 def widened(x: Any) -> tf.Tensor:
@@ -111,8 +107,8 @@ def widened(x: Any) -> tf.Tensor:
     ([0.5, -3.0], [0.5, -3.0])
     """
     x = tf.convert_to_tensor(x)
-    if x.dtype == tf.bfloat16 and getattr(tf.compat.v1.get_default_graph(), _INTEGER_EDGES,
-                                          None):
+    held = trace_state.of(tf.compat.v1.get_default_graph())
+    if x.dtype == tf.bfloat16 and held is not None and held.integer_edges:
         return widen_bits(x)
     return tf.cast(x, tf.float32)
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from fusion import trace_state
+
 WRITES = ("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter",
           "ResourceStridedSliceAssign")
 """Prefixes of the op types that write a variable."""
@@ -106,26 +108,34 @@ class Attempt:
 
     def abandon(self) -> list[str]:
         """Drop the held-back writes and losses, and mark the ops the attempt made as
-        abandoned on their graph (:func:`without_abandoned` takes them out of the step); the
-        ops among them that write a variable (none unless it wrote a ``tf.Variable``
-        directly), as ``"<type> <name>"``."""
+        abandoned in their graph's state (:func:`without_abandoned` takes them out of the
+        step); the ops among them that write a variable (none unless it wrote a
+        ``tf.Variable`` directly), as ``"<type> <name>"``."""
         if self._graph is None:
             return []
         made = self._graph.get_operations()[self._mark:]
-        marked = getattr(self._graph, ABANDONED, None)
-        if marked is None:
-            marked = set()
-            setattr(self._graph, ABANDONED, marked)
-        marked.update(op.name for op in made)
+        trace_state.of(self._graph, create=True).abandoned.update(op.name for op in made)
         return [f"{op.type} {op.name}" for op in made if op.type.startswith(WRITES)]
 
 
-ABANDONED = "_tfmx_abandoned"  # on a traced graph: the names of ops failed attempts made
-
-
 def abandoned(graph: Any) -> frozenset[str]:
-    """The names of the ops that failed attempts made in ``graph`` (a FuncGraph)."""
-    return frozenset(getattr(graph, ABANDONED, ()))
+    """The names of the ops that failed attempts made in ``graph`` (a FuncGraph), kept in its
+    state (``fusion.trace_state``) for as long as the graph lives.
+
+    >>> import tensorflow as tf
+    >>> @tf.function
+    ... def step(x):
+    ...     with Attempt() as attempt:
+    ...         _ = tf.square(x, name="tried")
+    ...     attempt.abandon()
+    ...     return x + 1.0
+    >>> sorted(abandoned(step.get_concrete_function(tf.constant(1.0)).graph))
+    ['tried']
+    >>> abandoned(tf.Graph())
+    frozenset()
+    """
+    held = trace_state.of(graph)
+    return frozenset(held.abandoned) if held is not None else frozenset()
 
 
 def without_abandoned(graph_def: Any, names: frozenset[str]) -> tuple[Any, int]:
@@ -199,4 +209,4 @@ def _called(nodes: Any, library: dict[str, Any]) -> set[str]:
     return found
 
 
-__all__ = ["ABANDONED", "WRITES", "Attempt", "abandoned", "without_abandoned"]
+__all__ = ["WRITES", "Attempt", "abandoned", "without_abandoned"]
