@@ -40,12 +40,12 @@ from tensorflow.python.framework.ops import EagerTensor
 from tensorflow.python.util import tf_decorator
 
 from fusion.graph import op_histogram
-from fusion.pipeline import rewrite
 from fusion.transaction import abandoned, without_abandoned
 from tfmx import guard, staging, state
 from tfmx.errors import BackendUnavailableError
-from tfmx.rebuild import control_output_names, protected_names, rebuild
+from tfmx.rebuild import rebuild
 from tfmx.reporting import TraceRecord
+from tfmx.rewriting import rewrite_traced
 from tfmx.verify import FALLBACK, disagreed, verified_call
 
 _SIMPLE = (bool, int, float, str, type(None))
@@ -374,21 +374,6 @@ def _replicas(entry: _Entry) -> int:
                    .to_string() for n in graph_def.node if n.device}
         entry.replicas = max(1, len(devices))
     return entry.replicas
-
-
-def rewrite_traced(concrete: Any, opts: state.Options, graph_def: Any = None) -> Any:
-    """:func:`fusion.rewrite` of one traced function under ``opts`` (a
-    ``fusion.pipeline.RewriteResult``): its graph (``graph_def`` where already taken, with
-    shapes), its protected names and control outputs, the tuner's choices."""
-    return rewrite(
-        graph_def or concrete.graph.as_graph_def(add_shapes=True),
-        opts.backend,
-        opts.patterns,
-        protected_names(concrete),
-        control_output_names(concrete),
-        # a plan for a backend this machine lacks cannot be measured: every rewrite shown
-        tuner=state.tuner() if opts.backend.available else None,
-    )
 
 
 def build_entry(concrete: Any, opts: state.Options, name: str) -> _Entry:

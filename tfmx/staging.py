@@ -3,8 +3,8 @@
 :func:`staged` wraps a step's Python function so that whenever TensorFlow traces it (fit's,
 evaluate's and predict's steps, ``tfmx.function``, the outer-tape path) the stages see one
 :class:`~fusion.stage.StageContext` built from the options of ``tfmx.enable()``: the backend,
-the tuner, the families switched on. What they rewrite is kept on the traced graph and reaches
-``tfmx.report()`` once per graph that runs (:func:`commit`).
+the tuner, the families switched on. What they rewrite is kept in the traced graph's state
+(``fusion.trace_state``) and reaches ``tfmx.report()`` once per graph that runs (:func:`commit`).
 
 Example:
     >>> import tfmx
@@ -27,12 +27,11 @@ from typing import Any
 from tensorflow.python.framework import ops
 from tensorflow.python.util import tf_decorator
 
-from fusion import stage
+from fusion import stage, trace_state
 from fusion.pattern import PatternStats
 from tfmx import state
-
-_STATS = "_tfmx_stage_stats"  # on a traced FuncGraph: (family, stats) its stages recorded
-_COMMITTED = "_tfmx_stage_committed"
+from tfmx.rebuild import rebuild
+from tfmx.rewriting import rewrite_traced
 
 
 def context(opts: state.Options | None,
@@ -60,9 +59,6 @@ def fragment_passes(opts: state.Options) -> Callable[[Any], Any]:
     the rewritten one (the same one where nothing changed): what a stage's timed candidate
     (``fusion.stage.timed_form``) is run through, so that it is timed as the step runs it. Its
     decisions are the tuner's, as in the step; nothing reaches the report's traces."""
-    from tfmx.fused_function import rewrite_traced  # it imports this module
-    from tfmx.rebuild import rebuild
-
     def apply(concrete: Any) -> Any:
         result = rewrite_traced(concrete, opts)
         if not result.changed:
@@ -74,14 +70,11 @@ def fragment_passes(opts: state.Options) -> Callable[[Any], Any]:
 
 def staged(fn: Callable) -> Callable:
     """``fn`` with the stages on while it is traced (tfmx wraps the functions it traces); what
-    they rewrote is kept on the traced graph for :func:`commit`."""
+    they rewrote is kept in the traced graph's state (``fusion.trace_state``) for
+    :func:`commit`."""
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        graph = ops.get_default_graph()
-        recorded = getattr(graph, _STATS, None)
-        if recorded is None:
-            recorded = []
-            setattr(graph, _STATS, recorded)
+        recorded = trace_state.of(ops.get_default_graph(), create=True).stage_stats
         with stage.tracing(context(state.options(), recorded)):
             return fn(*args, **kwargs)
 
@@ -91,13 +84,13 @@ def staged(fn: Callable) -> Callable:
 def commit(graph: Any) -> int:
     """Merge what the stages recorded while ``graph`` was traced into ``tfmx.report()`` (once
     per graph); the number of layers they rewrote in it."""
-    recorded = getattr(graph, _STATS, [])
-    fused = sum(stats.fused for _, stats in recorded)
-    if getattr(graph, _COMMITTED, False):
+    held = trace_state.of(graph, create=True)
+    fused = sum(stats.fused for _, stats in held.stage_stats)
+    if held.committed:
         return fused
-    setattr(graph, _COMMITTED, True)
+    held.committed = True
     report = state.report()
-    for family, stats in recorded:
+    for family, stats in held.stage_stats:
         report.patterns.setdefault(family, PatternStats()).merge(stats)
         if stats.fused:
             report.note(f"{family}: layers were rewritten before differentiation "
