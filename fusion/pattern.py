@@ -1,9 +1,11 @@
-"""What every pattern family shares: its statistics, the target it rewrites for, a registry.
+"""What every family's graph pass shares: its statistics, the target it rewrites for, the
+chooser between correct forms, the pass context and the body of a pass.
 
-A pattern family is one module with one repeated shape, as in TensorFlow's remapper.cc: a match
-record (a dataclass), ``find_*`` that fills records from a :class:`~fusion.graph.GraphView`, and
-``rewrite_*`` that writes the fused node. The family's pass function ties them together and is
-registered here under a short name that users pass to ``tfmx.enable(patterns=[...])``.
+A graph pass has one repeated shape, as in TensorFlow's remapper.cc: a match record (a
+dataclass), ``find_*`` that fills records from a :class:`~fusion.graph.GraphView` with the
+reason for each one it declines, and ``rewrite_*`` that writes the fused form. Its pass
+function ties them together (:func:`apply_matches`); the family declares it in the one
+registry, :mod:`fusion.family`.
 
 Example:
     >>> from fusion.pattern import PatternStats
@@ -188,65 +190,3 @@ def apply_matches(
     for match in matches:
         rewrite(view, match)
         ctx.stats.fuse(kind(match), partial(match))
-
-
-@dataclasses.dataclass(frozen=True)
-class Pattern:
-    """A registered pattern family: its name, what it does, and its pass function."""
-
-    name: str
-    description: str
-    run: PassFn
-    # the ops a match starts from: where a function XLA must compile holds some, the family
-    # says it left them to XLA (fusion.pipeline)
-    anchors: frozenset[str] = frozenset()
-
-
-_REGISTRY: dict[str, Pattern] = {}
-
-
-def register(name: str, description: str,
-             anchors: frozenset[str] = frozenset()) -> Callable[[PassFn], PassFn]:
-    """Register a pass function as pattern ``name`` (decorator); ``anchors``: the ops its
-    matches start from.
-
-    >>> from fusion.pattern import register, registered
-    >>> "contraction" in registered(), sorted(registered()["contraction"].anchors)[0]
-    (True, 'Conv2D')
-    """
-
-    def wrap(fn: PassFn) -> PassFn:
-        _REGISTRY[name] = Pattern(name, description, fn, frozenset(anchors))
-        return fn
-
-    return wrap
-
-
-def registered() -> dict[str, Pattern]:
-    """All registered patterns by name, in pipeline order (``fusion.patterns.PIPELINE_ORDER``;
-    families registered elsewhere after those, in registration order)."""
-    from fusion.patterns import PIPELINE_ORDER
-
-    ordered = [name for name in PIPELINE_ORDER if name in _REGISTRY]
-    ordered += [name for name in _REGISTRY if name not in PIPELINE_ORDER]
-    return {name: _REGISTRY[name] for name in ordered}
-
-
-def resolve(names: list[str] | tuple[str, ...] | None) -> list[Pattern]:
-    """The patterns named (all when None), in pipeline order; ValueError on unknown names.
-
-    >>> [p.name for p in resolve(["contraction"])]
-    ['contraction']
-    """
-    available = registered()
-    if names is None:
-        return list(available.values())
-    if isinstance(names, str):
-        names = [names]
-    unknown = [n for n in names if n not in available]
-    if unknown:
-        raise ValueError(
-            f"unknown pattern(s) {unknown}; choose from {sorted(available)} "
-            "(or pass patterns=None for all)"
-        )
-    return [p for n, p in available.items() if n in names]

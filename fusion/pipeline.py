@@ -30,15 +30,14 @@ from collections.abc import Iterable
 
 from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2, node_def_pb2
 
+from fusion.family import Family, passes
 from fusion.graph import FunctionBody, GraphView
 from fusion.pattern import (
     Chooser,
-    Pattern,
     PatternStats,
     RewriteAlways,
     RewriteContext,
     Target,
-    resolve,
 )
 
 
@@ -63,7 +62,7 @@ class RewriteResult:
 
 
 def _run_pattern(
-    pattern: Pattern,
+    pattern: Family,
     view: GraphView,
     target: Target,
     external: Iterable[str],
@@ -94,7 +93,7 @@ def _run_pattern(
 
 
 def _run_patterns(
-    patterns: list[Pattern],
+    patterns: list[Family],
     view: GraphView,
     target: Target,
     external: Iterable[str],
@@ -155,7 +154,7 @@ def rewrite(
     """
     start = time.perf_counter()
     tuner = tuner if tuner is not None else RewriteAlways()
-    selected = resolve(patterns)
+    selected = passes(patterns)
     stats = {p.name: PatternStats() for p in selected}
     out = graph_pb2.GraphDef()
     out.CopyFrom(graph_def)
@@ -208,7 +207,7 @@ XLA_REASON = ("in a function XLA must compile (jit_compile=True, as Keras compil
               "convolution, which has no CPU kernel): left to XLA's own fusion")
 
 
-def _left_to_xla(fdef: function_pb2.FunctionDef, selected: list[Pattern],
+def _left_to_xla(fdef: function_pb2.FunctionDef, selected: list[Family],
                  stats: dict[str, PatternStats]) -> None:
     """Each family whose anchor ops a function XLA must compile holds declines them there,
     with :data:`XLA_REASON`."""

@@ -6,10 +6,11 @@ reads the forward's intermediates. A stage instead routes one Keras method (a la
 or ``inner_loop``) through its handler while tfmx traces, and emits the fused form there, whose
 gradient TensorFlow knows (a registered gradient or a ``tf.custom_gradient``).
 
-One mechanism for every stage, as the GraphDef passes have :func:`fusion.pattern.register`:
+One mechanism for every stage:
 
-- :class:`Stage` names a family (the name users pass to ``tfmx.enable(patterns=[...])``) and
-  its :class:`Hook` s: which class's method it routes, and the handler.
+- A family (:class:`fusion.family.Family`, the name users pass to
+  ``tfmx.enable(patterns=[...])``) declares its :class:`Hook` s: which class's method it
+  routes, and the handler.
 - :func:`install` patches every registered hook once (``fusion.patches``, :data:`GROUP`);
   a patched method runs its handler only inside :func:`tracing`, whose one
   :class:`StageContext` (target, chooser, families on, where statistics go) tfmx enters
@@ -17,8 +18,8 @@ One mechanism for every stage, as the GraphDef passes have :func:`fusion.pattern
   Outside it Keras runs untouched.
 - A handler returns what the method returns: the fused form, or the original's result after
   recording why it declined. It records what it rewrote through ``ctx.record`` ("rewritten");
-  the family's GraphDef pass later finds the emitted nodes in the traced graph and reports them
-  as "observed".
+  the family's graph pass, or its declared observer (:class:`fusion.family.Observed`), later
+  finds the emitted nodes in the traced graph and reports them as "observed".
 
 Example:
     >>> from fusion import stage
@@ -35,12 +36,12 @@ import contextlib
 import dataclasses
 import functools
 import importlib
-import re
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from fusion import patches
+from fusion.family import Family, families
 from fusion.pattern import Chooser, PatternStats, Target
 
 GROUP = "tfmx.stages"  # the fusion.patches group the stage hooks are installed under
@@ -91,30 +92,12 @@ class Hook:
         return getattr(importlib.import_module(module), name)
 
 
-@dataclasses.dataclass(frozen=True)
-class Stage:
-    """A family that rewrites before differentiation."""
-
-    name: str
-    description: str
-    hooks: tuple[Hook, ...]
-
-
-_STAGES: dict[str, Stage] = {}
 _local = threading.local()
 
 
-def register_stage(stage: Stage) -> Stage:
-    """Add ``stage`` to the registry (a module-level call in its module)."""
-    _STAGES[stage.name] = stage
-    return stage
-
-
-def stages() -> list[Stage]:
-    """Every registered stage (``fusion.stages`` registers the built-in ones on import)."""
-    import fusion.stages  # noqa: F401 - registers the built-in stages
-
-    return list(_STAGES.values())
+def stages() -> list[Family]:
+    """Every family with stage hooks (:func:`fusion.family.families`), in pipeline order."""
+    return [f for f in families() if f.hooks]
 
 
 _GRAPH_CONTEXT = "_tfmx_stage_context"  # on the graph a tracing() block traces
@@ -159,31 +142,6 @@ def tracing(ctx: StageContext | None) -> Iterator[None]:
             delattr(graph, _GRAPH_CONTEXT)
         elif graph is not None:
             setattr(graph, _GRAPH_CONTEXT, before)
-
-
-GRADIENT_SCOPES = ("gradient_tape/", "gradients/")
-
-
-def emitted_units(view: Any, scope: str, marks: dict[str, frozenset[str]]) -> list[tuple[str, str]]:
-    """(scope, form) of every unit a stage emitted under ``<scope>_<form>`` in ``view`` (a
-    ``fusion.graph.GraphView``) that holds one of its form's ``marks`` ops (its kernel); the
-    gradient's copies are not units. Forms are spelled with ``_`` for spaces in scopes.
-
-    >>> from tensorflow.core.framework.node_def_pb2 import NodeDef
-    >>> from fusion.graph import GraphView
-    >>> view = GraphView([NodeDef(name="tfmx_x_fast/m", op="MatMul"),
-    ...                   NodeDef(name="gradients/tfmx_x_fast/m", op="MatMul")])
-    >>> emitted_units(view, "tfmx_x", {"fast": frozenset({"MatMul"})})
-    [('tfmx_x_fast/', 'fast')]
-    """
-    unit = re.compile(r"(?:^|/)" + re.escape(scope) + r"_(?P<form>[a-z0-9_]+?)(?:_\d+)?/")
-    units: dict[str, str] = {}
-    for node in view.nodes():
-        found = None if node.name.startswith(GRADIENT_SCOPES) else unit.search(node.name)
-        form = found.group("form").replace("_", " ") if found else None
-        if form in marks and node.op in marks[form]:
-            units[node.name[: found.end()]] = form
-    return sorted(units.items())
 
 
 def functional_neighbours(layer: Any) -> tuple[list[Any], list[Any]] | None:
@@ -435,7 +393,7 @@ def rewrite_call(ctx: StageContext, family: str, scope: str, labels: dict[str, s
     return out
 
 
-def _routed(chain: list[tuple[Stage, Hook]]) -> Callable[[Any], Any]:
+def _routed(chain: list[tuple[Family, Hook]]) -> Callable[[Any], Any]:
     """The patch of one method that ``chain``'s hooks route (in registration order), run
     highest ``outer`` first, then in that order: each handler runs where its stage is on in
     the active trace, with the rest of the chain (then the method itself) as its
@@ -454,7 +412,7 @@ def _routed(chain: list[tuple[Stage, Hook]]) -> Callable[[Any], Any]:
     return make
 
 
-def _link(stage: Stage, hook: Hook, following: Callable[..., Any]) -> Callable[..., Any]:
+def _link(stage: Family, hook: Hook, following: Callable[..., Any]) -> Callable[..., Any]:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         ctx = active()
         if ctx is None or not ctx.wants(stage.name):
@@ -467,7 +425,7 @@ def _link(stage: Stage, hook: Hook, following: Callable[..., Any]) -> Callable[.
 def install() -> None:
     """Patch every registered stage's hooks (idempotent; ``uninstall`` puts them back): one
     patch per method, the hooks of several stages on it chained (:class:`Hook`'s ``outer``)."""
-    chains: dict[tuple[str, str], list[tuple[Stage, Hook]]] = {}
+    chains: dict[tuple[str, str], list[tuple[Family, Hook]]] = {}
     for stage in stages():
         for hook in stage.hooks:
             chains.setdefault((hook.owner, hook.attribute), []).append((stage, hook))

@@ -83,9 +83,9 @@ def exact_patterns() -> list[str]:
     blocked otherwise; tests/test_bias_row.py holds it to rounding). What these give equals
     stock but for the rounding of a fused kernel's own activation (Tanh, Sigmoid, Elu):
     bitwise for Relu chains, the kernels Grappler gives stock too."""
-    from fusion.pattern import registered
+    import fusion
 
-    return [name for name in registered() if name not in ("onednn", "bias_row")]
+    return [name for name in fusion.available_patterns() if name not in ("onednn", "bias_row")]
 
 
 # -- tolerances from rounding --------------------------------------------------------------------

@@ -19,6 +19,7 @@ from helpers import (
 
 import tfmx
 from fusion import stage as stage_mechanism
+from fusion.family import Family
 from fusion.pattern import PlainTarget, RewriteAlways
 from fusion.stage import autocast
 from fusion.stages import bias_row as stage
@@ -198,8 +199,8 @@ def test_hooks_on_one_method_run_as_a_chain_outer_first():
 
     inner = stage_mechanism.Hook("m:Owner", "call", handler("inner"))
     outer = stage_mechanism.Hook("m:Owner", "call", handler("outer"), outer=1)
-    chain = [(stage_mechanism.Stage("inner", "", (inner,)), inner),  # registration order
-             (stage_mechanism.Stage("outer", "", (outer,)), outer)]
+    chain = [(Family("inner", "", hooks=(inner,)), inner),  # registration order
+             (Family("outer", "", hooks=(outer,)), outer)]
     method = stage_mechanism._routed(chain)(Owner.call)  # noqa: SLF001
     x = tf.ones([2])
     method(Owner(), x)

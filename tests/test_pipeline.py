@@ -9,7 +9,7 @@ from helpers import FUSED_MATMULS, assert_within_rounding
 
 import fusion
 import fusion.patterns  # noqa: F401  (registers the real families before the throwaway ones)
-from fusion.pattern import _REGISTRY, register, resolve
+from fusion.family import forget, passes, register, resolve
 from tfmx.rebuild import protected_names
 
 F32 = tf.float32
@@ -25,16 +25,17 @@ DENSE_ROUNDINGS = 3 + 1  # a 3-term MatMul, the BiasAdd (Relu is exact)
 
 @pytest.fixture
 def throwaway():
-    """register(name, fn) a pattern for one test; it is removed from the registry afterwards."""
+    """register(name, fn) a family's pass for one test, run after every built-in one; it is
+    removed from the registry afterwards."""
     names = []
 
     def _register(name, fn):
-        register(name, "test-only pattern")(fn)
+        register(name, "test-only pattern", after=("onednn",), order="a test's")(fn)
         names.append(name)
 
     yield _register
     for name in names:
-        _REGISTRY.pop(name, None)
+        forget(name)
 
 
 @pytest.fixture(scope="module")
@@ -311,26 +312,30 @@ def test_rewritten_functions_are_named_by_their_content(cpu):
     assert all(other[name] == first[name] for name in first if name != body.signature.name)
 
 
-# -- pattern names ----------------------------------------------------------------------------
+# -- family names -----------------------------------------------------------------------------
 def test_resolve_unknown_pattern_lists_choices():
     with pytest.raises(ValueError) as info:
         resolve(["contraction", "nope"])
     msg = str(info.value)
-    assert "'nope'" in msg and "choose from" in msg and "'contraction'" in msg
+    assert "'nope'" in msg and "choose from" in msg and "contraction" in msg
     assert "'contraction'" not in msg.split("choose from")[0]  # only the unknown name is blamed
 
 
 def test_rewrite_with_unknown_pattern_raises(dense_graph, cpu):
-    with pytest.raises(ValueError, match="unknown pattern"):
+    with pytest.raises(ValueError, match="unknown family"):
         fusion.rewrite(dense_graph[1], cpu, patterns=["nope"])
 
 
-def test_resolve_known_names():
-    assert [p.name for p in resolve("contraction")] == ["contraction"]
-    assert [p.name for p in resolve(["contraction"])] == ["contraction"]
-    everything = [p.name for p in resolve(None)]
-    assert everything[:2] == ["reshaped_bias", "contraction"]
+def test_resolve_known_names_and_exclude():
+    assert resolve("contraction") == ("contraction",)
+    assert resolve(["onednn", "contraction"]) == ("contraction", "onednn")  # pipeline order
+    assert resolve(None) is None  # every family
+    everything = [f.name for f in passes(None)]
     assert everything == fusion.available_patterns()
+    assert resolve(None, exclude=["onednn"]) == tuple(everything[:-1])
+    assert resolve(["contraction", "casts"], exclude="casts") == ("contraction",)
+    with pytest.raises(ValueError, match="unknown family 'onednm'"):
+        resolve(None, exclude=["onednm"])
 
 
 def test_throwaway_patterns_are_gone():
@@ -338,19 +343,31 @@ def test_throwaway_patterns_are_gone():
         fusion.available_patterns())
 
 
-def test_the_pass_order_is_declared_and_keeps_its_reasons():
-    """fusion.patterns.PIPELINE_ORDER is the run order; each family has a place, and the
-    order's stated reasons hold (a family that reads another's output runs after it)."""
-    from fusion.pattern import registered
-    from fusion.patterns import PIPELINE_ORDER
+def test_the_pass_order_comes_from_the_declarations_and_keeps_their_reasons():
+    """Each family's ``after`` (with its ``order``) orders the pipeline: a family that reads
+    another's output runs after it; dedupe after every family but onednn; onednn last."""
+    from fusion.family import families
 
-    order = [name for name in registered() if name in PIPELINE_ORDER]  # tests add others
-    assert order == list(PIPELINE_ORDER)
-    assert list(registered())[: len(PIPELINE_ORDER)] == list(PIPELINE_ORDER)
-    assert set(PIPELINE_ORDER) == {p.name for p in fusion.pattern.resolve(None)}
-    before = [("contraction", "conv_bn_fold"), ("conv_bn_fold", "batch_norm"),
-              ("optimizer_update", "dedupe"), ("casts", "dedupe"), ("contraction", "onednn"),
-              ("batch_norm", "onednn"), ("dedupe", "onednn")]
+    declared = families()
+    order = [f.name for f in declared]
+    for f in declared:
+        for name in f.after:
+            if name != "*":
+                assert order.index(name) < order.index(f.name), (name, f.name)
+        assert not f.after or f.order, f"{f.name}: its place has no reason"
+    before = [("reshaped_bias", "contraction"), ("contraction", "conv_bn_fold"),
+              ("conv_bn_fold", "batch_norm"), ("optimizer_update", "dedupe"),
+              ("casts", "dedupe"), ("contraction", "onednn"), ("batch_norm", "onednn"),
+              ("bias_grad", "matmul_layout"), ("dedupe", "onednn")]
     for first, then in before:
         assert order.index(first) < order.index(then), (first, then)
-    assert order[-1] == "onednn"
+    assert order[-2:] == ["dedupe", "onednn"]
+
+
+def test_a_cycle_in_the_declarations_is_refused():
+    from fusion.family import _ordered
+
+    a = fusion.family.Family("a", "", after=("b",))
+    b = fusion.family.Family("b", "", after=("a",))
+    with pytest.raises(ValueError, match="cycle"):
+        _ordered({"a": a, "b": b})

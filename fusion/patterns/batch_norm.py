@@ -55,9 +55,10 @@ import numpy as np
 import tensorflow as tf
 
 from fusion.expr import Any, Const, Match, OneOf, Op, Pattern, Where, match
+from fusion.family import register
 from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, output_shape, parse_input, tensor_ref
 from fusion.match import blocker, const_node, const_value, dtype_name, new_node
-from fusion.pattern import RewriteContext, Target, apply_matches, register
+from fusion.pattern import RewriteContext, Target, apply_matches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -768,6 +769,9 @@ def rewrite_batch_norm_ex_training(view: GraphView, match: BatchNormExMatch) -> 
     "batch_norm",
     "composite BatchNormalization -> FusedBatchNormV3 (training: before differentiation, "
     "via the stage fusion.stages.batch_norm); FusedBatchNormV3 + Add + Relu -> _FusedBatchNormEx",
+    after=("conv_bn_fold",),
+    order=("it fuses the inference batch norms that conv_bn_fold did not fold into a "
+           "convolution"),
 )
 def batch_norm_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Fuse every composite batch norm, then every batch norm + residual Add + Relu."""

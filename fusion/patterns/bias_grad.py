@@ -37,10 +37,11 @@ import math
 import numpy as np
 import tensorflow as tf
 
+from fusion.family import register
 from fusion.fragment import choose_rewrite
 from fusion.graph import GraphView, NodeDef, output_shape, parse_input
 from fusion.match import const_node, dtype_name, new_node
-from fusion.pattern import Chooser, RewriteContext, Target, apply_matches, register
+from fusion.pattern import Chooser, RewriteContext, Target, apply_matches
 
 SCOPE = "tfmx_bias_grad"
 """The scope of the nodes written for one match: ``<BiasAddGrad's name>/tfmx_bias_grad/``."""
@@ -139,6 +140,9 @@ def rewrite_bias_grad(view: GraphView, match: BiasGradMatch) -> NodeDef:
     "bias_grad",
     "BiasAddGrad -> a MatMul of a row of ones (the same sum on the GEMM), where the tuner "
     "measures it faster",
+    after=("casts",),
+    order=("it reads the bias gradients in their final dtypes; dedupe then shares its rows "
+           "of ones"),
 )
 def bias_grad_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Rewrite every ``BiasAddGrad`` in ``view`` that the tuner measures faster as a MatMul."""

@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from fusion.family import register
 from fusion.graph import GraphView, NodeDef, parse_input
 from fusion.match import dtype_name
-from fusion.pattern import RewriteContext, Target, apply_matches, register
+from fusion.pattern import RewriteContext, Target, apply_matches
 
 LOSSLESS_WIDENING = frozenset({
     ("bfloat16", "float32"), ("float16", "float32"), ("bfloat16", "float64"),
@@ -120,6 +121,9 @@ def rewrite_cast(view: GraphView, match: CastMatch) -> None:
     "casts",
     "redundant Cast: lossless round trips (bfloat16->float32->bfloat16) and identity casts "
     "-> removed",
+    after=("reshaped_bias", "contraction", "conv_bn_fold", "optimizer_update", "batch_norm"),
+    order=("it removes casts once the families that write ops have produced their final "
+           "dtypes"),
 )
 def casts_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Remove every redundant cast in ``view`` (exact: values do not change)."""

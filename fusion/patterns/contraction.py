@@ -42,6 +42,7 @@ from collections.abc import Mapping
 import tensorflow as tf
 
 from fusion.expr import Any, Match, Near, Op, Pattern, Skip, match
+from fusion.family import register
 from fusion.fragment import choose_rewrite, input_shapes
 from fusion.graph import GraphView, NodeDef, output_shape, parse_input
 from fusion.match import (
@@ -53,7 +54,7 @@ from fusion.match import (
     same_shape,
     sole_consumer,
 )
-from fusion.pattern import Chooser, RewriteContext, Target, apply_matches, register
+from fusion.pattern import Chooser, RewriteContext, Target, apply_matches
 
 FUSED_OP = {
     "Conv2D": "_FusedConv2D",
@@ -382,6 +383,8 @@ def rewrite_contraction(view: GraphView, match: ContractionMatch) -> NodeDef:
     "Conv2D / DepthwiseConv2dNative / MatMul + BiasAdd (+ residual Add) (+ activation) "
     "-> _FusedConv2D / _FusedDepthwiseConv2dNative / _FusedMatMul",
     anchors=frozenset(FUSED_OP),
+    after=("reshaped_bias",),
+    order=("reshaped_bias makes the MatMul + BiasAdd chains it fuses"),
 )
 def contraction_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Find every contraction chain in ``view`` and fuse it for ``ctx.target``."""

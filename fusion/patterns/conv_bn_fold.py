@@ -33,6 +33,7 @@ import dataclasses
 import tensorflow as tf
 
 from fusion.expr import Match, match
+from fusion.family import register
 from fusion.graph import GraphView, NodeDef, output_shape, parse_input
 from fusion.match import (
     AttrLike,
@@ -41,7 +42,7 @@ from fusion.match import (
     dtype_name,
     fused_node,
 )
-from fusion.pattern import RewriteContext, Target, apply_matches, register
+from fusion.pattern import RewriteContext, Target, apply_matches
 from fusion.patterns.batch_norm import affine, normalization
 from fusion.patterns.contraction import supports
 
@@ -165,6 +166,9 @@ def rewrite_conv_bn(view: GraphView, match: ConvBatchNormMatch) -> NodeDef:
 @register(
     "conv_bn_fold",
     "inference Conv2D + BatchNormalization (+ activation) -> _FusedConv2D(FusedBatchNorm)",
+    after=("contraction",),
+    order=("it folds the inference batch norm into the Conv2D that contraction left unfused "
+           "(no BiasAdd)"),
 )
 def conv_bn_fold_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Fold every inference batch norm that follows a Conv2D into the convolution."""

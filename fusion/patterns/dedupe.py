@@ -42,8 +42,9 @@ import functools
 
 from tensorflow.python.framework import op_def_registry
 
+from fusion.family import register
 from fusion.graph import GraphView, NodeDef, parse_input, tensor_ref
-from fusion.pattern import RewriteContext, apply_matches, register
+from fusion.pattern import RewriteContext, apply_matches
 
 V1_CONTROL_FLOW = frozenset({
     "Enter", "RefEnter", "Exit", "RefExit", "NextIteration", "RefNextIteration", "Switch",
@@ -136,6 +137,9 @@ def rewrite_duplicate(view: GraphView, match: DuplicateMatch) -> None:
     "duplicate reads of a variable (same control inputs) and the equal pure computations on "
     "them, such as Keras's per-variable step count, learning rate and bias corrections -> "
     "computed once",
+    after=("*",),
+    order=("what the fused graph still computes twice is computed once after every family "
+           "that removes or adds nodes"),
 )
 def dedupe_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Compute every duplicated value in ``view`` once (exact: values do not change)."""

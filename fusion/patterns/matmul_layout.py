@@ -43,10 +43,11 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
+from fusion.family import register
 from fusion.fragment import choose_rewrite, tensor_shape
 from fusion.graph import GraphView, NodeDef
 from fusion.match import const_node, dtype_name, new_node
-from fusion.pattern import Chooser, RewriteContext, Target, apply_matches, register
+from fusion.pattern import Chooser, RewriteContext, Target, apply_matches
 
 FAMILY = "matmul_layout"
 SCOPE = "tfmx_transposed"
@@ -150,6 +151,9 @@ def rewrite_layout(view: GraphView, match: LayoutMatch) -> NodeDef:
     FAMILY,
     "MatMul(a, b, transpose_b=True) -> MatMul(a, b transposed once), where the tuner measures "
     "it faster (a float32 input gradient dy @ w^T on oneDNN)",
+    after=("contraction", "bias_grad", "einsum_dense"),
+    order=("it reads the MatMuls the families that write MatMuls left; dedupe then shares a "
+           "weight's transposition"),
 )
 def matmul_layout_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Rewrite every ``transpose_b`` MatMul in ``view`` that the tuner measures faster with

@@ -57,10 +57,11 @@ import functools
 import platform
 from collections.abc import Mapping
 
+from fusion.family import register
 from fusion.fragment import choose_rewrite, input_shapes
 from fusion.graph import GraphView, NodeDef, parse_input
 from fusion.match import const_value, dtype_name
-from fusion.pattern import Chooser, RewriteContext, Target, apply_matches, register
+from fusion.pattern import Chooser, RewriteContext, Target, apply_matches
 
 KERNEL_LABEL = "MklNameChangeOp"
 """The kernel label TensorFlow registers oneDNN's renamed ("Native") kernels under."""
@@ -368,6 +369,9 @@ def rewrite_onednn(view: GraphView, match: OneDnnMatch) -> NodeDef:
     "_MklMatMul, _MklBatchMatMulV2, _MklEinsum, _MklNativeFusedConv2D, _MklNativeFusedMatMul, "
     "_MklSoftmax, _MklTranspose, _MklNativeAvgPool*, _MklNativeMaxPool*, "
     "_MklNativeFusedBatchNorm*), where measured faster",
+    after=("dedupe",),
+    order=("last: what is still a plain convolution, MatMul or batch norm goes to oneDNN's "
+           "kernel, the fused nodes of the others among its inputs"),
 )
 def onednn_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Retarget every convolution, MatMul and batch norm ``ctx.target`` runs on oneDNN."""

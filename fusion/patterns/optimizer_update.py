@@ -43,10 +43,11 @@ from tensorflow.core.framework.node_def_pb2 import NodeDef
 from tensorflow.python.framework import op_def_registry
 
 from fusion.expr import Any, Const, Match, Op, Pattern, Read, match, norm_ref
+from fusion.family import register
 from fusion.fragment import choose_rewrite
 from fusion.graph import GraphView, output_shape, parse_input
 from fusion.match import const_node, fused_node
-from fusion.pattern import Chooser, RewriteContext, Target, apply_matches, register
+from fusion.pattern import Chooser, RewriteContext, Target, apply_matches
 
 WRITE_OPS = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"})
 RTOL = 1e-6  # how closely a baked-in constant must equal what the kernel computes

@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from fusion.family import register
 from fusion.graph import GraphView, NodeDef, output_shape, parse_input
 from fusion.match import blocker, fused_node, rewire_shape_readers
-from fusion.pattern import RewriteContext, apply_matches, register
+from fusion.pattern import RewriteContext, apply_matches
 
 SUFFIX = "/tfmx_bias_first"
 """The name of the moved BiasAdd: the MatMul's name and this suffix."""

@@ -24,9 +24,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from fusion.family import GRADIENT_SCOPES, register
 from fusion.graph import GraphView, parse_input
-from fusion.pattern import RewriteContext, Target, register
-from fusion.stage import GRADIENT_SCOPES
+from fusion.pattern import RewriteContext, Target
 from fusion.stages.rnn import KIND_LABELS, SCOPE
 
 CUDNN_OPS = ("CudnnRNNV3", "CudnnRNNBackpropV3")
@@ -131,6 +131,8 @@ def unlisted_ops(ops, target: Target) -> list[str]:
     "rnn",
     "Keras LSTM / GRU, rewritten before differentiation by the rnn stage "
     "(fusion.stages.rnn): its units found in the traced graph, checked and reported as observed",
+    after=("contraction",),
+    order=("it checks each unit's ops as the contraction family left them"),
 )
 def rnn_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Observe the RNN units the rnn stage emitted in ``view`` (declined ones it recorded)."""

@@ -1,8 +1,7 @@
-"""Stage families, one module each: rewrites made before differentiation (``fusion.stage``).
-
-Importing this package registers them. ``fusion/patterns/`` keeps the GraphDef passes; a stage
-family whose rewrite reaches the traced graph has a pass of the same name there that observes
-and reports it.
+"""The built-in families' stages, one module each: rewrites made before differentiation
+(``fusion.stage``). Importing this package imports every module in it, which declares its
+family (``fusion.family.declare``) with its hooks and, where its units are only observed in
+the traced graph, how (``fusion.family.Observed``).
 
 >>> from fusion.stage import stages
 >>> sorted(s.name for s in stages())  # doctest: +NORMALIZE_WHITESPACE
@@ -13,5 +12,5 @@ and reports it.
 import importlib
 import pkgutil
 
-for _module in pkgutil.iter_modules(__path__):  # each stage module registers its stage
+for _module in pkgutil.iter_modules(__path__):  # each module declares its family
     importlib.import_module(f"{__name__}.{_module.name}")

@@ -56,12 +56,12 @@ from typing import Any
 
 import tensorflow as tf
 
+from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Observed, declare
 from fusion.stage import (
     XLA,
+    XLA_CALLS,
     Hook,
-    Stage,
     StageContext,
-    register_stage,
     rewrite_call,
     timed_form,
     with_xla,
@@ -393,14 +393,22 @@ def fused_dot_product_attention(ctx: StageContext, original: Callable, query: An
                     lambda form: form_of(form)(query, key, value), prefix="sdpa ")
 
 
-STAGE = register_stage(Stage(
+MARKS = {**dict.fromkeys(LABELS, frozenset({"BatchMatMulV2", "BatchMatMulV3"})),
+         XLA: XLA_CALLS, "sdpa xla": XLA_CALLS}
+"""Per form, the ops that show its kernel in a traced graph: its batched MatMuls, or the call
+of its XLA region."""
+
+
+DECLARED = declare(Family(
     FAMILY,
     "Keras MultiHeadAttention's dot-product attention and keras.ops.dot_product_attention -> "
     "Transpose + BatchMatMulV2 (scale folded, or one XLA region, where measured faster), "
     "Keras's masks, softmax and dropout stream unchanged",
-    (Hook("keras.src.layers.attention.multi_head_attention:MultiHeadAttention",
-          "_compute_attention", fused_attention),
-     # keras.ops.dot_product_attention's TensorFlow core, a module function
-     Hook("keras.src.backend.tensorflow:nn", "_dot_product_attention_xla",
-          fused_dot_product_attention)),
+    hooks=(Hook("keras.src.layers.attention.multi_head_attention:MultiHeadAttention",
+                "_compute_attention", fused_attention),
+           # keras.ops.dot_product_attention's TensorFlow core, a module function
+           Hook("keras.src.backend.tensorflow:nn", "_dot_product_attention_xla",
+                fused_dot_product_attention)),
+    observed=Observed(SCOPE, MARKS, LABELS),
+    after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))

@@ -40,8 +40,9 @@ from tensorflow.python.eager import execute
 from tensorflow.python.framework import importer, ops
 from tensorflow.python.ops import resource_variable_ops
 
+from fusion.family import Family, declare
 from fusion.pattern import PatternStats
-from fusion.stage import Hook, Stage, StageContext, register_stage
+from fusion.stage import Hook, StageContext
 
 PATTERN = "batch_norm"
 # Ops that may sit in a rewritten forward graph without a registered gradient.
@@ -252,10 +253,10 @@ def _attr_tuple(op: tf.Operation) -> tuple:
     return tuple(flat)
 
 
-STAGE = register_stage(Stage(
+DECLARED = declare(Family(
     PATTERN,
     "Keras BatchNormalization in training -> FusedBatchNormV3 (its registered gradient: "
     "FusedBatchNormGradV3), emitted before differentiation",
-    (Hook("keras.src.layers.normalization.batch_normalization:BatchNormalization", "call",
-          fused_layer_call),),
+    hooks=(Hook("keras.src.layers.normalization.batch_normalization:BatchNormalization", "call",
+                fused_layer_call),),
 ))

@@ -41,13 +41,12 @@ from typing import Any
 
 import tensorflow as tf
 
+from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Observed, declare
 from fusion.stage import (
     Hook,
-    Stage,
     StageContext,
     custom_gradient,
     layer_value,
-    register_stage,
     rewrite_call,
     timed_form,
 )
@@ -153,10 +152,16 @@ def fused_dense_call(ctx: StageContext, original: Callable, layer: Any, inputs: 
                         emit=lambda form: dense_with_bias_row(layer, inputs))
 
 
-STAGE = register_stage(Stage(
+MARKS = {FORM: frozenset({"MatMul", "_FusedMatMul"})}
+"""The op that shows the form in a traced graph: its MatMul (plain, or fused by contraction)."""
+
+
+DECLARED = declare(Family(
     FAMILY,
     "Keras Dense with a bias -> one MatMul of the input widened by a column of ones and the "
     "kernel by the bias as a row (its gradient one MatMul for kernel and bias), where measured "
     "faster than MatMul + BiasAdd",
-    (Hook("keras.src.layers.core.dense:Dense", "call", fused_dense_call),),
+    hooks=(Hook("keras.src.layers.core.dense:Dense", "call", fused_dense_call),),
+    observed=Observed(SCOPE, MARKS, {FORM: LABEL}),
+    after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))

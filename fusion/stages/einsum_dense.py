@@ -40,8 +40,9 @@ from typing import Any
 
 import tensorflow as tf
 
+from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Observed, declare
 from fusion.pattern import PatternStats
-from fusion.stage import Hook, Stage, StageContext, layer_value, register_stage, timed_form
+from fusion.stage import Hook, StageContext, layer_value, timed_form
 from fusion.stages.bias_row import bias_row_product
 
 FAMILY = "einsum_dense"
@@ -340,11 +341,18 @@ def fused_attention_call(ctx: StageContext, original: Callable, layer: Any, quer
         _pending.outputs = before
 
 
-STAGE = register_stage(Stage(
+MARKS = {form: frozenset({"MatMul", "_FusedMatMul"}) for form in LABELS}
+"""Per form, the op that shows it in a traced graph: its MatMul (plain, or fused with its bias
+by contraction)."""
+
+
+DECLARED = declare(Family(
     FAMILY,
     "Keras EinsumDense (MultiHeadAttention's projections) -> Reshape + MatMul (+ BiasAdd, "
     "which the contraction family fuses) where the equation is a tensordot and measured faster",
-    (Hook("keras.src.layers.core.einsum_dense:EinsumDense", "call", fused_einsum_dense_call),
-     Hook("keras.src.layers.attention.multi_head_attention:MultiHeadAttention", "call",
-          fused_attention_call)),
+    hooks=(Hook("keras.src.layers.core.einsum_dense:EinsumDense", "call", fused_einsum_dense_call),
+           Hook("keras.src.layers.attention.multi_head_attention:MultiHeadAttention", "call",
+                fused_attention_call)),
+    observed=Observed(SCOPE, MARKS, LABELS),
+    after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))

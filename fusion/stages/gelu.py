@@ -63,13 +63,13 @@ import tensorflow as tf
 from tensorflow.python.eager import execute
 
 from fusion.bfloat16_bits import integer_rounding
+from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Observed, declare
 from fusion.stage import (
     XLA,
+    XLA_CALLS,
     Hook,
-    Stage,
     StageContext,
     custom_gradient,
-    register_stage,
     rewrite_call,
     timed_form,
     with_xla,
@@ -294,9 +294,18 @@ def fused_gelu(ctx: StageContext, original: Callable, x: Any, approximate: bool 
         keras=lambda: original(x, approximate), emit=emit)
 
 
-STAGE = register_stage(Stage(
+MARKS = {"custom": frozenset({"Erf", "Tanh"}), "custom erfc": frozenset({"Erfc"}),
+         "custom upcast": frozenset({"Erf", "Erfc", "Tanh"}),
+         SLOPE_KEPT: frozenset({"Erf", "Erfc", "Tanh"}), XLA: XLA_CALLS}
+"""Per form, the ops that show it in a traced graph: its Erf or Tanh, or its XLA region's
+call."""
+
+
+DECLARED = declare(Family(
     FAMILY,
     "Keras GELU (exact or tanh) in training -> a closed-form derivative (custom gradient) or "
     "one XLA region, where measured faster than autodiff of the composite",
-    (Hook("keras.src.backend.tensorflow:nn", "gelu", fused_gelu),),
+    hooks=(Hook("keras.src.backend.tensorflow:nn", "gelu", fused_gelu),),
+    observed=Observed(SCOPE, MARKS, LABELS),
+    after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))

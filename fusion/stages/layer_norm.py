@@ -56,14 +56,14 @@ from typing import Any
 import tensorflow as tf
 
 from fusion.bfloat16_bits import integer_rounding, widened
+from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Observed, declare
 from fusion.stage import (
     XLA,
+    XLA_CALLS,
     Hook,
-    Stage,
     StageContext,
     custom_gradient,
     functional_neighbours,
-    register_stage,
     rewrite_call,
     timed_form,
     with_xla,
@@ -624,13 +624,25 @@ def fused_rms_call(ctx: StageContext, original: Callable, layer: Any, inputs: An
                     signature)
 
 
-STAGE = register_stage(Stage(
+_KERNELS = {"fused": frozenset({"FusedBatchNormV3"}), "custom": frozenset({"Rsqrt"}),
+            "onednn": frozenset({"_MklLayerNorm"}), ONEDNN_16: frozenset({"_MklLayerNorm"})}
+MARKS = {**_KERNELS, **{name + XLA_GRADIENT: ops for name, ops in _KERNELS.items()},
+         "rms custom": frozenset({"Rsqrt"}), "rms custom" + XLA_GRADIENT: frozenset({"Rsqrt"}),
+         "xla": XLA_CALLS, "rms xla": XLA_CALLS,
+         "residual xla": XLA_CALLS, "rms residual xla": XLA_CALLS}
+"""Per form, the ops that show it in a traced graph: FusedBatchNormV3 for the fused form, the
+Rsqrt of the custom ones, oneDNN's layer norm, the call of an XLA region."""
+
+
+DECLARED = declare(Family(
     FAMILY,
     "Keras LayerNormalization -> FusedBatchNormV3 on the rows (its registered gradient: "
     "FusedBatchNormGradV3) + gamma, beta, or a closed-form gradient; RMSNormalization -> a "
     "closed-form gradient; emitted before differentiation where measured faster",
-    (Hook("keras.src.layers.normalization.layer_normalization:LayerNormalization", "call",
-          fused_layer_call),
-     Hook("keras.src.layers.normalization.rms_normalization:RMSNormalization", "call",
-          fused_rms_call)),
+    hooks=(Hook("keras.src.layers.normalization.layer_normalization:LayerNormalization", "call",
+                fused_layer_call),
+           Hook("keras.src.layers.normalization.rms_normalization:RMSNormalization", "call",
+                fused_rms_call)),
+    observed=Observed(SCOPE, MARKS, LABELS),
+    after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))
