@@ -1,6 +1,6 @@
 """bfloat16 at the edges of an XLA region handled by integer operations: XLA's bits, faster.
 
-An XLA-compiled region (:func:`fusion.stage.xla_region`) that computes in float32 and returns
+An XLA-compiled region (:func:`fusion.forms.xla_region`) that computes in float32 and returns
 bfloat16 ends in XLA's ``convert``. On a CPU that conversion can cost more than the region's
 arithmetic where the region computes: at [2048, 512] on a Zen 4 the GELU's value and
 derivative (``Erf``, ``Exp``) took 0.87 ms with XLA's converts and 0.74 ms with the rounding
@@ -9,10 +9,10 @@ loop that only scales and narrows ran 0.20 against 0.18 ms. The integer form is
 round-to-nearest-even as TensorFlow and XLA round (add ``0x7FFF`` plus the lowest kept bit,
 keep the upper 16 bits; a NaN becomes the quiet NaN of its sign, as XLA's convert makes it),
 so the two forms give the same bits: which one a region uses is a matter of speed alone, and
-the tuner measures it on the region, on the machine (:func:`integer_rounding`). One exception
-on some CPUs: a conversion instruction that treats denormal inputs as zero (AVX512_BF16's
-``VCVTNEPS2BF16``), where XLA emits it, gives 0 for a float32 below 2^-126 that this form
-rounds to the nearest bfloat16 denormal.
+the tuner measures it on the region, on the machine (:func:`fusion.forms.integer_rounding`).
+One exception on some CPUs: a conversion instruction that treats denormal inputs as zero
+(AVX512_BF16's ``VCVTNEPS2BF16``), where XLA emits it, gives 0 for a float32 below 2^-126
+that this form rounds to the nearest bfloat16 denormal.
 
 The same region widens its bfloat16 inputs the integer way too, where its code reads them
 through :func:`widened`: the 16 bits shifted into the upper half of a float32, which is what
@@ -39,7 +39,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -86,7 +86,7 @@ def widen_bits(x: tf.Tensor) -> tf.Tensor:
 def integer_edges(on: bool = True) -> Iterator[None]:
     """While a region's function is traced: :func:`widened` widens bfloat16 by integer
     operations in the graph being traced (``on``), or by ``Cast`` (XLA's convert). What
-    :func:`fusion.stage.xla_region` sets around the function it compiles."""
+    :func:`fusion.forms.xla_region` sets around the function it compiles."""
     with trace_state.scoped(tf.compat.v1.get_default_graph(), "integer_edges", on):
         yield
 
@@ -154,41 +154,3 @@ def decoded(value: Any) -> Any:
     """
     return tf.nest.map_structure(
         lambda t: from_bits(t) if getattr(t, "dtype", None) == tf.uint16 else t, value)
-
-
-def integer_rounding(ctx: Any, what: str, region: Callable[..., Any], shapes: list,
-                     dtype: Any = tf.bfloat16) -> bool:
-    """Whether the XLA region computing ``region`` (its bfloat16 outputs narrowed by ``Cast``)
-    for inputs of ``shapes`` and ``dtype`` rounds those outputs by integer operations (and
-    widens the bfloat16 inputs it reads through :func:`widened` so):
-    ``ctx``'s tuner times the region's forward both ways (a decision of :data:`FAMILY`, named
-    by ``what`` and the shapes, cached per machine like every other); without a tuner, the
-    integer rounding. The region itself is timed, not a stand-in: XLA's convert costs little
-    in a loop that only moves memory, and much in one that computes (the GELU's ``Erf``: 0.87
-    against 0.74 ms at [2048, 512] on a Zen 4, where a scale-and-narrow loop runs 0.20 against
-    0.18).
-
-    >>> import tensorflow as tf
-    >>> from fusion.pattern import PlainTarget, RewriteAlways
-    >>> from fusion.stage import StageContext
-    >>> ctx = StageContext(PlainTarget("cpu"), RewriteAlways())
-    >>> integer_rounding(ctx, "scale", lambda x: tf.cast(x * 2.0, tf.bfloat16), [[4]])
-    True
-    """
-    from fusion.fragment import shape_text
-    from fusion.stage import timed_form, xla_region
-
-    if ctx.chooser is None:
-        return True
-    signature = (f"{what} XLA region input {' '.join(shape_text(s) for s in shapes)} "
-                 f"{tf.as_dtype(dtype).name}: bfloat16 by XLA's convert or by integer "
-                 "operations")
-
-    def timed(mode: str) -> Callable[[], Callable[[], None]]:
-        compiled = xla_region(region, bfloat16_bits=mode == INTEGER)
-        return timed_form(lambda *args: tf.add_n([  # one number of outputs of any dtypes
-            tf.reduce_sum(tf.cast(out, tf.float32)) for out in tf.nest.flatten(compiled(*args))]),
-            shapes, dtype, backward=False)
-
-    candidates = {mode: timed(mode) for mode in (CONVERT, INTEGER)}
-    return ctx.chooser.choose(FAMILY, signature, candidates, CONVERT).choice == INTEGER

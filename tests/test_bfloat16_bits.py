@@ -10,6 +10,7 @@ import tensorflow as tf
 from helpers import PickForm, needs_onednn
 
 from fusion import bfloat16_bits as bits
+from fusion import forms
 from fusion.pattern import PlainTarget
 from fusion.stage import XLA, XLA_CALLS, StageContext, xla_region
 from fusion.stages import gelu
@@ -170,14 +171,14 @@ def test_the_tuner_times_the_region_both_ways():
     off: XLA's convert, the conservative form."""
     seen = []
     ctx = StageContext(PlainTarget("cpu"), Tuner("auto", None, on_decision=seen.append))
-    chosen = bits.integer_rounding(ctx, "scale", _scale, [[64, 32]])
+    chosen = forms.integer_rounding(ctx, "scale", _scale, [[64, 32]])
     (d,) = seen
     assert d.family == bits.FAMILY and d.source == "measured"
     assert d.signature.startswith("scale XLA region input 64x32 bfloat16")
     assert set(d.times_ms) == {bits.CONVERT, bits.INTEGER}
     assert chosen == (d.choice == bits.INTEGER)
-    assert bits.integer_rounding(StageContext(PlainTarget("cpu")), "scale", _scale, [[4]])
-    assert not bits.integer_rounding(StageContext(PlainTarget("cpu"), Tuner("off")), "scale",
+    assert forms.integer_rounding(StageContext(PlainTarget("cpu")), "scale", _scale, [[4]])
+    assert not forms.integer_rounding(StageContext(PlainTarget("cpu"), Tuner("off")), "scale",
                                      _scale, [[4]])
 
 

@@ -62,7 +62,6 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.eager import execute
 
-from fusion.bfloat16_bits import integer_rounding
 from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Observed, declare
 from fusion.stage import (
     XLA,
@@ -70,6 +69,7 @@ from fusion.stage import (
     Hook,
     StageContext,
     custom_gradient,
+    integer_rounding,
     rewrite_call,
     timed_form,
     with_xla,

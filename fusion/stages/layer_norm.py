@@ -55,7 +55,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from fusion.bfloat16_bits import integer_rounding, widened
+from fusion.bfloat16_bits import widened
 from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Observed, declare
 from fusion.stage import (
     XLA,
@@ -64,6 +64,7 @@ from fusion.stage import (
     StageContext,
     custom_gradient,
     functional_neighbours,
+    integer_rounding,
     rewrite_call,
     timed_form,
     with_xla,
