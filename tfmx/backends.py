@@ -82,7 +82,7 @@ class Backend:
 
     def describe(self) -> dict:
         """A plain dict of what this backend fuses, for reports and the README table."""
-        from fusion.patterns.batch_norm import BatchNormKernels
+        from fusion.patterns.batch_norm_kernels import BatchNormKernels
         from fusion.patterns.contraction import ContractionKernels
 
         contraction = self.capability(ContractionKernels)
@@ -110,7 +110,7 @@ _ACTS_BASIC = ("Relu", "Relu6", "Elu", "LeakyRelu")
 
 
 def _cpu(onednn: bool) -> Backend:
-    from fusion.patterns.batch_norm import BatchNormKernels
+    from fusion.patterns.batch_norm_kernels import BatchNormKernels
     from fusion.patterns.contraction import ContractionKernels
     from fusion.patterns.onednn import OneDnnKernels, kernels_registered
     from fusion.stages.rnn import RnnKernels
@@ -169,7 +169,7 @@ def _cpu(onednn: bool) -> Backend:
 
 
 def _cuda() -> Backend:
-    from fusion.patterns.batch_norm import BatchNormKernels
+    from fusion.patterns.batch_norm_kernels import BatchNormKernels
     from fusion.patterns.contraction import ContractionKernels
     from fusion.stages.rnn import RnnKernels
 
@@ -215,7 +215,7 @@ def metal_kernels() -> frozenset[str]:
 
 
 def _metal() -> Backend:
-    from fusion.patterns.batch_norm import BatchNormKernels
+    from fusion.patterns.batch_norm_kernels import BatchNormKernels
     from fusion.patterns.contraction import ContractionKernels
     from fusion.stages.rnn import RnnKernels
 

@@ -1,5 +1,6 @@
-"""The built-in families' graph passes, one module each; importing this package imports every
-module in it, which declares its family's pass (``fusion.family.register``).
+"""The built-in families' graph passes, one module each (a family's pass may import parts of
+itself from a module of its own, as batch_norm from batch_norm_ex); importing this package
+imports every module in it, which declares its family's pass (``fusion.family.register``).
 
 Each pass says which families it runs after and why; ``fusion.family.families()`` orders the
 pipeline from those declarations.

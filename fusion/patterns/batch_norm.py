@@ -11,7 +11,7 @@ Keras 3 on TensorFlow writes batch norm as ``tf.nn.moments`` + ``tf.nn.batch_nor
 with ``Reshape`` of the per-channel vectors when the channel axis is not the last, and a
 ``Cast`` in and out under a float16/bfloat16 policy (Keras computes batch norm in float32).
 
-Three records, one shape each (as in Grappler's remapper):
+Two records, one shape each (as in Grappler's remapper):
 
 - :class:`BatchNormMatch` (``find_batch_norm`` / ``rewrite_batch_norm``): the composite, training
   or inference, -> one ``FusedBatchNormV3`` (``is_training`` accordingly). In training the
@@ -19,12 +19,12 @@ Three records, one shape each (as in Grappler's remapper):
   ``batch_variance`` times ``(n - 1) / n``: the kernel returns the Bessel-corrected variance
   (``exponential_avg_factor=1``), Keras averages the biased one. Under a 16-bit policy the two
   Casts are swallowed and the kernel takes the 16-bit activations with float32 statistics.
-- :class:`BatchNormExMatch` (``find_batch_norm_ex`` / ``rewrite_batch_norm_ex``):
-  ``FusedBatchNormV3`` + residual ``Add`` + ``Relu`` -> ``_FusedBatchNormEx`` where the target
-  runs it (declined with the target's reason elsewhere, e.g. on CPU). In training (cuda: half,
-  NHWC, channels % 4, ``TF_USE_CUDNN_BATCHNORM_SPATIAL_PERSISTENT=1``) with its backward:
-  ``ReluGrad`` + ``FusedBatchNormGradV3`` -> ``_FusedBatchNormGradEx``, wired as Grappler's
-  remapper wires them on GPU.
+- ``BatchNormExMatch`` (:mod:`fusion.patterns.batch_norm_ex`): ``FusedBatchNormV3`` +
+  residual ``Add`` + ``Relu`` -> ``_FusedBatchNormEx`` where the target runs it. In training
+  (cuda: half, NHWC, channels % 4, ``TF_USE_CUDNN_BATCHNORM_SPATIAL_PERSISTENT=1``) with its
+  backward: ``ReluGrad`` + ``FusedBatchNormGradV3`` -> ``_FusedBatchNormGradEx``.
+
+What each backend runs of these kernels is :mod:`fusion.patterns.batch_norm_kernels`.
 
 A training composite whose intermediates the backward pass reads is declined here: training batch
 norm is fused *before* differentiation, by the stage ``fusion.stages.batch_norm`` (which runs
@@ -48,7 +48,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 
 import numpy as np
@@ -56,77 +55,11 @@ import tensorflow as tf
 
 from fusion.expr import Any, Const, Match, OneOf, Op, Pattern, Where, match
 from fusion.family import register
-from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, output_shape, parse_input, tensor_ref
+from fusion.graph import GraphView, NodeDef, output_shape, parse_input, tensor_ref
 from fusion.match import blocker, const_node, const_value, dtype_name, new_node
 from fusion.pattern import RewriteContext, Target, apply_matches
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchNormKernels:
-    """What a backend declares for this family: what it runs of ``FusedBatchNormV3`` (and its
-    gradient) and ``_FusedBatchNormEx``.
-
-    ``ex_*`` describe ``_FusedBatchNormEx`` (side input + Relu) by mode; an empty dtype set
-    means the backend does not run it in that mode, and ``ex_reason`` says why.
-    """
-
-    dtypes: frozenset[str]  # T of FusedBatchNormV3 / FusedBatchNormGradV3 (U is float32)
-    data_formats: frozenset[str]
-    ex_inference_dtypes: frozenset[str] = frozenset()
-    ex_training_dtypes: frozenset[str] = frozenset()
-    ex_data_formats: frozenset[str] = frozenset({"NHWC"})
-    ex_channel_multiple: int = 1
-    ex_reason: str = ""
-    min_epsilon: float = 0.0
-    # training _FusedBatchNormEx (+ _FusedBatchNormGradEx): its own layout conditions, and an
-    # environment variable the kernel requires set at run time ("" for none)
-    ex_training_data_formats: frozenset[str] = frozenset({"NHWC"})
-    ex_training_channel_multiple: int = 1
-    ex_training_env: str = ""
-
-    def blocker(self, op: str, dtype: str, data_format: str, is_training: bool = True,
-                channels: int | None = None, epsilon: float | None = None) -> str | None:
-        """Why ``op`` ("FusedBatchNormV3" or "_FusedBatchNormEx") cannot run here, or None."""
-        if epsilon is not None and epsilon < self.min_epsilon:
-            return f"epsilon {epsilon:g} below the {self.min_epsilon:g} the kernel accepts"
-        if op == "FusedBatchNormV3":
-            if dtype not in self.dtypes:
-                return f"no FusedBatchNormV3 kernel for {dtype}"
-            if data_format not in self.data_formats:
-                return f"no FusedBatchNormV3 kernel for {data_format}"
-            return None
-        mode = "training" if is_training else "inference"
-        dtypes = self.ex_training_dtypes if is_training else self.ex_inference_dtypes
-        if not dtypes:
-            return f"no _FusedBatchNormEx in {mode}" + (f" ({self.ex_reason})"
-                                                       if self.ex_reason else "")
-        if dtype not in dtypes:
-            return f"_FusedBatchNormEx in {mode} takes {'/'.join(sorted(dtypes))}, not {dtype}"
-        formats = self.ex_training_data_formats if is_training else self.ex_data_formats
-        multiple = self.ex_training_channel_multiple if is_training else self.ex_channel_multiple
-        if data_format not in formats:
-            return f"_FusedBatchNormEx in {mode} takes {'/'.join(sorted(formats))}"
-        if multiple > 1 and (channels is None or channels % multiple):
-            return f"_FusedBatchNormEx in {mode} needs channels % {multiple} == 0"
-        env = self.ex_training_env if is_training else ""
-        if env and os.environ.get(env, "").lower() not in ("1", "true"):
-            return (f"_FusedBatchNormEx in training runs only with {env}=1 (cuDNN's persistent "
-                    "batch norm, which TensorFlow leaves off: it may overflow for some input "
-                    "ranges); set it to fuse")
-        return None
-
-
-def kernel_blocker(target: Target, op: str, dtype: str, data_format: str,
-                   is_training: bool = True, channels: int | None = None,
-                   epsilon: float | None = None) -> str | None:
-    """Why ``target`` cannot run batch-norm kernel ``op`` so configured, or None."""
-    kernels = target.capability(BatchNormKernels)
-    if kernels is None or not target.runs_op(op):
-        return f"{target.name} runs no {op}"
-    why = kernels.blocker(op, dtype, data_format, is_training, channels, epsilon)
-    return None if why is None else f"{target.name}: {why}"
-
-LOW_PRECISION = ("float16", "bfloat16")
+from fusion.patterns.batch_norm_ex import find_batch_norm_ex, rewrite_batch_norm_ex
+from fusion.patterns.batch_norm_kernels import LOW_PRECISION, kernel_blocker
 
 
 # -- records --------------------------------------------------------------------------------
@@ -153,24 +86,6 @@ class BatchNormMatch:
     @property
     def data_format(self) -> str:
         return _layout(self.rank, self.axis)[0]
-
-
-@dataclasses.dataclass
-class BatchNormExMatch:
-    """FusedBatchNormV3 -> Add(side input) -> Relu; in training also the forward stage's
-    Identity between (if any) and the backward: ReluGrad -> FusedBatchNormGradV3."""
-
-    fused: NodeDef
-    add: NodeDef
-    relu: NodeDef
-    side_input: str
-    identity: NodeDef | None = None
-    relu_grad: NodeDef | None = None
-    grad: NodeDef | None = None
-
-    @property
-    def training(self) -> bool:
-        return self.fused.attr["is_training"].b
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -554,215 +469,6 @@ def rewrite_batch_norm(view: GraphView, match: BatchNormMatch) -> NodeDef:
     for consumer, index, ref in rewire:
         view.replace_input(consumer, index, ref)
     return fused
-
-
-# -- find / rewrite: FusedBatchNormV3 + Add + Relu ------------------------------------------
-def _behind_identity(view: GraphView, ref: str) -> NodeDef | None:
-    """The FusedBatchNormV3 whose output 0 is ``ref``, directly or through one Identity."""
-    node = view.node(ref)
-    if node is not None and node.op == "Identity" and not parse_input(ref)[1]:
-        ref, node = node.input[0], view.node(node.input[0])
-    if node is None or node.op != "FusedBatchNormV3" or parse_input(ref)[1]:
-        return None
-    return node
-
-
-def _data_consumers(view: GraphView, name: str, port: int = 0) -> list[NodeDef]:
-    return [c for c in view.consumers(name, port) if c.op not in SHAPE_ONLY_OPS]
-
-
-def _ex_backward(view: GraphView, fused: NodeDef,
-                 relu: NodeDef) -> tuple[NodeDef, NodeDef] | str:
-    """The training backward of FusedBatchNormV3 + Add + Relu as ``_FusedBatchNormGradEx``
-    takes it: (ReluGrad, FusedBatchNormGradV3), or why not."""
-    readers = {c.name: c for port in (3, 4, 5) for c in view.consumers(fused.name, port)
-               if c.op != "ZerosLike"}
-    grad = next(iter(readers.values())) if len(readers) == 1 else None
-    if grad is None or grad.op != "FusedBatchNormGradV3" or not grad.attr["is_training"].b:
-        return "the reserve spaces have readers other than one FusedBatchNormGradV3"
-    wanted = [fused.input[0], fused.input[1]] + [tensor_ref(fused.name, p) for p in (3, 4, 5)]
-    if list(view.data_inputs(grad)[1:6]) != wanted:
-        return "FusedBatchNormGradV3 takes other inputs than its forward's"
-    relu_grads = [c for c in view.consumers(relu.name) if c.op == "ReluGrad"
-                  and parse_input(c.input[1])[:2] == (relu.name, 0)]
-    if len(relu_grads) != 1:
-        return "no single ReluGrad of the Relu"
-    relu_grad = relu_grads[0]
-    if parse_input(grad.input[0])[:2] != (relu_grad.name, 0):
-        return ("the Add's gradient reduces between ReluGrad and FusedBatchNormGradV3 "
-                "(shapes not static)")
-    for node in (grad, relu_grad):
-        if view.has_control_edges(node) or node.name in view.protected:
-            return f"{node.op} has control edges or is fetched"
-    return relu_grad, grad
-
-
-def find_batch_norm_ex(view: GraphView,
-                       target: Target) -> tuple[list[BatchNormExMatch], list[str]]:
-    """Every FusedBatchNormV3 + residual Add + Relu that ``target`` runs as one
-    ``_FusedBatchNormEx`` (in training with its backward as ``_FusedBatchNormGradEx``), and
-    the declines."""
-    matches, declined = [], []
-    for relu in view.nodes():
-        if relu.op != "Relu":
-            continue
-        add = view.node(relu.input[0])
-        direct = _behind_identity(view, relu.input[0])
-        if direct is not None:  # a batch norm and its activation, no residual (pre-activation)
-            declined.append(f"FusedBatchNormV3+Relu: {_without_side_input(view, direct, target)}")
-            continue
-        if add is None or add.op not in ("Add", "AddV2") or parse_input(relu.input[0])[1]:
-            continue
-        inputs = view.data_inputs(add)
-        found = [(r, _behind_identity(view, r)) for r in inputs]
-        ref, fused = next(((r, f) for r, f in found if f is not None), (None, None))
-        if fused is None or len(inputs) != 2:
-            continue
-        side = next(r for r in inputs if r is not ref)
-        identity = view.node(ref) if view.node(ref) is not fused else None
-        label = "FusedBatchNormV3+Add+Relu"
-        shape = output_shape(fused, 0)
-        side_node = view.node(side) if side else None
-        side_shape = None if side_node is None else output_shape(side_node,
-                                                                 parse_input(side)[1])
-        training = fused.attr["is_training"].b
-        fmt = fused.attr["data_format"].s.decode()
-        channels = None
-        if shape is not None and len(shape) == 4:
-            channels = shape[3] if fmt == "NHWC" else shape[1]
-        why = kernel_blocker(target, "_FusedBatchNormEx", dtype_name(fused), fmt, training,
-                                        channels, fused.attr["epsilon"].f)
-        if why is None and identity is not None and not training:
-            why = "an Identity with control inputs between"
-        if why is None and (shape is None or shape != side_shape
-                            or any(d is None for d in shape[1:])):
-            why = "side input shape differs or is unknown (Add broadcasts, the kernel does not)"
-        if why is None:
-            first = identity or add
-            if fused.name in view.protected or any(i.startswith("^") for i in fused.input) \
-                    or [c.name for c in _data_consumers(view, fused.name)] != [first.name]:
-                why = "FusedBatchNormV3 output has other consumers"
-            elif identity is not None and (
-                    identity.name in view.protected
-                    or any(ctl for *_, ctl in view.consumer_edges(identity.name))
-                    or [c.name for c in _data_consumers(view, identity.name)] != [add.name]):
-                why = "the Identity after FusedBatchNormV3 has other consumers"
-            elif len(_data_consumers(view, add.name)) != 1 or view.has_control_edges(add) \
-                    or add.name in view.protected or view.has_control_edges(relu):
-                why = "Add output has other consumers"
-        relu_grad = grad = None
-        if why is None and any(c.op != "ZerosLike" for p in (3, 4, 5)
-                               for c in view.consumers(fused.name, p)):
-            backward = _ex_backward(view, fused, relu)
-            if isinstance(backward, str):
-                why = f"backward not fusable as _FusedBatchNormGradEx: {backward}"
-            else:
-                relu_grad, grad = backward
-        if why is not None:
-            declined.append(f"{label}: {why}")
-            continue
-        matches.append(BatchNormExMatch(fused=fused, add=add, relu=relu, side_input=side,
-                                        identity=identity, relu_grad=relu_grad, grad=grad))
-    return matches, declined
-
-
-def _without_side_input(view: GraphView, fused: NodeDef, target: Target) -> str:
-    """Why a FusedBatchNormV3 followed by a Relu alone (no residual Add) stays apart: the
-    target's kernel reason, else that this family fuses ``_FusedBatchNormEx`` with a side
-    input only and leaves this one to Grappler's remapper (which fuses it where the device has
-    the kernel)."""
-    shape = output_shape(fused, 0)
-    fmt = fused.attr["data_format"].s.decode()
-    channels = None
-    if shape is not None and len(shape) == 4:
-        channels = shape[3] if fmt == "NHWC" else shape[1]
-    why = kernel_blocker(target, "_FusedBatchNormEx", dtype_name(fused), fmt,
-                         fused.attr["is_training"].b, channels, fused.attr["epsilon"].f)
-    if why is not None:
-        return f"{why}; the Relu stays apart"
-    return ("no residual Add: left to Grappler's remapper, which fuses a batch norm and its "
-            "Relu into _FusedBatchNormEx where the device has it")
-
-
-def rewrite_batch_norm_ex(view: GraphView, match: BatchNormExMatch) -> NodeDef:
-    """Replace FusedBatchNormV3 + Add + Relu with one ``_FusedBatchNormEx`` named like the Relu;
-    in training see :func:`rewrite_batch_norm_ex_training`."""
-    if match.training:
-        return rewrite_batch_norm_ex_training(view, match)
-    fused, add, relu = match.fused, match.add, match.relu
-    ex = _ex_node(relu.name, fused, match.side_input)
-    rewire = []
-    for node in (fused, add):
-        for consumer, index, port, ctl in view.consumer_edges(node.name):
-            if consumer.name in (add.name, relu.name):
-                continue
-            rewire.append((consumer, index, ("^" + ex.name) if ctl else
-                           tensor_ref(ex.name, port if node is fused else 0)))
-    view.remove(fused.name)
-    view.remove(add.name)
-    view.replace(relu.name, ex)
-    for consumer, index, ref in rewire:
-        view.replace_input(consumer, index, ref)
-    return ex
-
-
-def _ex_node(name: str, fused: NodeDef, side_input: str) -> NodeDef:
-    ex = NodeDef(name=name, op="_FusedBatchNormEx", device=fused.device)
-    ex.input.extend([*[i for i in fused.input if not i.startswith("^")][:5], side_input])
-    for key in ("T", "U", "epsilon", "exponential_avg_factor", "data_format", "is_training",
-                "_output_shapes"):
-        if key in fused.attr:
-            ex.attr[key].CopyFrom(fused.attr[key])
-    ex.attr["num_side_inputs"].i = 1
-    ex.attr["activation_mode"].s = b"Relu"
-    return ex
-
-
-def _identity(name: str, ref: str, like: NodeDef, control: list[str] = ()) -> NodeDef:
-    node = new_node(name, "Identity", [ref, *control], like.device,
-                      T=tf.as_dtype(like.attr["T"].type))
-    if "_output_shapes" in like.attr:
-        node.attr["_output_shapes"].list.shape.add().CopyFrom(
-            like.attr["_output_shapes"].list.shape[0])
-    return node
-
-
-def rewrite_batch_norm_ex_training(view: GraphView, match: BatchNormExMatch) -> NodeDef:
-    """Training, as Grappler's remapper does on GPU: ``_FusedBatchNormEx`` takes the
-    FusedBatchNormV3's name (its statistics and reserve spaces keep their readers), the Relu
-    becomes an Identity of its output (keeping the forward stage's control inputs, which order
-    the moving-average updates before the activation is read), and the backward
-    ``FusedBatchNormGradV3`` becomes ``_FusedBatchNormGradEx`` taking the gradient before the
-    ReluGrad, whose other readers (the side input's gradient) get the kernel's
-    ``side_input_backprop``."""
-    fused, add, relu, identity = match.fused, match.add, match.relu, match.identity
-    ex = _ex_node(fused.name, fused, match.side_input)
-    control = [i for i in identity.input if i.startswith("^")] if identity is not None else []
-    view.replace(relu.name, _identity(relu.name, ex.name, relu, control))
-    view.remove(add.name)
-    if identity is not None:
-        view.remove(identity.name)
-    view.replace(fused.name, ex)
-    grad, relu_grad = match.grad, match.relu_grad
-    if grad is None or relu_grad is None:
-        return ex
-    gx = NodeDef(name=grad.name, op="_FusedBatchNormGradEx", device=grad.device)
-    gx.input.extend([relu_grad.input[0], *view.data_inputs(grad)[1:6], fused.input[2],
-                     relu.name])
-    for key in ("T", "U", "epsilon", "data_format", "is_training"):
-        gx.attr[key].CopyFrom(grad.attr[key])
-    gx.attr["num_side_inputs"].i = 1
-    gx.attr["activation_mode"].s = b"Relu"
-    if "_output_shapes" in grad.attr and "_output_shapes" in relu_grad.attr:
-        shapes = gx.attr["_output_shapes"].list.shape
-        shapes.extend(grad.attr["_output_shapes"].list.shape)
-        shapes.add().CopyFrom(relu_grad.attr["_output_shapes"].list.shape[0])
-    view.replace(grad.name, gx)
-    if view.consumer_edges(relu_grad.name):
-        view.replace(relu_grad.name, _identity(relu_grad.name, tensor_ref(gx.name, 5), relu_grad))
-    else:
-        view.remove(relu_grad.name)
-    return ex
 
 
 @register(

@@ -444,7 +444,9 @@ def find_layer_norm(layer: Any, inputs: Any, target: Any) -> tuple[int | None, s
 
 def fused_blocker(layer: Any, target: Any) -> str | None:
     """Why ``target`` cannot run the ``FusedBatchNormV3`` form of ``layer``, or None."""
-    from fusion.patterns.batch_norm import kernel_blocker  # (the patterns import the stages)
+    from fusion.patterns.batch_norm_kernels import (
+        kernel_blocker,  # (the patterns import the stages)
+    )
 
     return kernel_blocker(target, "FusedBatchNormV3", "float32", "NCHW", True, None,
                           float(layer.epsilon))
