@@ -263,22 +263,38 @@ def probe_layers(model: Any, layers: list[Any], x: Any) -> tuple[list[Any], list
     """Each layer's input and output values in float32 for batch ``x``."""
     import keras
 
-    saved = {id(layer): layer.dtype_policy for layer in model._flatten_layers(include_self=False)}
-    try:
-        for layer in model._flatten_layers(include_self=False):
-            if not isinstance(layer, keras.layers.InputLayer):
-                layer.dtype_policy = "float32"
+    with _in_float32([layer for layer in model._flatten_layers(include_self=False)
+                      if not isinstance(layer, keras.layers.InputLayer)]):
         inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
         arguments = [layer._inbound_nodes[0].arguments for layer in layers]
         probe = keras.Model(inputs, [[list(a.keras_tensors) for a in arguments],
                                      [layer.output for layer in layers]])
         ins, outs = probe(x, training=False)
         ins = [_filled(a, values) for a, values in zip(arguments, ins)]
-    finally:
-        for layer in model._flatten_layers(include_self=False):
-            if id(layer) in saved:
-                layer._dtype_policy = saved[id(layer)]
     return list(ins), list(outs)
+
+
+@contextlib.contextmanager
+def _in_float32(layers: list[Any]) -> Iterator[None]:
+    """Each of ``layers`` computes in float32 inside the block: its ``_dtype_policy`` (what
+    Keras's ``dtype_policy`` setter writes) a :func:`fusion.patches.temporarily` swap, the
+    layer's own policy object back on the way out.
+
+    >>> import keras
+    >>> layer = keras.layers.Dense(2, dtype="mixed_bfloat16")
+    >>> with _in_float32([layer]):
+    ...     layer.compute_dtype
+    'float32'
+    >>> layer.compute_dtype
+    'bfloat16'
+    """
+    import keras
+
+    with contextlib.ExitStack() as swaps:
+        for layer in layers:
+            swaps.enter_context(patches.temporarily(layer, "_dtype_policy",
+                                                    keras.dtype_policies.get("float32")))
+        yield
 
 
 def _filled(arguments: Any, values: list[Any]) -> Any:
@@ -334,20 +350,12 @@ def record_calls(model: Any, layers: list[Any], x: Any,
 
         return __call__
 
-    saved = {id(layer): layer.dtype_policy for layer in model._flatten_layers(include_self=False)}
-    try:
-        with contextlib.ExitStack() as swaps:  # each class's __call__, for this run only
-            for cls in dict.fromkeys(type(layer) for layer in layers):
-                swaps.enter_context(patches.temporarily(cls, "__call__",
-                                                        recording(cls.__call__)))
-            if as_float32:
-                for layer in model._flatten_layers(include_self=False):
-                    layer.dtype_policy = "float32"
-            result = model(x, training=False)
-    finally:
-        for layer in model._flatten_layers(include_self=False):
-            if id(layer) in saved:
-                layer._dtype_policy = saved[id(layer)]
+    with contextlib.ExitStack() as swaps:  # each class's __call__, for this run only
+        for cls in dict.fromkeys(type(layer) for layer in layers):
+            swaps.enter_context(patches.temporarily(cls, "__call__", recording(cls.__call__)))
+        if as_float32:
+            swaps.enter_context(_in_float32(model._flatten_layers(include_self=False)))
+        result = model(x, training=False)
     once = {key: calls[0] for key, calls in seen.items() if len(calls) == 1}
     final = tf.nest.flatten(result)
     outputs = [layer for layer in layers if id(layer) in once and any(

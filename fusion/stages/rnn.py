@@ -344,19 +344,18 @@ def _stand_in_dropout(layers, x) -> Any:
     """While a tuner candidate is traced in a function of its own: each layer's input dropout
     mask a deterministic stand-in of the same shape (``x``'s batch), never the mask Keras
     configured in the step being traced (a tensor of another graph) nor a draw from the
-    layer's seed generator (which would move the training's random stream)."""
+    layer's seed generator (which would move the training's random stream). Each cell's
+    ``_dropout_mask`` is a :func:`fusion.patches.temporarily` swap, undone on the way out."""
     import tensorflow as tf
 
-    cells = [layer.cell for layer in layers if layer.cell.dropout]
-    saved = [getattr(cell, "_dropout_mask", None) for cell in cells]
-    try:
-        for cell in cells:
+    from fusion import patches
+
+    with contextlib.ExitStack() as swaps:
+        for cell in (layer.cell for layer in layers if layer.cell.dropout):
             width = int(cell.kernel.shape[0])
-            cell._dropout_mask = tf.fill([tf.shape(x)[0], width], 1.0 / (1.0 - cell.dropout))
+            mask = tf.fill([tf.shape(x)[0], width], 1.0 / (1.0 - cell.dropout))
+            swaps.enter_context(patches.temporarily(cell, "_dropout_mask", mask))
         yield
-    finally:
-        for cell, mask in zip(cells, saved):
-            cell._dropout_mask = mask
 
 
 def _below(match: RnnMatch, sequences, mask, training: bool) -> Below | None:
