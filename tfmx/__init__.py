@@ -119,7 +119,10 @@ def enable(
                         strict=state.strict_by_env() if strict is None else strict)
     if state.options() == new:
         return
+    from tfmx import keras_fixes
+
     keras_hook.install()
+    keras_fixes.install()  # Keras's fit under several workers, a patch group of its own
     state.set_options(new)
 
 
@@ -149,7 +152,10 @@ def disable() -> None:
 
     if state.options() is not None:
         state.set_options(None)
+    from tfmx import keras_fixes
+
     keras_hook.uninstall()  # every patch tfmx made (fusion.patches), put back
+    keras_fixes.uninstall()
 
 
 def enabled() -> bool:

@@ -10,11 +10,19 @@ handling stay Keras's. Each model remembers the tfmx generation its step
 functions were built under; after ``enable()``/``disable()`` they are rebuilt on next use, so
 models compiled before enable() are covered too.
 
+The multi-worker fixes of Keras's trainer that ``tfmx.enable()`` also installs are
+:mod:`tfmx.keras_fixes`, a patch group of their own. What the hook keeps about the models and
+functions it built (the generation each step function was built under, the functions it
+guarded) is held here, weakly, never as attributes of Keras's objects.
+
 Example:
     >>> from tfmx import keras_hook
     >>> keras_hook.install()
     >>> keras_hook.installed()
     True
+    >>> keras_hook.uninstall()
+    >>> keras_hook.installed()
+    False
 """
 
 from __future__ import annotations
@@ -32,7 +40,10 @@ from tfmx.fused_function import FusedFunction
 from tfmx.guard import closing_fit, ending_callbacks, make_guard, planning_callbacks
 from tfmx.verify import as_verification_error
 
-_STAMP = "_tfmx_stamp"
+# model -> {kind: the tfmx generation its step function of that kind was built under}
+_STAMPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# id -> each step function _guard wrapped (held weakly: an entry goes with its function)
+_GUARDED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _trainer_class() -> type:
@@ -42,17 +53,23 @@ def _trainer_class() -> type:
 
 
 def installed() -> bool:
+    """True while the hook's patches are in place (between :func:`install` and
+    :func:`uninstall`).
+
+    >>> from tfmx import keras_hook
+    >>> keras_hook.uninstall()
+    >>> keras_hook.installed()
+    False
+    """
     return bool(patches.installed(GROUP))
 
 
 def _stale(model: Any, kind: str) -> bool:
-    return getattr(model, _STAMP, {}).get(kind, 0) != state.generation()
+    return _STAMPS.get(model, {}).get(kind, 0) != state.generation()
 
 
 def _stamp(model: Any, kind: str) -> None:
-    stamps = dict(getattr(model, _STAMP, {}))
-    stamps[kind] = state.generation()
-    object.__setattr__(model, _STAMP, stamps)
+    _STAMPS.setdefault(model, {})[kind] = state.generation()
 
 
 def _fusable(model: Any, kind: str) -> bool:
@@ -67,7 +84,7 @@ def _fusable(model: Any, kind: str) -> bool:
 
 def _guard(fn: Any) -> Any:
     """Turn a failed verify assertion into tfmx.errors.VerificationError."""
-    if fn is None or getattr(fn, "_tfmx_guarded", False):
+    if fn is None or _GUARDED.get(id(fn)) is fn:
         return fn
 
     @functools.wraps(fn)
@@ -80,7 +97,7 @@ def _guard(fn: Any) -> Any:
                 raise
             raise converted from None
 
-    guarded._tfmx_guarded = True
+    _GUARDED[id(guarded)] = guarded
     return guarded
 
 
@@ -251,71 +268,12 @@ def _make_builder(kind: str, attr: str) -> Any:
     return wrap
 
 
-# -- model.fit under MultiWorkerMirroredStrategy (keras-team/keras#20585) ---------------------
-# Stock Keras 3 fails there twice, both in keras/src/backend/tensorflow/trainer.py, only when
-# the strategy spans several workers (``_collective_all_reduce_multi_worker``):
-# 1. ``_maybe_symbolic_build`` all-reduces the first batch, a nest of PerReplica values, with
-#    ``strategy.reduce("MEAN", batch, axis=None)``, eagerly, to get the shapes and dtypes the
-#    symbolic build needs. Across workers that path converts the whole nest to one tensor:
-#    "Attempt to convert a value (PerReplica:...) with an unsupported type". The build reads
-#    only shapes and dtypes, which a replica's own batch has (a mean over replicas keeps them).
-# 2. ``reduce_per_replica`` reduces the step's logs (scalars) with ``strategy.reduce("MEAN",
-#    v, axis=0)``: a reduction over dimension 0 of a scalar ("Invalid reduction dimension 0").
-#    The mean over replicas, which MirroredStrategy's path computes, is ``axis=None``.
-# While tfmx is enabled these two run as below across workers, and as Keras's elsewhere.
-
-
-def _multi_worker_strategy(strategy: Any) -> bool:
-    return bool(_trainer_module()._collective_all_reduce_multi_worker(strategy))
-
-
-def _first_replica(strategy: Any, batch: Any) -> Any:
-    """Each DistributedValues leaf of ``batch`` as its first local replica's tensor."""
-    import tensorflow as tf
-    from keras.src import tree
-
-    return tree.map_structure(
-        lambda v: (strategy.experimental_local_results(v)[0]
-                   if isinstance(v, tf.distribute.DistributedValues) else v), batch)
-
-
-def _symbolic_build_wrapper(original: Any) -> Any:
-    @functools.wraps(original)
-    def build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
-        strategy = self._distribute_strategy
-        if strategy is None or not _multi_worker_strategy(strategy):
-            return original(self, iterator=iterator, data_batch=data_batch)
-        if iterator is not None:
-            for _, _, it in iterator:
-                data_batch = next(it)
-                break
-        data_batch = _first_replica(strategy, data_batch)  # no collective: shapes only
-        with strategy.scope():
-            self._symbolic_build(data_batch=data_batch)
-
-    return build
-
-
-def _reduce_wrapper(original: Any) -> Any:
-    @functools.wraps(original)
-    def reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
-        if reduction in ("auto", "mean") and _multi_worker_strategy(strategy):
-            from keras.src import tree
-
-            return tree.map_structure(lambda v: strategy.reduce("MEAN", v, axis=None), values)
-        return original(values, strategy, reduction)
-
-    return reduce_per_replica
-
-
 def install() -> None:
     """Patch Keras's TensorFlow trainer and the stages' layer methods once (idempotent)."""
     stage.install()
     trainer = _trainer_class()
     for kind, attr in _KINDS.items():
         patches.install(GROUP, trainer, f"make_{kind}_function", _make_builder(kind, attr))
-    patches.install(GROUP, trainer, "_maybe_symbolic_build", _symbolic_build_wrapper)
-    patches.install(GROUP, _trainer_module(), "reduce_per_replica", _reduce_wrapper)
     from keras.src.callbacks.callback_list import CallbackList
 
     # a fit's epochs and steps, from its callbacks' params: the guard's budget (tfmx.guard)
@@ -331,9 +289,9 @@ def uninstall() -> None:
     patches.uninstall(GROUP)
     for model in list(_BUILT):
         for kind, attr in _KINDS.items():
-            if getattr(model, _STAMP, {}).get(kind) is not None:
+            if kind in _STAMPS.get(model, {}):
                 setattr(model, attr, _Rebuild(model, kind))
-        object.__setattr__(model, _STAMP, {})
+    _STAMPS.clear()
     _BUILT.clear()
 
 
