@@ -11,9 +11,10 @@ backward at the block's shapes), offered on cpu and cuda with ``tfmx.enable(xla=
 never on metal; the conservative form is the two layers. On this project's Zen 4 the two layers
 won (see BENCHMARKS.md): XLA's CPU dots are slower there than oneDNN's.
 
-The first ``Dense`` runs as Keras traces it and leaves its input with its output on the traced
-graph; the second, finding its input there, emits the region from that input when the tuner
-picks it, and the first's output, then read by nobody, is pruned from the step.
+The first ``Dense`` runs as Keras traces it and leaves its input with its output in the traced
+graph's state (``fusion.trace_state``); the second, finding its input there, emits the region
+from that input when the tuner picks it, and the first's output, then read by nobody, is pruned
+from the step.
 
 Example:
     >>> import keras, numpy as np, tensorflow as tf
@@ -36,13 +37,14 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.eager import execute
 
+from fusion import trace_state
+from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Observed, declare
 from fusion.stage import (
     XLA,
+    XLA_CALLS,
     Hook,
-    Stage,
     StageContext,
     functional_neighbours,
-    register_stage,
     rewrite_call,
     timed_form,
     tracing,
@@ -53,8 +55,6 @@ FAMILY = "feed_forward"
 SCOPE = "tfmx_feed_forward"
 LABELS = {XLA: "Dense(activation) -> Dense: one XLA-compiled region (forward and gradient)"}
 """The region's report label, by its name in the stage's scope (``tfmx_feed_forward_xla``)."""
-
-_PENDING = "_tfmx_feed_forward_inputs"  # on a traced graph: first Dense's output -> its input
 
 
 def find_feed_forward(layer: Any) -> tuple[bool, str | None]:
@@ -76,30 +76,22 @@ def find_feed_forward(layer: Any) -> tuple[bool, str | None]:
     return True, None
 
 
-def _pending(graph: Any) -> dict:
-    found = getattr(graph, _PENDING, None)
-    if found is None:
-        found = {}
-        setattr(graph, _PENDING, found)
-    return found
-
-
 def fused_dense_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
                      training: Any = None) -> Any:
     """``Dense.call`` while tfmx traces with XLA allowed: the first Dense of a feed-forward block
-    leaves its input on the graph; the second emits both layers as one XLA region where the
-    tuner measures it faster than the two layers (timed with the gelu stage's closed form
+    leaves its input in the graph's state; the second emits both layers as one XLA region where
+    the tuner measures it faster than the two layers (timed with the gelu stage's closed form
     between them where that stage is on), else runs as Keras runs it."""
     if not ctx.xla or not tf.inside_function() or not execute.must_record_gradient():
         return original(layer, inputs, training=training)
     inputs = tf.convert_to_tensor(inputs)
-    graph = tf.compat.v1.get_default_graph()
-    first = _pending(graph).pop(inputs.ref(), None)
+    pending = trace_state.of(tf.compat.v1.get_default_graph(), create=True).feed_forward_inputs
+    first = pending.pop(inputs.ref(), None)
     if first is None:
         out = original(layer, inputs, training=training)
         rank = inputs.shape.rank
         if rank is not None and rank >= 3 and find_feed_forward(layer)[0]:
-            _pending(graph)[out.ref()] = (layer, inputs)
+            pending[out.ref()] = (layer, inputs)
         return out
     return _block(ctx, original, first, layer, inputs)
 
@@ -134,10 +126,16 @@ def _block(ctx: StageContext, original: Callable, first: tuple[Any, tf.Tensor], 
                         emit=lambda form: xla_region(both)(x))
 
 
-STAGE = register_stage(Stage(
+MARKS = {XLA: XLA_CALLS}
+"""The op that shows the form in a traced graph: its XLA region's call."""
+
+
+DECLARED = declare(Family(
     FAMILY,
     "Keras Dense(activation) -> Dense on tokens (a transformer's FFN) -> one XLA-compiled "
     "region (forward and gradient), where measured faster than the two layers",
     # outer: it sees both Dense layers of a block before bias_row rewrites either one
-    (Hook("keras.src.layers.core.dense:Dense", "call", fused_dense_call, outer=1),),
+    hooks=(Hook("keras.src.layers.core.dense:Dense", "call", fused_dense_call, outer=1),),
+    observed=Observed(SCOPE, MARKS, LABELS),
+    after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))
