@@ -214,7 +214,7 @@ def test_the_tuner_measures_the_updates_inside_a_loss_scaled_steps_cond(monkeypa
     monkeypatch.setattr(state, "tuner", lambda: Tuner("auto", timer=run_each_once, budget=1e9))
     # no fit plan: over this fit's one planned step no kernel pays for its first call
     # (tfmx.tuner.for_plan), and what is tested here is the measuring inside the cond
-    monkeypatch.setattr("tfmx.guard.active_plan", lambda: None)
+    monkeypatch.setattr("tfmx.fit_plan.active_plan", lambda: None)
     keras.mixed_precision.set_global_policy("mixed_float16")
     make = lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3))  # noqa: E731
     names, stock, _, _ = _train(make, fused=False, steps=1)

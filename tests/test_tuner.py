@@ -217,7 +217,7 @@ def test_the_cache_is_invalidated_by_another_tensorflow_onednn_state_cpu_or_code
         fp[field] = value
         return fp
 
-    monkeypatch.setattr(tuner_mod, "fingerprint", changed)
+    monkeypatch.setattr("tfmx.tuning_cache.fingerprint", changed)
     timer = _timer({"a": 1.0, "b": 2.0})
     d = Tuner("auto", TuningCache.for_backend("cpu"), timer).choose(
         "f", "s", {"a": None, "b": None}, "a")
@@ -230,7 +230,7 @@ def test_the_code_digest_follows_every_source_file_of_the_packages(tmp_path, mon
     (package / "__init__.py").write_text("")
     (package / "sub" / "forms.py").write_text("def gelu(x):\n    return x\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(tuner_mod, "CODE_PACKAGES", ("formsdemo",))
+    monkeypatch.setattr("tfmx.tuning_cache.CODE_PACKAGES", ("formsdemo",))
     digest = tuner_mod.code_digest.__wrapped__
     first = digest()
     assert digest() == first

@@ -20,7 +20,7 @@ on this machine (:func:`expected_first_call`, learnt from the first calls measur
 its measured compile time counts against the budget. A step that reduces across replicas is
 not tried (:func:`xla_pruned`: a correctness reason).
 
-The budget: a trial costs at most :data:`BUDGET_SHARE` (2 %) of the run it serves
+The budget: a trial costs at most ``tfmx.env.BUDGET_SHARE`` (2 %) of the run it serves
 (``TFMX_GUARD_BUDGET``). Its cost is the first calls of the forms other than fused (tracing,
 compiling) and the time every slower step took beyond the best form's median. The run's time is
 what Keras's ``fit`` plans (epochs x steps per epoch, from its callbacks' params: see
@@ -36,18 +36,16 @@ A finished trial's outcome is kept per step signature for the process and in the
 on this machine (``tune="auto"``): a later ``fit``, a new model of the same architecture, a new
 process run it at once, and the report says what the trial had cost (what the reuse saved).
 
-Before a fit's train step is first traced, the price gate (:func:`price_gate`) asks whether
-rewriting it can pay within this fit: from the fit's plan and what this machine measured of
-the same step before (its price record, :func:`price_figures`, keyed by what the step is
-before it is traced: the fused and stock first calls, each form's median), it runs the step as
-stock, with no stage and no rewrite, where the rewrite's extra first call is more than the
-fused step saves over the planned calls, or, where stock's step was never measured, more than
-the trial's budget; the report says so with the figures. A step so run is timed on its first
-calls, so the next fit decides from both forms. With nothing measured yet, tfmx runs and the
-guard's trial records the figures.
+Before a fit's train step is first traced, the price gate (:func:`price_gate`) runs it as
+stock, with no stage and no rewrite, where what this machine measured of the same step says
+rewriting it cannot pay within the fit. Switch the guard off with ``tfmx.enable(guard=False)``
+or ``TFMX_GUARD=0`` (the price gate is part of it); the XLA duel alone with
+``tfmx.enable(xla=False)`` or ``TFMX_XLA=0``.
 
-Switch the guard off with ``tfmx.enable(guard=False)`` or ``TFMX_GUARD=0``; the XLA duel alone
-with ``tfmx.enable(xla=False)`` or ``TFMX_XLA=0``. The price gate is part of the guard.
+This module holds the trial (:class:`StepGuard`) and how tfmx makes one (:func:`make_guard`).
+Importable from here too: the fit's plan (``tfmx.fit_plan``), first calls and the price gate
+(``tfmx.step_price``), the report's record (``tfmx.guard_record``) and what a step tells the
+function it is traced into (``tfmx.outer_trace``).
 
 Example (injected times: the fused step is slower, stock is kept):
     >>> from tfmx.guard import StepGuard
@@ -61,23 +59,40 @@ Example (injected times: the fused step is slower, stock is kept):
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import functools
-import itertools
 import math
-import os
 import statistics
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from tfmx.tuner import share_from_env, sign_test
+from tfmx.env import ENV_XLA, budget_share, enabled_by_env
+from tfmx.fit_plan import (
+    FitPlan,
+    active_plan,
+    adopting,
+    closing_fit,
+    current_plan,
+    ending_callbacks,
+    fitting,
+    plan_fit,
+    planning_callbacks,
+)
+from tfmx.guard_record import GuardRecord
+from tfmx.outer_trace import Embedded, collecting, embedded, forced_form, forcing
+from tfmx.step_price import (
+    GateDecision,
+    expected_first_call,
+    forget_prices,
+    learn_first_call,
+    learn_price,
+    price_figures,
+    price_gate,
+)
+from tfmx.step_price import _prices as _prices
+from tfmx.timing import sign_test, t_test
+from tfmx.timing import sync_small as _sync
+from tfmx.tuning_cache import Decision
 
-ENV = "TFMX_GUARD"
-ENV_XLA = "TFMX_XLA"
-ENV_BUDGET = "TFMX_GUARD_BUDGET"
 MIN_PAIRS = 6
 """Pairs before the sign test may decide (the t-test may decide from 2)."""
 MAX_PAIRS = 24
@@ -90,331 +105,18 @@ significance."""
 PLAIN = (1.1, 1.25)
 """A challenger slower in each of its first 3 pairs by at least the first, and by the second in
 their median, is dropped then, however noisy (its t-test may not yet be)."""
-BUDGET_SHARE = 0.02
-"""The share of the run a trial may cost (``TFMX_GUARD_BUDGET``: a fraction, or ``none``)."""
-NOISE_FLOOR = 0.01
-"""The least standard deviation of a pair's log time ratio the t-test assumes (1 %): two
-timings that agree better than that are not taken for proof."""
-XLA_SEED = 2.0
-"""Before any XLA first call was measured on this machine, its compile is expected to cost
-this many times stock's first call (a seed: the first measurement replaces it)."""
-SEED_S_PER_OP = 1e-3
-"""Before any first call was measured here and with no fused first call to go by, stock's is
-expected to cost this many seconds per op of its step (a seed, as :data:`XLA_SEED`)."""
 
-# one-sided Student t quantiles for 1..30 degrees of freedom, at p = 0.01 and 0.05
-_T_CRIT = {
-    0.01: (31.82, 6.965, 4.541, 3.747, 3.365, 3.143, 2.998, 2.896, 2.821, 2.764, 2.718, 2.681,
-           2.650, 2.624, 2.602, 2.583, 2.567, 2.552, 2.539, 2.528, 2.518, 2.508, 2.500, 2.492,
-           2.485, 2.479, 2.473, 2.467, 2.462, 2.457),
-    0.05: (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782,
-           1.771, 1.761, 1.753, 1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711,
-           1.708, 1.706, 1.703, 1.701, 1.699, 1.697),
-}
-_T_LIMIT = {0.01: 2.326, 0.05: 1.645}
-
-_local = threading.local()
 _test_delay = {"fused": 0.0, "stock": 0.0, "xla": 0.0}
-
-
-def enabled_by_env(name: str = ENV) -> bool:
-    """The environment switch ``name`` (``TFMX_GUARD``, ``TFMX_XLA``): unset or true-ish is on.
-
-    >>> isinstance(enabled_by_env(), bool)
-    True
-    """
-    value = os.environ.get(name, "1").strip().lower()
-    if value in ("1", "true", "on", "yes", ""):
-        return True
-    if value in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"${name} must be 1 or 0 (on/off), got {value!r}")
 
 
 def set_test_delay(fused: float = 0.0, stock: float = 0.0, xla: float = 0.0) -> None:
     """Test hook: every step of that form a guard runs during its trial sleeps so many seconds
-    more (the default, 0, turns it off)."""
+    more (the default, 0, turns it off).
+
+    >>> set_test_delay(fused=0.002)
+    >>> set_test_delay()  # off again
+    """
     _test_delay.update(fused=float(fused), stock=float(stock), xla=float(xla))
-
-
-@contextlib.contextmanager
-def forcing(form: str) -> Iterator[None]:
-    """While a guard traces another form (``"stock"``, ``"xla"``) of an outer function
-    (Keras's step loop), tfmx's step functions traced inside it embed that form."""
-    with _swapped("forced", form):
-        yield
-
-
-@contextlib.contextmanager
-def _swapped(attr: str, value: Any) -> Iterator[None]:
-    """This thread's ``attr`` (of the guard's thread-local state) is ``value`` for the block."""
-    previous = getattr(_local, attr, None)
-    setattr(_local, attr, value)
-    try:
-        yield
-    finally:
-        setattr(_local, attr, previous)
-
-
-def forced_form() -> str | None:
-    """The form :func:`forcing` asks for, None outside it."""
-    return getattr(_local, "forced", None)
-
-
-@contextlib.contextmanager
-def collecting() -> Iterator[list[Any]]:
-    """Collect what tfmx's step functions embed while an outer function traces (see
-    :func:`embedded`): the caller learns whether tfmx changed anything inside."""
-    previous = getattr(_local, "collected", None)
-    _local.collected = []
-    try:
-        yield _local.collected
-    finally:
-        _local.collected = previous
-
-
-@dataclasses.dataclass(frozen=True)
-class Embedded:
-    """What an outer trace learns of a tfmx step traced into it."""
-
-    changed: bool  # it differs from stock (a stage or a pass rewrote it)
-    ops: Mapping[str, int] = dataclasses.field(default_factory=dict)  # its stock graph's ops
-    signature: str = ""  # what the step is (its ops, shapes, what tfmx made of it): a cache key
-    price_key: str = ""  # what the step is before it is traced: its price record's key
-    gated: bool = False  # the price gate ran it as stock (see :func:`price_gate`)
-    replicas: int = 1  # the replicas it runs in (``tf.distribute``): one trace each
-
-
-def embedded(changed: bool, ops: Mapping[str, int] | None = None, signature: str = "",
-             price_key: str = "", gated: bool = False, replicas: int = 1) -> None:
-    """A tfmx step function was traced into an outer function (see :class:`Embedded`)."""
-    collected = getattr(_local, "collected", None)
-    if collected is not None:
-        collected.append(Embedded(changed, dict(ops or {}), signature, price_key, gated,
-                                  replicas))
-
-
-def budget_share() -> float | None:
-    """The share of a run a trial may cost: ``$TFMX_GUARD_BUDGET`` or :data:`BUDGET_SHARE`;
-    None (``none``, ``off``) lets a trial run to its end whatever it costs.
-
-    >>> budget_share()
-    0.02
-    """
-    return share_from_env(ENV_BUDGET, BUDGET_SHARE)
-
-
-def t_test(ratios: list[float], p: float) -> int:
-    """A one-sided t-test on the log of the pairs' time ratios (challenger / incumbent): -1 if
-    the challenger is faster at significance ``p``, 1 if slower, 0 if neither. The standard
-    deviation is taken as at least :data:`NOISE_FLOOR`.
-
-    >>> t_test([5.1, 4.9], 0.01), t_test([1.02, 0.97, 1.01], 0.01), t_test([0.5] * 3, 0.01)
-    (1, 0, -1)
-    """
-    n = len(ratios)
-    if n < 2 or p not in _T_CRIT:
-        return 0
-    logs = [math.log(r) for r in ratios]
-    mean = statistics.fmean(logs)
-    sd = max(statistics.stdev(logs), NOISE_FLOOR)
-    table = _T_CRIT[p]
-    critical = table[n - 2] if n - 1 <= len(table) else _T_LIMIT[p]
-    t = mean / (sd / math.sqrt(n))
-    return -1 if t < -critical else 1 if t > critical else 0
-
-
-# -- what a fit plans --------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class FitPlan:
-    """One ``fit``: its number (in this process), how many calls of its train function it
-    plans and how many steps (batches) those run (None: unknown, e.g. a dataset of unknown
-    length)."""
-
-    serial: int
-    calls: int | None
-    steps: int | None = None
-
-
-_serials = itertools.count(1)
-
-
-def plan_fit(epochs: int | None, steps: int | None, steps_per_execution: int = 1) -> FitPlan:
-    """Announce a ``fit`` of ``epochs`` x ``steps`` batches, ``steps_per_execution`` batches a
-    call, in this thread: the train step's guard sizes its budget on it.
-
-    >>> plan_fit(3, 16, 4).calls
-    12
-    >>> current_plan().calls
-    12
-    """
-    calls = total = None
-    if epochs and steps and steps > 0:
-        calls = epochs * -(-int(steps) // max(1, int(steps_per_execution or 1)))
-        total = int(epochs) * int(steps)
-    plan = FitPlan(next(_serials), calls, total)
-    _local.plan = plan
-    return plan
-
-
-def current_plan() -> FitPlan | None:
-    """The last ``fit`` announced in this thread (:func:`plan_fit`), None before any."""
-    return getattr(_local, "plan", None)
-
-
-def active_plan() -> FitPlan | None:
-    """The plan of the ``fit`` under way in this thread (from its ``on_train_begin`` to its
-    ``on_train_end``, see :func:`planning_callbacks`, or inside :func:`fitting`), else None:
-    what the tuner's budget and the price gate size themselves on.
-
-    >>> active_plan() is None
-    True
-    >>> with fitting(3, 16):
-    ...     active_plan().steps
-    48
-    """
-    return getattr(_local, "active", None)
-
-
-@contextlib.contextmanager
-def adopting(plan: FitPlan | None) -> Iterator[None]:
-    """Make ``plan`` the fit under way in this thread for the block (a thread working for the
-    fit's thread, e.g. the tuner's measuring thread).
-
-    >>> with adopting(FitPlan(0, 4, 4)):
-    ...     active_plan().calls
-    4
-    """
-    with _swapped("active", plan):
-        yield
-
-
-@contextlib.contextmanager
-def fitting(epochs: int | None, steps: int | None,
-            steps_per_execution: int = 1) -> Iterator[FitPlan]:
-    """Announce a fit (:func:`plan_fit`) that is under way (:func:`active_plan`) for the
-    block: what Keras's callbacks do around a ``fit``; tests and custom loops use it."""
-    plan = plan_fit(epochs, steps, steps_per_execution)
-    with _swapped("active", plan):
-        yield plan
-
-
-def planning_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap Keras's ``CallbackList.on_train_begin`` (install with ``fusion.patches``): when a
-    fit begins, its callbacks' params (``epochs``, ``steps``) and the model's
-    ``steps_per_execution`` announce its plan (:func:`plan_fit`)."""
-
-    @functools.wraps(original)
-    def on_train_begin(self: Any, logs: Any = None) -> Any:
-        params = getattr(self, "params", None) or {}
-        model = getattr(self, "model", None)
-        try:
-            plan = plan_fit(params.get("epochs"), params.get("steps"),
-                            getattr(model, "steps_per_execution", 1) or 1)
-        except (TypeError, ValueError):
-            plan = plan_fit(None, None)
-        _local.active = plan
-        return original(self, logs)
-
-    return on_train_begin
-
-
-def ending_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap Keras's ``CallbackList.on_train_end``: the fit's plan is no longer under way
-    (:func:`active_plan`)."""
-
-    @functools.wraps(original)
-    def on_train_end(self: Any, logs: Any = None) -> Any:
-        _local.active = None
-        return original(self, logs)
-
-    return on_train_end
-
-
-def closing_fit(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap Keras's ``Trainer.fit``: whatever way the fit ends (``on_train_end``, or an
-    exception that skips it), the plan under way before it (:func:`active_plan`, None outside a
-    fit) is the one under way after it.
-
-    >>> def fit(self):
-    ...     plan_fit(1, 1)
-    ...     _local.active = current_plan()
-    ...     raise KeyboardInterrupt
-    >>> try:
-    ...     closing_fit(fit)(None)
-    ... except KeyboardInterrupt:
-    ...     pass
-    >>> active_plan() is None
-    True
-    """
-
-    @functools.wraps(original)
-    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
-        before = getattr(_local, "active", None)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            _local.active = before
-
-    return fit
-
-
-# -- first calls: what tracing or compiling a form costs on this machine ----------------------
-_first_calls: dict[str, tuple[float, int]] = {}  # form -> (max log s/op, observations)
-
-
-def _learnt(form: str, cache: Any) -> tuple[float, int] | None:
-    known = _first_calls.get(form)
-    if known is None and cache is not None:  # another process's measurements
-        d = cache.get(f"guard-first-call|{form}")
-        if d is not None and d.times_ms.get("ms_per_op", 0) > 0:
-            known = (math.log(d.times_ms["ms_per_op"] / 1e3), int(d.times_ms.get("n", 1)))
-            _first_calls[form] = known
-    return known
-
-
-def learn_first_call(form: str, seconds: float, ops: int, cache: Any = None) -> None:
-    """Record that ``form``'s first call (tracing, compiling, one step) took ``seconds`` for a
-    step of ``ops`` ops: :func:`expected_first_call` goes by the most per op measured here (a
-    budget is a bound: the slowest first call seen, not a typical one).
-
-    >>> learn_first_call("demo", 2.0, 1000)
-    >>> round(expected_first_call("demo", 500)[0], 3)
-    1.0
-    """
-    if ops <= 0 or seconds <= 0:
-        return
-    most, n = _learnt(form, cache) or (-math.inf, 0)
-    most = max(most, math.log(seconds / ops))
-    _first_calls[form] = (most, n + 1)
-    if cache is not None:
-        from tfmx.tuner import Decision
-
-        cache.put(Decision("guard-first-call", form, form, (form,),
-                           {"ms_per_op": math.exp(most) * 1e3, "n": n + 1}, "measured"))
-
-
-def expected_first_call(form: str, ops: int, fused_first_s: float = 0.0, cache: Any = None
-                        ) -> tuple[float, str]:
-    """Seconds ``form``'s first call is expected to take for a step of ``ops`` ops, and how
-    that was estimated: from the first calls measured on this machine (per op), else seeded by
-    the fused step's own first call (tracing and rewriting the same step: more than stock's)
-    or :data:`SEED_S_PER_OP`, XLA's at :data:`XLA_SEED` times stock's.
-
-    >>> expected_first_call("nothing measured", 100, fused_first_s=3.0)[1]
-    'seed: the fused first call'
-    """
-    known = _learnt(form, cache)
-    if known is not None and ops > 0:
-        rate = math.exp(known[0])
-        return rate * ops, (f"{rate * 1e3:.2f} ms per op, the most of {known[1]} first "
-                            "call(s) measured here")
-    if form == "xla":
-        stock, how = expected_first_call("stock", ops, fused_first_s, cache)
-        return XLA_SEED * stock, f"seed: {XLA_SEED:g} x stock's first call ({how})"
-    if fused_first_s > 0:
-        return fused_first_s, "seed: the fused first call"
-    return SEED_S_PER_OP * max(ops, 1), f"seed: {SEED_S_PER_OP * 1e3:g} ms per op"
 
 
 def xla_pruned(backend: str, ops: Mapping[str, int], replicas: int = 1) -> str | None:
@@ -451,119 +153,7 @@ def forget() -> None:
     >>> forget()
     """
     _decided.clear()
-    _first_calls.clear()
-    _prices.clear()
-
-
-# -- the price gate: does rewriting a fit's step pay within that fit? -------------------------
-PRICE_FAMILY = "price"
-"""The tuner cache's family of price records: per step (before it is traced), what its first
-calls and steps cost in each form, as measured here."""
-
-_prices: dict[str, dict[str, float]] = {}  # price key -> figures learnt in this process
-
-
-def price_figures(key: str, cache: Any = None) -> dict[str, float]:
-    """What was measured on this machine of the step ``key``: ``fused_first_s`` and
-    ``stock_first_s`` (the first call of the fit's loop: tracing, rewriting, graph
-    optimization, one step), ``fused_ms`` and ``stock_ms`` (medians of a call), ``ops``.
-
-    >>> learn_price("demo step", fused_ms=5.0)
-    >>> price_figures("demo step")["fused_ms"]
-    5.0
-    """
-    known: dict[str, float] = {}
-    if cache is not None and key:
-        found = cache.get(f"{PRICE_FAMILY}|{key}")
-        if found is not None:
-            known.update(found.times_ms)
-    known.update(_prices.get(key, {}))
-    return known
-
-
-def learn_price(key: str, cache: Any = None, **figures: float | None) -> None:
-    """Record ``figures`` (see :func:`price_figures`) of the step ``key`` for this process and,
-    with ``cache`` (a ``tfmx.tuner.TuningCache``), for this machine."""
-    if not key:
-        return
-    new = {k: float(v) for k, v in figures.items()
-           if v is not None and math.isfinite(float(v)) and float(v) > 0}
-    if not new:
-        return
-    merged = {**price_figures(key, cache), **new}
-    _prices[key] = merged
-    if cache is not None:
-        from tfmx.tuner import Decision
-
-        cache.put(Decision(PRICE_FAMILY, key, "figures", (), merged, "measured"))
-
-
-@dataclasses.dataclass(frozen=True)
-class GateDecision:
-    """The price gate's verdict on one fit's step: ``run`` is ``"tfmx"`` (traced with the
-    stages, rewritten, guarded) or ``"stock"`` (as TensorFlow alone traces it), and why."""
-
-    run: str
-    why: str
-
-    def describe(self, function: str) -> str:
-        """The report's line: ``price gate: M.train_step ran as stock: <why>``."""
-        return f"price gate: {function} ran as {self.run}: {self.why}"
-
-
-def price_gate(figures: Mapping[str, float], calls: int | None,
-               share: float | None = BUDGET_SHARE, cache: Any = None) -> GateDecision:
-    """Whether rewriting a step pays within a fit of ``calls`` calls of it, from what this
-    machine measured of it (``figures``, :func:`price_figures`):
-
-    - both forms' step times known: tfmx runs if what the fused step saves over the fit
-      (``calls`` x (stock - fused)) is more than its first call costs beyond stock's;
-    - only the fused step's known (the trial never ran stock): tfmx runs if its first call
-      beyond stock's expected one (:func:`expected_first_call`, learnt here, else nothing) is
-      within the trial's budget, ``share`` of the planned run (the guard's budget logic);
-      else stock runs, and its figures are measured for the next fit;
-    - nothing known, or no plan: tfmx runs (and learns).
-
-    >>> fig = {"fused_first_s": 9.0, "stock_first_s": 3.0, "fused_ms": 40.0, "stock_ms": 60.0}
-    >>> price_gate(fig, 48).run, price_gate(fig, 1000).run
-    ('stock', 'tfmx')
-    >>> price_gate(fig, 48).why  # doctest: +NORMALIZE_WHITESPACE
-    "its first call costs 6.00 s more than stock's (9.00 s, 3.00 s), more than it saves over
-    the fit's 48 calls (0.96 s: fused 40.00 ms, stock 60.00 ms a call)"
-    """
-    if not calls:
-        return GateDecision("tfmx", "no plan of the fit's length")
-    fused_first = figures.get("fused_first_s")
-    fused_ms = figures.get("fused_ms")
-    if not fused_first or not fused_ms:
-        return GateDecision("tfmx", "nothing measured of this step's price here yet: tfmx runs "
-                                    "and measures it")
-    stock_first = figures.get("stock_first_s")
-    how = f"{stock_first:.2f} s" if stock_first else ""
-    if not stock_first:
-        ops = int(figures.get("ops", 0))
-        known = _learnt("stock", cache)
-        stock_first = math.exp(known[0]) * ops if known is not None and ops > 0 else 0.0
-        how = (f"~{stock_first:.2f} s expected, learnt here per op" if stock_first
-               else "not measured")
-    extra = max(0.0, fused_first - stock_first)
-    first = (f"its first call costs {extra:.2f} s more than stock's ({fused_first:.2f} s, "
-             f"{how})")
-    stock_ms = figures.get("stock_ms")
-    if stock_ms:
-        saved = calls * (stock_ms - fused_ms) / 1e3
-        steps = (f"the fit's {calls} calls ({saved:.2f} s: fused {fused_ms:.2f} ms, stock "
-                 f"{stock_ms:.2f} ms a call)")
-        if saved > extra:
-            return GateDecision("tfmx", f"{first}, less than it saves over {steps}")
-        return GateDecision("stock", f"{first}, more than it saves over {steps}")
-    run_s = calls * fused_ms / 1e3
-    if share is None or extra <= share * run_s:
-        return GateDecision("tfmx", f"{first}, within the trial's budget ({share or 0:.0%} of "
-                                    f"the planned ~{run_s:.1f} s); stock's step not measured")
-    return GateDecision("stock", f"{first}, more than the trial's budget ({share:.0%} of the "
-                                 f"planned ~{run_s:.1f} s), and stock's step was never measured "
-                                 "to show a gain: stock runs and is measured for the next fit")
+    forget_prices()
 
 
 def make_guard(function: str, opts: Any, ops: Mapping[str, int], signature: str = "",
@@ -573,8 +163,8 @@ def make_guard(function: str, opts: Any, ops: Mapping[str, int], signature: str 
     the report says why), its budget
     (:func:`budget_share`; ``planned``: the step is a fit's train step, whose plan
     :func:`plan_fit` announces). With the step's ``signature``, what a trial kept for the same
-    step before in this process, or on this machine (a ``tfmx.tuner.TuningCache``), is kept at
-    once, and a new trial's outcome is stored."""
+    step before in this process, or on this machine (a ``tfmx.tuning_cache.TuningCache``), is
+    kept at once, and a new trial's outcome is stored."""
     challengers = opts.guard_challengers()
     why = xla_pruned(opts.backend.name, ops, replicas) if "xla" in challengers else None
     if why:
@@ -585,46 +175,6 @@ def make_guard(function: str, opts: Any, ops: Mapping[str, int], signature: str 
     if signature:
         made.remember(cache, f"{function} {signature}")
     return made
-
-
-@dataclasses.dataclass
-class GuardRecord:
-    """What one guard measured and kept, for the report."""
-
-    function: str
-    kept: str  # "fused", "stock", "xla", or "undecided"
-    fused_ms: float
-    stock_ms: float
-    pairs: int
-    reason: str
-    cost_s: float = 0.0  # what the trial cost: the other forms' first calls and slower steps
-    xla_ms: float = float("nan")  # nan: not tried
-    final: bool = True  # False: kept while the trial is paused (its budget spent)
-    budget_s: float = float("nan")  # what the trial may cost so far (nan: no budget)
-    run_s: float = 0.0  # the run the budget is a share of: the fits' planned time, or so far
-    xla_compile_s: float = float("nan")  # XLA's first call, measured (nan: not compiled)
-    saved_s: float = 0.0  # a cached outcome: what its trial had cost
-
-    def describe(self) -> str:
-        """One line: what was kept, each form's median, the pairs, why, what it cost."""
-        times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in (
-            ("fused", self.fused_ms), ("stock", self.stock_ms), ("XLA", self.xla_ms))
-            if not math.isnan(ms))
-        ratio = self.fused_ms / self.stock_ms if self.stock_ms else math.nan
-        if not math.isnan(ratio):
-            times += f", fused/stock {ratio:.3f}"
-        share = (f"{self.cost_s / self.run_s:.1%} of the run's ~{self.run_s:.1f} s"
-                 if self.run_s > 0 else "")
-        budget = "" if math.isnan(self.budget_s) else f", budget {self.budget_s:.2f} s"
-        cost = f"the trial cost {self.cost_s:.2f} s" + (f" ({share}{budget})" if share else "")
-        if self.saved_s:
-            cost = f"no trial: {self.saved_s:.2f} s saved, what the trial had cost"
-        reason = f"; {self.reason}" if self.reason else ""
-        if self.kept == "undecided":
-            return (f"{self.function}: trial under way, {self.pairs} pairs so far ({times})"
-                    f"{reason}; {cost}")
-        kept = f"kept {self.kept}" + ("" if self.final else " for now")
-        return f"{self.function}: {kept} ({times}; {self.pairs} pairs{reason}; {cost})"
 
 
 class StepGuard:
@@ -896,7 +446,7 @@ class StepGuard:
     # -- outcomes ------------------------------------------------------------------------------
     def remember(self, cache: Any, key: str) -> None:
         """Keep what a trial of this step kept before, in this process or on this machine
-        (``cache``, a ``tfmx.tuner.TuningCache``, may be None); store this trial's outcome
+        (``cache``, a ``tfmx.tuning_cache.TuningCache``, may be None); store this trial's outcome
         there when it ends."""
         self._cache = cache if cache is not None else self._cache
         self._key = key
@@ -966,8 +516,6 @@ class StepGuard:
         self._learn_price()
         if not self._key:
             return
-        from tfmx.tuner import Decision
-
         times = {f: statistics.median(v) * 1e3 for f, v in self._all.items() if v}
         forms = tuple(times)
         times["trial_s"] = self._cost()
@@ -1040,20 +588,9 @@ class StepGuard:
         return out
 
 
-def _sync(outputs: Any) -> None:
-    """Eager function calls return when their kernels are done, except on asynchronous
-    devices: read one scalar-sized output back to be sure (cheap)."""
-    import tensorflow as tf
-
-    for t in tf.nest.flatten(outputs, expand_composites=True):
-        if hasattr(t, "_numpy") and t.dtype != tf.variant and t.dtype != tf.resource:
-            if t.shape.num_elements() is not None and t.shape.num_elements() <= 16:
-                t._numpy()
-                return
-
-
-__all__ = ["Embedded", "FitPlan", "GateDecision", "GuardRecord", "StepGuard", "active_plan",
-           "adopting", "budget_share", "closing_fit", "collecting", "current_plan", "embedded",
-           "ending_callbacks", "expected_first_call", "fitting", "forced_form", "forcing",
-           "forget", "learn_first_call", "learn_price", "plan_fit", "planning_callbacks",
-           "price_figures", "price_gate", "set_test_delay", "t_test", "xla_pruned"]
+__all__ = ["ENV_XLA", "Embedded", "FitPlan", "GateDecision", "GuardRecord", "StepGuard",
+           "active_plan", "adopting", "budget_share", "closing_fit", "collecting", "current_plan",
+           "embedded", "enabled_by_env", "ending_callbacks", "expected_first_call", "fitting",
+           "forced_form", "forcing", "forget", "learn_first_call", "learn_price", "plan_fit",
+           "planning_callbacks", "price_figures", "price_gate", "set_test_delay", "t_test",
+           "xla_pruned"]

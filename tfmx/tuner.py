@@ -24,7 +24,7 @@ A decision costs more than its rounds: each candidate's first call (building, tr
 optimization) is measured too (``Decision.first_ms``). Within a ``fit`` whose plan is known,
 a form is kept only where what it saves over the planned steps pays for its first call beyond
 the conservative form's (:func:`for_plan`), and the tuner measures for at most a share of the
-planned run (:data:`PLAN_SHARE`); the decisions it leaves unmeasured take the conservative
+planned run (``tfmx.env.PLAN_SHARE``); the decisions it leaves unmeasured take the conservative
 form, and the report says why.
 
 Modes (``tfmx.enable(tune=...)`` or the environment variable ``TFMX_TUNE``):
@@ -35,14 +35,14 @@ Modes (``tfmx.enable(tune=...)`` or the environment variable ``TFMX_TUNE``):
 - ``"off"``: no measurement and no cache; every decision takes its conservative form: the one
   stock TensorFlow would run, exact and never slower than stock.
 
-The cache is one JSON file per machine under :func:`cache_dir` (``$TFMX_CACHE_DIR``, else
-``$XDG_CACHE_HOME/tfmx``, else ``~/.cache/tfmx``), named by a hash of the machine's
-:func:`fingerprint`: the CPU model, family and relevant flags, the TensorFlow version, the
-oneDNN state, the backend and tfmx's own code (:func:`code_digest`). A new TensorFlow, oneDNN
-switched the other way, another processor or another tfmx reads another file, so nothing
-measured elsewhere is reused, and a form reimplemented under the same name is measured again.
-:func:`export_cache` and :func:`import_cache` carry a file to identical machines running the
-same tfmx (preseed a fleet).
+The decisions are kept per machine in the tuning cache (``tfmx.tuning_cache``): nothing
+measured on another processor, TensorFlow, oneDNN state or tfmx is reused.
+:func:`export_cache` and :func:`import_cache` carry one machine's file to identical machines
+running the same tfmx (preseed a fleet).
+
+This module holds the :class:`Tuner` and what bounds its measuring (its mode, its budget, a
+fit's plan: :func:`for_plan`). How forms are timed and told from noise is in ``tfmx.timing``,
+the cache in ``tfmx.tuning_cache``; their names are importable from here too.
 
 Example (injected timings: the tuner keeps the faster form and says so):
     >>> from tfmx.tuner import Tuner
@@ -59,24 +59,40 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import hashlib
-import importlib.util
-import json
 import math
 import os
-import statistics
-import tempfile
-import threading
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
-from typing import Any
+
+from tfmx import fit_plan
+from tfmx.env import plan_share, share_from_env
+from tfmx.timing import (
+    MIN_ROUNDS,
+    SIGNIFICANCE,
+    OverBudget,
+    RunFactory,
+    Timer,
+    Timings,
+    is_region,
+    measure,
+    sign_test,
+    sync,
+    within_noise,
+)
+from tfmx.tuning_cache import (
+    CODE_PACKAGES,
+    Decision,
+    TuningCache,
+    cache_dir,
+    code_digest,
+    export_cache,
+    fingerprint,
+    import_cache,
+)
 
 MODES = ("auto", "cached", "off")
 ENV_MODE = "TFMX_TUNE"
-ENV_DIR = "TFMX_CACHE_DIR"
 ENV_BUDGET = "TFMX_TUNE_BUDGET"
-ENV_SHARE = "TFMX_TUNE_SHARE"
 
 DEFAULT_BUDGET_S = 30.0
 """Seconds one rewrite may spend measuring (``TFMX_TUNE_BUDGET``); what is left unmeasured
@@ -89,44 +105,6 @@ DECISION_SECONDS = 0.075
 0.15 s for two forms, 0.45 s for six. A fixed time whatever the candidates would leave a
 decision between six forms at its minimum rounds, too few to tell a faster form from noise."""
 
-MIN_ROUNDS, MAX_ROUNDS = 8, 30
-"""Rounds of one decision: at least 8, so a form that wins every round is told from chance
-(:data:`SIGNIFICANCE`: 8 of 8 by chance has probability 0.004, 7 of 8 0.035)."""
-
-PLAN_SHARE = 0.02
-"""In a ``fit`` whose plan is known (``tfmx.guard.active_plan``), the share of the planned run
-the tuner may spend measuring (``TFMX_TUNE_SHARE``: a fraction, or ``none``). The run's time
-is the planned steps at the step time known for it: the sum of the conservative forms'
-medians measured in this fit so far (a lower bound of the step), or the time a previous fit
-of the same step measured (``Tuner.step_hint``); with neither known, the fit's first decision
-is measured, which seeds it. What the share does not cover takes the conservative form and is
-measured on a later run."""
-
-SIGNIFICANCE = 0.05
-"""The largest probability that chance alone wins a form as many rounds as it won against the
-conservative form (:func:`sign_test`) at which it is still kept."""
-
-RunFactory = Callable[[], Callable[[], Any]]
-"""Builds one candidate (graphs, inputs) and returns a callable that runs it once, synchronously."""
-
-Timer = Callable[[Mapping[str, RunFactory], float], Mapping[str, float]]
-"""(candidates, seconds) -> median seconds per candidate name (a :class:`Timings` also holds
-every round's samples, which the choice is tested with)."""
-
-
-
-def sync(outputs: Any) -> None:
-    """Block until ``outputs`` (a structure of tensors) are computed: every timing here ends
-    with it.
-
-    >>> import tensorflow as tf
-    >>> sync({"loss": tf.constant(1.0), "n": 3})
-    """
-    import tensorflow as tf
-
-    for t in tf.nest.flatten(outputs):
-        if hasattr(t, "numpy"):
-            t.numpy()
 
 
 def resolve_mode(mode: str | None) -> str:
@@ -158,343 +136,6 @@ def budget_seconds() -> float:
     if value < 0:
         raise ValueError(f"${ENV_BUDGET} must be >= 0, got {raw!r}")
     return value
-
-
-def share_from_env(name: str, default: float) -> float | None:
-    """A share of a run from the environment variable ``name``: a fraction, ``none`` (None:
-    unbounded), or ``default`` where unset; ValueError naming the variable otherwise.
-
-    >>> share_from_env("TFMX_NO_SUCH_SHARE", 0.02)
-    0.02
-    """
-    raw = os.environ.get(name, "").strip().lower()
-    if not raw:
-        return default
-    if raw in ("none", "off", "inf"):
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"${name} must be a fraction of the run (0.02) or none, "
-                         f"got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"${name} must be >= 0, got {raw!r}")
-    return value
-
-
-def plan_share() -> float | None:
-    """The share of a planned run the tuner may spend measuring: ``$TFMX_TUNE_SHARE`` or
-    :data:`PLAN_SHARE`; None (``none``) bounds it by :func:`budget_seconds` alone.
-
-    >>> plan_share()
-    0.02
-    """
-    return share_from_env(ENV_SHARE, PLAN_SHARE)
-
-
-def cache_dir() -> Path:
-    """Where tuning results live: ``$TFMX_CACHE_DIR``, ``$XDG_CACHE_HOME/tfmx`` or
-    ``~/.cache/tfmx``.
-
-    >>> cache_dir().name in ("tfmx",) or "TFMX_CACHE_DIR" in __import__("os").environ
-    True
-    """
-    explicit = os.environ.get(ENV_DIR)
-    if explicit:
-        return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "tfmx"
-
-
-CODE_PACKAGES = ("tfmx", "fusion", "policies")
-"""The packages whose source decides what a form is (:func:`code_digest`)."""
-
-
-@functools.lru_cache(maxsize=1)
-def code_digest() -> str:
-    """A hash of tfmx's own source (every ``.py`` file of :data:`CODE_PACKAGES`).
-
-    A candidate's name says which form it is, not how that form is built: a form rebuilt under
-    its old name (the GELU's ``xla`` region became one loop computing value and derivative)
-    would otherwise keep the choice measured of its predecessor. With the code in the
-    fingerprint, another tfmx measures again.
-
-    >>> len(code_digest()), code_digest() == code_digest()
-    (16, True)
-    """
-    digest = hashlib.sha1()
-    for package in CODE_PACKAGES:
-        spec = importlib.util.find_spec(package)
-        if spec is None or spec.origin is None:
-            continue
-        root = Path(spec.origin).parent
-        for path in sorted(root.rglob("*.py")):
-            digest.update(path.relative_to(root.parent).as_posix().encode())
-            try:
-                digest.update(path.read_bytes())
-            except OSError:  # unreadable: its name still counts
-                continue
-    return digest.hexdigest()[:16]
-
-
-def fingerprint(backend: str) -> dict[str, Any]:
-    """What a measurement is a fact about: processor, TensorFlow, oneDNN state, backend and
-    tfmx's code.
-
-    >>> sorted(fingerprint("cpu"))  # doctest: +NORMALIZE_WHITESPACE
-    ['backend', 'code', 'cpu', 'keras', 'onednn', 'tensorflow']
-    """
-    from tfmx import machine
-
-    info = machine.fingerprint()
-    cpu = info.get("cpu", {})
-    return {
-        "backend": backend,
-        "cpu": {k: cpu.get(k) for k in ("vendor", "model", "family", "model_number", "flags")},
-        "tensorflow": info.get("tensorflow"),
-        "keras": info.get("keras"),
-        "onednn": info.get("onednn"),
-        "code": code_digest(),
-    }
-
-
-def _key(fp: Mapping[str, Any]) -> str:
-    return hashlib.sha1(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
-
-
-@dataclasses.dataclass
-class Decision:
-    """One choice: what was decided, between what, with which figures and from where."""
-
-    family: str
-    signature: str
-    choice: str
-    candidates: tuple[str, ...]
-    times_ms: dict[str, float] = dataclasses.field(default_factory=dict)
-    # "measured", "cached", or "conservative (<why>)"
-    source: str = "measured"
-    note: str = ""  # e.g. that the fastest median was within noise of the conservative form
-    # each candidate's first call (building it, its first run: tracing, graph optimization)
-    first_ms: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    @property
-    def key(self) -> str:
-        return f"{self.family}|{self.signature}"
-
-    def why(self) -> str:
-        """Why ``choice`` was taken, for a decline reason: ``measured faster (a 1.2 ms, b 0.9
-        ms)`` or the conservative form's reason."""
-        if self.source.startswith("conservative"):
-            return self.source[len("conservative ("):-1]
-        times = ", ".join(f"{n} {self.times_ms[n]:.3f} ms" for n in self.candidates
-                          if n in self.times_ms)
-        when = "measured faster here" + (" (cached)" if self.source == "cached" else "")
-        return f"{when}: {times}" + (f" ({self.note})" if self.note else "")
-
-    def describe(self) -> str:
-        """One line: ``family signature: choice (source) a 1.20 ms, b 0.90 ms``."""
-        times = ", ".join(f"{n} {self.times_ms[n]:.3f} ms" for n in self.candidates
-                          if n in self.times_ms)
-        first = ", ".join(f"{n} {self.first_ms[n]:.0f} ms" for n in self.candidates
-                          if n in self.first_ms)
-        return f"{self.family} {self.signature}: {self.choice} ({self.source})" + (
-            f"  {times}" if times else "") + (f"; first calls {first}" if first else "") + (
-            f"  [{self.note}]" if self.note else "")
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"candidates": list(self.candidates)}
-
-
-class TuningCache:
-    """The decisions measured on one machine, as a JSON file (see module doc).
-
-    >>> import tempfile, pathlib
-    >>> path = pathlib.Path(tempfile.mkdtemp()) / "t.json"
-    >>> c = TuningCache(path, {"backend": "cpu"})
-    >>> c.put(Decision("demo", "x", "b", ("a", "b"), {"a": 2.0, "b": 1.0}))
-    >>> TuningCache(path, {"backend": "cpu"}).get("demo|x").choice
-    'b'
-    """
-
-    def __init__(self, path: Path, fp: Mapping[str, Any]) -> None:
-        self.path = Path(path)
-        self.fingerprint = dict(fp)
-        self._lock = threading.Lock()
-        self._decisions: dict[str, dict[str, Any]] | None = None
-
-    @classmethod
-    def for_backend(cls, backend: str) -> TuningCache:
-        """This machine's cache file for ``backend``."""
-        fp = fingerprint(backend)
-        return cls(cache_dir() / f"tuning-{backend}-{_key(fp)}.json", fp)
-
-    def _load(self) -> dict[str, dict[str, Any]]:
-        if self._decisions is None:
-            self._decisions = {}
-            try:
-                data = json.loads(self.path.read_text())
-            except (OSError, ValueError):
-                data = None
-            if isinstance(data, dict) and data.get("fingerprint") == self.fingerprint:
-                self._decisions = dict(data.get("decisions", {}))
-        return self._decisions
-
-    def get(self, key: str) -> Decision | None:
-        with self._lock:
-            raw = self._load().get(key)
-        if raw is None:
-            return None
-        try:
-            return Decision(raw["family"], raw["signature"], raw["choice"],
-                            tuple(raw["candidates"]), dict(raw.get("times_ms", {})), "cached",
-                            str(raw.get("note", "")), dict(raw.get("first_ms", {})))
-        except (KeyError, TypeError):
-            return None
-
-    def put(self, decision: Decision) -> None:
-        """Record a measured decision and write the file (atomically; errors are ignored: a
-        cache that cannot be written costs a measurement next time, nothing else)."""
-        with self._lock:
-            self._load()[decision.key] = decision.as_dict()
-            self._write()
-
-    def merge(self, decisions: Mapping[str, Mapping[str, Any]]) -> int:
-        """Add decisions (as exported); returns how many were new or changed."""
-        with self._lock:
-            current = self._load()
-            changed = sum(1 for k, v in decisions.items() if current.get(k) != v)
-            current.update({k: dict(v) for k, v in decisions.items()})
-            self._write()
-        return changed
-
-    def contents(self) -> dict[str, Any]:
-        with self._lock:
-            return {"fingerprint": self.fingerprint, "decisions": dict(self._load())}
-
-    def _write(self) -> None:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump({"fingerprint": self.fingerprint, "decisions": self._decisions},
-                          f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
-        except OSError:
-            pass
-
-
-class Timings(dict):
-    """Median seconds per candidate (the dict), and every round's sample of each
-    (``samples[name][i]``: round ``i``, the rounds of all candidates aligned), so that a choice
-    can be tested against the noise (:func:`sign_test`); ``first``: each candidate's first
-    call in seconds (building it and running it once), where measured."""
-
-    def __init__(self, samples: Mapping[str, list[float]],
-                 first: Mapping[str, float] | None = None) -> None:
-        super().__init__({name: statistics.median(s) for name, s in samples.items()})
-        self.samples = {name: list(s) for name, s in samples.items()}
-        self.first = dict(first or {})
-
-
-def sign_test(wins: int, rounds: int) -> float:
-    """The probability that chance alone (a fair coin per round) wins at least ``wins`` of
-    ``rounds``: the one-sided p-value of the sign test.
-
-    >>> round(sign_test(8, 8), 4), round(sign_test(7, 8), 4), sign_test(4, 8) > 0.5
-    (0.0039, 0.0352, True)
-    """
-    return sum(math.comb(rounds, k) for k in range(wins, rounds + 1)) / 2 ** rounds
-
-
-def is_region(form: str) -> bool:
-    """Whether the candidate named ``form`` is an XLA-compiled region (named ``xla``, or ends
-    in `` xla``: ``residual xla``).
-
-    >>> is_region("xla"), is_region("residual xla"), is_region("onednn")
-    (True, True, False)
-    """
-    return form == "xla" or form.endswith(" xla")
-
-
-def within_noise(timings: Mapping[str, float], best: str, conservative: str
-                 ) -> tuple[int, int] | None:
-    """(rounds ``best`` won against ``conservative``, rounds) where ``timings`` holds samples
-    (:class:`Timings`) and that count is within chance (:data:`SIGNIFICANCE`); else None.
-
-    >>> t = Timings({"a": [1.0, 2.0, 1.0, 2.0, 1.0, 2.0, 1.0, 2.0],
-    ...              "b": [1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.0]})
-    >>> within_noise(t, "b", "a")
-    (4, 8)
-    """
-    samples = getattr(timings, "samples", None)
-    if not samples or best == conservative:
-        return None
-    pairs = list(zip(samples[best], samples[conservative]))
-    wins = sum(b < c for b, c in pairs)
-    return (wins, len(pairs)) if sign_test(wins, len(pairs)) > SIGNIFICANCE else None
-
-
-class OverBudget(Exception):
-    """Measuring a decision would take it past its allowance (:func:`measure`); ``call_s``:
-    the first candidate's time per call, as measured before it stopped."""
-
-    def __init__(self, message: str, call_s: float = 0.0) -> None:
-        super().__init__(message)
-        self.call_s = call_s
-
-
-def measure(candidates: Mapping[str, RunFactory], seconds: float,
-            allowance: Callable[[float], float] | None = None) -> Timings:
-    """Median seconds per candidate, with every round's samples (:class:`Timings`): each is
-    built and run once (graph optimization, first-run allocation: its first call, timed apart
-    in ``first``), then the candidates run interleaved (order rotated every round) for
-    ``seconds``, at least :data:`MIN_ROUNDS` and at most :data:`MAX_ROUNDS` rounds.
-
-    ``allowance`` bounds what building the candidates may take: called with the first
-    candidate's time per call (timed once more after its first call), it returns the seconds
-    the decision may spend; a candidate whose build (expected to take as long as the longest
-    so far) would take it past them is not built, and :class:`OverBudget` is raised.
-
-    >>> import time
-    >>> t = measure({"fast": lambda: (lambda: None), "slow": lambda: (lambda: time.sleep(0.002))},
-    ...             0.01)
-    >>> t["fast"] < t["slow"]
-    True
-    >>> measure({"a": lambda: (lambda: time.sleep(0.01)), "b": lambda: (lambda: None)}, 0.01,
-    ...         allowance=lambda call_s: 0.0)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    tfmx.tuner.OverBudget: building the candidates would take ~0.0... s, over the 0.00 s allowed
-    """
-    runs, first = {}, {}
-    start = time.perf_counter()
-    limit, call_s = math.inf, 0.0
-    for name, factory in candidates.items():
-        spent = time.perf_counter() - start
-        expected = spent + max(first.values(), default=0.0)
-        if first and expected > limit:
-            raise OverBudget(f"building the candidates would take ~{expected:.2f} s, over the "
-                             f"{max(limit, 0.0):.2f} s allowed", call_s)
-        t0 = time.perf_counter()
-        runs[name] = factory()
-        runs[name]()
-        first[name] = time.perf_counter() - t0
-        if allowance is not None and len(first) == 1:
-            t0 = time.perf_counter()
-            runs[name]()
-            call_s = time.perf_counter() - t0
-            limit = allowance(call_s)
-    samples: dict[str, list[float]] = {name: [] for name in runs}
-    order = list(runs)
-    start = time.perf_counter()
-    rounds = 0
-    while rounds < MIN_ROUNDS or (rounds < MAX_ROUNDS and time.perf_counter() - start < seconds):
-        for name in order[rounds % len(order):] + order[:rounds % len(order)]:
-            t0 = time.perf_counter()
-            runs[name]()
-            samples[name].append(time.perf_counter() - t0)
-        rounds += 1
-    return Timings(samples, first)
 
 
 class Tuner:
@@ -628,23 +269,19 @@ class Tuner:
 
     def _sync_plan(self) -> None:
         """Count this fit's measuring and step time afresh when a new fit began."""
-        from tfmx.guard import active_plan
-
-        plan = active_plan()
+        plan = fit_plan.active_plan()
         serial = plan.serial if plan is not None else None
         if serial != self._plan_serial:
             self._plan_serial, self._plan_spent = serial, 0.0
             self._plan_step, self._plan_decisions = 0.0, 0
 
     def _plan_left(self) -> tuple[Callable[[float], float], Callable[[float], str]] | None:
-        """Within a planned fit (see :data:`PLAN_SHARE`): a function from the time per call of
+        """Within a planned fit (see ``tfmx.env.PLAN_SHARE``): a function from the time per call of
         the decision's conservative form (0 before it is timed) to the seconds left to measure
         in this fit, and one saying why there are none; None outside a fit (or without a
         share)."""
-        from tfmx.guard import active_plan
-
         share = plan_share()
-        plan = active_plan()
+        plan = fit_plan.active_plan()
         if share is None or plan is None or not plan.steps:
             return None
         self._sync_plan()
@@ -669,14 +306,12 @@ class Tuner:
 
 
 def planned_steps() -> int | None:
-    """The steps the ``fit`` under way plans (``tfmx.guard.active_plan``), None outside one.
+    """The steps the ``fit`` under way plans (``tfmx.fit_plan.active_plan``), None outside one.
 
     >>> planned_steps() is None
     True
     """
-    from tfmx.guard import active_plan
-
-    plan = active_plan()
+    plan = fit_plan.active_plan()
     return plan.steps if plan is not None else None
 
 
@@ -714,56 +349,20 @@ def _outside_trace(timer: Timer, candidates: Mapping[str, RunFactory],
     """Run ``timer`` on a thread of its own: a rewrite runs while TensorFlow traces a step
     (inside a graph, under Keras's gradient tape), and the candidates must be built and timed
     eagerly with no tape recording; TensorFlow keeps both per thread. The fit under way
-    (``tfmx.guard.active_plan``) is the thread's too: decisions its candidates make are made
+    (``tfmx.fit_plan.active_plan``) is the thread's too: decisions its candidates make are made
     for it."""
-    from tfmx.guard import active_plan, adopting
-
-    plan = active_plan()
+    plan = fit_plan.active_plan()
 
     def timed() -> Mapping[str, float]:
-        with adopting(plan):
+        with fit_plan.adopting(plan):
             return timer(candidates, seconds)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(timed).result()
 
 
-def export_cache(path: str | os.PathLike, backend: str = "cpu") -> Path:
-    """Write this machine's tuning results for ``backend`` to ``path`` (JSON); returns it.
-
-    >>> import tempfile, pathlib
-    >>> out = export_cache(pathlib.Path(tempfile.mkdtemp()) / "fleet.json")
-    >>> sorted(__import__("json").loads(out.read_text()))
-    ['decisions', 'fingerprint']
-    """
-    contents = TuningCache.for_backend(backend).contents()
-    out = Path(path)
-    out.write_text(json.dumps(contents, indent=1, sort_keys=True))
-    return out
-
-
-def import_cache(path: str | os.PathLike, force: bool = False) -> int:
-    """Merge an exported file into this machine's cache; returns the decisions added.
-
-    A file from a machine with another fingerprint (processor, TensorFlow, oneDNN state, tfmx's
-    code) is refused with a ValueError saying what differs, unless ``force=True``.
-    """
-    data = json.loads(Path(path).read_text())
-    if not isinstance(data, dict) or "fingerprint" not in data or "decisions" not in data:
-        raise ValueError(f"{path}: not a tfmx tuning export (no fingerprint/decisions)")
-    theirs = data["fingerprint"]
-    cache = TuningCache.for_backend(str(theirs.get("backend", "cpu")))
-    if theirs != cache.fingerprint and not force:
-        differs = sorted(k for k in set(theirs) | set(cache.fingerprint)
-                         if theirs.get(k) != cache.fingerprint.get(k))
-        raise ValueError(
-            f"{path} was measured on another machine or by another tfmx (differs in "
-            f"{', '.join(differs)}); its timings are not facts about this one. Pass force=True "
-            "(tfmx tune --import FILE --force) to use them anyway.")
-    return cache.merge(data["decisions"])
-
-
-__all__ = ["CODE_PACKAGES", "Decision", "MODES", "OverBudget", "Timings", "Tuner", "TuningCache",
-           "cache_dir", "code_digest", "export_cache", "fingerprint", "for_plan", "import_cache",
-           "measure", "plan_share", "planned_steps", "share_from_env", "resolve_mode", "sign_test",
-           "within_noise"]
+__all__ = ["CODE_PACKAGES", "DECISION_SECONDS", "Decision", "MIN_ROUNDS", "MODES", "OverBudget",
+           "SIGNIFICANCE", "Timings", "Tuner", "TuningCache", "budget_seconds", "cache_dir",
+           "code_digest", "export_cache", "fingerprint", "for_plan", "import_cache", "is_region",
+           "measure", "plan_share", "planned_steps", "resolve_mode", "share_from_env",
+           "sign_test", "sync", "within_noise"]
