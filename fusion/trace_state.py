@@ -62,6 +62,9 @@ class TraceState:
     input)."""
     abandoned: set[str] = dataclasses.field(default_factory=set)
     """The names of the ops that failed stage attempts made in the graph."""
+    rnn_below: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    """The rnn stage's layer calls another may read as its lower half of a wavefront:
+    their outputs' ``ref()`` -> what the upper call needs of them."""
     integer_edges: bool | None = None
     """Whether a region traced in the graph widens bfloat16 by integer operations
     (``fusion.bfloat16_bits.integer_edges``); None: not said."""

@@ -19,6 +19,7 @@ from helpers import (
 
 import tfmx
 from fusion.stages import layer_norm as stage
+from fusion.stages import layer_norm_kernels as kernels
 from tfmx.backends import get_backend
 
 # Every match rewritten, whatever the tuner would measure here (tests/conftest.py).
@@ -117,7 +118,7 @@ def test_the_16_bit_kernel_form_is_offered_where_the_kernel_runs_that_dtype(monk
         raise tf.errors.AbortedError(None, None, "could not create a primitive descriptor")
 
     stage.onednn_layer_norm_runs.cache_clear()
-    monkeypatch.setattr(stage, "mkl_layer_norm", refused)
+    monkeypatch.setattr(kernels, "mkl_layer_norm", refused)
     try:
         assert not stage.onednn_layer_norm_runs("bfloat16")
         assert stage.ONEDNN_16 not in stage.layer_norm_forms(

@@ -9,7 +9,7 @@ import tensorflow as tf
 from helpers import assert_within_rounding, needs_onednn, nodes_that_ran
 
 import tfmx
-from fusion import stage
+from fusion.family import GRADIENT_SCOPES
 from fusion.pattern import RewriteAlways
 from fusion.stages import rnn, rnn_wavefront
 from tests.test_rnn import (
@@ -90,7 +90,7 @@ def _wavefronts(model: keras.Model) -> dict[str, int]:
     counts: dict[str, int] = {}
     for node in nodes_that_ran(model.train_function):
         if "_" + rnn.WAVEFRONT + "/" in node.name and not node.name.startswith(
-                stage.GRADIENT_SCOPES):
+                GRADIENT_SCOPES):
             counts[node.op] = counts.get(node.op, 0) + 1
     return counts
 

@@ -58,14 +58,16 @@ def enable(
     guard: bool | None = None,
     xla: bool | None = None,
     strict: bool | None = None,
+    exclude: Sequence[str] | None = None,
 ) -> None:
     """Switch the rewrite on for every Keras model's fit/evaluate/predict and tfmx.function.
 
     Args:
         backend: ``"cpu"``, ``"cuda"``, ``"metal"``, or None to detect this machine's. A backend
             this machine lacks gives a plan (see ``tfmx.report()``) and an error if run.
-        patterns: names of the pattern families to run (default: all); see
+        patterns: names of the families to run (default: all); see
             ``fusion.available_patterns()``.
+        exclude: names of families not to run (of ``patterns``, or of all).
         verify: run the first step of each traced function both stock and fused from the same
             variable values and raise :class:`VerificationError` if they disagree (True), or
             warn and run stock from then on (``"first-step"``); False: no check. None (the
@@ -94,17 +96,19 @@ def enable(
     Traceback (most recent call last):
     ...
     ValueError: unknown backend 'gpu'; choose one of ('cpu', 'cuda', 'metal') or None to detect
+    >>> tfmx.enable(backend="cpu", exclude=["onednn"])
+    >>> "onednn" in tfmx.state.options().patterns, "contraction" in tfmx.state.options().patterns
+    (False, True)
+    >>> tfmx.disable()
     """
-    from fusion.pattern import resolve
+    from fusion.family import resolve
     from tfmx import keras_hook, state
     from tfmx.backends import get_backend
     from tfmx.guard import ENV_XLA, enabled_by_env
     from tfmx.tuner import resolve_mode
 
     target = get_backend(backend)
-    if patterns is not None:
-        patterns = tuple([patterns] if isinstance(patterns, str) else patterns)
-        resolve(list(patterns))
+    patterns = resolve(patterns, exclude)
     if verify is None:
         verify = "first-step" if target.name in ("cuda", "metal") and target.available else False
     if not isinstance(verify, bool) and verify != "first-step":

@@ -37,8 +37,10 @@ import dataclasses
 import warnings
 from typing import Any
 
+from fusion import trace_state
+from fusion.family import Family, declare
 from fusion.pattern import PatternStats, Target
-from fusion.stage import Hook, Stage, StageContext, register_stage, timed_form
+from fusion.stage import Hook, StageContext, timed_form
 
 FAMILY = "rnn"
 SCOPE = "tfmx_rnn_"
@@ -290,7 +292,6 @@ def _tuned_form(match: RnnMatch, original, sequences, initial_state, mask, train
 # -- stacked layers: the wavefront pair -------------------------------------------------------
 WAVEFRONT = "wavefront"
 PAIR_KINDS = ("lstm", "gru")  # GRU(reset_after=False) has no pair form
-_BELOW = "_tfmx_rnn_below"  # on the traced graph: {outputs.ref(): Below}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,10 +326,7 @@ def _remember_below(match: RnnMatch | None, original, form: RnnForm, sequences, 
     dropout = _dropout_mask(match, sequences)
     if dropout is not None:  # the mask this call's Keras step applied (one for every step)
         sequences = sequences * dropout[:, None, :]
-    below = getattr(outputs.graph, _BELOW, None)
-    if below is None:
-        below = {}
-        setattr(outputs.graph, _BELOW, below)
+    below = trace_state.of(outputs.graph, create=True).rnn_below
     below[outputs.ref()] = Below(match, original, form, sequences, tuple(states))
 
 
@@ -363,7 +361,8 @@ def _below(match: RnnMatch, sequences, mask, training: bool) -> Below | None:
     two can run as one wavefront."""
     if not hasattr(sequences, "graph") or not _pairable(match, sequences, mask, training):
         return None
-    below = getattr(sequences.graph, _BELOW, {}).get(sequences.ref())
+    held = trace_state.of(sequences.graph)
+    below = None if held is None else held.rnn_below.get(sequences.ref())
     return below if below is not None and below.match.kind == match.kind else None
 
 
@@ -519,10 +518,10 @@ def _emit(ctx: StageContext, match: RnnMatch | None, why: str | None, form: RnnF
         return original(layer, sequences, initial_state, mask, training=training)
 
 
-STAGE = register_stage(Stage(
+DECLARED = declare(Family(
     FAMILY,
     "Keras LSTM / GRU -> hoisted input projection + recurrent loop (or unrolled) with custom "
     "gradient (cpu), CudnnRNNV3 (cuda, metal); emitted before differentiation",
-    (Hook("keras.src.layers.rnn.lstm:LSTM", "inner_loop", forward_stage),
-     Hook("keras.src.layers.rnn.gru:GRU", "inner_loop", forward_stage)),
+    hooks=(Hook("keras.src.layers.rnn.lstm:LSTM", "inner_loop", forward_stage),
+           Hook("keras.src.layers.rnn.gru:GRU", "inner_loop", forward_stage)),
 ))
