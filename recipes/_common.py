@@ -19,7 +19,7 @@ it reports, its default and ``--quick`` sizes); :func:`run` does the rest:
    that noise allows (:func:`within_noise`).
 3. Step times: a callback times every training batch in ``fit`` (the first epoch's first,
    tracing, step excluded; median and p25-p75 per epoch), and at the end the two traced train
-   functions are timed interleaved (:func:`tfmx.bench.time_step_functions`).
+   functions are timed interleaved (:func:`bench.timing.time_step_functions`).
 4. Outputs in ``--out`` (default ``runs/<recipe>-<timestamp>``): ``metrics.json``
    (:data:`METRICS_KEYS`), ``<recipe>.png`` (loss and metric curves of every run, step-time
    bars with p25-p75 spread; needs matplotlib), ``tensorboard/<run>/`` (a
@@ -432,7 +432,7 @@ def _time_interleaved(recipe: Recipe, records: dict[str, RunRecord], args: argpa
     """The traced step functions of stock and tfmx (and XLA's with ``--xla``), timed
     interleaved (tfmx enabled)."""
     import tfmx
-    from tfmx.bench import time_step_functions
+    from bench.timing import time_step_functions
 
     fns = {r: records[r].step_fn for r in (STOCK, TFMX)
            if r in records and records[r].step_fn is not None}
@@ -511,7 +511,7 @@ def _report_summary(report: Any) -> dict[str, Any]:
 
 
 def _environment() -> dict[str, Any]:
-    from tfmx.bench import environment
+    from bench.environment import environment
 
     env = environment()
     env["onednn_state"] = "on" if env["onednn"] else "off"

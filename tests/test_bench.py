@@ -14,18 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from tfmx import bench, machine
-from tfmx.bench import (
-    child_command,
-    compare,
-    format_comparison,
-    format_markdown,
-    format_onednn,
-    onednn_states,
-    results_document,
-    run_benchmarks,
-)
-from tfmx.cli import _parser
+from bench import onednn, runner
+from bench.cli import _parser
+from bench.compare import compare, results_document
+from bench.onednn import child_command, onednn_states
+from bench.runner import run_benchmarks
+from bench.tables import format_comparison, format_markdown, format_onednn
+from tfmx import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,18 +50,18 @@ def result(state: str | None, model: str = "mlp", isolated: bool = True, fused: 
 # -- command line ----------------------------------------------------------------------------
 def test_bad_onednn_value_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        _parser().parse_args(["bench", "--onednn", "maybe"])
+        _parser().parse_args(["--onednn", "maybe"])
     assert exit_info.value.code == 2
     assert "argument --onednn: invalid choice: 'maybe' (choose from 'on', 'off', 'both')" in (
         capsys.readouterr().err)
 
 
 def test_onednn_defaults_to_this_process_and_json_takes_an_optional_file():
-    args = _parser().parse_args(["bench", "--model", "mlp"])
+    args = _parser().parse_args(["--model", "mlp"])
     assert args.onednn is None and args.json is None
-    args = _parser().parse_args(["bench", "--onednn", "both", "--json"])
+    args = _parser().parse_args(["--onednn", "both", "--json"])
     assert args.onednn == "both" and args.json == "-"
-    args = _parser().parse_args(["bench", "--json", "out.json", "--model", "mlp"])
+    args = _parser().parse_args(["--json", "out.json", "--model", "mlp"])
     assert args.json == "out.json" and args.model == ["mlp"]
 
 
@@ -84,7 +79,7 @@ def test_child_command_sets_the_onednn_variable_for_the_child_only(monkeypatch, 
     monkeypatch.setenv("TFMX_TEST_MARKER", "kept")
     options = {"rounds": 2, "steps": 3, "modes": ["stock", "tfmx"], "policy": None}
     argv, env = child_command(state, ["mlp", "small_cnn"], options, "/tmp/out.json")
-    assert argv[:3] == [sys.executable, "-m", "tfmx.bench"] and argv[4] == "/tmp/out.json"
+    assert argv[:3] == [sys.executable, "-m", "bench.runner"] and argv[4] == "/tmp/out.json"
     assert json.loads(argv[3]) == {"onednn": state, "models": ["mlp", "small_cnn"],
                                    "options": options}
     assert env["TF_ENABLE_ONEDNN_OPTS"] == value
@@ -100,7 +95,7 @@ def test_child_refuses_to_measure_a_state_tensorflow_did_not_take(tmp_path, caps
     other = "off" if onednn_enabled() else "on"
     out = tmp_path / "r.json"
     spec = json.dumps({"onednn": other, "models": ["mlp"], "options": {}})
-    assert bench._child_main([spec, str(out)]) == 3
+    assert runner.child_main([spec, str(out)]) == 3
     assert f"cannot run with oneDNN {other}" in capsys.readouterr().err
     assert not out.exists()
 
@@ -111,12 +106,12 @@ def test_run_benchmarks_merges_the_children_results_and_reports_failures(monkeyp
         code = f"import sys; open(sys.argv[1], 'w').write({json.dumps(results)!r})"
         return [sys.executable, "-c", code, path], {**os.environ, "TF_ENABLE_ONEDNN_OPTS": "1"}
 
-    monkeypatch.setattr(bench, "child_command", fake_child)
+    monkeypatch.setattr(onednn, "child_command", fake_child)
     merged = run_benchmarks(["mlp", "gru"], onednn="both", rounds=1)
-    assert [(r["model"], bench.onednn_state(r), r["isolated"]) for r in merged] == [
+    assert [(r["model"], onednn.onednn_state(r), r["isolated"]) for r in merged] == [
         ("mlp", "on", True), ("gru", "on", True), ("mlp", "off", True), ("gru", "off", True)]
 
-    monkeypatch.setattr(bench, "child_command", lambda state, models, options, path: (
+    monkeypatch.setattr(onednn, "child_command", lambda state, models, options, path: (
         [sys.executable, "-c", "raise SystemExit(5)"],
         {**os.environ, "TF_ENABLE_ONEDNN_OPTS": "0"}))
     with pytest.raises(RuntimeError, match="oneDNN off process exited with status 5"):

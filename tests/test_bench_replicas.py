@@ -19,18 +19,13 @@ import pytest
 from helpers import onednn_state
 from test_bench import result
 
-from tfmx import bench
-from tfmx.bench import (
-    check_replicas,
-    child_command,
-    compare_replicas,
-    format_markdown,
-    format_replicas,
-    replica_modes,
-    results_document,
-    run_benchmarks,
-)
-from tfmx.cli import _parser, main
+from bench import runner
+from bench.cli import _parser, main
+from bench.compare import results_document
+from bench.onednn import child_command
+from bench.replicas import check_replicas, compare_replicas, replica_modes, split_cpu
+from bench.runner import run_benchmarks
+from bench.tables import format_markdown, format_replicas
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,16 +37,16 @@ def replica_result(replicas: int, state: str = "on", model: str = "mlp", **ms: f
 
 # -- command line ----------------------------------------------------------------------------
 def test_replicas_defaults_to_one_and_modes_to_none():
-    args = _parser().parse_args(["bench", "--model", "mlp"])
+    args = _parser().parse_args(["--model", "mlp"])
     assert args.replicas == 1 and args.modes is None
-    args = _parser().parse_args(["bench", "--model", "mlp", "--replicas", "2"])
+    args = _parser().parse_args(["--model", "mlp", "--replicas", "2"])
     assert args.replicas == 2
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
 def test_a_replica_count_below_one_or_not_an_integer_is_an_argparse_error(capsys, value):
     with pytest.raises(SystemExit) as exit_info:
-        _parser().parse_args(["bench", f"--replicas={value}"])
+        _parser().parse_args([f"--replicas={value}"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"argument --replicas: {value!r} is not a replica count: pass an integer >= 1" in err
@@ -68,9 +63,9 @@ def test_what_cannot_run_under_replicas_stops_the_command_before_it_measures(
     def must_not_run(*args, **kwargs):
         raise AssertionError("measured despite a bad option")
 
-    monkeypatch.setattr(bench, "run_benchmarks", must_not_run)
+    monkeypatch.setattr(runner, "run_benchmarks", must_not_run)
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "--model", "mlp", "--replicas", "2", *argv])
+        main(["--model", "mlp", "--replicas", "2", *argv])
     assert str(exit_info.value).startswith("tfmx bench: ")
     assert message in str(exit_info.value)
 
@@ -82,11 +77,11 @@ def test_without_modes_replicas_measure_stock_and_tfmx(monkeypatch, capsys):
         seen.update(options)
         return [replica_result(1, stock=2.0, tfmx=1.0), replica_result(2, stock=4.0, tfmx=3.0)]
 
-    monkeypatch.setattr(bench, "run_benchmarks", fake)
-    assert main(["bench", "--model", "mlp", "--replicas", "2"]) == 0
+    monkeypatch.setattr(runner, "run_benchmarks", fake)
+    assert main(["--model", "mlp", "--replicas", "2"]) == 0
     assert seen["modes"] == ["stock", "tfmx"] and seen["replicas"] == 2
     assert "| mlp (adam, batch 32, 2 replicas) |" in capsys.readouterr().out
-    assert main(["bench", "--model", "mlp"]) == 0
+    assert main(["--model", "mlp"]) == 0
     assert seen["modes"] == ["stock", "tfmx", "xla"] and seen["replicas"] == 1
 
 
@@ -107,7 +102,7 @@ def test_check_replicas():
 
 
 def test_run_benchmarks_checks_replicas_before_starting_any_process(monkeypatch):
-    monkeypatch.setattr(bench, "_run_child", lambda *a: pytest.fail("a process was started"))
+    monkeypatch.setattr(runner, "run_child", lambda *a: pytest.fail("a process was started"))
     with pytest.raises(ValueError, match="the xla mode cannot run"):
         run_benchmarks(["mlp"], onednn="both", replicas=2, modes=["stock", "xla"])
     with pytest.raises(ValueError, match="replicas must be an integer >= 1"):
@@ -118,7 +113,7 @@ def test_run_benchmarks_checks_replicas_before_starting_any_process(monkeypatch)
 
 def test_the_replica_count_goes_to_each_onednn_process(monkeypatch):
     seen = []
-    monkeypatch.setattr(bench, "_run_child",
+    monkeypatch.setattr(runner, "run_child",
                         lambda state, models, options: seen.append((state, options)) or [])
     run_benchmarks(["mlp"], onednn="both", replicas=2, rounds=1)
     assert seen == [("on", {"rounds": 1, "replicas": 2}), ("off", {"rounds": 1, "replicas": 2})]
@@ -136,7 +131,7 @@ def test_an_initialised_tensorflow_cannot_be_split_and_says_what_to_do():
     if len(tf.config.list_logical_devices("CPU")) == 2:
         pytest.skip("this process already has two logical CPUs")
     with pytest.raises(RuntimeError, match="run the benchmark in a new process"):
-        bench.split_cpu(2)
+        split_cpu(2)
 
 
 # -- comparison and output -------------------------------------------------------------------

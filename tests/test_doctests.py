@@ -8,13 +8,14 @@ import pkgutil
 
 import pytest
 
+import bench
 import fusion
 import policies
 import tfmx
 
 MODULES = sorted(
     info.name
-    for package in (fusion, policies, tfmx)
+    for package in (bench, fusion, policies, tfmx)
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".")
     if not info.name.endswith("__main__")
 )

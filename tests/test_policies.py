@@ -248,7 +248,8 @@ def test_a_custom_layer_that_breaks_is_named():
 
 # -- tfmx bench --policy -----------------------------------------------------------------------
 def test_bench_table_says_which_policy_the_modes_ran_under():
-    from tfmx.bench import _layer_policies, format_markdown
+    from bench.runner import _layer_policies
+    from bench.tables import format_markdown
 
     timing = {"median_ms": 1.0, "p25_ms": 1.0, "p75_ms": 1.0, "min_ms": 1.0, "first_call_s": 1.0}
     result = {"model": "m", "batch_size": 2, "rounds": 1, "steps": 1, "warmup": 1,
@@ -264,7 +265,7 @@ def test_bench_table_says_which_policy_the_modes_ran_under():
 
 
 def test_bench_rejects_unknown_policy():
-    from tfmx.bench import run_benchmark
+    from bench.runner import run_benchmark
 
     with pytest.raises(ValueError, match="unknown policy"):
         run_benchmark("mlp", policy="fp8", modes=("stock",))

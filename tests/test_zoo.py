@@ -1,4 +1,4 @@
-"""The zoo (tfmx/zoo.py): models tfmx's authors did not write, trained stock and with tfmx.
+"""The zoo (bench/zoo.py): models tfmx's authors did not write, trained stock and with tfmx.
 
 For each zoo model at its tiny size, from the same weights and data: a few ``fit`` steps stock,
 with tfmx, and as stock' (stock again from the weights times ``1 + 1e-7 * N(0, 1)``, the
@@ -22,8 +22,8 @@ import pytest
 from helpers import weight_scales
 
 import tfmx
+from bench import zoo
 from recipes._common import perturbed
-from tfmx import zoo
 
 pytestmark = pytest.mark.usefixtures("every_rewrite")
 
@@ -172,14 +172,14 @@ def test_the_families_the_model_has_are_fused(runs, name):
 
 
 def test_the_zoo_is_a_bench_group():
-    from tfmx.bench import WORKLOADS, _dataset, expand_models
+    from bench.workloads import WORKLOADS, expand_models, random_dataset
 
     assert expand_models(["zoo"]) == [f"zoo_{name}" for name in zoo.MODELS]
     llama = WORKLOADS["zoo_llama"]
-    x, y = next(iter(_dataset(llama, 4, seed=0)))
+    x, y = next(iter(random_dataset(llama, 4, seed=0)))
     assert x.dtype.name == "int32" and tuple(x.shape) == (4, 64)
     assert 0 <= int(np.min(x)) and int(np.max(x)) < llama.vocabulary
-    x, _ = next(iter(_dataset(WORKLOADS["zoo_convnext_tiny"], 2, seed=0)))
+    x, _ = next(iter(random_dataset(WORKLOADS["zoo_convnext_tiny"], 2, seed=0)))
     assert x.dtype.name == "float32" and tuple(x.shape) == (2, 32, 32, 3)
 
 

@@ -4,13 +4,16 @@ Subcommands::
 
     tfmx bench [--model M [M ...]] [--rounds N] [--steps N] [--batch-size B]
                [--modes stock tfmx xla] [--policy NAME] [--onednn on|off|both]
-               [--replicas N] [--output FILE.md] [--json [FILE.json]]
+               [--replicas N] [--output FILE.md] [--json [FILE.json]]   # python -m bench
     tfmx recipe NAME [recipe args...]      # e.g. tfmx recipe small_cnn --quick
     tfmx recipe --list                     # the recipes and what each shows
     tfmx backends [--json]                 # what each backend fuses
     tfmx tune [--export F | --import F [--force] | --clear]   # this machine's tuning cache
 
 Only the subcommands import TensorFlow, so ``tfmx --help`` answers at once.
+
+``tfmx bench`` runs ``python -m bench`` (the benchmark package beside the library, which the
+library never loads) in a process of its own, as ``tfmx recipe`` runs the recipes.
 
 Example:
     >>> from tfmx.cli import main
@@ -30,71 +33,16 @@ import sys
 from collections.abc import Sequence
 
 
-def _replicas(text: str) -> int:
-    """``--replicas``'s value: an integer >= 1, else argparse's error saying so."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a replica count: pass an integer >= 1 (1: one device, no "
-            f"strategy; 2: a MirroredStrategy over 2 logical CPUs)")
-    return value
-
-
 def _parser() -> argparse.ArgumentParser:
-    from tfmx.bench import GROUPS, MODES, ONEDNN_CHOICES, WORKLOADS
-
     parser = argparse.ArgumentParser(
         prog="tfmx", description="tfmx: graph-rewrite fusion for Keras 3 on TensorFlow."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    bench = sub.add_parser(
-        "bench", help="time stock vs tfmx vs XLA training steps, interleaved",
-        description="Time one training step stock, with tfmx and with XLA (jit_compile=True), "
-                    "interleaved in one process (with --onednn: one process per oneDNN "
-                    "state), warm-up excluded; print a markdown table with the fastest "
-                    "alternative to tfmx.",
-    )
-    bench.add_argument("--model", nargs="+", default=["small_cnn"],
-                       choices=sorted(WORKLOADS) + sorted(GROUPS), metavar="M",
-                       help=f"workload(s): {', '.join(WORKLOADS)}, or a group of them: "
-                            f"{', '.join(GROUPS)} (default small_cnn)")
-    bench.add_argument("--rounds", type=int, default=None,
-                       help="interleaved rounds (default: per workload)")
-    bench.add_argument("--steps", type=int, default=None,
-                       help="steps per mode per round (default: per workload)")
-    bench.add_argument("--batch-size", type=int, default=None,
-                       help="batch size (default: per workload)")
-    bench.add_argument("--modes", nargs="+", default=None, choices=MODES, metavar="MODE",
-                       help="modes to run (default: stock tfmx xla; with --replicas N > 1: "
-                            "stock tfmx)")
-    bench.add_argument("--warmup", type=int, default=2, help="untimed calls per mode (default 2)")
-    bench.add_argument("--backend", default=None, help="tfmx backend (default: detect)")
-    bench.add_argument("--optimizer", default="adam",
-                       choices=("adam", "adamw", "sgd", "rmsprop"),
-                       help="optimizer of the benchmarked model (default adam)")
-    bench.add_argument("--policy", default=None,
-                       help="build the non-stock modes under this policies name (float32, "
-                            "mixed_float16, mixed_bfloat16, auto); stock stays float32")
-    bench.add_argument("--onednn", default=None, choices=ONEDNN_CHOICES,
-                       help="run each oneDNN state in a process of its own with "
-                            "TF_ENABLE_ONEDNN_OPTS=1 (on) or =0 (off), or both, and compare "
-                            "against the fastest of stock and XLA in any state (default: "
-                            "this process, in its current state)")
-    bench.add_argument("--replicas", type=_replicas, default=1, metavar="N",
-                       help="split the CPU into N logical devices and build every mode's model "
-                            "in a MirroredStrategy over them (global batch unchanged: batch / "
-                            "N per replica); N > 1 also measures 1 replica, interleaved, and "
-                            "compares tfmx / stock between them (default 1: no strategy)")
-    bench.add_argument("--output", metavar="FILE.md", default=None,
-                       help="also append the table to this markdown file (created if missing)")
-    bench.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE.json",
-                       help="save the raw results and the comparison as JSON to FILE.json "
-                            "(without FILE: print them after the table)")
+    # listed for --help only: main hands "tfmx bench ..." to python -m bench before parsing
+    sub.add_parser("bench", add_help=False,
+                   help="time stock vs tfmx vs XLA training steps, interleaved")
 
     recipe = sub.add_parser(
         "recipe", help="run a training recipe: tfmx recipe NAME [args...]",
@@ -152,50 +100,15 @@ def _tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from tfmx.bench import (
-        WORKLOADS,
-        check_replicas,
-        expand_models,
-        format_markdown,
-        replica_modes,
-        results_document,
-        run_benchmarks,
-    )
+def _bench(argv: Sequence[str]) -> int:
+    """Run ``python -m bench ARGS`` in a process of its own: the benchmark is the ``bench``
+    package beside tfmx, which the library never imports (it only finds where it is)."""
+    import subprocess
 
-    modes = list(args.modes or replica_modes(args.replicas))
-    try:  # before anything runs: what cannot run under --replicas, and what to do
-        check_replicas(args.replicas, modes, args.policy,
-                       {m: args.batch_size or WORKLOADS[m].batch_size
-                        for m in expand_models(args.model)})
-    except ValueError as err:
-        raise SystemExit(f"tfmx bench: {err}") from None
-    try:
-        results = run_benchmarks(
-            args.model, onednn=args.onednn, rounds=args.rounds, steps=args.steps,
-            modes=modes, batch_size=args.batch_size, warmup=args.warmup,
-            backend=args.backend, optimizer=args.optimizer, policy=args.policy,
-            replicas=args.replicas,
-        )
-    except RuntimeError as err:  # a oneDNN state's process failed (it printed why), or the
-        # CPU could not be split into logical devices
-        raise SystemExit(str(err)) from None
-    table = format_markdown(results)
-    print(table)
-    if args.json:
-        document = json.dumps(results_document(results, args.onednn), indent=2, default=str)
-        if args.json == "-":
-            print(document)
-        else:
-            with open(args.json, "w") as f:
-                f.write(document + "\n")
-            print(f"wrote {args.json}", file=sys.stderr)
-    if args.output:
-        existing = os.path.exists(args.output) and os.path.getsize(args.output) > 0
-        with open(args.output, "a") as f:
-            f.write(("\n" if existing else "") + table)
-        print(f"{'appended to' if existing else 'wrote'} {args.output}", file=sys.stderr)
-    return 0
+    if importlib.util.find_spec("bench") is None:
+        raise SystemExit("tfmx bench: the bench package is not installed beside tfmx "
+                         "(pip install -e . from the project's checkout)")
+    return subprocess.call([sys.executable, "-m", "bench", *argv])
 
 
 def recipe_summaries() -> dict[str, str]:
@@ -287,9 +200,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     0
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    handler = {"bench": _bench, "recipe": _recipe, "backends": _backends,
-               "tune": _tune}[args.command]
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # every argument after it, --help included, is the benchmark's
+        return _bench(argv[1:])
+    args = _parser().parse_args(argv)
+    handler = {"recipe": _recipe, "backends": _backends, "tune": _tune}[args.command]
     return handler(args)
 
 

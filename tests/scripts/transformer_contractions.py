@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfmx
-from tfmx.bench import WORKLOADS
+from bench.workloads import WORKLOADS
 
 B, T, D, F, H, N = 32, 64, 128, 512, 32, 4
 rows = B * T

@@ -6,7 +6,7 @@ Each :class:`ZooModel` builds at two sizes:
 - ``"bench"``: the published architecture (``keras.applications.MobileNetV3Small``,
   ``EfficientNetB0``, ``ConvNeXtTiny``, ``DenseNet121``) at a small input, or a keras_hub
   backbone configured small (2 layers, width 128, 64 tokens). ``tfmx bench --model zoo``
-  measures these (:mod:`tfmx.bench` registers them as workloads ``zoo_<name>``).
+  measures these (:mod:`bench.workloads` registers them as workloads ``zoo_<name>``).
 - ``"tiny"``: the same building blocks, as few as show each kind once, at a tiny input: the
   CNNs through Keras's own application builders (``keras.src.applications``: private, the
   functions the public constructors call, with fewer blocks), the backbones with width 16 and
@@ -30,7 +30,7 @@ What each brings that tfmx's own workloads do not:
 keras_hub is imported only when one of its models is built (``pip install "tfmx[zoo]"``).
 
 Example:
-    >>> from tfmx import zoo
+    >>> from bench import zoo
     >>> sorted(zoo.MODELS)[:3]
     ['bert', 'convnext_tiny', 'densenet121']
     >>> zoo.MODELS["llama"].needs_keras_hub, zoo.MODELS["convnext_tiny"].needs_keras_hub

@@ -2,7 +2,7 @@
 
 ``tfmx bench`` times steps once each form has settled; a user's ``fit`` also pays tracing,
 tfmx's rewrite and the whole-step guard's trial (:mod:`tfmx.guard`). This measures that price:
-for each workload of :data:`tfmx.bench.WORKLOADS`, fits of ``epochs`` epochs on ``samples``
+for each workload of :data:`bench.workloads.WORKLOADS`, fits of ``epochs`` epochs on ``samples``
 random samples (3 on 512 by default: 48 steps of 32), each on a new model built from the same
 weights, timed from ``fit``'s call to its return, in these modes, interleaved round by round:
 
@@ -21,10 +21,10 @@ once per machine and shape; the timed tfmx fits run ``tune="cached"``, or ``--tu
 With ``--cold`` there is no such fit: every tfmx fit starts from an empty cache of its own
 (``tune="auto"``, as a first fit on a new machine), so it pays the tuner's measurements too.
 
-Run it with ``python -m tfmx.fit_price [--model M ...] [--epochs 3] [--samples 512] [--cold]``.
+Run it with ``python -m bench.fit_price [--model M ...] [--epochs 3] [--samples 512] [--cold]``.
 
 Example:
-    >>> from tfmx.fit_price import format_fit_prices, run_fit_prices
+    >>> from bench.fit_price import format_fit_prices, run_fit_prices
     >>> rows = run_fit_prices(["mlp"], rounds=1)  # doctest: +SKIP
     >>> print(format_fit_prices(rows))  # doctest: +SKIP
 """
@@ -42,6 +42,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+
+from bench.environment import environment
+from bench.tables import format_environment
+from bench.workloads import WORKLOADS, build_model
 
 MODES = ("stock", "tfmx", "guard off", "no budget", "decided")
 
@@ -88,9 +92,8 @@ def _fit_once(workload: Any, mode: str, weights: list, x: Any, y: Any, epochs: i
 def _timed_fit(workload: Any, mode: str, weights: list, x: Any, y: Any, epochs: int,
                batch_size: int) -> dict[str, Any]:
     import tfmx
-    from tfmx.bench import _build
 
-    model = _build(workload, "stock" if mode == "stock" else "tfmx", 0, weights)
+    model = build_model(workload, "stock" if mode == "stock" else "tfmx", 0, weights)
     with _env("TFMX_GUARD_BUDGET", "none" if mode == "no budget" else None):
         start = time.perf_counter()
         model.fit(x, y, epochs=epochs, batch_size=batch_size, verbose=0)
@@ -122,7 +125,6 @@ def run_fit_prices(models: Sequence[str], epochs: int = 3, samples: int = 512,
     import keras
 
     import tfmx
-    from tfmx.bench import WORKLOADS, _build
 
     rows = []
     for name in models:
@@ -131,11 +133,11 @@ def run_fit_prices(models: Sequence[str], epochs: int = 3, samples: int = 512,
         x = rng.standard_normal((samples, *workload.input_shape)).astype(np.float32)
         y = rng.integers(0, workload.num_classes, size=samples).astype(np.int32)
         keras.utils.set_random_seed(0)
-        weights = _build(workload, "stock", 0, None).get_weights()
+        weights = build_model(workload, "stock", 0, None).get_weights()
         if not cold:
             tfmx.enable(tune="auto", guard=False)  # fills the tuner's cache for this shape
-            _build(workload, "tfmx", 0, weights).fit(x, y, epochs=1, batch_size=batch_size,
-                                                     verbose=0)
+            build_model(workload, "tfmx", 0, weights).fit(x, y, epochs=1,
+                                                          batch_size=batch_size, verbose=0)
             tfmx.disable()
         fits: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         for r in range(rounds):
@@ -191,10 +193,9 @@ def format_fit_prices(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m tfmx.fit_price``: print the table (and the machine it ran on)."""
-    from tfmx.bench import WORKLOADS, environment, format_environment
+    """``python -m bench.fit_price``: print the table (and the machine it ran on)."""
 
-    parser = argparse.ArgumentParser(prog="python -m tfmx.fit_price", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.fit_price", description=__doc__)
     parser.add_argument("--model", nargs="+", default=["mlp", "small_cnn", "transformer"],
                         choices=sorted(WORKLOADS))
     parser.add_argument("--epochs", type=int, default=3)

@@ -1,0 +1,22 @@
+"""tfmx's benchmark: stock vs tfmx vs XLA training step time, interleaved, per oneDNN state.
+
+A package beside the library (``tfmx``, ``fusion``, ``policies``): it imports them, they never
+import it. ``tfmx bench ...`` runs ``python -m bench ...`` (:mod:`bench.cli`).
+
+- :mod:`bench.workloads`: the models timed (:data:`bench.workloads.WORKLOADS`, the ``zoo``
+  group), their random data, and each mode's build (stock, tfmx, XLA).
+- :mod:`bench.zoo`: keras.applications and keras_hub models nobody here wrote.
+- :mod:`bench.timing`: step functions timed in interleaved rounds; per-round ratios.
+- :mod:`bench.runner`: building, tracing and timing every mode of a workload, here or in one
+  process per oneDNN state (:mod:`bench.onednn`), optionally under replicas
+  (:mod:`bench.replicas`).
+- :mod:`bench.environment`: the machine and versions recorded with every result.
+- :mod:`bench.compare`: the best alternative (the fastest of stock and XLA) and tfmx against
+  it; :mod:`bench.tables`: the markdown output.
+- :mod:`bench.fit_price`: what tfmx costs on whole short fits (``python -m bench.fit_price``).
+
+Example:
+    >>> from bench.runner import run_benchmark
+    >>> from bench.tables import format_markdown
+    >>> print(format_markdown(run_benchmark("mlp", rounds=3, steps=5)))  # doctest: +SKIP
+"""
