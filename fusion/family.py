@@ -4,7 +4,7 @@ A :class:`Family` is what users name in ``tfmx.enable(patterns=[...], exclude=[.
 a graph pass (a function from a :class:`~fusion.graph.GraphView` to itself, run on the traced
 step's GraphDef after differentiation), stage hooks (Keras methods routed while the step is
 traced, before differentiation: :mod:`fusion.stage`), or both. A stage family's emitted units
-are found in the traced graph and reported by one generic observer (:class:`Observed`: the
+are found in the traced graph and reported by one generic observer (:class:`Forms`: the
 name scope its forms are emitted under and the ops that show each form's kernel), not by a
 pass of its own.
 
@@ -69,20 +69,26 @@ def emitted_units(view: Any, scope: str, marks: Mapping[str, frozenset[str]]
 
 
 @dataclasses.dataclass(frozen=True)
-class Observed:
-    """How a stage family's emitted units show in a traced graph: the name ``scope`` its
-    stage emits each form under (``<scope>_<form>``), per form the ``marks`` (ops, one of
-    which is the form's kernel) and the ``labels`` the report counts them under.
+class Forms:
+    """The forms a stage family emits: the name ``scope`` each is emitted under
+    (``<scope>_<form>``), per form the ``marks`` (ops, one of which is the form's kernel: how
+    its units show in a traced graph; none: the family's own graph pass finds them) and the
+    ``labels`` the report counts them under, and the ``conservative`` form (what Keras runs,
+    what the tuner keeps unless another measures faster) with the words the report uses when
+    it is ``kept``.
 
     >>> from tensorflow.core.framework.node_def_pb2 import NodeDef
-    >>> seen = Observed("tfmx_x", {"fast": frozenset({"MatMul"})}, {"fast": "x: fast"})
-    >>> seen.units(GraphView([NodeDef(name="a/tfmx_x_fast/m", op="MatMul")]))
+    >>> forms = Forms("tfmx_x", {"fast": frozenset({"MatMul"})}, {"fast": "x: fast"},
+    ...               conservative="composite", kept="Keras's composite")
+    >>> forms.units(GraphView([NodeDef(name="a/tfmx_x_fast/m", op="MatMul")]))
     [('a/tfmx_x_fast/', 'fast')]
     """
 
     scope: str
     marks: Mapping[str, frozenset[str]]
     labels: Mapping[str, str]
+    conservative: str = ""
+    kept: str = ""
 
     def units(self, view: GraphView) -> list[tuple[str, str]]:
         """(scope, form) of every unit of the family in ``view`` (:func:`emitted_units`)."""
@@ -97,7 +103,8 @@ class Observed:
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One family: its name and description, its graph pass, its stage hooks
-    (``fusion.stage.Hook``), how its stage's units are observed, the families its graph part
+    (``fusion.stage.Hook``), the forms its stage emits (:class:`Forms`: how they are named,
+    observed and reported, the conservative one), the families its graph part
     runs after (``"*"``: every family not after it) and why, and the ops a match of its
     graph pass starts from (``anchors``: where those sit in a function XLA must compile, it
     says it left them to XLA)."""
@@ -106,7 +113,7 @@ class Family:
     description: str
     graph_pass: PassFn | None = None
     hooks: tuple[Any, ...] = ()
-    observed: Observed | None = None
+    forms: Forms | None = None
     after: tuple[str, ...] = ()
     order: str = ""
     anchors: frozenset[str] = frozenset()
@@ -116,7 +123,7 @@ class Family:
         """What runs on the traced graph: the graph pass, else the observer, else None."""
         if self.graph_pass is not None:
             return self.graph_pass
-        return self.observed.observe if self.observed is not None else None
+        return self.forms.observe if self.forms is not None and self.forms.marks else None
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -289,5 +296,5 @@ def _unknown(name: str, known: list[str]) -> str:
 
 
 __all__ = ["BUILT_IN", "GRADIENT_SCOPES", "OBSERVED_AFTER", "OBSERVED_ORDER", "Family",
-           "Observed", "declare", "emitted_units", "families", "forget", "get", "passes",
+           "Forms", "declare", "emitted_units", "families", "forget", "get", "passes",
            "register", "resolve"]

@@ -19,8 +19,9 @@ forms a stage emits and times :mod:`fusion.forms`; both are re-exported here):
   Outside it Keras runs untouched.
 - A handler returns what the method returns: the fused form, or the original's result after
   recording why it declined. It records what it rewrote through ``ctx.record`` ("rewritten");
-  the family's graph pass, or its declared observer (:class:`fusion.family.Observed`), later
-  finds the emitted nodes in the traced graph and reports them as "observed".
+  the family's graph pass, or the generic observer of its forms
+  (:class:`fusion.family.Forms`), later finds the emitted nodes in the traced graph and
+  reports them as "observed".
 
 Example:
     >>> from fusion import stage
@@ -107,46 +108,50 @@ def functional_neighbours(layer: Any) -> tuple[list[Any], list[Any]] | None:
             [node.operation for node in getattr(layer, "_outbound_nodes", [])])
 
 
-def rewrite_call(ctx: StageContext, family: str, scope: str, labels: dict[str, str], *,
-                 what: str, why: str | None, forms: list[str], signature: Callable[[], str],
-                 candidates: Callable[[], dict], conservative: str, kept: str,
-                 keras: Callable[[], Any], emit: Callable[[str], Any], prefix: str = "") -> Any:
-    """The flow every stage hook shares: without a tuner the first of ``forms``; with one, the
-    tuner's pick between ``conservative`` and ``candidates()`` (factories by form name, timed
-    under ``signature()``); the form emitted by ``emit(form)`` under ``<scope>_<prefix><form>``
-    and recorded as fused with its label, or ``keras()`` with the reason recorded (``why``, or
-    that ``kept``, the conservative form, measured faster). ``forms`` is empty, or ``why``
-    given, where the call cannot be rewritten.
+def rewrite_call(ctx: StageContext, family: Family, *, what: str, why: str | None,
+                 allowed: list[str], signature: Callable[[], str],
+                 candidates: Callable[[], dict], keras: Callable[[], Any],
+                 emit: Callable[[str], Any], prefix: str = "") -> Any:
+    """The flow every stage hook shares, for one call of the method ``family`` routes: without
+    a tuner the first of ``allowed``; with one, the tuner's pick between the family's
+    conservative form and ``candidates()`` (factories by form name, timed under
+    ``signature()``); the form emitted by ``emit(form)`` under ``<scope>_<prefix><form>`` and
+    recorded as fused with its label (the family's :class:`~fusion.family.Forms`), or
+    ``keras()`` with the reason recorded (``why``, or that the conservative form measured
+    faster). ``allowed`` is empty, or ``why`` given, where the call cannot be rewritten.
 
+    >>> from fusion.family import Forms
     >>> from fusion.pattern import PlainTarget, RewriteAlways
+    >>> demo = Family("demo", "", forms=Forms("tfmx_demo", {}, {"fast": "demo: the fast form"},
+    ...                                     conservative="slow", kept="the slow form"))
     >>> seen = []
     >>> ctx = StageContext(PlainTarget("cpu"), RewriteAlways(),
     ...                    record=lambda family, stats: seen.append(dict(stats.fused_kinds)))
-    >>> rewrite_call(ctx, "demo", "tfmx_demo", {"fast": "demo: the fast form"}, what="demo",
-    ...              why=None, forms=["fast"], signature=lambda: "demo x",
-    ...              candidates=lambda: {"slow": None, "fast": None}, conservative="slow",
-    ...              kept="the slow form", keras=lambda: "slow", emit=lambda form: form)
+    >>> rewrite_call(ctx, demo, what="demo", why=None, allowed=["fast"],
+    ...              signature=lambda: "demo x", candidates=lambda: {"slow": None, "fast": None},
+    ...              keras=lambda: "slow", emit=lambda form: form)
     'fast'
     >>> seen
     [{'demo: the fast form': 1}]
     """
     import tensorflow as tf
 
+    forms = family.forms
     stats = PatternStats(matched=1)
-    form = forms[0] if forms and why is None else None
+    form = allowed[0] if allowed and why is None else None
     if form is not None and ctx.chooser is not None:
         chosen = signature()
-        form = ctx.chooser.choose(family, chosen, candidates(), conservative).choice
-        if form == conservative:
-            form, why = None, f"{chosen}: {kept} kept: measured faster"
+        form = ctx.chooser.choose(family.name, chosen, candidates(), forms.conservative).choice
+        if form == forms.conservative:
+            form, why = None, f"{chosen}: {forms.kept} kept: measured faster"
     if form is None:
         stats.decline(f"{what}: {why}")
-        ctx.record(family, stats)
+        ctx.record(family.name, stats)
         return keras()
-    with tf.name_scope(f"{scope}_{(prefix + form).replace(' ', '_')}"):
+    with tf.name_scope(f"{forms.scope}_{(prefix + form).replace(' ', '_')}"):
         out = emit(form)
-    stats.fuse(labels[prefix + form])
-    ctx.record(family, stats)
+    stats.fuse(forms.labels[prefix + form])
+    ctx.record(family.name, stats)
     return out
 
 

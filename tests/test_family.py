@@ -4,7 +4,7 @@
 ``contraction`` with its reason. ``halved`` is a stage: a Keras layer of this file whose
 ``call`` computes ``x * 0.5`` is routed, while tfmx traces, to a handler that emits
 ``x / 2`` (the same value, exactly) under its own name scope; the one generic observer
-(``fusion.family.Observed``) finds that scope in the traced graph. Each is switched on and off
+(``fusion.family.Forms``) finds that scope in the traced graph. Each is switched on and off
 by name through ``tfmx.enable(patterns=..., exclude=...)``, reported, and in the pipeline at its
 declared place.
 """
@@ -20,7 +20,7 @@ import tensorflow as tf
 
 import fusion
 import tfmx
-from fusion.family import Family, Observed, declare, families, forget, register
+from fusion.family import Family, Forms, declare, families, forget, register
 from fusion.graph import GraphView, NodeDef
 from fusion.pattern import PatternStats, RewriteContext, apply_matches
 from fusion.stage import Hook, StageContext
@@ -94,8 +94,8 @@ def new_families():
              order="a test family placed after contraction")(_double_negation_pass)
     declare(Family("halved", "Halve's x * 0.5 -> x / 2, before differentiation",
                    hooks=(Hook(f"{__name__}:Halve", "call", halved_call),),
-                   observed=Observed(SCOPE, {"divide": frozenset({"RealDiv"})},
-                                     {"divide": "Halve: x / 2"})))
+                   forms=Forms(SCOPE, {"divide": frozenset({"RealDiv"})},
+                               {"divide": "Halve: x / 2"})))
     yield
     tfmx.disable()
     forget("double_negation")

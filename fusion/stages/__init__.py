@@ -1,7 +1,7 @@
 """The built-in families' stages, one module each: rewrites made before differentiation
 (``fusion.stage``). Importing this package imports every module in it, which declares its
 family (``fusion.family.declare``) with its hooks and, where its units are only observed in
-the traced graph, how (``fusion.family.Observed``).
+the traced graph, how (``fusion.family.Forms``).
 
 >>> from fusion.stage import stages
 >>> sorted(s.name for s in stages())  # doctest: +NORMALIZE_WHITESPACE

@@ -56,7 +56,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Observed, declare
+from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Forms, declare
 from fusion.stage import (
     XLA,
     XLA_CALLS,
@@ -314,9 +314,8 @@ def _rewrite(ctx: StageContext, what: str, why: str | None, forms: list[str],
              keras: Callable[[], Any], emit: Callable[[str], Any], prefix: str = "") -> Any:
     """Both hooks' flow (:func:`fusion.stage.rewrite_call`) against Keras's Einsums, emitted
     under ``tfmx_attention_<prefix><form>``."""
-    return rewrite_call(ctx, FAMILY, SCOPE, LABELS, what=what, why=why, forms=forms,
-                        signature=signature, candidates=candidates, conservative="einsum",
-                        kept="Keras's Einsums", keras=keras, emit=emit, prefix=prefix)
+    return rewrite_call(ctx, DECLARED, what=what, why=why, allowed=forms, signature=signature,
+                        candidates=candidates, keras=keras, emit=emit, prefix=prefix)
 
 
 def fused_attention(ctx: StageContext, original: Callable, layer: Any, query: Any, key: Any,
@@ -409,6 +408,6 @@ DECLARED = declare(Family(
            # keras.ops.dot_product_attention's TensorFlow core, a module function
            Hook("keras.src.backend.tensorflow:nn", "_dot_product_attention_xla",
                 fused_dot_product_attention)),
-    observed=Observed(SCOPE, MARKS, LABELS),
+    forms=Forms(SCOPE, MARKS, LABELS, conservative="einsum", kept="Keras's Einsums"),
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))

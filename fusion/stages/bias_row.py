@@ -41,7 +41,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Observed, declare
+from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Forms, declare
 from fusion.stage import (
     Hook,
     StageContext,
@@ -144,10 +144,8 @@ def fused_dense_call(ctx: StageContext, original: Callable, layer: Any, inputs: 
                 FORM: timed_form(lambda x: dense_with_bias_row(layer, x, activation=False),
                                  [inputs.shape], inputs.dtype, variables)}
 
-    return rewrite_call(ctx, FAMILY, SCOPE, {FORM: LABEL}, what="Dense",
-                        why=find_bias_row(layer, inputs), forms=[FORM], signature=signature,
-                        candidates=candidates, conservative=CONSERVATIVE,
-                        kept="Keras's MatMul and bias",
+    return rewrite_call(ctx, DECLARED, what="Dense", why=find_bias_row(layer, inputs),
+                        allowed=[FORM], signature=signature, candidates=candidates,
                         keras=lambda: original(layer, inputs, training=training),
                         emit=lambda form: dense_with_bias_row(layer, inputs))
 
@@ -162,6 +160,7 @@ DECLARED = declare(Family(
     "kernel by the bias as a row (its gradient one MatMul for kernel and bias), where measured "
     "faster than MatMul + BiasAdd",
     hooks=(Hook("keras.src.layers.core.dense:Dense", "call", fused_dense_call),),
-    observed=Observed(SCOPE, MARKS, {FORM: LABEL}),
+    forms=Forms(SCOPE, MARKS, {FORM: LABEL}, conservative=CONSERVATIVE,
+                kept="Keras's MatMul and bias"),
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))

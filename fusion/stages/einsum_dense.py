@@ -40,7 +40,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Observed, declare
+from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Forms, declare
 from fusion.pattern import PatternStats
 from fusion.stage import Hook, StageContext, layer_value, timed_form
 from fusion.stages.bias_row import bias_row_product
@@ -353,6 +353,6 @@ DECLARED = declare(Family(
     hooks=(Hook("keras.src.layers.core.einsum_dense:EinsumDense", "call", fused_einsum_dense_call),
            Hook("keras.src.layers.attention.multi_head_attention:MultiHeadAttention", "call",
                 fused_attention_call)),
-    observed=Observed(SCOPE, MARKS, LABELS),
+    forms=Forms(SCOPE, MARKS, LABELS),
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))

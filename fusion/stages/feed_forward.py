@@ -38,7 +38,7 @@ import tensorflow as tf
 from tensorflow.python.eager import execute
 
 from fusion import trace_state
-from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Observed, declare
+from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Forms, declare
 from fusion.stage import (
     XLA,
     XLA_CALLS,
@@ -119,9 +119,8 @@ def _block(ctx: StageContext, original: Callable, first: tuple[Any, tf.Tensor], 
     activation = up.activation.__name__
     signature = (f"feed-forward input {shape_text(x.shape)} {x.dtype.name}: Dense({up.units}, "
                  f"{activation}) -> Dense({second.units}, {second.activation.__name__})")
-    return rewrite_call(ctx, FAMILY, SCOPE, LABELS, what="feed-forward", why=None, forms=[XLA],
+    return rewrite_call(ctx, DECLARED, what="feed-forward", why=None, allowed=[XLA],
                         signature=lambda: signature, candidates=candidates,
-                        conservative="separate", kept="the two layers",
                         keras=lambda: original(second, hidden),
                         emit=lambda form: xla_region(both)(x))
 
@@ -136,6 +135,6 @@ DECLARED = declare(Family(
     "region (forward and gradient), where measured faster than the two layers",
     # outer: it sees both Dense layers of a block before bias_row rewrites either one
     hooks=(Hook("keras.src.layers.core.dense:Dense", "call", fused_dense_call, outer=1),),
-    observed=Observed(SCOPE, MARKS, LABELS),
+    forms=Forms(SCOPE, MARKS, LABELS, conservative="separate", kept="the two layers"),
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))

@@ -62,7 +62,7 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.eager import execute
 
-from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Observed, declare
+from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Forms, declare
 from fusion.stage import (
     XLA,
     XLA_CALLS,
@@ -287,11 +287,10 @@ def fused_gelu(ctx: StageContext, original: Callable, x: Any, approximate: bool 
         return gelu_xla_slope(x, approximate, rounded()) if form == XLA else forms[form](x)
 
     return rewrite_call(
-        ctx, FAMILY, SCOPE, LABELS, what="GELU", why=_decline(x), forms=list(forms),
+        ctx, DECLARED, what="GELU", why=_decline(x), allowed=list(forms),
         signature=lambda: f"gelu input {shape_text(x.shape)} {x.dtype.name} "
                           f"approximate={approximate}",
-        candidates=candidates, conservative="composite", kept="the composite",
-        keras=lambda: original(x, approximate), emit=emit)
+        candidates=candidates, keras=lambda: original(x, approximate), emit=emit)
 
 
 MARKS = {"custom": frozenset({"Erf", "Tanh"}), "custom erfc": frozenset({"Erfc"}),
@@ -306,6 +305,6 @@ DECLARED = declare(Family(
     "Keras GELU (exact or tanh) in training -> a closed-form derivative (custom gradient) or "
     "one XLA region, where measured faster than autodiff of the composite",
     hooks=(Hook("keras.src.backend.tensorflow:nn", "gelu", fused_gelu),),
-    observed=Observed(SCOPE, MARKS, LABELS),
+    forms=Forms(SCOPE, MARKS, LABELS, conservative="composite", kept="the composite"),
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))

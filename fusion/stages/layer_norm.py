@@ -55,7 +55,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Observed, declare
+from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Forms, declare
 from fusion.stage import (
     XLA,
     XLA_CALLS,
@@ -296,10 +296,9 @@ def _rewrite(ctx: StageContext, original: Callable, layer: Any, inputs: tf.Tenso
 
     if residual is not None:
         signature += " after a residual Add"
-    return rewrite_call(ctx, FAMILY, SCOPE, LABELS, what=signature.split(" ", 1)[0],
-                        why=why, forms=list(forms) if first is not None else [],
+    return rewrite_call(ctx, DECLARED, what=signature.split(" ", 1)[0], why=why,
+                        allowed=list(forms) if first is not None else [],
                         signature=lambda: signature, candidates=candidates,
-                        conservative="composite", kept="Keras's composite",
                         keras=lambda: original(layer, inputs), emit=emit, prefix=prefix)
 
 
@@ -429,6 +428,6 @@ DECLARED = declare(Family(
                 fused_layer_call),
            Hook("keras.src.layers.normalization.rms_normalization:RMSNormalization", "call",
                 fused_rms_call)),
-    observed=Observed(SCOPE, MARKS, LABELS),
+    forms=Forms(SCOPE, MARKS, LABELS, conservative="composite", kept="Keras's composite"),
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))
