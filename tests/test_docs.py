@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("tfmx", "fusion", "policies", "recipes")
+PACKAGES = ("tfmx", "fusion", "policies", "recipes", "bench")
 FOLDERS = (*PACKAGES, "tests", ".ci")
 TOP_LEVEL = ("README.md", "BENCHMARKS.md", "DESIGN.md", "pyproject.toml", "LICENSE")
 
