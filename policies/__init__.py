@@ -6,10 +6,25 @@
     model.compile(...)            # output/softmax/normalization in float32; loss scaling if fp16
     print(policies.audit(model))  # per layer: compute/variable dtype, where casts sit
 
-"auto" picks for the hardware (:mod:`policies.hardware`) and, where it picks 16 bit, keeps
-float32 in the layers where 16 bit measures slower (:func:`tune`). Keras's own switch is
+"auto" picks for the hardware (:mod:`policies.hardware_choice`) and, where it picks 16 bit,
+keeps float32 in the layers where 16 bit measures slower (:func:`tune`). Keras's own switch is
 ``keras.mixed_precision.set_global_policy``; the holes this closes are listed in
 :mod:`policies.safety` and :mod:`policies.hook`.
+
+Modules (every public name is re-exported here; none is named as a module):
+
+- :mod:`policies.global_policy`: ``set_global``, ``scope``, ``resolve``, ``explain``, ``reset``;
+  :mod:`policies.state`: what they share (``current``, ``hardware``, ``stale_layers``);
+- :mod:`policies.hardware_choice`: what 16-bit hardware the machine has (``detect``) and the
+  policy "auto" picks for it (``choose``);
+- :mod:`policies.safety`: what stays float32, loss scaling; :mod:`policies.hook`: the compile
+  hook that applies it;
+- :mod:`policies.layer_tuning`: ``tune``, per-layer precision by measurement;
+- :mod:`policies.dtype_audit`: ``audit`` and ``check``, per-layer dtypes and casts;
+- :mod:`policies.model_probe`: running a model's layers on sample inputs, recording their calls
+  (what tuning and the audit share);
+- :mod:`policies.layers`, :mod:`policies.names`, :mod:`policies.errors`: layer and policy-name
+  helpers, and the warning and error classes.
 
 Example:
     >>> import keras, policies
@@ -27,14 +42,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from policies.audit import Audit, LayerAudit, audit, check
+from policies import hook, layers, model_probe, names
+from policies.dtype_audit import Audit, LayerAudit, audit, check
 from policies.errors import LayerDtypeError, PolicyWarning
 from policies.global_policy import explain, reset, resolve, scope, set_global
-from policies.hardware import Choice, Hardware, choose, detect
+from policies.hardware_choice import Choice, Hardware, choose, detect
+from policies.layer_tuning import LayerChoice, TuneResult, tune
 from policies.names import POLICY_NAMES
 from policies.safety import make_safe
 from policies.state import current, hardware, stale_layers
-from policies.tune import LayerChoice, TuneResult, tune
 
 
 def apply(model: Any, name: str | None = None, *, safe: bool = True,
@@ -56,34 +72,29 @@ def apply(model: Any, name: str | None = None, *, safe: bool = True,
     >>> model.layers[0].compute_dtype, model.layers[1].compute_dtype
     ('bfloat16', 'float32')
     """
-    from policies import hook
-    from policies.layers import iter_layers, set_policy
-    from policies.names import check_name
-    from policies.tune import reset_step_functions, sample_inputs
-
-    target = resolve(check_name(name)).policy if name is not None else current()
+    target = resolve(names.check_name(name)).policy if name is not None else current()
     hook.install()
-    layers = list(iter_layers(model))
-    saved = [layer.dtype_policy for layer in layers]
+    built = list(layers.iter_layers(model))
+    saved = [layer.dtype_policy for layer in built]
     try:
-        for layer in layers:
+        for layer in built:
             if layer.dtype_policy.name != target:
-                set_policy(layer, target)
+                layers.set_policy(layer, target)
         if safe:
             make_safe(model)
         if sample_batch is None:
             try:
-                sample_batch = sample_inputs(model, batch_size=2)
+                sample_batch = model_probe.sample_inputs(model, batch_size=2)
             except ValueError:
                 sample_batch = None  # shapes unknown: nothing to run the check on
         if sample_batch is not None:
             check(model, sample_batch)
     except Exception:
-        for layer, policy in zip(layers, saved):
+        for layer, policy in zip(built, saved):
             layer._dtype_policy = policy
         raise
-    reset_step_functions(model)
-    return [layer.name for layer, old in zip(layers, saved)
+    model_probe.reset_step_functions(model)
+    return [layer.name for layer, old in zip(built, saved)
             if layer.dtype_policy.name != old.name]
 
 

@@ -21,8 +21,9 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from policies import hook
 from policies.errors import PolicyWarning
-from policies.hardware import Choice, choose
+from policies.hardware_choice import Choice, choose
 from policies.names import check_name
 from policies.state import STATE as _STATE
 from policies.state import current, hardware, keras_global_policy
@@ -64,7 +65,7 @@ def set_global(name: str, *, safe: bool = True, tune: bool = True,
 
     Args:
         name: "float32", "mixed_float16", "mixed_bfloat16" or "auto" (picks for this
-            machine's hardware and says why; see :mod:`policies.hardware`).
+            machine's hardware and says why; see :mod:`policies.hardware_choice`).
         safe: keep the output layer, softmax and normalization in float32 and add dynamic loss
             scaling for float16 when models are compiled (default True).
         tune: with "auto" and a 16-bit choice, time each layer at compile time and keep
@@ -84,8 +85,6 @@ def set_global(name: str, *, safe: bool = True, tune: bool = True,
     ...
     ValueError: unknown policy 'half'; choose one of 'float32', ... (did you mean 'mixed_float16'?)
     """
-    from policies import hook
-
     choice = resolve(name)
     old = keras_global_policy()
     if not any(old is r for r in _STATE.replaced):
@@ -109,8 +108,6 @@ def scope(name: str, *, safe: bool = True, tune: bool = True) -> Iterator[Choice
     >>> layer.compute_dtype, choice.policy, policies.current()
     ('bfloat16', 'mixed_bfloat16', 'float32')
     """
-    from policies import hook
-
     choice = resolve(name)
     previous_policy = keras_global_policy()
     previous = (_STATE.choice, _STATE.safe, _STATE.tune)
@@ -147,8 +144,6 @@ def reset() -> None:
     >>> policies.current(), hook.installed()
     ('float32', False)
     """
-    from policies import hook
-
     _set_keras("float32")
     _STATE.choice, _STATE.safe, _STATE.tune = None, True, True
     _STATE.replaced.clear()

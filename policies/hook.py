@@ -26,17 +26,26 @@ import weakref
 from typing import Any
 
 from fusion import patches
+from policies import safety
 from policies.errors import LayerDtypeError, PolicyWarning
+from policies.layer_tuning import tune
+from policies.state import current, settings, stale_layers
 
 _COMPILED: weakref.WeakSet = weakref.WeakSet()  # models compiled while the hook was on
 
 
 def installed() -> bool:
+    """True while the hook's patches of Keras are in place (see the module's example)."""
     return bool(patches.installed(GROUP))
 
 
 def forget_compiled_models() -> None:
-    """Forget the models seen so far (``policies.reset``)."""
+    """Forget the models seen so far (``policies.reset``).
+
+    >>> forget_compiled_models()
+    >>> len(_COMPILED)
+    0
+    """
     _COMPILED.clear()
 
 
@@ -44,14 +53,15 @@ def warn_compiled_models() -> None:
     """Warn now about models compiled earlier whose layers keep an old policy.
 
     ``set_global`` calls it: ``build; compile; set_global; fit`` would otherwise say nothing.
+
+    >>> forget_compiled_models()
+    >>> warn_compiled_models()  # no model compiled since: nothing to say
     """
     for model in list(_COMPILED):
         _warn_stale(model, stacklevel=4)
 
 
 def _warn_stale(model: Any, stacklevel: int = 4) -> None:
-    from policies.state import current, stale_layers
-
     stale = stale_layers(model)
     if not stale:
         return
@@ -67,17 +77,19 @@ def _warn_stale(model: Any, stacklevel: int = 4) -> None:
 
 
 def prepare(model: Any, optimizer: Any, auto_scale_loss: bool = True) -> Any:
-    """Apply the safe defaults to ``model``; return the optimizer compile should use."""
-    from policies import safety
-    from policies.state import settings
+    """Apply the safe defaults to ``model``; return the optimizer compile should use.
 
+    >>> import keras
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, dtype="mixed_float16"),
+    ...                           keras.layers.Dense(1)])
+    >>> type(prepare(model, "sgd")).__name__  # a layer computes in float16: loss scaling
+    'LossScaleOptimizer'
+    """
     choice, safe, tune_on = settings()
     _warn_stale(model)
     _COMPILED.add(model)
     if choice is not None and choice.requested == "auto" and tune_on and choice.policy != \
             "float32" and getattr(model, "_policies_tuned", None) is None:
-        from policies.tune import tune
-
         try:
             result = tune(model, policy=choice.policy)
             object.__setattr__(model, "_policies_tuned", result)
@@ -157,5 +169,11 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Restore Keras's own ``compile`` and ``Layer.__call__``."""
+    """Restore Keras's own ``compile`` and ``Layer.__call__``.
+
+    >>> install()
+    >>> uninstall()
+    >>> installed()
+    False
+    """
     patches.uninstall(GROUP)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+import tfmx.state
+
 
 class LayerCall(NamedTuple):
     """What a layer was called with when it takes more than one positional input, or keyword
@@ -29,14 +31,23 @@ class LayerCall(NamedTuple):
 
 
 def call_layer(layer: Any, inputs: Any, training: bool) -> Any:
-    """``layer`` called on ``inputs`` (a tensor, a structure of them, or a :class:`LayerCall`)."""
+    """``layer`` called on ``inputs`` (a tensor, a structure of them, or a :class:`LayerCall`).
+
+    >>> call_layer(lambda x, training: (x, training), 1, training=False)
+    (1, False)
+    """
     if isinstance(inputs, LayerCall):
         return layer(*inputs.args, **{**inputs.kwargs, "training": training})
     return layer(inputs, training=training)
 
 
 def as_tensors(inputs: Any) -> Any:
-    """``inputs`` with every array-like value a tensor (Python flags of a call stay as they are)."""
+    """``inputs`` with every array-like value a tensor (Python flags of a call stay as they are).
+
+    >>> import numpy as np
+    >>> [type(v).__name__ for v in as_tensors([np.ones(2), True])]
+    ['EagerTensor', 'bool']
+    """
     import numpy as np
     import tensorflow as tf
 
@@ -46,7 +57,14 @@ def as_tensors(inputs: Any) -> Any:
 
 
 def iter_layers(model: Any) -> Iterator[Any]:
-    """Every layer inside ``model`` (nested ones too), without Input layers and sub-models."""
+    """Every layer inside ``model`` (nested ones too), without Input layers and sub-models.
+
+    >>> import keras
+    >>> inner = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="inner_dense")])
+    >>> model = keras.Sequential([keras.Input((2,)), inner, keras.layers.Dense(1, name="top")])
+    >>> [layer.name for layer in iter_layers(model)]
+    ['inner_dense', 'top']
+    """
     import keras
 
     flatten = getattr(model, "_flatten_layers", None)
@@ -58,22 +76,46 @@ def iter_layers(model: Any) -> Iterator[Any]:
 
 
 def policy_name(layer: Any) -> str:
-    """The name of the policy ``layer`` computes under ("float32", "mixed_bfloat16", ...)."""
+    """The name of the policy ``layer`` computes under ("float32", "mixed_bfloat16", ...).
+
+    >>> import keras
+    >>> policy_name(keras.layers.Dense(1, dtype="mixed_bfloat16"))
+    'mixed_bfloat16'
+    """
     return layer.dtype_policy.name
 
 
 def set_policy(layer: Any, name: str) -> None:
-    """Give ``layer`` policy ``name``; later calls (and traces) compute in it."""
+    """Give ``layer`` policy ``name``; later calls (and traces) compute in it.
+
+    >>> import keras
+    >>> layer = keras.layers.Dense(1)
+    >>> set_policy(layer, "mixed_float16")
+    >>> layer.compute_dtype, layer.variable_dtype
+    ('float16', 'float32')
+    """
     layer.dtype_policy = name
 
 
 def is_low_precision(layer: Any) -> bool:
-    """True if ``layer`` computes in float16 or bfloat16."""
+    """True if ``layer`` computes in float16 or bfloat16.
+
+    >>> import keras
+    >>> is_low_precision(keras.layers.Dense(1, dtype="mixed_bfloat16"))
+    True
+    """
     return layer.compute_dtype in ("float16", "bfloat16")
 
 
 def output_layers(model: Any) -> list[Any]:
-    """The layers producing ``model``'s outputs (Functional and Sequential; [] if unknown)."""
+    """The layers producing ``model``'s outputs (Functional and Sequential; [] if unknown).
+
+    >>> import keras
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2),
+    ...                           keras.layers.Dense(1, name="out")])
+    >>> [layer.name for layer in output_layers(model)]
+    ['out']
+    """
     try:
         outputs = model.outputs
     except (AttributeError, ValueError):
@@ -93,7 +135,14 @@ def output_layers(model: Any) -> list[Any]:
 
 
 def weighted(layer: Any) -> bool:
-    """True if ``layer`` holds trainable weights of its own (Dense, Conv, LSTM...)."""
+    """True if ``layer`` holds trainable weights of its own (Dense, Conv, LSTM...).
+
+    >>> import keras
+    >>> dense, relu = keras.layers.Dense(1), keras.layers.ReLU()
+    >>> dense.build((None, 2)); relu.build((None, 2))
+    >>> weighted(dense), weighted(relu)
+    (True, False)
+    """
     return bool(layer.trainable_weights)
 
 
@@ -105,6 +154,11 @@ def layer_step(layer: Any, fused: bool = False) -> Any:
     given and called without the whole-step guard.
 
     The layer's policy is read when the function is traced (on its first call).
+
+    >>> import keras, numpy as np
+    >>> out, grads = layer_step(keras.layers.Dense(2))(np.ones((1, 3), "float32"))
+    >>> tuple(out.shape), [tuple(g.shape) for g in grads]  # kernel, bias, input
+    ((1, 2), [(3, 2), (2,), (1, 3)])
     """
     import tensorflow as tf
 
@@ -119,12 +173,9 @@ def layer_step(layer: Any, fused: bool = False) -> Any:
         grads = tape.gradient(total, [*layer.trainable_variables, *floats])
         return out, [g for g in grads if g is not None]
 
-    from tfmx import state
-
-    if not fused or state.options() is None or not state.options().backend.available:
+    options = tfmx.state.options()
+    if not fused or options is None or not options.backend.available:
         return tf.function(step)
-    import tfmx
-
     step.__name__ = step.__qualname__ = f"policies_check_{layer.name}"
     rewritten = tfmx.function(step)
     traced: dict[str, Any] = {}

@@ -40,7 +40,14 @@ def _activation_name(layer: Any) -> str | None:
 
 
 def float32_reason(layer: Any, outputs: list[Any]) -> str | None:
-    """Why ``layer`` must compute in float32 under a 16-bit policy, or None."""
+    """Why ``layer`` must compute in float32 under a 16-bit policy, or None.
+
+    >>> import keras
+    >>> float32_reason(keras.layers.Dense(2, activation="softmax"), outputs=[])
+    'softmax in float32'
+    >>> float32_reason(keras.layers.Dense(2), outputs=[]) is None
+    True
+    """
     cls = type(layer).__name__
     if any(layer is o for o in outputs):
         return "output layer (and softmax) in float32" if _activation_name(layer) in \
@@ -57,6 +64,12 @@ def make_safe(model: Any) -> list[str]:
 
     Only layers computing in 16 bit are touched; variables are float32 under every mixed
     policy, so nothing is rebuilt. Works on built and unbuilt models.
+
+    >>> import keras
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="out",
+    ...                                                             dtype="mixed_bfloat16")])
+    >>> make_safe(model)
+    ['out: output layer in float32']
     """
     outputs = output_layers(model)
     changed = []
@@ -71,7 +84,12 @@ def make_safe(model: Any) -> list[str]:
 
 
 def uses_float16(model: Any) -> bool:
-    """True if any layer of ``model`` computes in float16 (loss scaling needed)."""
+    """True if any layer of ``model`` computes in float16 (loss scaling needed).
+
+    >>> import keras
+    >>> uses_float16(keras.Sequential([keras.layers.Dense(2, dtype="mixed_float16")]))
+    True
+    """
     return any(layer.compute_dtype == "float16" for layer in iter_layers(model)) or \
         getattr(getattr(model, "dtype_policy", None), "compute_dtype", None) == "float16"
 
@@ -94,5 +112,10 @@ def wrap_optimizer(optimizer: Any) -> Any:
 
 
 def loss_dtype(loss: Any) -> str | None:
-    """The compute dtype of a Keras ``Loss`` object (None for names and plain functions)."""
+    """The compute dtype of a Keras ``Loss`` object (None for names and plain functions).
+
+    >>> import keras
+    >>> loss_dtype(keras.losses.MeanSquaredError()), loss_dtype("mse")
+    ('float32', None)
+    """
     return getattr(loss, "dtype", None) if hasattr(loss, "call") else None

@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from policies.hardware import Choice, Hardware, detect
+from policies.hardware_choice import Choice, Hardware, detect
+from policies.layers import iter_layers
 
 
 @dataclasses.dataclass
@@ -30,13 +31,23 @@ STATE = _State()
 
 
 def hardware() -> Hardware:
-    """This machine's description (detected once)."""
+    """This machine's description (detected once).
+
+    >>> import policies
+    >>> policies.hardware() is policies.hardware()
+    True
+    """
     if STATE.hardware is None:
         STATE.hardware = detect()
     return STATE.hardware
 
 
 def keras_global_policy() -> Any:
+    """Keras's global dtype policy object (what layers built now take).
+
+    >>> keras_global_policy().name
+    'float32'
+    """
     import keras
 
     return keras.config.dtype_policy()
@@ -53,7 +64,14 @@ def current() -> str:
 
 
 def settings() -> tuple[Choice | None, bool, bool]:
-    """(last choice, safe, tune) in force."""
+    """(last choice, safe, tune) in force.
+
+    >>> import policies
+    >>> with policies.scope("mixed_bfloat16", safe=False):
+    ...     choice, safe, tune = settings()
+    >>> choice.policy, safe, tune
+    ('mixed_bfloat16', False, True)
+    """
     return STATE.choice, STATE.safe, STATE.tune
 
 
@@ -70,8 +88,6 @@ def stale_layers(model: Any) -> list[tuple[Any, str]]:
     ['float32']
     >>> policies.reset()
     """
-    from policies.layers import iter_layers
-
     now = current()
     stale = []
     for layer in iter_layers(model):

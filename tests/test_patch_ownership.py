@@ -234,7 +234,7 @@ def test_a_swap_of_an_instance_attribute_is_listed_while_it_lasts():
 
 
 def test_a_layer_probed_in_float32_keeps_its_own_policy_object():
-    from policies.tune import probe_layers
+    from policies.model_probe import probe_layers
 
     inputs = keras.Input((4,))
     hidden = keras.layers.Dense(4, dtype="mixed_bfloat16")

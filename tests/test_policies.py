@@ -10,7 +10,7 @@ from policies_fixtures import restore_global_policy  # noqa: F401 (autouse fixtu
 
 import policies
 from policies import global_policy
-from policies.hardware import Hardware, choose
+from policies.hardware_choice import Hardware, choose
 
 XEON_AMX = Hardware(cpu_name="Xeon", cpu_flags=frozenset({"avx512f", "avx512_bf16", "amx_bf16",
                                                            "avx512_fp16"}))

@@ -1,7 +1,5 @@
 """policies.tune (injected timings) and policies.audit (cast counts)."""
 
-import importlib
-
 import keras
 import numpy as np
 import pytest
@@ -9,9 +7,9 @@ import tensorflow as tf
 from policies_fixtures import restore_global_policy  # noqa: F401 (autouse fixture)
 
 import policies
-from policies import global_policy
-from policies.audit import count_round_trips
-from policies.hardware import Hardware
+from policies import global_policy, layer_tuning
+from policies.dtype_audit import count_round_trips
+from policies.hardware_choice import Hardware
 
 
 @pytest.fixture(autouse=True)
@@ -22,7 +20,6 @@ def _own_tuning_cache(tmp_path, monkeypatch):
 
 
 BF16 = "mixed_bfloat16"
-tune_module = importlib.import_module("policies.tune")  # policies.tune is the function
 
 
 def model_for_tuning():
@@ -183,7 +180,7 @@ def test_auto_tunes_at_compile_when_it_picks_16bit(monkeypatch):
     monkeypatch.setattr(global_policy._STATE, "hardware",
                         Hardware(cpu_name="Xeon", cpu_flags=frozenset({"amx_bf16"})))
     timer, calls = injected(FAST_SLOW)
-    monkeypatch.setattr(tune_module, "default_timer", timer)
+    monkeypatch.setattr(layer_tuning, "default_timer", timer)
     policies.set_global("auto", verbose=False)
     model = model_for_tuning()
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")

@@ -5,9 +5,9 @@ measurements by. :func:`cpu_info` reads the CPU only (no TensorFlow import); :fu
 adds the TensorFlow and Keras versions and whether oneDNN is on (it imports TensorFlow).
 
 The one module that reads the machine: the CPU's model name and flags (:func:`parse_cpuinfo`,
-:func:`read_cpuinfo`, which ``policies.hardware.detect`` uses too), its vendor, family and model
-number, the flags that matter for CPU kernels (:data:`RELEVANT_FLAGS`), CUDA GPUs' compute
-capabilities and an Apple GPU.
+:func:`read_cpuinfo`, which ``policies.hardware_choice.detect`` uses too), its vendor, family
+and model number, the flags that matter for CPU kernels (:data:`RELEVANT_FLAGS`), CUDA GPUs'
+compute capabilities and an Apple GPU.
 
 Example:
     >>> from tfmx.machine import RELEVANT_FLAGS, cpu_info

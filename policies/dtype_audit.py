@@ -4,7 +4,8 @@ Each layer is traced on its own (forward and gradient, on inputs in the dtype it
 hand it) and its ``Cast`` ops are counted: the casts of its inputs into its compute dtype, of its
 float32 variables into 16 bit, and their gradients. The whole model is traced too, for the total
 and for *round trips* (a 16-bit tensor cast up to float32 and straight back), which are free to
-remove; tfmx's ``casts`` pattern removes them from training graphs.
+remove; tfmx's ``casts`` pattern removes them from training graphs. Which layers run alone and
+on what inputs comes from :mod:`policies.model_probe`.
 
 Example:
     >>> import keras, numpy as np, policies
@@ -27,6 +28,16 @@ from typing import Any
 
 from policies.errors import LayerDtypeError
 from policies.layers import layer_step, output_layers, policy_name
+from policies.model_probe import (
+    has_graph,
+    inputs_of,
+    probe_layers,
+    producers,
+    record_calls,
+    runnable_alone,
+    sample_inputs,
+)
+from policies.state import current, stale_layers
 
 LOSSLESS_WIDENING = frozenset({
     ("bfloat16", "float32"), ("float16", "float32"), ("bfloat16", "float64"),
@@ -116,7 +127,16 @@ def _dtype(t: int) -> str:
 
 
 def cast_nodes(graph_def: Any) -> list[Any]:
-    """Every ``Cast`` NodeDef of ``graph_def``, its function library included."""
+    """Every ``Cast`` NodeDef of ``graph_def``, its function library included.
+
+    >>> import tensorflow as tf
+    >>> @tf.function
+    ... def f(x):
+    ...     return tf.cast(x, tf.bfloat16)
+    >>> graph_def = f.get_concrete_function(tf.TensorSpec([2])).graph.as_graph_def()
+    >>> [tf.dtypes.as_dtype(n.attr["DstT"].type).name for n in cast_nodes(graph_def)]
+    ['bfloat16']
+    """
     nodes = [n for n in graph_def.node if n.op == "Cast"]
     for fn in graph_def.library.function:
         nodes += [n for n in fn.node_def if n.op == "Cast"]
@@ -201,8 +221,6 @@ def _audit_layer(layer: Any, values: dict, graph: bool, outputs: list, stale: se
     casts of its forward and backward (a failure goes to ``failures`` and the note)."""
     import tensorflow as tf
 
-    from policies.tune import producers
-
     cls = type(layer).__name__
     note = []
     if any(layer is o for o in outputs):
@@ -264,16 +282,6 @@ def audit(model: Any, sample_batch: Any = None, batch_size: int = 8) -> Audit:
     """
     import keras
     import tensorflow as tf
-
-    from policies.state import current, stale_layers
-    from policies.tune import (
-        has_graph,
-        inputs_of,
-        probe_layers,
-        record_calls,
-        runnable_alone,
-        sample_inputs,
-    )
 
     x = inputs_of(sample_batch) if sample_batch is not None else sample_inputs(model, batch_size)
     top = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]

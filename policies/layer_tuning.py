@@ -25,11 +25,12 @@ assignments is kept if it beats float32 beyond noise (at least 8 interleaved rou
 tuner's sign test, as every tfmx choice); otherwise every layer goes back to float32 (a layer
 alone can be faster in 16 bit while the casts and the rest of the step eat the gain). Timing
 is injectable (``timer=``, called with the model and "float32" / "tuned" / "broad" for that
-check) so the choice can be tested with made-up numbers.
+check) so the choice can be tested with made-up numbers. The layers' inputs and outputs come
+from :mod:`policies.model_probe`.
 
 Example:
     >>> import keras, numpy as np
-    >>> from policies.tune import tune
+    >>> from policies.layer_tuning import tune
     >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="a"),
     ...                           keras.layers.Dense(8, name="b"),
     ...                           keras.layers.Dense(2, name="out")], name="seq")
@@ -56,10 +57,9 @@ from typing import Any
 
 import numpy as np
 
-from fusion import patches
 from policies.errors import LayerDtypeError
+from policies.hardware_choice import choose
 from policies.layers import (
-    LayerCall,
     as_tensors,
     call_layer,
     layer_step,
@@ -68,9 +68,29 @@ from policies.layers import (
     set_policy,
     weighted,
 )
+from policies.model_probe import (
+    has_graph,
+    inputs_of,
+    probe_layers,
+    producers,
+    record_calls,
+    reset_step_functions,
+    runnable_alone,
+    sample_inputs,
+)
 from policies.names import check_name, is_16bit
 from policies.safety import NORMALIZATION_WITH_UPCAST, float32_reason
-from tfmx.tuner import sync
+from policies.state import hardware
+from tfmx import backends
+from tfmx.tuner import (
+    MIN_ROUNDS,
+    SIGNIFICANCE,
+    Tuner,
+    TuningCache,
+    resolve_mode,
+    sign_test,
+    sync,
+)
 
 Timer = Callable[[Any, str, Callable[[], Any]], float]
 """``timer(layer, policy, run) -> seconds per call``; ``run()`` does one forward + gradient."""
@@ -164,54 +184,12 @@ def measure(run: Callable[[], Any], warmup: int = 1, repeats: int = 3) -> float:
 
 
 def default_timer(layer: Any, policy: str, run: Callable[[], Any]) -> float:
-    """The timer :func:`tune` uses unless given one: :func:`measure`."""
-    return measure(run)
+    """The timer :func:`tune` uses unless given one: :func:`measure` of ``run``.
 
-
-def sample_inputs(model: Any, batch_size: int = 32, seed: int = 0) -> Any:
-    """A random batch shaped like ``model``'s inputs (normal floats; zeros for integers).
-
-    >>> import keras
-    >>> sample_inputs(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]), 2).shape
-    (2, 3)
+    >>> default_timer(None, "float32", lambda: 1) >= 0.0
+    True
     """
-    try:
-        specs = list(model.inputs)
-    except (AttributeError, ValueError, TypeError):
-        specs = []
-    if not specs:
-        raise ValueError(f"model {model.name!r} has no known inputs (a subclassed model?): "
-                         "pass sample_batch=")
-    rng = np.random.default_rng(seed)
-    batches = []
-    for spec in specs:
-        shape = (batch_size, *spec.shape[1:])
-        if any(d is None for d in shape):
-            raise ValueError(f"input shape {tuple(spec.shape)} of {model.name!r} is not fully "
-                             "known: pass sample_batch=")
-        dtype = np.dtype(spec.dtype)
-        if np.issubdtype(dtype, np.floating):
-            batches.append(rng.standard_normal(shape).astype(np.float32))
-        else:
-            batches.append(np.zeros(shape, dtype=dtype))
-    return batches[0] if len(batches) == 1 else batches
-
-
-def inputs_of(sample_batch: Any) -> Any:
-    """The inputs of a batch that may be ``(x, y)`` or ``(x, y, sample_weight)``."""
-    if isinstance(sample_batch, tuple) and len(sample_batch) in (2, 3):
-        return sample_batch[0]
-    return sample_batch
-
-
-def producers(layer: Any) -> list[Any]:
-    node = layer._inbound_nodes[0]
-    found = []
-    for t in node.input_tensors:
-        history = getattr(t, "_keras_history", None)
-        if history is not None and history[0] not in found:
-            found.append(history[0])
-    return found
+    return measure(run)
 
 
 def _rel_error(got: Any, ref: Any) -> float:
@@ -229,12 +207,18 @@ def _rel_error(got: Any, ref: Any) -> float:
 def make_runner(layer: Any, policy: str, inputs: Any) -> tuple[Callable[[], Any], Any]:
     """A traced forward + gradient of ``layer`` under ``policy`` on ``inputs`` (training mode:
     what a training step runs); and its output in inference mode, as the float32 reference of
-    :func:`probe_layers` is taken (a layer's dropout would otherwise count as 16-bit error).
+    :func:`~policies.model_probe.probe_layers` is taken (a layer's dropout would otherwise
+    count as 16-bit error).
 
     The layer's policy is set only while tracing; it is restored before this returns.
     Raises :class:`LayerDtypeError` naming the layer if it fails under a 16-bit policy.
-    """
 
+    >>> import keras, numpy as np
+    >>> layer = keras.layers.Dense(2)
+    >>> run, out = make_runner(layer, "mixed_bfloat16", np.ones((1, 3), "float32"))
+    >>> out.dtype.name, layer.compute_dtype, run()[0].dtype.name
+    ('bfloat16', 'float32', 'bfloat16')
+    """
     saved = layer.dtype_policy
 
     step = layer_step(layer)
@@ -259,115 +243,7 @@ def make_runner(layer: Any, policy: str, inputs: Any) -> tuple[Callable[[], Any]
     return run, out
 
 
-def probe_layers(model: Any, layers: list[Any], x: Any) -> tuple[list[Any], list[Any]]:
-    """Each layer's input and output values in float32 for batch ``x``."""
-    import keras
-
-    with _in_float32([layer for layer in model._flatten_layers(include_self=False)
-                      if not isinstance(layer, keras.layers.InputLayer)]):
-        inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
-        arguments = [layer._inbound_nodes[0].arguments for layer in layers]
-        probe = keras.Model(inputs, [[list(a.keras_tensors) for a in arguments],
-                                     [layer.output for layer in layers]])
-        ins, outs = probe(x, training=False)
-        ins = [_filled(a, values) for a, values in zip(arguments, ins)]
-    return list(ins), list(outs)
-
-
-@contextlib.contextmanager
-def _in_float32(layers: list[Any]) -> Iterator[None]:
-    """Each of ``layers`` computes in float32 inside the block: its ``_dtype_policy`` (what
-    Keras's ``dtype_policy`` setter writes) a :func:`fusion.patches.temporarily` swap, the
-    layer's own policy object back on the way out.
-
-    >>> import keras
-    >>> layer = keras.layers.Dense(2, dtype="mixed_bfloat16")
-    >>> with _in_float32([layer]):
-    ...     layer.compute_dtype
-    'float32'
-    >>> layer.compute_dtype
-    'bfloat16'
-    """
-    import keras
-
-    with contextlib.ExitStack() as swaps:
-        for layer in layers:
-            swaps.enter_context(patches.temporarily(layer, "_dtype_policy",
-                                                    keras.dtype_policies.get("float32")))
-        yield
-
-
-def _filled(arguments: Any, values: list[Any]) -> Any:
-    """A layer's recorded input: its one tensor, or a :class:`LayerCall` of its arguments."""
-    args, kwargs = arguments.fill_in({id(kt): v for kt, v in zip(arguments.keras_tensors,
-                                                                 values)})
-    if len(args) == 1 and not kwargs:
-        return args[0]
-    return LayerCall(tuple(args), dict(kwargs))
-
-
-def has_graph(model: Any) -> bool:
-    """True for Functional and Sequential models (their layers' inputs are known)."""
-    try:
-        return bool(model.inputs)
-    except (AttributeError, ValueError, TypeError):
-        return False
-
-
-def runnable_alone(top: list[Any], graph: bool) -> list[Any]:
-    """The layers of ``top`` that can be run on their own recorded input: not nested models,
-    and in a Functional/Sequential ``graph`` called once (a subclassed model's shared layers
-    show up when its calls are recorded)."""
-    import keras
-
-    return [layer for layer in top
-            if (len(getattr(layer, "_inbound_nodes", [])) == 1 or not graph)
-            and not isinstance(layer, keras.Model)]
-
-
-def record_calls(model: Any, layers: list[Any], x: Any,
-                 as_float32: bool = True) -> tuple[dict[int, tuple], list[Any]]:
-    """Run ``model`` on ``x`` and record what each of ``layers`` was called with.
-
-    For subclassed models, whose ``call`` is Python code: returns ``{id(layer): (input,
-    output)}`` for the layers called exactly once (a layer called twice is shared) and the
-    layers whose output is the model's output (the output layers). Every layer computes in
-    float32 while recording unless ``as_float32=False`` (then each input arrives in the dtype
-    its producer hands it). Layer classes are patched only while the model runs.
-    """
-    import tensorflow as tf
-
-    wanted = {id(layer) for layer in layers}
-    seen: dict[int, list[tuple]] = {}
-
-    def recording(original: Any) -> Any:
-        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
-            out = original(self, *args, **kwargs)
-            if id(self) in wanted:  # the input as handed over, before Keras casts it
-                seen.setdefault(id(self), []).append(
-                    (args[0] if args else kwargs.get("inputs"), out))
-            return out
-
-        return __call__
-
-    with contextlib.ExitStack() as swaps:  # each class's __call__, for this run only
-        for cls in dict.fromkeys(type(layer) for layer in layers):
-            swaps.enter_context(patches.temporarily(cls, "__call__", recording(cls.__call__)))
-        if as_float32:
-            swaps.enter_context(_in_float32(model._flatten_layers(include_self=False)))
-        result = model(x, training=False)
-    once = {key: calls[0] for key, calls in seen.items() if len(calls) == 1}
-    final = tf.nest.flatten(result)
-    outputs = [layer for layer in layers if id(layer) in once and any(
-        np.array_equal(np.asarray(o), np.asarray(f))
-        for o in tf.nest.flatten(once[id(layer)][1]) for f in final)]
-    return once, outputs
-
-
 def _default_candidate() -> str:
-    from policies.hardware import choose
-    from policies.state import hardware
-
     chosen = choose(hardware()).policy
     return chosen if is_16bit(chosen) else "mixed_bfloat16"
 
@@ -437,7 +313,13 @@ def tune(
 
 @contextlib.contextmanager
 def quiet_tf_logs() -> Iterator[None]:
-    """Silence TensorFlow's Python logger (its retracing notes) inside the block."""
+    """Silence TensorFlow's Python logger (its retracing notes) inside the block.
+
+    >>> import tensorflow as tf
+    >>> with quiet_tf_logs():
+    ...     tf.get_logger().level == 40  # logging.ERROR
+    True
+    """
     import tensorflow as tf
 
     logger = tf.get_logger()
@@ -575,11 +457,9 @@ def _tuner_times(layer: Any, inputs: Any, policy: str, run32: Callable[[], Any],
     (``TFMX_TUNE=off``, a cache miss under ``cached``)."""
     import tensorflow as tf
 
-    from tfmx.backends import detect
-    from tfmx.tuner import Tuner, TuningCache, resolve_mode
-
-    backend = detect()
+    backend = backends.detect()
     mode = resolve_mode(None)
+
     def timer(candidates: dict, seconds: float) -> dict[str, float]:
         runs = {name: factory() for name, factory in candidates.items()}
         return {name: ms / 1e3 for name, ms in
@@ -639,8 +519,6 @@ def _check_whole_model(model: Any, top: list[Any], decided: dict[int, str],
     faster beyond doubt (p <= :data:`CHECK_EARLY`), can no longer get there, or
     :data:`CHECK_ROUNDS` are done. ``margin`` is the cut for a layer alone, whose time carries
     the casts at its borders; the whole model's time does not."""
-    from tfmx.tuner import MIN_ROUNDS, SIGNIFICANCE, sign_test
-
     all32 = {key: "float32" for key in decided}
     runs = {"float32": _model_runner(model, top, all32, x)}
     if any(is_16bit(p) for p in decided.values()):
@@ -685,10 +563,3 @@ def _check_whole_model(model: Any, top: list[Any], decided: dict[int, str],
             c.policy = chosen[c.layer]
             c.reason += (f"; in 16 bit with the others: the whole model ran {ratio:.2f}x "
                          "float32 so")
-
-
-def reset_step_functions(model: Any) -> None:
-    """Drop ``model``'s traced train/test/predict functions so the next call traces again."""
-    for attr in ("train_function", "test_function", "predict_function"):
-        if getattr(model, attr, None) is not None:
-            setattr(model, attr, None)

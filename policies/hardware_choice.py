@@ -17,7 +17,7 @@ Rules ("auto"):
   and runs slower than float32).
 
 Example:
-    >>> from policies.hardware import Hardware, choose
+    >>> from policies.hardware_choice import Hardware, choose
     >>> choose(Hardware(cpu_name="Xeon", cpu_flags=frozenset({"avx512f", "amx_bf16"}))).policy
     'mixed_bfloat16'
     >>> print(choose(Hardware(cpu_name="AMD EPYC", cpu_flags=frozenset({"avx2", "f16c"}))).reason)
@@ -29,6 +29,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+
+from tfmx import machine
 
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 FP16_CPU_FLAGS = ("amx_fp16", "avx512_fp16")
@@ -97,8 +99,6 @@ def detect(cpuinfo_path: str = "/proc/cpuinfo") -> Hardware:
     >>> isinstance(detect().cpu_flags, frozenset)
     True
     """
-    from tfmx import machine  # the one module that reads the machine
-
     name, flags = machine.read_cpuinfo(cpuinfo_path)
     apple, macos = machine.apple_gpu()
     cuda = () if apple else machine.cuda_capabilities()
@@ -107,7 +107,12 @@ def detect(cpuinfo_path: str = "/proc/cpuinfo") -> Hardware:
 
 
 def choose(hw: Hardware) -> Choice:
-    """The policy "auto" picks for ``hw``, with the reason (see the module's rules)."""
+    """The policy "auto" picks for ``hw``, with the reason (see the module's rules).
+
+    >>> choice = choose(Hardware(cuda_capabilities=((8, 6),)))
+    >>> choice.policy, choice.hardware
+    ('mixed_bfloat16', '1 CUDA GPU(s), compute capability 8.6')
+    """
     where = hw.describe()
     if hw.cuda_capabilities:
         major, minor = min(hw.cuda_capabilities)
