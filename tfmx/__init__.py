@@ -59,12 +59,18 @@ def enable(
     xla: bool | None = None,
     strict: bool | None = None,
     exclude: Sequence[str] | None = None,
+    plugin: str | None = None,
 ) -> None:
     """Switch the rewrite on for every Keras model's fit/evaluate/predict and tfmx.function.
 
     Args:
         backend: ``"cpu"``, ``"cuda"``, ``"metal"``, or None to detect this machine's. A backend
             this machine lacks gives a plan (see ``tfmx.report()``) and an error if run.
+        plugin: for ``"metal"``, the Metal plugin to fuse for: ``"tensorflow-metal"`` (Apple's)
+            or ``"tensorflow-metal-plugin"`` (the open one), optionally ``"==<version>"``.
+            None: the one installed here under the installed TensorFlow, else (Linux) Apple's
+            tensorflow-metal 1.2.0 (``tfmx.backends.metal_backend``). The fused kernels, their
+            ``fused_ops`` and dtypes, and the ops kept off the GPU are that plugin's.
         patterns: names of the families to run (default: all); see
             ``fusion.available_patterns()``.
         exclude: names of families not to run (of ``patterns``, or of all).
@@ -96,6 +102,13 @@ def enable(
     Traceback (most recent call last):
     ...
     ValueError: unknown backend 'gpu'; choose one of ('cpu', 'cuda', 'metal') or None to detect
+    >>> tfmx.enable(backend="metal", plugin="metal")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown Metal plugin 'metal'; choose one of ('tensorflow-metal', ...
+    >>> tfmx.enable(backend="metal", plugin="tensorflow-metal-plugin")
+    >>> tfmx.state.options().backend.plugin
+    ('tensorflow-metal-plugin', '0.4.1')
     >>> tfmx.enable(backend="cpu", exclude=["onednn"])
     >>> "onednn" in tfmx.state.options().patterns, "contraction" in tfmx.state.options().patterns
     (False, True)
@@ -107,7 +120,7 @@ def enable(
     from tfmx.guard import ENV_XLA, enabled_by_env
     from tfmx.tuner import resolve_mode
 
-    target = get_backend(backend)
+    target = get_backend(backend, plugin=plugin)
     patterns = resolve(patterns, exclude)
     if verify is None:
         verify = "first-step" if target.name in ("cuda", "metal") and target.available else False

@@ -6,8 +6,12 @@
   the composite ops (``tests/test_backends.py`` runs them again).
 - ``cuda``: TensorFlow's GPU kernels (tensorflow/core/kernels/conv_ops_fused_impl.h,
   matmul_op_fused.cc).
-- ``metal``: Apple's tensorflow-metal 1.2.0 plugin, from the symbols of its public wheel
-  (shared reference); its kernel list ships as ``tfmx/data/tensorflow-metal-1.2.0-ops.txt``.
+- ``metal``: the Metal plugin this machine has (:func:`tfmx.metal_plugins.installed_plugin`)
+  under the installed TensorFlow, or the one a plan names (``get_backend("metal",
+  plugin=...)``): Apple's tensorflow-metal 1.2.0, from the symbols of its public wheel (shared
+  reference; its kernel list ships as ``tfmx/data/tensorflow-metal-1.2.0-ops.txt``), the default
+  where none is installed (Linux); or the open tensorflow-metal-plugin, from the table
+  :mod:`tfmx.metal_plugins` read from its source (:func:`metal_backend`).
 
 A backend that is not present on this machine (``metal`` on Linux) still rewrites: the result is
 a plan to inspect, and running it raises :class:`tfmx.errors.BackendUnavailableError`.
@@ -21,6 +25,11 @@ Example:
     >>> metal = get_backend("metal").capability(ContractionKernels)
     >>> metal.runs("DepthwiseConv2dNative", "float32", ("BiasAdd",))
     False
+    >>> open_metal = get_backend("metal", plugin="tensorflow-metal-plugin", tensorflow="2.21")
+    >>> open_metal.capability(ContractionKernels).runs("MatMul", "float32", ("BiasAdd", "Tanh"))
+    True
+    >>> open_metal.runs_op("ResourceApplyAdam")  # host-only under TensorFlow 2.21
+    False
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ import platform
 from collections.abc import Iterable
 from importlib import resources
 from typing import Any, TypeVar
+
+from tfmx import metal_plugins
 
 C = TypeVar("C")
 
@@ -66,10 +77,32 @@ class Backend:
     capabilities: tuple[Any, ...] = ()
     kernels: frozenset[str] | None = None  # None: every registered TensorFlow op
     notes: tuple[str, ...] = ()
+    # A Metal plugin's (distribution, version); None for cpu and cuda.
+    plugin: tuple[str, str] | None = None
+    # Ops the plugin registers but not under the TensorFlow planned for: TensorFlow's own
+    # kernels run them from the host (not in ``kernels``); ``host_only_why`` says why.
+    host_only: frozenset[str] = frozenset()
+    host_only_why: str = ""
 
     def runs_op(self, op: str) -> bool:
         """True if this backend has a kernel for ``op``."""
         return self.kernels is None or op in self.kernels
+
+    def host_only_reason(self, op: str) -> str | None:
+        """Why ``op`` would run on the host here (its plugin has a kernel for it, but not under
+        this TensorFlow), or None.
+
+        >>> metal = get_backend("metal", plugin="tensorflow-metal-plugin", tensorflow="2.21.0")
+        >>> metal.host_only_reason("ResourceApplyAdam").startswith(
+        ...     "ResourceApplyAdam would run on the host")
+        True
+        >>> get_backend("metal", plugin="tensorflow-metal-plugin", tensorflow="2.22.0"
+        ...             ).host_only_reason("ResourceApplyAdam") is None
+        True
+        """
+        if op not in self.host_only:
+            return None
+        return f"{op} would run on the host, not the GPU, every step: {self.host_only_why}"
 
     def capability(self, kind: type[C]) -> C | None:
         """What this backend declares for the family whose dataclass is ``kind``, or None."""
@@ -91,6 +124,7 @@ class Backend:
             "name": self.name,
             "description": self.description,
             "available_here": self.available,
+            "plugin": None if self.plugin is None else " ".join(self.plugin),
             "contractions": {} if contraction is None else contraction.describe(),
             "batch_norm": None if batch_norm is None else {
                 "FusedBatchNormV3": sorted(batch_norm.dtypes),
@@ -100,6 +134,7 @@ class Backend:
                     "training": sorted(batch_norm.ex_training_dtypes),
                 },
             },
+            "host_only": sorted(self.host_only),
             "notes": list(self.notes),
         }
 
@@ -214,23 +249,29 @@ def metal_kernels() -> frozenset[str]:
     return frozenset(line.strip() for line in text.splitlines() if line.strip())
 
 
-def _metal() -> Backend:
+def _metal(notes: tuple[str, ...] = ()) -> Backend:
+    """Apple's tensorflow-metal 1.2.0 (the only release of it tfmx has a table of)."""
     from fusion.patterns.batch_norm_kernels import BatchNormKernels
     from fusion.patterns.contraction import ContractionKernels
     from fusion.stages.rnn import RnnKernels
 
     chains = _chains(*_with_acts(("BiasAdd",), _ACTS_BASIC))
     by_dtype = {dt: chains for dt in ("float32", "float16", "bfloat16")}
+    table = metal_plugins.plugin_table(metal_plugins.APPLE, "1.2.0")
+    low, high = table.tensorflow
     return Backend(
         name="metal",
-        description="Apple tensorflow-metal 1.2.0 (PluggableDevice GPU)",
+        description=(f"Apple {table.name} {table.version} (PluggableDevice GPU), built for "
+                     f"TensorFlow {low}-{high}"),
         device_type="GPU",
         kernels=metal_kernels(),
+        plugin=(table.name, table.version),
         notes=(
             "conv fused computations per the plugin: biasAdd, biasAddWith{Relu,Relu6,Elu,"
             "LeakyRelu}; no residual Add, no _FusedDepthwiseConv2dNative kernel",
             "GeluExact/GeluApproximate appear beside _FusedMatMul in the plugin's strings but "
             "cannot be confirmed without a Mac: not emitted",
+            *notes,
         ),
         capabilities=(ContractionKernels({"Conv2D": by_dtype, "MatMul": dict(by_dtype)},
                                          {"Conv2D": frozenset({"NHWC", "NCHW"})}),
@@ -247,6 +288,161 @@ def _metal() -> Backend:
                       "does not register",
         )),
     )
+
+
+_METAL_FLOATS = frozenset({"float32", "float16"})
+# Read from tensorflow-metal-plugin 0.4.1's source: its convolutions (fused ones included) take
+# data_format NHWC or NCHW and SAME/VALID padding, never EXPLICIT, as their unfused forms do
+# (metal_kernel_util.mm, ReadSpatialParams); its batch norms, _FusedBatchNormEx and
+# _FusedBatchNormGradEx among them, rank-4 NHWC or NCHW with any channel count, activation
+# Identity or Relu (metal_batch_norm_ops.mm; the Ex gradient undoes the Relu from y, its 8th
+# input, as tfmx's batch_norm_ex wires it).
+_OPEN_FORMATS = frozenset({"NHWC", "NCHW"})
+
+
+def _dtypes(table: metal_plugins.PluginTable, kernels: frozenset[str], *ops: str
+            ) -> frozenset[str]:
+    """The float32/float16 dtypes every one of ``ops`` has a kernel in (empty if one has none
+    here); an op registered with its value type unconstrained takes both."""
+    found = set(_METAL_FLOATS)
+    for op in ops:
+        if op not in kernels:
+            return frozenset()
+        found &= table.ops[op] or _METAL_FLOATS
+    return frozenset(found)
+
+
+def _open_metal(table: metal_plugins.PluginTable, tensorflow: str,
+                notes: tuple[str, ...] = ()) -> Backend:
+    """The open tensorflow-metal-plugin's backend under TensorFlow ``tensorflow``, every
+    capability derived from its table (ops registered, dtypes, fused_ops lists)."""
+    from fusion.patterns.batch_norm_kernels import BatchNormKernels
+    from fusion.patterns.contraction import ContractionKernels
+    from fusion.stages.rnn import RnnKernels
+
+    host = table.host_only(tensorflow)
+    kernels = frozenset(table.ops) - host
+    contractions = {}
+    for op in ("Conv2D", "MatMul", "DepthwiseConv2dNative"):
+        chains = table.fused_ops.get(f"_Fused{op}", frozenset())
+        dtypes = _dtypes(table, kernels, op, f"_Fused{op}")
+        if chains and dtypes:
+            contractions[op] = {dt: chains for dt in sorted(dtypes)}
+    capabilities: list[Any] = [ContractionKernels(
+        contractions, {op: _OPEN_FORMATS for op in contractions if op != "MatMul"})]
+    bn = _dtypes(table, kernels, "FusedBatchNormV3", "FusedBatchNormGradV3")
+    if bn:
+        ex = _dtypes(table, kernels, "_FusedBatchNormEx") & bn
+        ex_training = ex & _dtypes(table, kernels, "_FusedBatchNormGradEx")
+        capabilities.append(BatchNormKernels(
+            dtypes=bn, data_formats=_OPEN_FORMATS,
+            ex_inference_dtypes=ex, ex_data_formats=_OPEN_FORMATS,
+            ex_training_dtypes=ex_training, ex_training_data_formats=_OPEN_FORMATS,
+            ex_reason=("" if ex_training else
+                       f"{table.name} {table.version} has no _FusedBatchNormEx / "
+                       "_FusedBatchNormGradEx kernel"),
+        ))
+    rnn = {"CudnnRNNV3", "CudnnRNNBackpropV3"} <= kernels
+    if rnn:
+        capabilities.append(RnnKernels("cudnn"))
+    low, high = table.tensorflow
+    built = low if low == high else f"{low}-{high}"
+    said = [f"table read from the {table.name} {table.version} sdist's source (SHA-256 "
+            f"{table.source_sha256}): what it registers, not what ran (no Mac ran these plans)"]
+    fused = [op for op in kernels if op.startswith("_Fused")]
+    if not any("bfloat16" in table.ops[op] for op in fused):
+        said.append("no bfloat16 kernel for its fused ops: bfloat16 chains stay unfused")
+    if "_FusedDepthwiseConv2dNative" not in kernels:
+        said.append("no _FusedDepthwiseConv2dNative kernel")
+    if not rnn:
+        said.append("no CudnnRNN kernels: Keras's LSTM / GRU keep their own loop")
+    if not table.loads_into(tensorflow):
+        said.append(f"{table.version} is built for TensorFlow {built} and declines to load into "
+                    f"{tensorflow} (TF_METAL_SKIP_VERSION_CHECK=1 overrides): a plan only")
+    why = ""
+    if host:
+        gate = ("only where TensorFlow exports the kernel C API for resource variables (2.22 "
+                "and later; tensorflow/tensorflow#126374)")
+        why = (f"{table.name} {table.version} registers its kernel {gate}, which TensorFlow "
+               f"{tensorflow} does not: TensorFlow's own kernel runs it")
+        said.append(f"host only under TensorFlow {tensorflow}, TensorFlow's own kernels run "
+                    f"them: {', '.join(sorted(host))} (the plugin registers them {gate})")
+    return Backend(
+        name="metal",
+        description=(f"{table.name} {table.version} (open PluggableDevice GPU), built for "
+                     f"TensorFlow {built}, planned for TensorFlow {tensorflow}"),
+        device_type="GPU",
+        kernels=kernels,
+        capabilities=tuple(capabilities),
+        plugin=(table.name, table.version),
+        host_only=host,
+        host_only_why=why,
+        notes=(*said, *notes),
+    )
+
+
+def _plugin_request(plugin: str) -> tuple[str, str | None]:
+    """``"name"`` or ``"name==version"`` as the canonical name and the version (or None);
+    ValueError naming the choices for a plugin or release tfmx has no table of."""
+    name, _, version = (part.strip() for part in plugin.partition("=="))
+    try:
+        table = metal_plugins.plugin_table(name, version or None)
+    except ValueError:
+        raise ValueError(
+            f"unknown Metal plugin {plugin!r}; choose one of {metal_plugins.PLUGINS} "
+            "(optionally with a version, e.g. 'tensorflow-metal-plugin==0.4.1') or None for the "
+            "installed one") from None
+    except LookupError as e:
+        raise ValueError(str(e)) from None
+    return table.name, version or None
+
+
+def _installed_tensorflow() -> str:
+    import tensorflow as tf
+
+    return tf.__version__
+
+
+def metal_backend(plugin: str | None = None, tensorflow: str | None = None) -> Backend:
+    """The ``metal`` :class:`Backend` of Metal plugin ``plugin`` (``"tensorflow-metal"``,
+    ``"tensorflow-metal-plugin"``, either optionally ``"==<version>"``; the newest release tfmx
+    has a table of when no version is given) under TensorFlow ``tensorflow`` (default: the
+    installed one).
+
+    With ``plugin`` None, the plugin installed here (:func:`tfmx.metal_plugins.installed_plugin`)
+    at its version, under the TensorFlow installed beside it; where none is (Linux), Apple's
+    tensorflow-metal 1.2.0, as before there was a choice. An installed release tfmx has no
+    table of is planned with the newest table of that plugin, and the backend's notes say so.
+
+    >>> print(metal_backend("tensorflow-metal-plugin", tensorflow="2.21.0").description)
+    tensorflow-metal-plugin 0.4.1 (open PluggableDevice GPU), built for TensorFlow 2.21, ...
+    >>> metal_backend("tensorflow-metal==1.2.0").plugin
+    ('tensorflow-metal', '1.2.0')
+    >>> metal_backend("tensorflow-metal-plugin==0.1")
+    Traceback (most recent call last):
+    ...
+    ValueError: no table of tensorflow-metal-plugin 0.1; tfmx has ['0.4.1']
+    """
+    notes: tuple[str, ...] = ()
+    if plugin is not None:
+        name, version = _plugin_request(plugin)
+    else:
+        installed = metal_plugins.installed_plugin()
+        if installed is None:
+            return _metal()
+        name, version = installed.name, installed.version
+        tensorflow = tensorflow or installed.tensorflow
+        try:
+            metal_plugins.plugin_table(name, version)
+        except LookupError:
+            newest = metal_plugins.plugin_table(name).version
+            notes = (f"{name} {version} is installed; tfmx has no table of it: planned with "
+                     f"{newest}'s",)
+            version = newest
+    if name == metal_plugins.APPLE:
+        return _metal(notes)
+    table = metal_plugins.plugin_table(name, version)
+    return _open_metal(table, tensorflow or _installed_tensorflow(), notes)
 
 
 ONEDNN_OFF_ADVICE = (
@@ -291,24 +487,41 @@ def detect() -> str:
     return "cpu"
 
 
-def get_backend(name: str | None = None) -> Backend:
+def get_backend(name: str | None = None, plugin: str | None = None,
+                tensorflow: str | None = None) -> Backend:
     """The :class:`Backend` called ``name`` (auto-detected when None).
+
+    For ``metal``, ``plugin`` names the Metal plugin to plan for (``"tensorflow-metal"``,
+    ``"tensorflow-metal-plugin"``, optionally ``"==<version>"``) and ``tensorflow`` the
+    TensorFlow version to assume; by default the plugin installed here under the installed
+    TensorFlow, else Apple's tensorflow-metal 1.2.0 (see :func:`metal_backend`).
 
     >>> get_backend("cuda").device_type
     'GPU'
+    >>> get_backend("metal").plugin  # none installed on Linux
+    ('tensorflow-metal', '1.2.0')
+    >>> get_backend("metal", plugin="tensorflow-metal-plugin").name
+    'metal'
     >>> get_backend("tpu")
     Traceback (most recent call last):
     ...
     ValueError: unknown backend 'tpu'; choose one of ('cpu', 'cuda', 'metal') or None to detect
+    >>> get_backend("metal", plugin="metal-for-all")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown Metal plugin 'metal-for-all'; choose one of ('tensorflow-metal', ...
     """
     if name is None:
         name = detect()
+    if name == "metal":
+        return metal_backend(plugin, tensorflow)
+    if plugin is not None or tensorflow is not None:
+        raise ValueError(f"plugin= and tensorflow= name a Metal plugin and apply to the metal "
+                         f"backend only, not {name!r}")
     if name == "cpu":
         return _cpu(onednn_enabled())
     if name == "cuda":
         return _cuda()
-    if name == "metal":
-        return _metal()
     raise ValueError(
         f"unknown backend {name!r}; choose one of {BACKEND_NAMES} or None to detect"
     )

@@ -355,7 +355,11 @@ def _removable(view: GraphView, covered: set[str]) -> tuple[list[str], str | Non
 def _why_not(view: GraphView, spec: Spec, found: Match, target: Target, dtype: int) -> str | None:
     assert spec.kernel is not None
     if not target.runs_op(spec.kernel):
-        return f"{spec.optimizer}: backend {target.name} has no {spec.kernel} kernel"
+        # A kernel the target's device has only under another TensorFlow (a Metal plugin's
+        # resource-variable kernels before 2.22) would run on the host every step.
+        host = getattr(target, "host_only_reason", None)
+        why = host(spec.kernel) if host is not None else None
+        return f"{spec.optimizer}: {why or f'backend {target.name} has no {spec.kernel} kernel'}"
     if tf.dtypes.as_dtype(dtype) not in (tf.float16, tf.bfloat16, tf.float32, tf.float64):
         return f"{spec.optimizer}: {spec.kernel} does not take {tf.dtypes.as_dtype(dtype).name}"
     wide = tf.dtypes.as_dtype(dtype) in (tf.float32, tf.float64)
