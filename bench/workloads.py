@@ -325,8 +325,8 @@ def build_model(workload: Workload, mode: str, seed: int, weights: list | None,
     created on ``dataset``'s first batch, as ``fit`` does.
 
     >>> model = build_model(WORKLOADS["mlp"], "xla", seed=0, weights=None, optimizer="sgd")
-    >>> model.name, model.optimizer.name, model.jit_compile
-    ('relu_mlp_31x64', 'sgd', True)
+    >>> model.name, type(model.optimizer).__name__, model.jit_compile
+    ('relu_mlp_31x64', 'SGD', True)
     """
     import contextlib
 
