@@ -148,8 +148,10 @@ def disable() -> None:
 
     When it takes effect:
 
-    - Every patch tfmx made to Keras (its trainer's three builders, the stages' layer methods;
-      ``fusion.patches``) is put back now: the process is as it was before ``enable()``.
+    - Every patch tfmx made to Keras (its trainer's three builders and ``fit``, the callbacks'
+      ``on_train_begin``/``on_train_end``, the stages' layer methods, and Keras's multi-worker
+      fixes, ``tfmx.keras_fixes``; all ``fusion.patches``) is put back now: the process is as
+      it was before ``enable()``.
     - A Keras model: at its next step. Each step function tfmx built is replaced by a stand-in
       whose first call has Keras build its own and runs it (even inside a ``fit`` in
       progress). A reference kept to the old ``model.train_function`` still runs the fused
