@@ -1,7 +1,16 @@
 """fusion: a Grappler-style graph-rewrite engine for Keras 3 training graphs, in Python.
 
-A pass is a function from a GraphDef to a GraphDef (:func:`fusion.rewrite`); the families it
-runs are declared in one registry, :mod:`fusion.family`.
+The package reads in the order a training step meets it:
+
+- :mod:`fusion.calls`: Keras layer calls rewritten while the step is traced, before
+  differentiation (each module one family's stage, run through :mod:`fusion.stage`);
+- :mod:`fusion.graphs`: passes over the traced step's GraphDef, after differentiation (each
+  module one family's pass; a pass is a function from a graph to a graph, :func:`fusion.rewrite`
+  runs them as transactions, :mod:`fusion.pipeline`).
+
+Every family, whichever of the two it has, is declared once in one registry,
+:mod:`fusion.family`; ``tfmx`` rebuilds the step from the rewritten graph, guards it and
+reports what was done.
 
 >>> import fusion
 >>> "contraction" in fusion.available_patterns()

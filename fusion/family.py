@@ -35,7 +35,7 @@ from typing import Any
 from fusion.graph import GraphView
 from fusion.pattern import PassFn, RewriteContext
 
-BUILT_IN = ("fusion.patterns", "fusion.stages")
+BUILT_IN = ("fusion.graphs", "fusion.calls")
 """The packages whose modules declare the built-in families (imported on first need)."""
 
 GRADIENT_SCOPES = ("gradient_tape/", "gradients/")

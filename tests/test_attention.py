@@ -21,7 +21,7 @@ from helpers import (
 )
 
 import tfmx
-from fusion.stages import attention as stage
+from fusion.calls import attention as stage
 
 T, D, HEADS, KEY_DIM = 6, 8, 2, 4
 

@@ -9,7 +9,7 @@ from helpers import ACTIVATION_ROUNDINGS, TRANSCENDENTAL, float_tolerance, needs
 from tensorflow.core.framework import graph_pb2
 
 import fusion
-from fusion.patterns.contraction import ContractionKernels
+from fusion.graphs.contraction import ContractionKernels
 from tfmx.backends import BACKEND_NAMES, _cpu, detect, get_backend, metal_kernels, onednn_enabled
 from tfmx.rebuild import protected_names
 

@@ -26,10 +26,10 @@ from helpers import (
 
 import fusion
 import tfmx
+from fusion.calls import batch_norm as batch_norm_stage
 from fusion.graph import GraphView, op_histogram
-from fusion.patterns import batch_norm
-from fusion.patterns.batch_norm import find_batch_norm, kernel_blocker
-from fusion.stages import batch_norm as batch_norm_stage
+from fusion.graphs import batch_norm
+from fusion.graphs.batch_norm import find_batch_norm, kernel_blocker
 from tfmx.backends import get_backend, metal_kernels
 from tfmx.rebuild import protected_names
 

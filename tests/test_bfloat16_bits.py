@@ -11,10 +11,10 @@ from helpers import PickForm, needs_onednn
 
 from fusion import bfloat16_bits as bits
 from fusion import forms
+from fusion.calls import gelu
+from fusion.calls import layer_norm as ln
 from fusion.pattern import PlainTarget
 from fusion.stage import XLA, XLA_CALLS, StageContext, xla_region
-from fusion.stages import gelu
-from fusion.stages import layer_norm as ln
 from tfmx.tuner import Tuner
 
 

@@ -9,8 +9,8 @@ from helpers import assert_models_within_rounding, fit_stock_and_tfmx, ops_that_
 
 import tfmx
 from fusion.graph import GraphView
+from fusion.graphs.bias_grad import SCOPE, find_bias_grads
 from fusion.pattern import RewriteAlways
-from fusion.patterns.bias_grad import SCOPE, find_bias_grads
 from tfmx.tuner import Tuner
 
 pytestmark = pytest.mark.usefixtures("every_rewrite")

@@ -19,10 +19,10 @@ from helpers import (
 
 import tfmx
 from fusion import stage as stage_mechanism
+from fusion.calls import bias_row as stage
 from fusion.family import Family
 from fusion.pattern import PlainTarget, RewriteAlways
 from fusion.stage import autocast
-from fusion.stages import bias_row as stage
 
 # Every match rewritten, whatever the tuner would measure here (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("every_rewrite")

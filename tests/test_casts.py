@@ -12,7 +12,7 @@ from policies_fixtures import restore_global_policy  # noqa: F401 (autouse fixtu
 import fusion
 import tfmx
 from fusion.graph import GraphView
-from fusion.patterns.casts import find_casts
+from fusion.graphs.casts import find_casts
 
 # Every match rewritten, whatever the tuner would measure here (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("every_rewrite")

@@ -8,7 +8,7 @@ from helpers import ACTIVATION_ROUNDINGS, assert_within_rounding, needs_onednn
 
 import fusion
 from fusion.graph import GraphView
-from fusion.patterns.contraction import find_contractions
+from fusion.graphs.contraction import find_contractions
 from tfmx.backends import get_backend
 from tfmx.rebuild import protected_names, rebuild
 

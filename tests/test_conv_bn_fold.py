@@ -10,7 +10,7 @@ from helpers import ACTIVATION_ROUNDINGS, TRANSCENDENTAL, assert_within_rounding
 
 import tfmx
 from fusion.graph import GraphView
-from fusion.patterns.conv_bn_fold import find_conv_bn
+from fusion.graphs.conv_bn_fold import find_conv_bn
 from tfmx.backends import get_backend
 
 # Every match rewritten, whatever the tuner would measure here (tests/conftest.py).

@@ -14,7 +14,7 @@ from tensorflow.core.framework.node_def_pb2 import NodeDef
 
 import tfmx
 from fusion.graph import GraphView
-from fusion.patterns.dedupe import _shareable, find_duplicates
+from fusion.graphs.dedupe import _shareable, find_duplicates
 from tfmx.rebuild import protected_names, rebuild
 
 # Every match rewritten, whatever the tuner would measure here (tests/conftest.py).

@@ -8,7 +8,7 @@ devices, and each worker of a cluster is a process (``TF_CONFIG`` names its task
 Parity, stock vs tfmx from the same initial weights. The runs differ only where tfmx computes
 something in another rounding order; per training step and per value these are (float32):
 
-- LayerNormalization over 16 features (fusion.stages.layer_norm, FusedBatchNormV3 or the
+- LayerNormalization over 16 features (fusion.calls.layer_norm, FusedBatchNormV3 or the
   closed-form gradient): forward, two 16-term reductions (mean, variance) and 5 elementwise
   ops; backward, two 16-term reductions for the input gradient, one 8-term reduction (a
   replica's rows) for gamma's and beta's, and 5 elementwise ops: 82.

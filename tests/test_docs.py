@@ -3,7 +3,7 @@
 Read: README.md, BENCHMARKS.md and every docstring of the library's modules (module, classes,
 functions, methods). Checked:
 
-- a path under one of the project's folders (``tfmx/...``, ``fusion/patterns/x.py``,
+- a path under one of the project's folders (``tfmx/...``, ``fusion/graphs/x.py``,
   ``tests/...``, ``.ci/run``) or a top-level file name (``README.md``) is a file or folder of
   the repository (``../shared/...`` is the shared folder beside it, when present);
 - a dotted name under one of the packages (``fusion.stage.tracing``, ``tfmx.tuner.Tuner``)
@@ -98,7 +98,7 @@ def test_every_public_name_mentioned_exists(source):
 
 
 def test_the_checks_can_fail():
-    assert not _path_exists("fusion/patterns/no_such_family.py")
+    assert not _path_exists("fusion/graphs/no_such_family.py")
     assert not _is_path("tfmx/stock") and _is_path("tfmx/") and _is_path("fusion/stage.py")
     assert not _name_exists("fusion.stage.no_such_function")
     assert _name_exists("fusion.stage.tracing") and _path_exists("fusion/stage.py")

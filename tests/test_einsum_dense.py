@@ -17,7 +17,7 @@ from helpers import (
 )
 
 import tfmx
-from fusion.stages import einsum_dense as stage
+from fusion.calls import einsum_dense as stage
 
 # Every match rewritten, whatever the tuner would measure here (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("every_rewrite")
@@ -192,7 +192,7 @@ def test_fit_matches_stock_with_fused_matmuls_in_the_graph_that_ran():
 @pytest.mark.parametrize("form", ["matmul bias row", "shared bias row"])
 def test_bias_row_forms_fit_like_stock_with_one_matmul_per_unit(monkeypatch, form):
     """The projections (``shared``: the self-attention's three as one) and the EinsumDense
-    with their biases as a row of the kernel (``fusion.stages.bias_row``): one MatMul each, no
+    with their biases as a row of the kernel (``fusion.calls.bias_row``): one MatMul each, no
     BiasAdd, in the graph that ran; the fit within rounding of stock's."""
     from helpers import PickForm
 

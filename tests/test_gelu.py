@@ -20,8 +20,8 @@ from helpers import (
 )
 
 import tfmx
+from fusion.calls import gelu as stage
 from fusion.stage import XLA, XLA_CALLS
-from fusion.stages import gelu as stage
 
 # Every match rewritten, whatever the tuner would measure here (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("every_rewrite")

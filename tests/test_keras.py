@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 from helpers import assert_within_rounding, exact_patterns, needs_onednn, ops_that_ran
 
-import fusion.patterns.contraction as contraction
+import fusion.graphs.contraction as contraction
 import tfmx
 from tfmx.keras_hook import installed
 

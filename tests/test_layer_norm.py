@@ -18,8 +18,8 @@ from helpers import (
 )
 
 import tfmx
-from fusion.stages import layer_norm as stage
-from fusion.stages import layer_norm_kernels as kernels
+from fusion.calls import layer_norm as stage
+from fusion.calls import layer_norm_kernels as kernels
 from tfmx.backends import get_backend
 
 # Every match rewritten, whatever the tuner would measure here (tests/conftest.py).

@@ -103,20 +103,20 @@ def test_the_library_never_imports_its_benchmark_or_recipes():
 
 
 def test_every_graph_pass_and_stage_is_a_declared_family():
-    """One registry: each module of fusion/patterns either declares its family's pass or is a
+    """One registry: each module of fusion/graphs either declares its family's pass or is a
     part a declared family's pass imports; each family with hooks is in the registry, and a
     stage family's units are observed by its declared forms or by its own pass."""
     from fusion import stage
     from fusion.family import families
 
     declared = {f.name: f for f in families()}
-    for path in (ROOT / "fusion" / "patterns").glob("*.py"):
+    for path in (ROOT / "fusion" / "graphs").glob("*.py"):
         if path.stem == "__init__":
             continue
         source = path.read_text()
         assert "@register(" in source or any(
-            f"fusion.patterns.{path.stem} import" in p.read_text()
-            for p in (ROOT / "fusion" / "patterns").glob("*.py")), path.name
+            f"fusion.graphs.{path.stem} import" in p.read_text()
+            for p in (ROOT / "fusion" / "graphs").glob("*.py")), path.name
     for family in stage.stages():
         assert family.name in declared
         assert family.graph_pass is not None or (family.forms and family.forms.marks), family.name

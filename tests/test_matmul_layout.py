@@ -14,8 +14,8 @@ from helpers import (
 
 import tfmx
 from fusion.graph import GraphView
+from fusion.graphs.matmul_layout import SCOPE, find_layouts
 from fusion.pattern import RewriteAlways
-from fusion.patterns.matmul_layout import SCOPE, find_layouts
 from tfmx.tuner import Tuner
 
 pytestmark = pytest.mark.usefixtures("every_rewrite")

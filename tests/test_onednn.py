@@ -18,10 +18,10 @@ from helpers import (
 import fusion
 import tfmx
 from fusion.graph import GraphView
+from fusion.graphs import onednn
+from fusion.graphs.onednn import KERNEL_LABEL, RETARGETS, OneDnnKernels, find_onednn
+from fusion.graphs.onednn import kernels_registered as onednn_kernels_registered
 from fusion.pattern import PlainTarget
-from fusion.patterns import onednn
-from fusion.patterns.onednn import KERNEL_LABEL, RETARGETS, OneDnnKernels, find_onednn
-from fusion.patterns.onednn import kernels_registered as onednn_kernels_registered
 from tfmx.backends import get_backend
 from tfmx.rebuild import protected_names, rebuild
 
@@ -498,7 +498,7 @@ def test_a_max_pool_pair_is_timed_as_one_fragment_with_its_workspace():
     """The tuner times a MaxPool with its gradient: the pair cut as one fragment, rewritten
     (the workspace a second output, declared in its output shapes) and run on both kernels."""
     from fusion.fragment import cut, make_inputs, runner, variant
-    from fusion.patterns.onednn import rewrite_onednn
+    from fusion.graphs.onednn import rewrite_onednn
 
     step, _ = _max_pool_step()
     view = GraphView(step.graph.as_graph_def(add_shapes=True).node)

@@ -4,7 +4,7 @@ Parity: 20 steps of model.fit stock vs tfmx from identical weights (the exact fa
 the update kernel is the one thing that rounds differently); every weight and optimizer slot
 within the float32 rounding of those 20 updates (helpers.float_tolerance: the roundings of one
 update, counted below per optimizer, times the steps, relative to each tensor's largest value).
-The Adam-family kernels compute 1 - beta_2 themselves (fusion/patterns/optimizer_update.py,
+The Adam-family kernels compute 1 - beta_2 themselves (fusion/graphs/optimizer_update.py,
 README): no float32 input gives Keras's 0.001 for beta_2=0.999, so the second-moment slot is
 off by that constant's relative error (1.3e-5) and each step by half of it; that is added on
 top. Optimizers that are declined must match bitwise.
@@ -26,7 +26,7 @@ from parity import assert_optimizer_parity
 
 import tfmx
 from fusion.graph import GraphView, op_histogram, output_shape, parse_input
-from fusion.patterns.optimizer_update import find_updates
+from fusion.graphs.optimizer_update import find_updates
 from tfmx.backends import get_backend
 
 STEPS = 20

@@ -9,8 +9,8 @@ import pytest
 import tensorflow as tf
 
 import tfmx
+from fusion.graphs.rnn import SCOPE
 from fusion.pattern import RewriteAlways
-from fusion.patterns.rnn import SCOPE
 from tfmx import state
 
 

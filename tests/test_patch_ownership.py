@@ -216,7 +216,7 @@ def test_the_hook_keeps_what_it_knows_of_a_model_off_the_model():
 
 
 def test_a_swap_of_an_instance_attribute_is_listed_while_it_lasts():
-    from fusion.stages.rnn import _stand_in_dropout
+    from fusion.calls.rnn import _stand_in_dropout
 
     layer = keras.layers.GRU(4, dropout=0.5)
     layer.build((None, 5, 3))

@@ -8,7 +8,7 @@ import tensorflow as tf
 from helpers import FUSED_MATMULS, assert_within_rounding
 
 import fusion
-import fusion.patterns  # noqa: F401  (registers the real families before the throwaway ones)
+import fusion.graphs  # noqa: F401  (registers the real families before the throwaway ones)
 from fusion.family import forget, passes, register, resolve
 from tfmx.rebuild import protected_names
 

@@ -10,7 +10,7 @@ from helpers import assert_models_within_rounding, fit_stock_and_tfmx, ops_that_
 
 import tfmx
 from fusion.graph import GraphView
-from fusion.patterns.reshaped_bias import SUFFIX, find_reshaped_biases
+from fusion.graphs.reshaped_bias import SUFFIX, find_reshaped_biases
 
 F32 = tf.float32
 X = tf.TensorSpec([6, 5], F32)

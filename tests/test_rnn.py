@@ -13,9 +13,9 @@ from helpers import TRANSCENDENTAL, PickForm, assert_within_rounding, needs_oned
 
 import tfmx
 from fusion import stage
+from fusion.calls import rnn, rnn_kernels
 from fusion.graph import op_histogram
-from fusion.patterns import rnn as rnn_units
-from fusion.stages import rnn, rnn_kernels
+from fusion.graphs import rnn as rnn_units
 from tfmx.backends import get_backend, metal_kernels
 
 # Every match rewritten, whatever the tuner would measure here (tests/conftest.py).

@@ -9,9 +9,9 @@ import tensorflow as tf
 from helpers import assert_within_rounding, needs_onednn, nodes_that_ran
 
 import tfmx
+from fusion.calls import rnn, rnn_wavefront
 from fusion.family import GRADIENT_SCOPES
 from fusion.pattern import RewriteAlways
-from fusion.stages import rnn, rnn_wavefront
 from tests.test_rnn import (
     F_IN,
     KERNEL_TERMS,

@@ -292,7 +292,7 @@ def test_the_optimizer_family_asks_the_tuner_and_says_why():
 
 def test_fragments_of_a_real_update_run_in_both_forms():
     """The real timer: the composite fragment and its rewritten variant both build and run."""
-    from fusion.patterns.optimizer_update import find_updates, rewrite_update
+    from fusion.graphs.optimizer_update import find_updates, rewrite_update
 
     v, opt, concrete = _adam_step()
     view = GraphView(concrete.graph.as_graph_def(add_shapes=True).node)
@@ -312,13 +312,13 @@ def test_a_stateless_fragment_computes_what_it_times():
     when the runner runs, in both forms: Grappler must not prune them (it turns an op read by a
     control dependency alone into a NoOp, and the tuner then timed the call only). The values
     the runner returns are the products of its inputs."""
-    from fusion.pattern import PlainTarget
-    from fusion.patterns.onednn import (
+    from fusion.graphs.onednn import (
         OneDnnKernels,
         find_onednn,
         kernels_registered,
         rewrite_onednn,
     )
+    from fusion.pattern import PlainTarget
 
     @tf.function(autograph=False)
     def f(a, b):

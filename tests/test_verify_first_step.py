@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tfmx
-from fusion.patterns import contraction
+from fusion.graphs import contraction
 
 
 def _wrong_rewrite(monkeypatch):

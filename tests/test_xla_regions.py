@@ -11,8 +11,8 @@ from helpers import TRANSCENDENTAL, assert_models_within_rounding, xla_functions
 
 import fusion
 import tfmx
+from fusion.calls import attention, feed_forward, gelu, layer_norm
 from fusion.stage import XLA
-from fusion.stages import attention, feed_forward, gelu, layer_norm
 
 
 class _PickXla:

@@ -19,7 +19,7 @@ a plan to inspect, and running it raises :class:`tfmx.errors.BackendUnavailableE
 Example:
     >>> from tfmx.backends import get_backend
     >>> cpu = get_backend("cpu")
-    >>> from fusion.patterns.contraction import ContractionKernels
+    >>> from fusion.graphs.contraction import ContractionKernels
     >>> cpu.capability(ContractionKernels).runs("Conv2D", "float32", ("BiasAdd", "Relu"))
     True
     >>> metal = get_backend("metal").capability(ContractionKernels)
@@ -66,7 +66,7 @@ class Backend:
     are data; see :func:`get_backend`. (Importing this module loads no TensorFlow: the
     families' dataclasses are imported when a backend is made.)
 
-    >>> from fusion.patterns.contraction import ContractionKernels
+    >>> from fusion.graphs.contraction import ContractionKernels
     >>> get_backend("metal").capability(ContractionKernels).runs("MatMul", "float16", ("BiasAdd",))
     True
     """
@@ -115,8 +115,8 @@ class Backend:
 
     def describe(self) -> dict:
         """A plain dict of what this backend fuses, for reports and the README table."""
-        from fusion.patterns.batch_norm_kernels import BatchNormKernels
-        from fusion.patterns.contraction import ContractionKernels
+        from fusion.graphs.batch_norm_kernels import BatchNormKernels
+        from fusion.graphs.contraction import ContractionKernels
 
         contraction = self.capability(ContractionKernels)
         batch_norm = self.capability(BatchNormKernels)
@@ -145,10 +145,10 @@ _ACTS_BASIC = ("Relu", "Relu6", "Elu", "LeakyRelu")
 
 
 def _cpu(onednn: bool) -> Backend:
-    from fusion.patterns.batch_norm_kernels import BatchNormKernels
-    from fusion.patterns.contraction import ContractionKernels
-    from fusion.patterns.onednn import OneDnnKernels, kernels_registered
-    from fusion.stages.rnn import RnnKernels
+    from fusion.calls.rnn import RnnKernels
+    from fusion.graphs.batch_norm_kernels import BatchNormKernels
+    from fusion.graphs.contraction import ContractionKernels
+    from fusion.graphs.onednn import OneDnnKernels, kernels_registered
 
     # Read off the kernels (TF 2.21, x86-64) by running every fused_ops list in every dtype
     # against the composite ops; tests/test_backends.py runs each entry again.
@@ -158,7 +158,7 @@ def _cpu(onednn: bool) -> Backend:
     matmul = _chains(*_with_acts(("BiasAdd",), (*_ACTS_BASIC, "Tanh", "Sigmoid")))
     contractions = {
         "Conv2D": {"float32": conv},
-        # 16-bit chains are tuner decisions (fusion.patterns.contraction): the bfloat16
+        # 16-bit chains are tuner decisions (fusion.graphs.contraction): the bfloat16
         # _FusedMatMul ran 25x slower than MatMul + BiasAdd + Relu on a Zen 3 (256x512x512).
         "MatMul": {"float32": matmul, "float16": matmul, "bfloat16": matmul},
     }
@@ -204,9 +204,9 @@ def _cpu(onednn: bool) -> Backend:
 
 
 def _cuda() -> Backend:
-    from fusion.patterns.batch_norm_kernels import BatchNormKernels
-    from fusion.patterns.contraction import ContractionKernels
-    from fusion.stages.rnn import RnnKernels
+    from fusion.calls.rnn import RnnKernels
+    from fusion.graphs.batch_norm_kernels import BatchNormKernels
+    from fusion.graphs.contraction import ContractionKernels
 
     conv = _chains(*_with_acts(("BiasAdd",), _ACTS_BASIC))
     matmul32 = _chains(*_with_acts(("BiasAdd",), ("Relu",)))
@@ -251,9 +251,9 @@ def metal_kernels() -> frozenset[str]:
 
 def _metal(notes: tuple[str, ...] = ()) -> Backend:
     """Apple's tensorflow-metal 1.2.0 (the only release of it tfmx has a table of)."""
-    from fusion.patterns.batch_norm_kernels import BatchNormKernels
-    from fusion.patterns.contraction import ContractionKernels
-    from fusion.stages.rnn import RnnKernels
+    from fusion.calls.rnn import RnnKernels
+    from fusion.graphs.batch_norm_kernels import BatchNormKernels
+    from fusion.graphs.contraction import ContractionKernels
 
     chains = _chains(*_with_acts(("BiasAdd",), _ACTS_BASIC))
     by_dtype = {dt: chains for dt in ("float32", "float16", "bfloat16")}
@@ -316,9 +316,9 @@ def _open_metal(table: metal_plugins.PluginTable, tensorflow: str,
                 notes: tuple[str, ...] = ()) -> Backend:
     """The open tensorflow-metal-plugin's backend under TensorFlow ``tensorflow``, every
     capability derived from its table (ops registered, dtypes, fused_ops lists)."""
-    from fusion.patterns.batch_norm_kernels import BatchNormKernels
-    from fusion.patterns.contraction import ContractionKernels
-    from fusion.stages.rnn import RnnKernels
+    from fusion.calls.rnn import RnnKernels
+    from fusion.graphs.batch_norm_kernels import BatchNormKernels
+    from fusion.graphs.contraction import ContractionKernels
 
     host = table.host_only(tensorflow)
     kernels = frozenset(table.ops) - host

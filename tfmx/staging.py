@@ -94,6 +94,6 @@ def commit(graph: Any) -> int:
         report.patterns.setdefault(family, PatternStats()).merge(stats)
         if stats.fused:
             report.note(f"{family}: layers were rewritten before differentiation "
-                        f"(fusion.stages.{family}), so a traced step's 'before' graph already "
+                        f"(fusion.calls.{family}), so a traced step's 'before' graph already "
                         "holds the fused form")
     return fused

@@ -40,7 +40,7 @@ other axes than the sequence (``attention_axes``), ``flash_attention``, float64.
 Example:
     >>> import numpy as np, tensorflow as tf
     >>> from keras.src.backend.tensorflow.nn import _dot_product_attention_xla
-    >>> from fusion.stages.attention import attention
+    >>> from fusion.calls.attention import attention
     >>> q, k, v = (tf.random.normal([2, 5, 3, 4], seed=s) for s in (1, 2, 3))
     >>> expected = _dot_product_attention_xla(q, k, v, None, None, True, 0.5)
     >>> got = attention(q, k, v, None, True, 0.5, folded=False)

@@ -24,7 +24,7 @@ records, :func:`rewrite_layout` writes the transposition.
 Example:
     >>> import tensorflow as tf
     >>> from fusion.graph import GraphView
-    >>> from fusion.patterns.matmul_layout import find_layouts
+    >>> from fusion.graphs.matmul_layout import find_layouts
     >>> from tfmx.backends import get_backend
     >>> @tf.function
     ... def f(dy, w):

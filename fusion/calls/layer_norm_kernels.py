@@ -1,11 +1,11 @@
 """The layer_norm family's kernels: Keras's LayerNormalization as ``FusedBatchNormV3`` on the rows,
 as its composite forward with a closed-form custom gradient, and as oneDNN's ``_MklLayerNorm``
 forward with that gradient (where this TensorFlow registers it), each a function of the layer's
-input and weights (:mod:`fusion.stages.layer_norm` decides which a call emits).
+input and weights (:mod:`fusion.calls.layer_norm` decides which a call emits).
 
 Example:
     >>> import numpy as np, tensorflow as tf
-    >>> from fusion.stages.layer_norm_kernels import layer_norm_custom
+    >>> from fusion.calls.layer_norm_kernels import layer_norm_custom
     >>> x = tf.constant(np.arange(6, dtype="float32").reshape(2, 3))
     >>> y = layer_norm_custom(x, None, None, 1, 1e-3)
     >>> [round(float(v), 3) for v in y.numpy()[0]]

@@ -18,7 +18,7 @@ One shape, as in every family: :class:`BiasGradMatch` records a match,
 Example:
     >>> import tensorflow as tf
     >>> from fusion.graph import GraphView
-    >>> from fusion.patterns.bias_grad import find_bias_grads
+    >>> from fusion.graphs.bias_grad import find_bias_grads
     >>> @tf.function
     ... def f(dy):
     ...     return tf.raw_ops.BiasAddGrad(out_backprop=dy)

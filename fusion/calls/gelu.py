@@ -37,7 +37,7 @@ with the reason in the report: inputs that are not float32, float16 or bfloat16.
 
 Example:
     >>> import numpy as np, tensorflow as tf
-    >>> from fusion.stages.gelu import gelu_custom
+    >>> from fusion.calls.gelu import gelu_custom
     >>> x = tf.constant(np.linspace(-4.0, 4.0, 9, dtype="float32"))
     >>> with tf.GradientTape() as tape:
     ...     _ = tape.watch(x)

@@ -17,7 +17,7 @@ records, :func:`rewrite_cast` rewires and removes.
 Example:
     >>> import tensorflow as tf
     >>> from fusion.graph import GraphView
-    >>> from fusion.patterns.casts import find_casts
+    >>> from fusion.graphs.casts import find_casts
     >>> from tfmx.backends import get_backend
     >>> @tf.function
     ... def f(x):

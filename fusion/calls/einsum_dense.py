@@ -20,7 +20,7 @@ dtypes.
 
 Example:
     >>> import keras, numpy as np, tensorflow as tf
-    >>> from fusion.stages.einsum_dense import as_matmul, split_equation
+    >>> from fusion.calls.einsum_dense import as_matmul, split_equation
     >>> split_equation("abc,cde->abde")
     ('ab', 'c', 'de')
     >>> layer = keras.layers.EinsumDense("abc,cde->abde", (5, 2, 3), bias_axes="de")
@@ -40,16 +40,16 @@ from typing import Any
 
 import tensorflow as tf
 
+from fusion.calls.bias_row import bias_row_product
 from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Forms, declare
 from fusion.pattern import PatternStats
 from fusion.stage import Hook, StageContext, layer_value, timed_form
-from fusion.stages.bias_row import bias_row_product
 
 FAMILY = "einsum_dense"
 SCOPE = "tfmx_einsum_dense"
 LABEL = "EinsumDense: Reshape + MatMul (+ BiasAdd) in place of Einsum"
 SHARED_LABEL = "MultiHeadAttention: query, key and value projections as one MatMul"
-ROW = " bias row"  # a form's suffix: its bias as a row of the kernel (fusion.stages.bias_row)
+ROW = " bias row"  # a form's suffix: its bias as a row of the kernel (fusion.calls.bias_row)
 ROW_LABEL = "EinsumDense: Reshape + one MatMul, the bias a row of the kernel, in place of Einsum"
 SHARED_ROW_LABEL = ("MultiHeadAttention: query, key and value projections as one MatMul, the "
                     "biases a row of the kernels")
@@ -100,7 +100,7 @@ def as_matmul(layer: Any, inputs: tf.Tensor, bias_row: bool = False) -> tf.Tenso
     """``layer``'s output (an ``EinsumDense`` whose equation :func:`split_equation` accepts)
     as ``Reshape`` + ``MatMul`` (+ ``BiasAdd``) + activation + ``Reshape``; with ``bias_row``
     a bias over all the kept axes is a row of the kernel instead (one MatMul,
-    ``fusion.stages.bias_row``)."""
+    ``fusion.calls.bias_row``)."""
     _, contracted, kept = split_equation(layer.equation)
     kernel = layer_value(layer.kernel)
     shape = kernel.shape.as_list()
@@ -250,7 +250,7 @@ def shared_projection(layer: Any, x: tf.Tensor, bias_row: bool = False) -> list[
     :func:`find_shared_projection`) as one ``MatMul`` of ``x`` viewed ``[rows, features]`` with
     the three kernels concatenated (+ one ``BiasAdd``), split back into the three outputs:
     the backward is one MatMul for the input's gradient (no sum of three) and one for the
-    kernels'. With ``bias_row`` the biases are a row of the kernels (``fusion.stages.bias_row``:
+    kernels'. With ``bias_row`` the biases are a row of the kernels (``fusion.calls.bias_row``:
     one MatMul for the kernels' and the biases' gradients too).
 
     >>> import keras, numpy as np

@@ -7,7 +7,7 @@ e.g. on CPU); in training with its backward, ``ReluGrad`` + ``FusedBatchNormGrad
 Example:
     >>> import tensorflow as tf
     >>> from fusion.graph import GraphView
-    >>> from fusion.patterns.batch_norm_ex import find_batch_norm_ex
+    >>> from fusion.graphs.batch_norm_ex import find_batch_norm_ex
     >>> from tfmx.backends import get_backend
     >>> @tf.function(autograph=False)
     ... def f(x, side, scale, offset):
@@ -28,9 +28,9 @@ import dataclasses
 import tensorflow as tf
 
 from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, output_shape, parse_input, tensor_ref
+from fusion.graphs.batch_norm_kernels import kernel_blocker
 from fusion.match import dtype_name, new_node
 from fusion.pattern import Target
-from fusion.patterns.batch_norm_kernels import kernel_blocker
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ long. The backward pass is the same wavefront in reverse (the lower layer's step
 the upper layer's step ``t`` only), written out as a ``tf.custom_gradient``: per step one MatMul
 per layer for the state gradients; the weight gradients after the loop as one big MatMul each.
 
-The arithmetic is Keras's, term for term (:mod:`fusion.stages.rnn_kernels`'s cells): the lower
+The arithmetic is Keras's, term for term (:mod:`fusion.calls.rnn_kernels`'s cells): the lower
 layer's input projection is hoisted (one MatMul over every timestep); the upper layer's input and
 recurrent MatMuls are two, the recurrent one free to run while the lower layer computes the
 same step (measured 14 % faster on the pair than one MatMul of ``[h_low, h_up]``).
@@ -19,7 +19,7 @@ Scope: a static number of timesteps, no mask, neither layer going backwards; inp
 
 Example:
     >>> import numpy as np, tensorflow as tf
-    >>> from fusion.stages.rnn_wavefront import lstm_pair
+    >>> from fusion.calls.rnn_wavefront import lstm_pair
     >>> x = tf.ones([2, 3, 4]); z5, z6 = tf.zeros([2, 5]), tf.zeros([2, 6])
     >>> low = (tf.fill([4, 20], 0.1), tf.fill([5, 20], 0.1), tf.zeros([20]))
     >>> up = (tf.fill([5, 24], 0.1), tf.fill([6, 24], 0.1), tf.zeros([24]))
@@ -34,8 +34,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from fusion.stage import custom_gradient
-from fusion.stages.rnn_kernels import (
+from fusion.calls.rnn_kernels import (
     flat,
     gru_after_back,
     gru_after_cell,
@@ -44,6 +43,7 @@ from fusion.stages.rnn_kernels import (
     or_zeros,
     project,
 )
+from fusion.stage import custom_gradient
 
 
 def _time_major_projection(sequences: tf.Tensor, kernel, bias) -> tf.Tensor:

@@ -25,7 +25,7 @@ the node's readers and removes it.
 Example:
     >>> import tensorflow as tf
     >>> from fusion.graph import GraphView
-    >>> from fusion.patterns.dedupe import find_duplicates
+    >>> from fusion.graphs.dedupe import find_duplicates
     >>> v = tf.Variable(2.0)
     >>> @tf.function
     ... def f():

@@ -22,7 +22,7 @@ fuse whole chains, composite GELU (exact and tanh-approximate) included.
 Example:
     >>> import tensorflow as tf
     >>> from fusion.graph import GraphView
-    >>> from fusion.patterns.contraction import find_contractions
+    >>> from fusion.graphs.contraction import find_contractions
     >>> from tfmx.backends import get_backend
     >>> @tf.function
     ... def f(x, w, b):

@@ -14,7 +14,7 @@ moving statistics, composite::
 Example:
     >>> import tensorflow as tf, keras
     >>> from fusion.graph import GraphView
-    >>> from fusion.patterns.conv_bn_fold import find_conv_bn
+    >>> from fusion.graphs.conv_bn_fold import find_conv_bn
     >>> from tfmx.backends import get_backend
     >>> inp = keras.Input((6, 6, 3))
     >>> out = keras.layers.BatchNormalization()(keras.layers.Conv2D(4, 3, use_bias=False)(inp))
@@ -35,6 +35,8 @@ import tensorflow as tf
 from fusion.expr import Match, match
 from fusion.family import register
 from fusion.graph import GraphView, NodeDef, output_shape, parse_input
+from fusion.graphs.batch_norm import affine, normalization
+from fusion.graphs.contraction import supports
 from fusion.match import (
     AttrLike,
     blocker,
@@ -43,8 +45,6 @@ from fusion.match import (
     fused_node,
 )
 from fusion.pattern import RewriteContext, Target, apply_matches
-from fusion.patterns.batch_norm import affine, normalization
-from fusion.patterns.contraction import supports
 
 ACTIVATIONS = ("Relu", "Relu6", "Elu", "LeakyRelu")
 

@@ -37,7 +37,7 @@ fused loops (a float32 [2048, 128] layer norm and its gradient on a Zen 4: 0.69 
 
 Example:
     >>> import keras, numpy as np, tensorflow as tf
-    >>> from fusion.stages.layer_norm import layer_norm
+    >>> from fusion.calls.layer_norm import layer_norm
     >>> x = tf.constant(np.arange(12, dtype="float32").reshape(2, 2, 3))
     >>> composite = keras.layers.LayerNormalization(epsilon=1e-3)
     >>> expected = composite(x).numpy()
@@ -55,6 +55,17 @@ from typing import Any
 
 import tensorflow as tf
 
+from fusion.calls.layer_norm_kernels import (
+    ONEDNN_16,
+    ONEDNN_OP,
+    layer_norm,
+    layer_norm_custom,
+    layer_norm_onednn,
+    layer_norm_onednn_16,
+    onednn_backward,
+    onednn_layer_norm_registered,
+    onednn_layer_norm_runs,
+)
 from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Forms, declare
 from fusion.stage import (
     XLA,
@@ -68,17 +79,6 @@ from fusion.stage import (
     timed_form,
     with_xla,
     xla_region,
-)
-from fusion.stages.layer_norm_kernels import (
-    ONEDNN_16,
-    ONEDNN_OP,
-    layer_norm,
-    layer_norm_custom,
-    layer_norm_onednn,
-    layer_norm_onednn_16,
-    onednn_backward,
-    onednn_layer_norm_registered,
-    onednn_layer_norm_runs,
 )
 
 FAMILY = "layer_norm"
@@ -227,7 +227,7 @@ def find_layer_norm(layer: Any, inputs: Any, target: Any) -> tuple[int | None, s
 
 def fused_blocker(layer: Any, target: Any) -> str | None:
     """Why ``target`` cannot run the ``FusedBatchNormV3`` form of ``layer``, or None."""
-    from fusion.patterns.batch_norm_kernels import (
+    from fusion.graphs.batch_norm_kernels import (
         kernel_blocker,  # (the patterns import the stages)
     )
 

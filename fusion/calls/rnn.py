@@ -8,9 +8,9 @@ gives the reason it declines) and :func:`rewrite_rnn_layer` emits the target's f
 backward pass comes from a ``tf.custom_gradient`` (CPU) or from TensorFlow's registered gradient
 of ``CudnnRNNV3`` (GPU targets). Emitted nodes live under a name scope ``tfmx_rnn_<kind>``;
 declined layers run Keras's own loop under ``tfmx_rnn_declined_<why>``; the GraphDef pass
-``fusion.patterns.rnn`` finds those scopes in the traced graph and reports what it observed.
+``fusion.graphs.rnn`` finds those scopes in the traced graph and reports what it observed.
 
-CPU forms (``fusion.stages.rnn_kernels``), chosen per layer call by the tuner
+CPU forms (``fusion.calls.rnn_kernels``), chosen per layer call by the tuner
 (:func:`cpu_forms`): Keras's loop, or the hoisted one (the input projection of all timesteps is
 one MatMul before the loop, the loop keeps the recurrent MatMul and the gate arithmetic, the
 backward is one reverse loop with one MatMul per step and the weight gradients as single big
@@ -21,7 +21,7 @@ itself asserts right padding.
 
 Example:
     >>> import keras
-    >>> from fusion.stages.rnn import find_rnn_layer
+    >>> from fusion.calls.rnn import find_rnn_layer
     >>> from tfmx.backends import get_backend
     >>> match, why = find_rnn_layer(keras.layers.LSTM(4), get_backend("cpu"))
     >>> match.kind, match.form, why
@@ -161,7 +161,7 @@ def rewrite_rnn_layer(match: RnnMatch, sequences, initial_state, mask, training=
     ``unrolled``: the cpu form with every timestep its own ops (a static length only)."""
     import tensorflow as tf
 
-    from fusion.stages import rnn_kernels as k
+    from fusion.calls import rnn_kernels as k
 
     layer, cell = match.layer, match.layer.cell
     if isinstance(mask, (list, tuple)):
@@ -384,11 +384,11 @@ def _own_zeros(states, sequences) -> list:
 def rewrite_rnn_pair(low: RnnMatch, up: RnnMatch, sequences, low_states, up_states,
                      up_dropout=None):
     """Emit the wavefront of ``low`` -> ``up`` over ``low``'s input ``sequences`` (its
-    dropout applied): ``up``'s Keras ``inner_loop`` result (:mod:`fusion.stages.rnn_wavefront`);
+    dropout applied): ``up``'s Keras ``inner_loop`` result (:mod:`fusion.calls.rnn_wavefront`);
     ``up_dropout``: ``up``'s input dropout mask or None."""
     import tensorflow as tf
 
-    from fusion.stages import rnn_wavefront as w
+    from fusion.calls import rnn_wavefront as w
 
     def weights(match: RnnMatch) -> tuple:
         cell = match.layer.cell

@@ -18,7 +18,7 @@ from the step.
 
 Example:
     >>> import keras, numpy as np, tensorflow as tf
-    >>> from fusion.stages.feed_forward import find_feed_forward
+    >>> from fusion.calls.feed_forward import find_feed_forward
     >>> inp = keras.Input((4, 8))
     >>> up, down = keras.layers.Dense(16, activation="gelu"), keras.layers.Dense(8)
     >>> model = keras.Model(inp, down(up(inp)))

@@ -38,7 +38,7 @@ records (and says why a node stays on Eigen), :func:`rewrite_onednn` retargets.
 Example:
     >>> import tensorflow as tf
     >>> from fusion.graph import GraphView
-    >>> from fusion.patterns.onednn import find_onednn
+    >>> from fusion.graphs.onednn import find_onednn
     >>> @tf.function
     ... def f(x, w):
     ...     return tf.nn.conv2d(x, w, 1, "SAME")

@@ -66,7 +66,7 @@ def _layer_decline(layer: Any, mask: Any) -> str | None:
 
 def _replica_decline(layer: Any, inputs: Any, ctx: StageContext) -> str | None:
     """Why a layer inside a ``tf.distribute`` strategy cannot take :func:`_replica_call`."""
-    from fusion.patterns.batch_norm_kernels import kernel_blocker
+    from fusion.graphs.batch_norm_kernels import kernel_blocker
 
     rank = inputs.shape.rank
     if rank is None or rank < 2 or layer.axis % rank != rank - 1:

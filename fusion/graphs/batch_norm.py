@@ -19,22 +19,22 @@ Two records, one shape each (as in Grappler's remapper):
   ``batch_variance`` times ``(n - 1) / n``: the kernel returns the Bessel-corrected variance
   (``exponential_avg_factor=1``), Keras averages the biased one. Under a 16-bit policy the two
   Casts are swallowed and the kernel takes the 16-bit activations with float32 statistics.
-- ``BatchNormExMatch`` (:mod:`fusion.patterns.batch_norm_ex`): ``FusedBatchNormV3`` +
+- ``BatchNormExMatch`` (:mod:`fusion.graphs.batch_norm_ex`): ``FusedBatchNormV3`` +
   residual ``Add`` + ``Relu`` -> ``_FusedBatchNormEx`` where the target runs it. In training
   (cuda: half, NHWC, channels % 4, ``TF_USE_CUDNN_BATCHNORM_SPATIAL_PERSISTENT=1``) with its
   backward: ``ReluGrad`` + ``FusedBatchNormGradV3`` -> ``_FusedBatchNormGradEx``.
 
-What each backend runs of these kernels is :mod:`fusion.patterns.batch_norm_kernels`.
+What each backend runs of these kernels is :mod:`fusion.graphs.batch_norm_kernels`.
 
 A training composite whose intermediates the backward pass reads is declined here: training batch
-norm is fused *before* differentiation, by the stage ``fusion.stages.batch_norm`` (which runs
+norm is fused *before* differentiation, by the stage ``fusion.calls.batch_norm`` (which runs
 this same pattern on the layer's forward graph and lets TensorFlow's registered
 ``FusedBatchNormV3`` gradient build ``FusedBatchNormGradV3``).
 
 Example:
     >>> import tensorflow as tf, keras
     >>> from fusion.graph import GraphView
-    >>> from fusion.patterns.batch_norm import find_batch_norm
+    >>> from fusion.graphs.batch_norm import find_batch_norm
     >>> from tfmx.backends import get_backend
     >>> bn = keras.layers.BatchNormalization()
     >>> bn.build((None, 4, 4, 8))
@@ -56,10 +56,10 @@ import tensorflow as tf
 from fusion.expr import Any, Const, Match, OneOf, Op, Pattern, Where, match
 from fusion.family import register
 from fusion.graph import GraphView, NodeDef, output_shape, parse_input, tensor_ref
+from fusion.graphs.batch_norm_ex import find_batch_norm_ex, rewrite_batch_norm_ex
+from fusion.graphs.batch_norm_kernels import LOW_PRECISION, kernel_blocker
 from fusion.match import blocker, const_node, const_value, dtype_name, new_node
 from fusion.pattern import RewriteContext, Target, apply_matches
-from fusion.patterns.batch_norm_ex import find_batch_norm_ex, rewrite_batch_norm_ex
-from fusion.patterns.batch_norm_kernels import LOW_PRECISION, kernel_blocker
 
 
 # -- records --------------------------------------------------------------------------------
@@ -474,7 +474,7 @@ def rewrite_batch_norm(view: GraphView, match: BatchNormMatch) -> NodeDef:
 @register(
     "batch_norm",
     "composite BatchNormalization -> FusedBatchNormV3 (training: before differentiation, "
-    "via the stage fusion.stages.batch_norm); FusedBatchNormV3 + Add + Relu -> _FusedBatchNormEx",
+    "via the stage fusion.calls.batch_norm); FusedBatchNormV3 + Add + Relu -> _FusedBatchNormEx",
     after=("conv_bn_fold",),
     order=("it fuses the inference batch norms that conv_bn_fold did not fold into a "
            "convolution"),

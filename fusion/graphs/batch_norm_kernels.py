@@ -3,7 +3,7 @@
 (``target.capability(BatchNormKernels)``, filled per backend in ``tfmx/backends.py``).
 
 Example:
-    >>> from fusion.patterns.batch_norm_kernels import kernel_blocker
+    >>> from fusion.graphs.batch_norm_kernels import kernel_blocker
     >>> from tfmx.backends import get_backend
     >>> kernel_blocker(get_backend("cpu"), "FusedBatchNormV3", "float32", "NHWC") is None
     True

@@ -19,7 +19,7 @@ One shape, as in every family: :class:`ReshapedBiasMatch` records a match,
 Example:
     >>> import tensorflow as tf
     >>> from fusion.graph import GraphView
-    >>> from fusion.patterns.reshaped_bias import find_reshaped_biases
+    >>> from fusion.graphs.reshaped_bias import find_reshaped_biases
     >>> @tf.function
     ... def f(x, w, b):
     ...     return tf.nn.bias_add(tf.reshape(tf.matmul(x, w), [2, 3, 4]), b)

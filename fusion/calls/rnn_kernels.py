@@ -21,7 +21,7 @@ any mask through :func:`run_keras_semantics`.
 
 Example:
     >>> import numpy as np, tensorflow as tf
-    >>> from fusion.stages.rnn_kernels import lstm_sequence
+    >>> from fusion.calls.rnn_kernels import lstm_sequence
     >>> x = tf.ones([2, 3, 4]); h0 = c0 = tf.zeros([2, 5])
     >>> k, r, b = tf.fill([4, 20], 0.1), tf.fill([5, 20], 0.1), tf.zeros([20])
     >>> last, seq, (h, c) = lstm_sequence(x, h0, c0, None, k, r, b)

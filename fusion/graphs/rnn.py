@@ -1,6 +1,6 @@
 """The rnn family's GraphDef pass: find what the rnn stage emitted, check it, report it.
 
-The rewrite itself happens before differentiation, in the stage ``fusion.stages.rnn`` (Keras
+The rewrite itself happens before differentiation, in the stage ``fusion.calls.rnn`` (Keras
 LSTM / GRU layers -> the hoisted loop on cpu, ``CudnnRNNV3`` on GPU targets). This pass reads
 the stage's name scopes in the traced graph, checks each unit's structure (a ``While`` loop, or
 none for an unrolled form, on cpu; ``CudnnRNNV3`` nodes the target runs on GPU targets) and
@@ -9,7 +9,7 @@ reports it as observed: the stage reports what it rewrote, this pass what reache
 Example:
     >>> import tensorflow as tf
     >>> from fusion.graph import GraphView
-    >>> from fusion.patterns.rnn import find_rnn_units
+    >>> from fusion.graphs.rnn import find_rnn_units
     >>> @tf.function
     ... def f(x):
     ...     with tf.name_scope("tfmx_rnn_lstm_unrolled"):
@@ -24,10 +24,10 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from fusion.calls.rnn import KIND_LABELS, SCOPE
 from fusion.family import GRADIENT_SCOPES, register
 from fusion.graph import GraphView, parse_input
 from fusion.pattern import RewriteContext, Target
-from fusion.stages.rnn import KIND_LABELS, SCOPE
 
 CUDNN_OPS = ("CudnnRNNV3", "CudnnRNNBackpropV3")
 UNIT_OPS = ("While", "StatelessWhile", "CudnnRNNV3")
@@ -130,7 +130,7 @@ def unlisted_ops(ops, target: Target) -> list[str]:
 @register(
     "rnn",
     "Keras LSTM / GRU, rewritten before differentiation by the rnn stage "
-    "(fusion.stages.rnn): its units found in the traced graph, checked and reported as observed",
+    "(fusion.calls.rnn): its units found in the traced graph, checked and reported as observed",
     after=("contraction",),
     order=("it checks each unit's ops as the contraction family left them"),
 )
