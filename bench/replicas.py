@@ -6,8 +6,8 @@ measuring process splits its CPU into N logical devices before TensorFlow runs a
 ``tf.distribute.MirroredStrategy`` over them (:func:`mirrored_strategy`), fed a distributed
 dataset; the global batch stays the workload's (each replica gets batch / N). The same modes
 with 1 replica (no strategy) run interleaved with them in the same rounds, so
-:func:`compare_replicas` sets tfmx / stock with N replicas against 1 replica's (issue 16:
-within :data:`REPLICA_TOLERANCE`). XLA's step and ``policy="auto"`` cannot run under the
+:func:`compare_replicas` sets tfmx / stock with N replicas against 1 replica's (within
+:data:`REPLICA_TOLERANCE`). XLA's step and ``policy="auto"`` cannot run under the
 strategy: :func:`check_replicas` says so and what to pass instead.
 
 Example:
@@ -27,7 +27,7 @@ from bench.onednn import onednn_state
 from bench.timing import median_ratios
 from bench.workloads import MODES
 
-REPLICA_TOLERANCE = 0.05  # issue 16: tfmx / stock under N replicas within this of 1 replica's
+REPLICA_TOLERANCE = 0.05  # tfmx / stock under N replicas within this of 1 replica's
 # What cannot run inside a MirroredStrategy over logical CPUs, and what to do instead.
 _XLA_UNDER_REPLICAS = (
     "the xla mode cannot run with replicas > 1: Keras's jit_compile=True step under a "
@@ -132,7 +132,7 @@ def compare_replicas(results: Iterable[Mapping[str, Any]],
                      tolerance: float = REPLICA_TOLERANCE) -> list[dict[str, Any]]:
     """Per workload and oneDNN state measured with 1 and with N > 1 replicas: tfmx / stock at
     each (medians of the same process), the difference (N's minus 1's: above 0, a smaller
-    speed-up under N replicas) and whether it is within ``tolerance`` (issue 16's 0.05).
+    speed-up under N replicas) and whether it is within ``tolerance``.
 
     >>> def run(n, stock, tfmx):
     ...     return {"model": "mlp", "replicas": n, "env": {"onednn": True},

@@ -11,7 +11,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # Set before anything imports tfmx. The whole-step guard (it alternates the fused and the stock
 # step on the first steps and keeps the faster) would make what ran and what a fit computes
 # depend on timings: off here (TFMX_GUARD=0); the tuner writes its measurements to a directory
-# of this session's own, never to the user's ~/.cache (TFMX_CACHE_DIR). The guard and the tuner
+# of this test run's own, never to the user's ~/.cache (TFMX_CACHE_DIR). The guard and the tuner
 # have their own tests (tests/test_guard.py, tests/test_tuner.py); TFMX_TUNE is left as it is.
 os.environ.setdefault("TFMX_GUARD", "0")
 # A stage that fails falls back to Keras's call for users; here it raises, so a bug shows.

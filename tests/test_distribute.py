@@ -1,4 +1,4 @@
-"""tfmx under tf.distribute (issue 16): MirroredStrategy on two logical CPUs, and
+"""tfmx under tf.distribute: MirroredStrategy on two logical CPUs, and
 MultiWorkerMirroredStrategy with two worker processes on loopback.
 
 Each case runs scripts of tests/scripts/ in subprocesses, each bounded by :data:`TIMEOUT` and
@@ -127,8 +127,8 @@ def test_mirrored_two_replicas_fit_evaluate_predict_and_custom_loop_match_stock(
 
 
 def test_mirrored_synchronized_batch_norm_is_declined_and_tuner_measures_once(tmp_path):
-    # measured afresh, every decision: a budget no slower processor runs out of (a 6 s budget,
-    # the default then, left a decision to its conservative form on a Zen 3 under the suite)
+    # measured afresh, every decision: a budget no slower processor runs out of (a short one
+    # can leave a decision to its conservative form on a loaded machine)
     # and the whole-step guard's trials run to their end (no budget: the fits are short)
     # (and no share of the planned fit: these fits are a few steps)
     env = dict(os.environ, TFMX_CACHE_DIR=str(tmp_path), TFMX_TUNE_BUDGET="300",

@@ -222,7 +222,7 @@ def test_bias_row_forms_fit_like_stock_with_one_matmul_per_unit(monkeypatch, for
 
 
 def test_mixed_bfloat16_fit_matches_stock_with_bfloat16_matmuls():
-    """Under mixed_bfloat16 (where this session's tuner takes the MatMul form on a Zen 4) the
+    """Under mixed_bfloat16 (where the tuner may take the MatMul form) the
     MatMul form trains like Keras's Einsum within bfloat16 rounding, its MatMuls in bfloat16
     in the graph that ran."""
     rng = np.random.default_rng(2)

@@ -5,7 +5,7 @@ on by default on some machines and wheels, off on others. The tests that need a 
 what differs with it, are marked (helpers.needs_onednn: ``onednn_on``, ``onednn_off``,
 ``onednn_either``). This process runs those of its own state; for each setting this test starts
 ``python -m pytest -m ...`` over tests/ with TF_ENABLE_ONEDNN_OPTS set, selecting only the
-marked tests, and requires them to pass. The child's conftest shares this session's tuning cache
+marked tests, and requires them to pass. The child's conftest shares this run's tuning cache
 and starts no children (TFMX_TEST_CHILD=1).
 """
 

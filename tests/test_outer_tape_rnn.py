@@ -1,4 +1,4 @@
-"""Issue 13's question: does a tfmx.function under an outer tape fuse an LSTM the same way
+"""Does a tfmx.function under an outer tape fuse an LSTM the same way
 whichever path traced it first? (The outer-tape path runs only the pre-differentiation stages.)"""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The recipes (issue 15): every one runs at --quick sizes and writes a valid metrics.json, a PNG
+"""The recipes: every one runs at --quick sizes and writes a valid metrics.json, a PNG
 and TensorBoard logs; the data loaders read made data in the layouts Keras caches; the flags
 refuse bad values with a clear message; ``tfmx recipe --list`` lists them all without
 importing them."""

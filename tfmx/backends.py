@@ -159,7 +159,7 @@ def _cpu(onednn: bool) -> Backend:
     contractions = {
         "Conv2D": {"float32": conv},
         # 16-bit chains are tuner decisions (fusion.graphs.contraction): the bfloat16
-        # _FusedMatMul ran 25x slower than MatMul + BiasAdd + Relu on a Zen 3 (256x512x512).
+        # _FusedMatMul can run many times slower than MatMul + BiasAdd + Relu.
         "MatMul": {"float32": matmul, "float16": matmul, "bfloat16": matmul},
     }
     if onednn:
@@ -447,8 +447,8 @@ def metal_backend(plugin: str | None = None, tensorflow: str | None = None) -> B
 
 ONEDNN_OFF_ADVICE = (
     "oneDNN's pass is off in this process: stock with TF_ENABLE_ONEDNN_OPTS=1 (set before "
-    "TensorFlow is imported) may train faster than tfmx without it (on one Zen 3, 1.3-1.7 x "
-    "faster on CNNs, MLPs and RNNs); `tfmx bench --model ... --onednn both` measures both "
+    "TensorFlow is imported) may train faster than tfmx without it (on one measured CPU, "
+    "1.3-1.7 x faster on CNNs, MLPs and RNNs); `tfmx bench --model ... --onednn both` measures both "
     "states here")
 """What the cpu backend and ``tfmx.report()`` say where oneDNN's kernels are in the wheel and
 its pass is off: a process cannot switch it (TensorFlow reads the variable at import)."""

@@ -97,8 +97,8 @@ ENV_BUDGET = "TFMX_TUNE_BUDGET"
 DEFAULT_BUDGET_S = 30.0
 """Seconds one rewrite may spend measuring (``TFMX_TUNE_BUDGET``); what is left unmeasured
 takes the conservative form and is measured on a later run. Measured once per machine and
-shape (the cache keeps it): the transformer workload's 31 decisions took 21 s on a 2-core
-Zen 3 (its attention, layer-norm and feed-forward forms 1-2.5 s each, a MatMul 0.3-1.2 s)."""
+shape (the cache keeps it): the transformer workload's 31 decisions take some tens of seconds
+on a 2-core CPU (an attention, layer-norm or feed-forward form a second or two each)."""
 
 DECISION_SECONDS = 0.075
 """Seconds of interleaved rounds per candidate of a decision (after one warm-up call of each):

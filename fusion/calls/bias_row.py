@@ -1,17 +1,16 @@
 """The bias_row stage: a Dense layer's bias as one more row of its kernel, where measured faster.
 
 ``Dense(units)`` computes ``x @ kernel + bias``. TensorFlow fuses the two into one
-``_FusedMatMul``, whose bias costs far more than its arithmetic on CPUs: at [2048, 128] x
-[128, 512] on a Zen 5 (eight products in one function) the fused MatMul took 0.433 ms in
-bfloat16 where the MatMul alone took 0.327, and 0.806 against 0.664 in float32; its gradient
-reduces the output gradient's columns once more (the bias gradient: a MatMul of ones, 0.05-0.1
-ms beside the kernel gradient's MatMul). This stage's form puts the bias in the product itself:
+``_FusedMatMul``, whose bias costs far more than its arithmetic on CPUs (the fused MatMul
+measured a third slower than the MatMul alone in bfloat16, a fifth in float32); its gradient
+reduces the output gradient's columns once more (the bias gradient: a MatMul of ones beside
+the kernel gradient's MatMul). This stage's form puts the bias in the product itself:
 
     [x, 1, 0] @ [[kernel], [bias], [0]]
 
 the input widened by a column of ones (and one of zeros, so the contracted depth stays even for
 the 16-bit kernels that pair it), the kernel by the bias as a row (and a row of zeros). The
-forward is one plain MatMul: 0.375 ms with the widening, 0.689 float32. Its gradient, a custom
+forward is one plain MatMul. Its gradient, a custom
 one, is the input gradient ``dy @ kernel^T`` (the narrow kernel, as Keras's) and one MatMul
 ``[x, 1, 0]^T @ dy`` whose rows are the kernel's gradient, then the bias's (the column sums
 of ``dy``), then the zero row's, which nobody reads: 0.476 against 0.524 ms (bfloat16) for the

@@ -8,8 +8,8 @@ XLA fusing the elementwise work into its dots' loops. Whether that is faster tha
 layers as TensorFlow runs them (oneDNN's MatMuls, the gelu stage's GELU) depends on the
 machine's XLA dots against its oneDNN ones, so it is a tuner decision per block (forward and
 backward at the block's shapes), offered on cpu and cuda with ``tfmx.enable(xla=True)`` and
-never on metal; the conservative form is the two layers. On this project's Zen 4 the two layers
-won (see BENCHMARKS.md): XLA's CPU dots are slower there than oneDNN's.
+never on metal; the conservative form is the two layers. Where XLA's CPU dots are slower than
+oneDNN's the two layers win (see BENCHMARKS.md).
 
 The first ``Dense`` runs as Keras traces it and leaves its input with its output in the traced
 graph's state (``fusion.trace_state``); the second, finding its input there, emits the region

@@ -12,22 +12,20 @@ output), so this stage rewrites it before differentiation:
 - ``custom``: the forward with the cumulative distribution kept, ``cdf = 0.5 + 0.5 * erf(x /
   sqrt(2))``, ``y = x * cdf``, and the derivative in closed form, ``dy/dx = cdf + x * pdf(x)``
   (``pdf(x) = exp(-x^2 / 2) / sqrt(2 pi)``); ``custom erfc`` the same with TensorFlow's own CDF,
-  ``0.5 * erfc(-x / sqrt(2))`` (its forward equals the composite's bit for bit; on this
-  project's Zen 4 Erfc runs at half Erf's speed); for the tanh approximation
+  ``0.5 * erfc(-x / sqrt(2))`` (its forward equals the composite's bit for bit; on some
+  CPUs Erfc runs at half Erf's speed); for the tanh approximation
   ``dy/dx = 0.5 * (1 + t) + 0.5 * x * (1 - t^2) * sqrt(2 / pi) * (1 + 3 * 0.044715 * x^2)``.
 - ``custom upcast`` (float16 and bfloat16 inputs): the ``custom`` form computed in float32, the
   input cast up and the output (and the gradient) cast back: on a CPU a 16-bit ``Erf`` or
   ``Exp`` converts every element to float32 and back, so there the wider form is faster
-  (bfloat16 at [2048, 512] on a Zen 4: 1.96 against 2.82 ms for a GELU and its gradient) and
-  rounds once instead of at every op;
+  and rounds once instead of at every op;
 - ``xla`` (cpu and cuda with ``tfmx.enable(xla=True)``, never metal): the GELU and its
   derivative computed in float32 by one XLA-compiled region, one fused loop that reads the
   input once and writes both, the derivative kept (in the input's dtype) for a backward of
   one multiplication outside XLA. TensorFlow's kernels make a pass over the tensor per op
-  (some twelve), so on a CPU the region is the cheaper forward (a float32 GELU and its
-  gradient at [32, 64, 512] on a Zen 4: 1.28 ms against the ``custom`` form's 1.95 and 1.76
-  for that form compiled with its gradient as a second region; bfloat16: 1.55 against 2.34
-  for ``upcast slope kept``).
+  some twelve), so on a CPU the region is often the cheaper forward (also against the
+  ``custom`` form compiled with its gradient as a second region, and in bfloat16 against
+  ``upcast slope kept``).
 
 Which is fastest depends on the machine and the shape, so every call is a tuner decision
 (forward and backward at the call's shapes) against the composite, the conservative form.
@@ -115,10 +113,9 @@ def _exact(x: tf.Tensor, erfc: bool) -> tuple[tf.Tensor, Callable[[], tf.Tensor]
 
     def slope() -> tf.Tensor:
         # x * pdf(x) = t * exp(-t^2) / sqrt(pi) = t * exp(ln(1 / sqrt(pi)) - t^2): the constant
-        # in the exponent saves a pass over the tensor (1.71 against 1.83 ms for a bfloat16
-        # GELU and its gradient at [2048, 512] on a Zen 4, the same bits there). Not a chain
-        # of unary ops (Square, Neg, Exp), which Grappler would run as one
-        # _UnaryOpsComposition, slower than the kernels (3.05 vs 3.30 ms)
+        # in the exponent saves a pass over the tensor (the same bits). Not a chain of unary
+        # ops (Square, Neg, Exp), which Grappler would run as one _UnaryOpsComposition, slower
+        # than the kernels
         return cdf + t * tf.exp(const(_LOG_PDF_SCALE) - t * t)
 
     return y, slope

@@ -2,10 +2,9 @@
 
 The gradient of ``y = x @ w`` with respect to ``x`` is ``dy @ w^T``: TensorFlow writes it as
 ``MatMul(dy, w, transpose_b=True)``, and the kernel reads ``w`` across its rows. How fast a
-GEMM reads a transposed operand depends on the kernel and the CPU: on a Zen 4 with oneDNN, a
-feed-forward layer's float32 input gradient, ``[2048, 512] x [128, 512]^T``, took 1.58 ms
-where the same product of ``w`` laid out transposed took 1.29 ms (with the transposition);
-in bfloat16 the two ran alike. Writing ``w^T`` out costs one pass over the weight, small
+GEMM reads a transposed operand depends on the kernel and the CPU: with oneDNN, a
+feed-forward layer's float32 input gradient, ``[2048, 512] x [128, 512]^T``, can run faster
+on ``w`` laid out transposed, the transposition included; in bfloat16 the two may run alike. Writing ``w^T`` out costs one pass over the weight, small
 against the product's, so which form runs faster is a tuner decision per shape and dtype
 (timed as fragments of the graph), ``transpose_b`` the conservative form.
 

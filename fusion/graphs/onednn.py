@@ -19,11 +19,10 @@ reserve spaces, whose layout is the kernel's own), and
 nothing else: same inputs, same outputs, same node names, no layout change (the "Native" ops
 take TensorFlow's NHWC tensors).
 
-Whether oneDNN or Eigen is faster depends on the processor and the shapes: on one 2-core AMD
-EPYC (Zen 3) oneDNN ran MatMul 0.29-0.96 of Eigen's time for most shapes but 1.08-1.47 for
-large ones with every dimension >= 128, and the forward ``_FusedConv2D`` 0.81-0.93 from 8,192
-output pixels but 1.04-1.10 below 2,048 (BENCHMARKS.md). Such figures are facts about that
-machine, so every node but the batch-norm pair is a tuner decision (``tfmx.tuner``): the node
+Whether oneDNN or Eigen is faster depends on the processor and the shapes: on one measured
+CPU oneDNN ran most MatMuls faster than Eigen but large ones (every dimension >= 128) slower,
+and the forward ``_FusedConv2D`` faster from 8,192 output pixels but slower below 2,048
+(BENCHMARKS.md). Such figures are facts about one machine, so every node but the batch-norm pair is a tuner decision (``tfmx.tuner``): the node
 alone, at its own shapes (an unknown batch counts as 32), timed on Eigen and on oneDNN here,
 and the faster kept; the report lists each decision with both times. The batch-norm pair is
 retargeted as a pair, untimed; the whole-step guard (``tfmx.guard``) judges it with the step.

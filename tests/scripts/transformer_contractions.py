@@ -4,7 +4,7 @@ Every MatMul and batched MatMul of ``tfmx bench``'s ``transformer`` step at its 
 input projection, 2 blocks x Q/K/V/O projections and the two FFN MatMuls, the attention's two
 batched MatMuls; forward and both gradients of each) in one ``tf.function`` with nothing else,
 timed interleaved with the stock and the tfmx training step (12 rounds x 5 steps, medians).
-A measurement script (BENCHMARKS.md, session 13), not a test: ``python
+A measurement script (BENCHMARKS.md), not a test: ``python
 tests/scripts/transformer_contractions.py`` prints the three medians in ms.
 """
 
