@@ -448,8 +448,8 @@ def metal_backend(plugin: str | None = None, tensorflow: str | None = None) -> B
 ONEDNN_OFF_ADVICE = (
     "oneDNN's pass is off in this process: stock with TF_ENABLE_ONEDNN_OPTS=1 (set before "
     "TensorFlow is imported) may train faster than tfmx without it (on one measured CPU, "
-    "1.3-1.7 x faster on CNNs, MLPs and RNNs); `tfmx bench --model ... --onednn both` measures both "
-    "states here")
+    "1.3-1.7 x faster on CNNs, MLPs and RNNs); `tfmx bench --model ... --onednn both` "
+    "measures both states here")
 """What the cpu backend and ``tfmx.report()`` say where oneDNN's kernels are in the wheel and
 its pass is off: a process cannot switch it (TensorFlow reads the variable at import)."""
 

@@ -1,12 +1,13 @@
 """MatMul layout patterns: a MatMul's transposed operand transposed once, where measured faster.
 
 The gradient of ``y = x @ w`` with respect to ``x`` is ``dy @ w^T``: TensorFlow writes it as
-``MatMul(dy, w, transpose_b=True)``, and the kernel reads ``w`` across its rows. How fast a
-GEMM reads a transposed operand depends on the kernel and the CPU: with oneDNN, a
-feed-forward layer's float32 input gradient, ``[2048, 512] x [128, 512]^T``, can run faster
-on ``w`` laid out transposed, the transposition included; in bfloat16 the two may run alike. Writing ``w^T`` out costs one pass over the weight, small
-against the product's, so which form runs faster is a tuner decision per shape and dtype
-(timed as fragments of the graph), ``transpose_b`` the conservative form.
+``MatMul(dy, w, transpose_b=True)``, and the kernel reads ``w`` across its rows. How fast a GEMM
+reads a transposed operand depends on the kernel and the CPU: with oneDNN, a feed-forward
+layer's float32 input gradient, ``[2048, 512] x [128, 512]^T``, can run faster on ``w`` laid out
+transposed, the transposition included; in bfloat16 the two may run alike. Writing ``w^T`` out
+costs one pass over the weight, small against the product's, so which form runs faster is a
+tuner decision per shape and dtype (timed as fragments of the graph), ``transpose_b`` the
+conservative form.
 
 The transposition is written as ``Reshape -> Transpose -> Reshape`` through a trailing axis of
 one (``[n, k] -> [n, k, 1] -> [k, n, 1] -> [k, n]``): Grappler folds a plain ``Transpose``

@@ -19,13 +19,14 @@ reserve spaces, whose layout is the kernel's own), and
 nothing else: same inputs, same outputs, same node names, no layout change (the "Native" ops
 take TensorFlow's NHWC tensors).
 
-Whether oneDNN or Eigen is faster depends on the processor and the shapes: on one measured
-CPU oneDNN ran most MatMuls faster than Eigen but large ones (every dimension >= 128) slower,
-and the forward ``_FusedConv2D`` faster from 8,192 output pixels but slower below 2,048
-(BENCHMARKS.md). Such figures are facts about one machine, so every node but the batch-norm pair is a tuner decision (``tfmx.tuner``): the node
-alone, at its own shapes (an unknown batch counts as 32), timed on Eigen and on oneDNN here,
-and the faster kept; the report lists each decision with both times. The batch-norm pair is
-retargeted as a pair, untimed; the whole-step guard (``tfmx.guard``) judges it with the step.
+Whether oneDNN or Eigen is faster depends on the processor and the shapes: on one measured CPU
+oneDNN ran most MatMuls faster than Eigen but large ones (every dimension >= 128) slower, and
+the forward ``_FusedConv2D`` faster from 8,192 output pixels but slower below 2,048
+(BENCHMARKS.md). Such figures are facts about one machine, so every node but the batch-norm pair
+is a tuner decision (``tfmx.tuner``): the node alone, at its own shapes (an unknown batch counts
+as 32), timed on Eigen and on oneDNN here, and the faster kept; the report lists each decision
+with both times. The batch-norm pair is retargeted as a pair, untimed; the whole-step guard
+(``tfmx.guard``) judges it with the step.
 
 Where oneDNN is on, TensorFlow's pass already does this and the backend lists nothing to
 retarget; where the kernels are not registered (other platforms), likewise. Results differ
