@@ -13,8 +13,10 @@ Only the forward changes: the gradient of ``BiasAdd`` (``BiasAddGrad``) reads th
 gradient alone, and the MatMul's gradient reads the MatMul's inputs, so a training graph may be
 rewritten after differentiation as it stands.
 
-One shape, as in every family: :class:`ReshapedBiasMatch` records a match,
-:func:`find_reshaped_biases` fills records, :func:`rewrite_reshaped_bias` rewires.
+One rule (:mod:`fusion.rule`), as every family: its match walks from a
+``MatMul`` to the ``Reshape`` and ``BiasAdd`` after it (a :class:`ReshapedBiasMatch`),
+its check says why a bias stays where it is, :func:`rewrite_reshaped_bias`
+moves it.
 
 Example:
     >>> import tensorflow as tf
@@ -37,7 +39,8 @@ import dataclasses
 from fusion.family import register
 from fusion.graph import GraphView, NodeDef, output_shape, parse_input
 from fusion.match import blocker, fused_node, rewire_shape_readers
-from fusion.pattern import RewriteContext, apply_matches
+from fusion.pattern import PlainTarget, RewriteContext
+from fusion.rule import Rule, RuleContext
 
 SUFFIX = "/tfmx_bias_first"
 """The name of the moved BiasAdd: the MatMul's name and this suffix."""
@@ -52,8 +55,25 @@ class ReshapedBiasMatch:
     bias_add: NodeDef
 
 
-def _blocker(view: GraphView, matmul: NodeDef, reshape: NodeDef, bias: NodeDef) -> str | None:
+# -- match ----------------------------------------------------------------------------------
+def _match(matmul: NodeDef, ctx: RuleContext) -> ReshapedBiasMatch | None:
+    """The first ``Reshape`` of ``matmul``'s output and the first ``BiasAdd`` reading that
+    reshape, or None."""
+    view = ctx.view
+    reshape = next((c for c in view.consumers(matmul.name) if c.op == "Reshape"
+                    and parse_input(c.input[0]) == (matmul.name, 0, False)), None)
+    bias = reshape and next((c for c in view.consumers(reshape.name) if c.op == "BiasAdd"), None)
+    return None if bias is None else ReshapedBiasMatch(matmul, reshape, bias)
+
+
+# -- check ----------------------------------------------------------------------------------
+def _check(match: ReshapedBiasMatch, ctx: RuleContext) -> str | None:
     """Why the bias stays after the reshape, or None."""
+    why = _blocker(ctx.view, match.matmul, match.reshape, match.bias_add)
+    return None if why is None else f"MatMul -> Reshape -> BiasAdd: {why}"
+
+
+def _blocker(view: GraphView, matmul: NodeDef, reshape: NodeDef, bias: NodeDef) -> str | None:
     if parse_input(bias.input[0])[0] != reshape.name:
         return "BiasAdd reads the reshape as its bias"
     fmt = bias.attr["data_format"].s.decode() if "data_format" in bias.attr else "NHWC"
@@ -74,28 +94,7 @@ def _blocker(view: GraphView, matmul: NodeDef, reshape: NodeDef, bias: NodeDef) 
     return None
 
 
-def find_reshaped_biases(view: GraphView) -> tuple[list[ReshapedBiasMatch], list[str]]:
-    """Every ``MatMul -> Reshape -> BiasAdd`` in ``view`` whose bias may move ahead of the
-    reshape, and a reason for each one that may not."""
-    matches: list[ReshapedBiasMatch] = []
-    declined: list[str] = []
-    for matmul in view.nodes():
-        if matmul.op != "MatMul":
-            continue
-        reshape = next((c for c in view.consumers(matmul.name) if c.op == "Reshape"
-                        and parse_input(c.input[0]) == (matmul.name, 0, False)), None)
-        bias = reshape and next(
-            (c for c in view.consumers(reshape.name) if c.op == "BiasAdd"), None)
-        if bias is None:
-            continue
-        why = _blocker(view, matmul, reshape, bias)
-        if why is not None:
-            declined.append(f"MatMul -> Reshape -> BiasAdd: {why}")
-            continue
-        matches.append(ReshapedBiasMatch(matmul, reshape, bias))
-    return matches, declined
-
-
+# -- emit -----------------------------------------------------------------------------------
 def rewrite_reshaped_bias(view: GraphView, match: ReshapedBiasMatch) -> NodeDef:
     """Write ``MatMul -> BiasAdd -> Reshape``: the BiasAdd (named after the MatMul, with
     :data:`SUFFIX`) reads the MatMul; the Reshape takes the old BiasAdd's name, so the old
@@ -112,6 +111,20 @@ def rewrite_reshaped_bias(view: GraphView, match: ReshapedBiasMatch) -> NodeDef:
     return moved
 
 
+# -- declaration ----------------------------------------------------------------------------
+RULE = Rule(
+    anchors=frozenset({"MatMul"}), match=_match, check=_check,
+    emit=rewrite_reshaped_bias,
+    kind=lambda m: "BiasAdd moved ahead of the Reshape after MatMul",
+)
+
+
+def find_reshaped_biases(view: GraphView) -> tuple[list[ReshapedBiasMatch], list[str]]:
+    """Every ``MatMul -> Reshape -> BiasAdd`` in ``view`` whose bias may move ahead of the
+    reshape, and a reason for each one that may not (the rule reads no target)."""
+    return RULE.find(view, PlainTarget("any"))
+
+
 @register(
     "reshaped_bias",
     "MatMul -> Reshape -> BiasAdd (Keras Dense on inputs of rank > 2) -> MatMul -> BiasAdd -> "
@@ -119,8 +132,4 @@ def rewrite_reshaped_bias(view: GraphView, match: ReshapedBiasMatch) -> NodeDef:
 )
 def reshaped_bias_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Move every bias that follows a MatMul's reshape ahead of the reshape (exact)."""
-    apply_matches(
-        view, ctx, find_reshaped_biases(view),
-        lambda v, m: rewrite_reshaped_bias(v, m),
-        lambda m: "BiasAdd moved ahead of the Reshape after MatMul",
-    )
+    RULE.apply(view, ctx)
