@@ -12,8 +12,9 @@ conservative form.
 Declined, with the reason: ``NCHW`` (the sum is over axis 1, not the last), a gradient whose
 static shape is not fully known, a dtype the MatMul does not run in.
 
-One shape, as in every family: :class:`BiasGradMatch` records a match,
-:func:`find_bias_grads` fills records, :func:`rewrite_bias_grad` writes the MatMul.
+One rule (:mod:`fusion.rule`), as every family: its match takes a ``BiasAddGrad`` and its
+gradient's shape (a :class:`BiasGradMatch`), its check says why it stays (the tuner's answer
+among the reasons), :func:`rewrite_bias_grad` writes the MatMul.
 
 Example:
     >>> import tensorflow as tf
@@ -38,10 +39,10 @@ import numpy as np
 import tensorflow as tf
 
 from fusion.family import register
-from fusion.fragment import choose_rewrite
 from fusion.graph import GraphView, NodeDef, output_shape, parse_input
 from fusion.match import const_node, dtype_name, new_node
-from fusion.pattern import Chooser, RewriteContext, Target, apply_matches
+from fusion.pattern import Chooser, RewriteContext, Target
+from fusion.rule import Rule, RuleContext
 
 SCOPE = "tfmx_bias_grad"
 """The scope of the nodes written for one match: ``<BiasAddGrad's name>/tfmx_bias_grad/``."""
@@ -63,50 +64,47 @@ class BiasGradMatch:
         return f"BiasAddGrad {dtype_name(self.node)} {self.rows}x{self.channels}"
 
 
-def _blocker(view: GraphView, node: NodeDef) -> tuple[str | None, tuple[int, int]]:
-    """Why ``node`` stays a BiasAddGrad (or None), and its gradient's (rows, channels)."""
-    fmt = node.attr["data_format"].s.decode() if "data_format" in node.attr else "NHWC"
-    if fmt != "NHWC":
-        return f"data_format {fmt} sums over axis 1, not the last", (0, 0)
-    dtype = dtype_name(node)
-    if dtype not in DTYPES:
-        return f"dtype {dtype}", (0, 0)
-    producer = view.node(node.input[0])
+# -- match ----------------------------------------------------------------------------------
+def _match(node: NodeDef, ctx: RuleContext) -> BiasGradMatch:
+    """A ``BiasAddGrad`` and its gradient's rows and channels (-1, -1: not fully known)."""
+    producer = ctx.view.node(node.input[0])
     shape = None if producer is None else output_shape(producer, parse_input(node.input[0])[1])
     if shape is None or len(shape) < 2 or None in shape:
-        return "the gradient's static shape is not fully known", (0, 0)
+        return BiasGradMatch(node, -1, -1)
+    return BiasGradMatch(node, math.prod(shape[:-1]), shape[-1])
+
+
+# -- check ----------------------------------------------------------------------------------
+def _check(match: BiasGradMatch, ctx: RuleContext) -> str | None:
+    """Why the ``BiasAddGrad`` stays as it is: its layout, dtype or shape, its edges, the
+    target, or the tuner measuring it faster."""
+    view, node = ctx.view, match.node
+    why = _blocker(view, match)
+    if why is None and not ctx.target.runs_op("MatMul"):
+        why = f"{ctx.target.name} runs no MatMul"
+    if why is not None:
+        return f"BiasAddGrad: {why}"
+    kept = ctx.tuned("bias_grad", match.signature, [node.name],
+                     lambda v: rewrite_bias_grad(v, match), stock="BiasAddGrad", fused="matmul")
+    return None if kept is None else f"{match.signature}: left as it is: {kept}"
+
+
+def _blocker(view: GraphView, match: BiasGradMatch) -> str | None:
+    node = match.node
+    fmt = node.attr["data_format"].s.decode() if "data_format" in node.attr else "NHWC"
+    if fmt != "NHWC":
+        return f"data_format {fmt} sums over axis 1, not the last"
+    dtype = dtype_name(node)
+    if dtype not in DTYPES:
+        return f"dtype {dtype}"
+    if match.rows < 0:
+        return "the gradient's static shape is not fully known"
     if view.has_control_edges(node) or node.name in view.protected:
-        return "it has a control edge or is fetched by the function", (0, 0)
-    return None, (math.prod(shape[:-1]), shape[-1])
+        return "it has a control edge or is fetched by the function"
+    return None
 
 
-def find_bias_grads(view: GraphView, target: Target, tuner: Chooser | None = None
-                    ) -> tuple[list[BiasGradMatch], list[str]]:
-    """Every ``BiasAddGrad`` in ``view`` that ``tuner`` (if given) measures faster as a
-    MatMul of ones on ``target``, and a reason for each one left as it is."""
-    matches: list[BiasGradMatch] = []
-    declined: list[str] = []
-    for node in view.nodes():
-        if node.op != "BiasAddGrad":
-            continue
-        why, (rows, channels) = _blocker(view, node)
-        if why is None and not target.runs_op("MatMul"):
-            why = f"{target.name} runs no MatMul"
-        if why is not None:
-            declined.append(f"BiasAddGrad: {why}")
-            continue
-        match = BiasGradMatch(node, rows, channels)
-        if tuner is not None:
-            choice = choose_rewrite(tuner, "bias_grad", match.signature, view, [node.name],
-                                    lambda v, m=match: rewrite_bias_grad(v, m),
-                                    stock="BiasAddGrad", fused="matmul")
-            if choice.choice == "BiasAddGrad":
-                declined.append(f"{match.signature}: left as it is: {choice.why()}")
-                continue
-        matches.append(match)
-    return matches, declined
-
-
+# -- emit -----------------------------------------------------------------------------------
 def rewrite_bias_grad(view: GraphView, match: BiasGradMatch) -> NodeDef:
     """Write ``reshape(ones[1, rows] @ reshape(dy, [rows, channels]), [channels])``; the last
     Reshape takes the BiasAddGrad's name, so its consumers need no rewiring."""
@@ -136,6 +134,18 @@ def rewrite_bias_grad(view: GraphView, match: BiasGradMatch) -> NodeDef:
     return out
 
 
+# -- declaration ----------------------------------------------------------------------------
+RULE = Rule(anchors=frozenset({"BiasAddGrad"}), match=_match, check=_check,
+            emit=rewrite_bias_grad, kind=lambda m: "BiasAddGrad as a MatMul of ones")
+
+
+def find_bias_grads(view: GraphView, target: Target, tuner: Chooser | None = None
+                    ) -> tuple[list[BiasGradMatch], list[str]]:
+    """Every ``BiasAddGrad`` in ``view`` that ``tuner`` (if given) measures faster as a
+    MatMul of ones on ``target``, and a reason for each one left as it is."""
+    return RULE.find(view, target, tuner)
+
+
 @register(
     "bias_grad",
     "BiasAddGrad -> a MatMul of a row of ones (the same sum on the GEMM), where the tuner "
@@ -146,8 +156,4 @@ def rewrite_bias_grad(view: GraphView, match: BiasGradMatch) -> NodeDef:
 )
 def bias_grad_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Rewrite every ``BiasAddGrad`` in ``view`` that the tuner measures faster as a MatMul."""
-    apply_matches(
-        view, ctx, find_bias_grads(view, ctx.target, ctx.tuner),
-        lambda v, m: rewrite_bias_grad(v, m),
-        lambda m: "BiasAddGrad as a MatMul of ones",
-    )
+    RULE.apply(view, ctx)
