@@ -11,8 +11,10 @@ Two kinds, both exact (the values do not change):
 
 The lossy direction (``float32 -> bfloat16 -> float32``) rounds, so it is never touched.
 
-One shape, as in every family: :class:`CastMatch` records a match, :func:`find_casts` fills
-records, :func:`rewrite_cast` rewires and removes.
+One rule (:mod:`fusion.rule`), as every family: its match takes a ``Cast`` that is an
+identity or the second half of a lossless round trip (a :class:`CastMatch`), its check says why
+one stays (fetched, a control edge, an overlap with another), :func:`rewrite_cast` rewires and
+removes.
 
 Example:
     >>> import tensorflow as tf
@@ -35,7 +37,8 @@ import dataclasses
 from fusion.family import register
 from fusion.graph import GraphView, NodeDef, parse_input
 from fusion.match import dtype_name
-from fusion.pattern import RewriteContext, Target, apply_matches
+from fusion.pattern import RewriteContext, Target
+from fusion.rule import Rule, RuleContext
 
 LOSSLESS_WIDENING = frozenset({
     ("bfloat16", "float32"), ("float16", "float32"), ("bfloat16", "float64"),
@@ -67,44 +70,39 @@ def _producer_through_identity(view: GraphView, ref: str) -> tuple[NodeDef | Non
     return node, ref
 
 
-def find_casts(view: GraphView, target: Target) -> tuple[list[CastMatch], list[str]]:
-    """Every redundant cast in ``view``, and a reason for each one left in place."""
-    matches: list[CastMatch] = []
-    declined: list[str] = []
-    claimed: set[str] = set()
-    for node in view.nodes():
-        if node.op != "Cast":
-            continue
-        src_t, dst_t = _cast_types(node)
-        if src_t == dst_t:
-            match = CastMatch(node, node.input[0], None, f"identity Cast {src_t}")
-        else:
-            first, ref = _producer_through_identity(view, node.input[0])
-            if first is None or first.op != "Cast" or parse_input(ref)[1] != 0:
-                continue
-            narrow, wide = _cast_types(first)
-            if (narrow, wide) not in LOSSLESS_WIDENING or dst_t != narrow or src_t != wide:
-                continue
-            match = CastMatch(node, first.input[0], first,
-                              f"{narrow}->{wide}->{narrow} round trip")
-        why = None
-        if node.name in view.protected:
-            why = "output is fetched by the function"
-        elif view.has_control_edges(node):
-            why = "it has a control edge"
-        elif parse_input(match.source)[2]:
-            why = "its input is a control edge"
-        elif node.name in claimed or (match.first is not None and match.first.name in claimed
+# -- match ----------------------------------------------------------------------------------
+def _match(node: NodeDef, ctx: RuleContext) -> CastMatch | None:
+    """``node`` as an identity cast or the narrowing half of a lossless round trip, or None."""
+    src_t, dst_t = _cast_types(node)
+    if src_t == dst_t:
+        return CastMatch(node, node.input[0], None, f"identity Cast {src_t}")
+    first, ref = _producer_through_identity(ctx.view, node.input[0])
+    if first is None or first.op != "Cast" or parse_input(ref)[1] != 0:
+        return None
+    narrow, wide = _cast_types(first)
+    if (narrow, wide) not in LOSSLESS_WIDENING or dst_t != narrow or src_t != wide:
+        return None
+    return CastMatch(node, first.input[0], first, f"{narrow}->{wide}->{narrow} round trip")
+
+
+# -- check ----------------------------------------------------------------------------------
+def _check(match: CastMatch, ctx: RuleContext) -> str | None:
+    """Why the cast stays: fetched, a control edge, or a part of another redundant cast."""
+    view, node = ctx.view, match.cast
+    why = None
+    if node.name in view.protected:
+        why = "output is fetched by the function"
+    elif view.has_control_edges(node):
+        why = "it has a control edge"
+    elif parse_input(match.source)[2]:
+        why = "its input is a control edge"
+    elif node.name in ctx.claimed or (match.first is not None and match.first.name in ctx.claimed
                                       and match.first.name != node.name):
-            why = "overlaps another redundant cast"
-        if why:
-            declined.append(f"{match.kind}: {why}")
-            continue
-        claimed.add(node.name)
-        matches.append(match)
-    return matches, declined
+        why = "overlaps another redundant cast"
+    return None if why is None else f"{match.kind}: {why}"
 
 
+# -- emit -----------------------------------------------------------------------------------
 def rewrite_cast(view: GraphView, match: CastMatch) -> None:
     """Let the consumers of ``match.cast`` read ``match.source``; drop casts nothing reads."""
     for reader, index, _, control in view.consumer_edges(match.cast.name):
@@ -117,6 +115,16 @@ def rewrite_cast(view: GraphView, match: CastMatch) -> None:
         view.remove(first.name)
 
 
+# -- declaration ----------------------------------------------------------------------------
+RULE = Rule(anchors=frozenset({"Cast"}), match=_match, check=_check, emit=rewrite_cast,
+            kind=lambda m: f"removed {m.kind}", claims=lambda m: (m.cast.name,))
+
+
+def find_casts(view: GraphView, target: Target) -> tuple[list[CastMatch], list[str]]:
+    """Every redundant cast in ``view``, and a reason for each one left in place."""
+    return RULE.find(view, target)
+
+
 @register(
     "casts",
     "redundant Cast: lossless round trips (bfloat16->float32->bfloat16) and identity casts "
@@ -127,8 +135,4 @@ def rewrite_cast(view: GraphView, match: CastMatch) -> None:
 )
 def casts_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Remove every redundant cast in ``view`` (exact: values do not change)."""
-    apply_matches(
-        view, ctx, find_casts(view, ctx.target),
-        lambda v, m: rewrite_cast(v, m),
-        lambda m: f"removed {m.kind}",
-    )
+    RULE.apply(view, ctx)
