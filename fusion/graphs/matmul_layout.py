@@ -18,8 +18,9 @@ Declined, with the reason: a ``transpose_a`` MatMul (both operands transposed), 
 static shapes are not known, a dtype outside float32, bfloat16 and float16, a node with control
 edges.
 
-One shape, as in every family: :class:`LayoutMatch` records a match, :func:`find_layouts` fills
-records, :func:`rewrite_layout` writes the transposition.
+One rule (:mod:`fusion.rule`), as every family: its match takes a ``transpose_b`` MatMul and
+its operands' shapes (a :class:`LayoutMatch`), its check says why it keeps its flag (the tuner's
+answer among the reasons), :func:`rewrite_layout` writes the transposition.
 
 Example:
     >>> import tensorflow as tf
@@ -44,10 +45,11 @@ import numpy as np
 import tensorflow as tf
 
 from fusion.family import register
-from fusion.fragment import choose_rewrite, tensor_shape
+from fusion.fragment import tensor_shape
 from fusion.graph import GraphView, NodeDef
 from fusion.match import const_node, dtype_name, new_node
-from fusion.pattern import Chooser, RewriteContext, Target, apply_matches
+from fusion.pattern import Chooser, RewriteContext, Target
+from fusion.rule import Rule, RuleContext
 
 FAMILY = "matmul_layout"
 SCOPE = "tfmx_transposed"
@@ -71,49 +73,45 @@ class LayoutMatch:
         return f"MatMul {dtype_name(self.node)} {m}x{k} x ({n}x{k})^T"
 
 
-def _blocker(view: GraphView, node: NodeDef) -> tuple[str | None, tuple, tuple]:
-    """Why ``node`` keeps its ``transpose_b`` (or None), and its operands' shapes."""
+# -- match ----------------------------------------------------------------------------------
+def _match(node: NodeDef, ctx: RuleContext) -> LayoutMatch | None:
+    """A ``transpose_b`` MatMul and its operands' static shapes (empty where unknown)."""
+    if not node.attr["transpose_b"].b:
+        return None
+    a, b = (tensor_shape(ctx.view, ref) for ref in ctx.view.data_inputs(node)[:2])
+    known = a is not None and b is not None and len(a) == 2 and len(b) == 2 and None not in a + b
+    return LayoutMatch(node, a, b) if known else LayoutMatch(node, (), ())
+
+
+# -- check ----------------------------------------------------------------------------------
+def _check(match: LayoutMatch, ctx: RuleContext) -> str | None:
+    """Why the MatMul keeps its ``transpose_b``: both operands transposed, its dtype or
+    shapes, its edges, the target, or the tuner measuring it faster."""
+    why = _blocker(ctx.view, match)
+    if why is None and not ctx.target.runs_op("Transpose"):
+        why = f"{ctx.target.name} runs no Transpose"
+    if why is not None:
+        return f"MatMul (transpose_b): {why}"
+    kept = ctx.tuned(FAMILY, match.signature, [match.node.name],
+                     lambda v: rewrite_layout(v, match), stock=STOCK, fused=FUSED)
+    return None if kept is None else f"{match.signature}: left as it is: {kept}"
+
+
+def _blocker(view: GraphView, match: LayoutMatch) -> str | None:
+    node = match.node
     if node.attr["transpose_a"].b:
-        return "transpose_a as well (both operands read transposed)", (), ()
+        return "transpose_a as well (both operands read transposed)"
     dtype = dtype_name(node)
     if dtype not in DTYPES:
-        return f"dtype {dtype}", (), ()
-    a, b = (tensor_shape(view, ref) for ref in view.data_inputs(node)[:2])
-    if a is None or b is None or len(a) != 2 or len(b) != 2 or None in a + b:
-        return "an operand's static shape is not fully known", (), ()
+        return f"dtype {dtype}"
+    if not match.a_shape:
+        return "an operand's static shape is not fully known"
     if view.has_control_edges(node):
-        return "it has a control edge", (), ()
-    return None, a, b
+        return "it has a control edge"
+    return None
 
 
-def find_layouts(view: GraphView, target: Target, tuner: Chooser | None = None
-                 ) -> tuple[list[LayoutMatch], list[str]]:
-    """Every ``MatMul`` with ``transpose_b`` in ``view`` that ``tuner`` (if given) measures
-    faster with its second operand transposed once on ``target``, and a reason for each one
-    left as it is."""
-    matches: list[LayoutMatch] = []
-    declined: list[str] = []
-    for node in view.nodes():
-        if node.op != "MatMul" or not node.attr["transpose_b"].b:
-            continue
-        why, a, b = _blocker(view, node)
-        if why is None and not target.runs_op("Transpose"):
-            why = f"{target.name} runs no Transpose"
-        if why is not None:
-            declined.append(f"MatMul (transpose_b): {why}")
-            continue
-        match = LayoutMatch(node, a, b)
-        if tuner is not None:
-            choice = choose_rewrite(tuner, FAMILY, match.signature, view, [node.name],
-                                    lambda v, m=match: rewrite_layout(v, m),
-                                    stock=STOCK, fused=FUSED)
-            if choice.choice == STOCK:
-                declined.append(f"{match.signature}: left as it is: {choice.why()}")
-                continue
-        matches.append(match)
-    return matches, declined
-
-
+# -- emit -----------------------------------------------------------------------------------
 def rewrite_layout(view: GraphView, match: LayoutMatch) -> NodeDef:
     """Write ``b`` transposed (``Reshape -> Transpose -> Reshape``, see the module's text) and
     the MatMul reading it without ``transpose_b``, under the MatMul's own name."""
@@ -147,6 +145,19 @@ def rewrite_layout(view: GraphView, match: LayoutMatch) -> NodeDef:
     return product
 
 
+# -- declaration ----------------------------------------------------------------------------
+RULE = Rule(anchors=frozenset({"MatMul"}), match=_match, check=_check, emit=rewrite_layout,
+            kind=lambda m: "MatMul: its transposed operand transposed once")
+
+
+def find_layouts(view: GraphView, target: Target, tuner: Chooser | None = None
+                 ) -> tuple[list[LayoutMatch], list[str]]:
+    """Every ``MatMul`` with ``transpose_b`` in ``view`` that ``tuner`` (if given) measures
+    faster with its second operand transposed once on ``target``, and a reason for each one
+    left as it is."""
+    return RULE.find(view, target, tuner)
+
+
 @register(
     FAMILY,
     "MatMul(a, b, transpose_b=True) -> MatMul(a, b transposed once), where the tuner measures "
@@ -158,8 +169,4 @@ def rewrite_layout(view: GraphView, match: LayoutMatch) -> NodeDef:
 def matmul_layout_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Rewrite every ``transpose_b`` MatMul in ``view`` that the tuner measures faster with
     its second operand transposed once."""
-    apply_matches(
-        view, ctx, find_layouts(view, ctx.target, ctx.tuner),
-        lambda v, m: rewrite_layout(v, m),
-        lambda m: "MatMul: its transposed operand transposed once",
-    )
+    RULE.apply(view, ctx)
