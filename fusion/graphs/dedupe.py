@@ -18,9 +18,11 @@ Left alone: stateful ops other than ``ReadVariableOp`` (a random op, an assignme
 call functions (If, While, PartitionedCall), placeholders, fetched outputs, and graphs with
 TensorFlow 1 control flow (its frames make equal-looking nodes differ).
 
-One shape, as in every family: :class:`DuplicateMatch` records a node and the one it equals,
-:func:`find_duplicates` fills records in topological order, :func:`rewrite_duplicate` rewires
-the node's readers and removes it.
+One rule (:mod:`fusion.rule`), as every family: it walks the graph in topological order, its
+match pairs a node with the earlier one it equals (a :class:`DuplicateMatch`; what it has seen
+is the rule's memo), it declines a graph with TensorFlow 1 control flow as a whole (nothing
+is declined node by node), :func:`rewrite_duplicate` rewires the node's readers and removes
+it.
 
 Example:
     >>> import tensorflow as tf
@@ -44,7 +46,8 @@ from tensorflow.python.framework import op_def_registry
 
 from fusion.family import register
 from fusion.graph import GraphView, NodeDef, parse_input, tensor_ref
-from fusion.pattern import RewriteContext, apply_matches
+from fusion.pattern import PlainTarget, RewriteContext
+from fusion.rule import Rule, RuleContext
 
 V1_CONTROL_FLOW = frozenset({
     "Enter", "RefEnter", "Exit", "RefExit", "NextIteration", "RefNextIteration", "Switch",
@@ -90,35 +93,49 @@ def _attrs(node: NodeDef) -> bytes:
     )
 
 
-def find_duplicates(view: GraphView) -> tuple[list[DuplicateMatch], list[str]]:
-    """Every node in ``view`` equal to an earlier one, in topological order (so each record's
-    ``keep`` is itself kept); a reason when the graph is left alone."""
-    v1 = sorted({n.op for n in view if n.op in V1_CONTROL_FLOW})
+# -- match ----------------------------------------------------------------------------------
+def _topological(view: GraphView) -> list[NodeDef]:
+    return [node for name in view.topological_order() if (node := view.node(name)) is not None]
+
+
+def _match(node: NodeDef, ctx: RuleContext) -> DuplicateMatch | None:
+    """``node`` and the earlier node it equals (op, device, attributes, inputs and control
+    inputs, each input read through the duplicates already found), or None."""
+    if not _shareable(node.op):
+        return None
+    canonical: dict[str, str] = ctx.memo.setdefault("canonical", {})
+    seen: dict[tuple, str] = ctx.memo.setdefault("seen", {})
+    data, control = [], set()
+    for ref in node.input:
+        producer, port, is_control = parse_input(ref)
+        producer = canonical.get(producer, producer)
+        if is_control:
+            control.add(producer)
+        else:
+            data.append(tensor_ref(producer, port))
+    key = (node.op, node.device, tuple(data), frozenset(control), _attrs(node))
+    keep = seen.setdefault(key, node.name)
+    if keep == node.name or not ctx.view.retirable(node.name):  # a fetched output stays
+        return None
+    canonical[node.name] = keep
+    return DuplicateMatch(node, keep)
+
+
+# -- check ----------------------------------------------------------------------------------
+def _v1_control_flow(ctx: RuleContext) -> list[str] | None:
+    """The reason a graph with TensorFlow 1 control flow is left as it is, or None."""
+    v1 = sorted({n.op for n in ctx.view if n.op in V1_CONTROL_FLOW})
     if v1:
-        return [], [f"graph with TensorFlow 1 control flow ({', '.join(v1)}): left as it is"]
-    canonical: dict[str, str] = {}
-    seen: dict[tuple, str] = {}
-    matches: list[DuplicateMatch] = []
-    for name in view.topological_order():
-        node = view.node(name)
-        if node is None or not _shareable(node.op):
-            continue
-        data, control = [], set()
-        for ref in node.input:
-            producer, port, is_control = parse_input(ref)
-            producer = canonical.get(producer, producer)
-            if is_control:
-                control.add(producer)
-            else:
-                data.append(tensor_ref(producer, port))
-        key = (node.op, node.device, tuple(data), frozenset(control), _attrs(node))
-        keep = seen.setdefault(key, name)
-        if keep != name and view.retirable(name):  # a fetched output keeps its own node
-            canonical[name] = keep
-            matches.append(DuplicateMatch(node, keep))
-    return matches, []
+        return [f"graph with TensorFlow 1 control flow ({', '.join(v1)}): left as it is"]
+    return None
 
 
+def _check(match: DuplicateMatch, ctx: RuleContext) -> str | None:
+    """Every duplicate found is computed once: nothing to decline node by node."""
+    return None
+
+
+# -- emit -----------------------------------------------------------------------------------
 def rewrite_duplicate(view: GraphView, match: DuplicateMatch) -> None:
     """Let every reader of ``match.node`` read ``match.keep``; remove ``match.node``."""
     name = match.node.name
@@ -132,6 +149,18 @@ def rewrite_duplicate(view: GraphView, match: DuplicateMatch) -> None:
     view.remove(name)
 
 
+# -- declaration ----------------------------------------------------------------------------
+RULE = Rule(match=_match, check=_check, emit=rewrite_duplicate,
+            kind=lambda m: f"{m.node.op} computed once", walk=_topological,
+            begin=_v1_control_flow)
+
+
+def find_duplicates(view: GraphView) -> tuple[list[DuplicateMatch], list[str]]:
+    """Every node in ``view`` equal to an earlier one, in topological order (so each record's
+    ``keep`` is itself kept); a reason when the graph is left alone."""
+    return RULE.find(view, PlainTarget("any"))
+
+
 @register(
     "dedupe",
     "duplicate reads of a variable (same control inputs) and the equal pure computations on "
@@ -143,8 +172,4 @@ def rewrite_duplicate(view: GraphView, match: DuplicateMatch) -> None:
 )
 def dedupe_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Compute every duplicated value in ``view`` once (exact: values do not change)."""
-    apply_matches(
-        view, ctx, find_duplicates(view),
-        lambda v, m: rewrite_duplicate(v, m),
-        lambda m: f"{m.node.op} computed once",
-    )
+    RULE.apply(view, ctx)
