@@ -26,6 +26,10 @@ The region returns the 16 bits as ``uint16`` and the caller reads them as bfloat
 no gradient is taken of (a custom gradient's forward or backward), not for regions TensorFlow
 differentiates.
 
+This module contributes the form to the stages through ``fusion.forms``
+(:class:`fusion.forms.RegionEdges`, :data:`EDGES`); no stage imports it, and without it every
+region's edges are XLA's convert.
+
 Example:
     >>> import numpy as np, tensorflow as tf
     >>> x = tf.constant([1.0, 1.00390625, 1.01171875, -3.3e38, float("nan"), 1e-40])
@@ -43,7 +47,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from fusion import trace_state
+from fusion import forms, trace_state
 
 FAMILY = "bfloat16_bits"  # the tuner's family of the decisions below (a region's own family
 # forces its forms by name: this one has its own)
@@ -153,3 +157,9 @@ def decoded(value: Any) -> Any:
     """
     return tf.nest.map_structure(
         lambda t: from_bits(t) if getattr(t, "dtype", None) == tf.uint16 else t, value)
+
+
+EDGES = forms.contribute(forms.RegionEdges(
+    FAMILY, INTEGER, CONVERT, edges=integer_edges, widened=widened, encoded=encoded,
+    decoded=decoded))
+"""The integer edges as the stages ask for them (``fusion.forms.region_edges``)."""

@@ -1,7 +1,10 @@
 """The forms a stage emits, and how they are timed: a layer's weights as its call reads them, a
 tuner candidate of a layer call (forward and backward at the call's shapes), an XLA-compiled
 region (its bfloat16 edges by XLA's convert or by integer operations, as measured), a custom
-gradient whose backward is named as TensorFlow names a registered gradient's.
+gradient whose backward is named as TensorFlow names a registered gradient's; and the one seam
+through which a module contributes a form to other stages without their importing it
+(:class:`AffineForm`: another product for the stages that compute ``x @ kernel + bias``;
+:class:`RegionEdges`: another way an XLA region takes and gives bfloat16).
 
 Example:
     >>> import tensorflow as tf
@@ -13,13 +16,14 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+import importlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import tensorflow as tf
 
-from fusion import bfloat16_bits as bits
 from fusion.stage_context import StageContext, active, tracing
 
 
@@ -98,8 +102,8 @@ def timed_form(forward: Callable[..., Any], shapes: list, dtype: Any, variables:
                 if watch:
                     tape.watch(inputs)
                 # tf.square, not ** 2: the gradient of a Pow is a Pow (x ** 1), a slow
-                # kernel that TensorFlow does not simplify in front of every region and
-                # that once added ~6 ms to an XLA region's time at [2048, 512]
+                # kernel that TensorFlow does not simplify, which would weigh on every
+                # candidate alike and most on the cheapest (an XLA region's)
                 loss = tf.reduce_sum(tf.square(tf.cast(forward(*inputs), tf.float32)))
             if not backward:  # inference: the forward alone
                 return [loss]
@@ -129,11 +133,10 @@ def xla_region(fn: Callable[..., Any], bfloat16_bits: bool = False) -> Callable[
     """``fn`` as one function compiled by XLA (``jit_compile=True``; TensorFlow compiles its
     gradient function too), traced with no stage active: XLA fuses the region itself, and
     the GraphDef passes leave functions XLA must compile as they are. With
-    ``bfloat16_bits`` its bfloat16 outputs are rounded by integer operations inside the region
-    and read back with a ``Bitcast``, and the bfloat16 inputs its code reads through
-    ``fusion.bfloat16_bits.widened`` are widened by integer operations
-    (:mod:`fusion.bfloat16_bits`: the same bits, no gradient through them: for regions no
-    gradient is taken of).
+    ``bfloat16_bits`` its bfloat16 edges are the contributed :class:`RegionEdges`' (where a
+    module contributes them, else XLA's convert): its outputs encoded inside the region and
+    decoded outside, the bfloat16 inputs its code reads through :func:`widened` widened their
+    way (the same bits, no gradient through them: for regions no gradient is taken of).
 
     >>> import tensorflow as tf
     >>> region = xla_region(lambda x: tf.nn.relu(x) * 2.0)
@@ -146,17 +149,17 @@ def xla_region(fn: Callable[..., Any], bfloat16_bits: bool = False) -> Callable[
     """
     import tensorflow as tf
 
-    from fusion import bfloat16_bits as bits
+    edges = region_edges() if bfloat16_bits else None
 
     def body(*args: Any) -> Any:
-        with tracing(None), bits.integer_edges(bfloat16_bits):
+        with tracing(None), (edges.edges(True) if edges else contextlib.nullcontext()):
             out = fn(*args)
-        return tf.nest.map_structure(bits.encoded, out) if bfloat16_bits else out
+        return tf.nest.map_structure(edges.encoded, out) if edges else out
 
     compiled = tf.function(body, jit_compile=True, autograph=False)
-    if not bfloat16_bits:
+    if edges is None:
         return compiled
-    return lambda *args: bits.decoded(compiled(*args))
+    return lambda *args: edges.decoded(compiled(*args))
 
 
 def custom_gradient(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -210,23 +213,27 @@ def with_xla(ctx: StageContext, candidates: dict, region: Callable[..., Any], sh
 def integer_rounding(ctx: Any, what: str, region: Callable[..., Any], shapes: list,
                      dtype: Any = tf.bfloat16) -> bool:
     """Whether the XLA region computing ``region`` (its bfloat16 outputs narrowed by ``Cast``)
-    for inputs of ``shapes`` and ``dtype`` rounds those outputs by integer operations (and
-    widens the bfloat16 inputs it reads through :func:`fusion.bfloat16_bits.widened` so):
-    ``ctx``'s tuner times the region's forward both ways (a decision of the family
-    :data:`fusion.bfloat16_bits.FAMILY`, named by ``what`` and the shapes, cached per machine
-    like every other); without a tuner, the
-    integer rounding. The region itself is timed, not a stand-in: XLA's convert costs little
-    in a loop that only moves memory, and much in one that computes (the GELU's ``Erf``).
+    for inputs of ``shapes`` and ``dtype`` takes and gives bfloat16 the contributed way
+    (:class:`RegionEdges`: outputs encoded, the inputs it reads through :func:`widened`
+    widened so): ``ctx``'s tuner times the region's forward both ways (a decision of the
+    edges' own family, named by ``what`` and the shapes, cached per machine like every
+    other); without a tuner, the contributed way; where no module contributes one, XLA's
+    convert (False). The region itself is timed, not a stand-in: a conversion costs little in
+    a loop that only moves memory and much more in one that computes.
 
     >>> import tensorflow as tf
     >>> from fusion.pattern import PlainTarget, RewriteAlways
     >>> from fusion.stage_context import StageContext
     >>> ctx = StageContext(PlainTarget("cpu"), RewriteAlways())
-    >>> integer_rounding(ctx, "scale", lambda x: tf.cast(x * 2.0, tf.bfloat16), [[4]])
+    >>> integer_rounding(ctx, "scale", lambda x: tf.cast(x * 2.0, tf.bfloat16), [[4]]) == (
+    ...     region_edges() is not None)
     True
     """
     from fusion.fragment import shape_text
 
+    edges = region_edges()
+    if edges is None:
+        return False
     if ctx.chooser is None:
         return True
     signature = (f"{what} XLA region input {' '.join(shape_text(s) for s in shapes)} "
@@ -234,11 +241,184 @@ def integer_rounding(ctx: Any, what: str, region: Callable[..., Any], shapes: li
                  "operations")
 
     def timed(mode: str) -> Callable[[], Callable[[], None]]:
-        compiled = xla_region(region, bfloat16_bits=mode == bits.INTEGER)
+        compiled = xla_region(region, bfloat16_bits=mode == edges.name)
         return timed_form(lambda *args: tf.add_n([  # one number of outputs of any dtypes
             tf.reduce_sum(tf.cast(out, tf.float32)) for out in tf.nest.flatten(compiled(*args))]),
             shapes, dtype, backward=False)
 
-    candidates = {mode: timed(mode) for mode in (bits.CONVERT, bits.INTEGER)}
-    choice = ctx.chooser.choose(bits.FAMILY, signature, candidates, bits.CONVERT).choice
-    return choice == bits.INTEGER
+    candidates = {mode: timed(mode) for mode in (edges.conventional, edges.name)}
+    choice = ctx.chooser.choose(edges.family, signature, candidates, edges.conventional).choice
+    return choice == edges.name
+
+
+# -- forms one module contributes to other stages --------------------------------------------
+# A module that offers another way to compute what several stages compute registers it here;
+# the stages ask this registry, never the module, so removing the module (and its test) leaves
+# every stage as it was, without the contributed forms.
+CONTRIBUTORS = ("fusion.bfloat16_bits",)
+"""Modules outside the families' packages that contribute here, imported on first need (one
+that is absent contributes nothing). The families' own packages are imported with them."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AffineForm:
+    """Another way to compute ``rows @ kernel + bias`` (``rows`` ``[n, k]``, ``kernel``
+    ``[k, m]``, ``bias`` ``[m]``: its ``product``) for the stages whose forms end in such a
+    product: each such host form ``f`` gains the form ``f + suffix``, reported under
+    ``labels[host family][f + suffix]``. ``family``: the contributor's own family, whose forms
+    sum in another order than Keras's (what exact-parity tests leave out)."""
+
+    family: str
+    suffix: str
+    product: Callable[[Any, Any, Any], Any]
+    labels: Mapping[str, Mapping[str, str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionEdges:
+    """Another way an XLA region (:func:`xla_region` with ``bfloat16_bits``) takes and gives
+    bfloat16 than XLA's convert, with the same bits: ``edges(on)`` around the traced body
+    (inside it :func:`widened` widens with ``widened``), ``encoded`` of each output inside the
+    region, ``decoded`` of the region's result outside. The tuner's decision between the two
+    (:func:`integer_rounding`) is of ``family``, its forms ``conventional`` and ``name``."""
+
+    family: str
+    name: str
+    conventional: str
+    edges: Callable[[bool], Any]
+    widened: Callable[[Any], Any]
+    encoded: Callable[[Any], Any]
+    decoded: Callable[[Any], Any]
+
+
+_AFFINE: dict[str, AffineForm] = {}
+_EDGES: list[RegionEdges] = []
+_loaded = False
+
+
+def contribute(form: AffineForm | RegionEdges) -> AffineForm | RegionEdges:
+    """Register ``form`` (a module-level call in the contributing module); the same suffix or
+    family again replaces the earlier one.
+
+    >>> demo = contribute(AffineForm("demo", " demo", lambda x, k, b: x @ k + b,
+    ...                              {"host": {"matmul demo": "host: the demo product"}}))
+    >>> [f.suffix for f in affine_forms("host")]
+    [' demo']
+    >>> withdraw(demo); affine_forms("host")
+    []
+    """
+    if isinstance(form, AffineForm):
+        _AFFINE[form.suffix] = form
+    else:
+        _EDGES[:] = [e for e in _EDGES if e.family != form.family] + [form]
+    return form
+
+
+def withdraw(form: AffineForm | RegionEdges) -> None:
+    """Remove a contribution (one a test made)."""
+    if isinstance(form, AffineForm):
+        _AFFINE.pop(form.suffix, None)
+    elif form in _EDGES:
+        _EDGES.remove(form)
+
+
+def _load() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    from fusion.family import families
+
+    families()  # the families' packages, whose modules contribute as they are imported
+    for name in CONTRIBUTORS:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+
+
+def affine_forms(host: str) -> list[AffineForm]:
+    """The affine products contributed to the family ``host``'s forms, in registration order."""
+    _load()
+    return [form for form in _AFFINE.values() if host in form.labels]
+
+
+def rounds_otherwise() -> list[str]:
+    """The families whose contributed forms sum in another order than Keras's (the same
+    sums, blocked otherwise): what a test comparing with stock bit for bit leaves out.
+
+    >>> isinstance(rounds_otherwise(), list)
+    True
+    """
+    _load()
+    return sorted({form.family for form in _AFFINE.values()})
+
+
+def affine(rows: Any, kernel: Any, bias: Any, suffix: str = "") -> Any:
+    """``rows @ kernel + bias`` by the contributed product of ``suffix`` (``""``: ``MatMul``
+    then ``BiasAdd``).
+
+    >>> affine(tf.ones([1, 2]), tf.ones([2, 1]), tf.constant([0.5])).numpy().tolist()
+    [[2.5]]
+    """
+    if suffix:
+        return _AFFINE[suffix].product(rows, kernel, bias)
+    return tf.nn.bias_add(tf.matmul(rows, kernel), bias)
+
+
+class HostForms(Mapping):
+    """The forms (name -> value) a family ``host`` declares and, as they are when read, the
+    ones contributed to it (:class:`AffineForm`): a contributed form's label its
+    contributor's, its marks those of the host form it extends (``kind`` "labels" or
+    "marks"). What a host's :class:`fusion.family.Forms` holds, so the observer and the
+    report see contributed forms that register after the host is declared.
+
+    >>> demo = contribute(AffineForm("demo", " demo", lambda x, k, b: x @ k + b,
+    ...                              {"host": {"matmul demo": "host: the demo product"}}))
+    >>> dict(HostForms("host", {"matmul": "host: MatMul"}, "labels"))
+    {'matmul': 'host: MatMul', 'matmul demo': 'host: the demo product'}
+    >>> withdraw(demo)
+    """
+
+    def __init__(self, host: str, base: Mapping[str, Any], kind: str) -> None:
+        self.host, self.base, self.kind = host, dict(base), kind
+
+    def _all(self) -> dict[str, Any]:
+        out = dict(self.base)
+        for form in affine_forms(self.host):
+            for name, label in form.labels[self.host].items():
+                out[name] = label if self.kind == "labels" else \
+                    self.base[name.removesuffix(form.suffix)]
+        return out
+
+    def __getitem__(self, name: str) -> Any:
+        return self.base[name] if name in self.base else self._all()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __repr__(self) -> str:
+        return f"HostForms({self.host!r}, {self._all()!r})"
+
+
+def region_edges() -> RegionEdges | None:
+    """The contributed way of an XLA region's bfloat16 edges (:class:`RegionEdges`), or None
+    where no module contributes one (every edge then XLA's convert)."""
+    _load()
+    return _EDGES[-1] if _EDGES else None
+
+
+def widened(x: Any) -> tf.Tensor:
+    """``x`` as float32, for code that runs inside an XLA region: as the contributed
+    :class:`RegionEdges` widen it where the region is traced with them, else by ``Cast``. The
+    same values either way.
+
+    >>> widened(tf.constant([0.5, -3.0], tf.bfloat16)).numpy().tolist()
+    [0.5, -3.0]
+    """
+    edges = region_edges()
+    return edges.widened(x) if edges is not None else tf.cast(x, tf.float32)

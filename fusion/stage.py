@@ -51,6 +51,7 @@ from fusion.forms import (
     integer_rounding,
     layer_value,
     timed_form,
+    widened,
     with_xla,
     xla_region,
 )
@@ -108,17 +109,34 @@ def functional_neighbours(layer: Any) -> tuple[list[Any], list[Any]] | None:
             [node.operation for node in getattr(layer, "_outbound_nodes", [])])
 
 
+@dataclasses.dataclass
+class Emitted:
+    """What an ``emit`` of :func:`rewrite_call` returns where the form reports itself: the
+    call's output and its statistics (a form that rewrites through the graph passes has their
+    labels). With nothing fused in ``stats`` (its reason declined, its errors) the form did not
+    change the graph: ``value`` is unused and the call is Keras's."""
+
+    value: Any
+    stats: PatternStats
+
+
 def rewrite_call(ctx: StageContext, family: Family, *, what: str, why: str | None,
                  allowed: list[str], signature: Callable[[], str],
-                 candidates: Callable[[], dict], keras: Callable[[], Any],
-                 emit: Callable[[str], Any], prefix: str = "") -> Any:
+                 candidates: Callable[[], dict] | None, keras: Callable[[], Any],
+                 emit: Callable[[str], Any], prefix: str = "", keeps: str | None = None,
+                 conservative: str | None = None, kept: str | None = None,
+                 then: Callable[[Any], Any] | None = None) -> Any:
     """The flow every stage hook shares, for one call of the method ``family`` routes: without
-    a tuner the first of ``allowed``; with one, the tuner's pick between the family's
-    conservative form and ``candidates()`` (factories by form name, timed under
-    ``signature()``); the form emitted by ``emit(form)`` under ``<scope>_<prefix><form>`` and
-    recorded as fused with its label (the family's :class:`~fusion.family.Forms`), or
-    ``keras()`` with the reason recorded (``why``, or that the conservative form measured
-    faster). ``allowed`` is empty, or ``why`` given, where the call cannot be rewritten.
+    a tuner (or ``candidates``) the first of ``allowed``; with one, the tuner's pick among
+    ``candidates()`` (factories by form name, timed under ``signature()``; its default the
+    ``conservative`` form, the family's unless given); Keras's own form (``keeps``, the
+    family's conservative unless given) picked: ``keras()`` with the reason that it measured
+    faster (``kept``, the family's words unless given). Else the form emitted by
+    ``emit(form)`` under ``<scope>_<prefix><form>`` (no scope where the family's is empty) and
+    recorded as fused with its label (the family's :class:`~fusion.family.Forms`), or with
+    the statistics ``emit`` returns (:class:`Emitted`), then passed to ``then`` outside that
+    scope. ``allowed`` is empty, or ``why`` given, where the call cannot be rewritten:
+    ``keras()`` with the reason recorded.
 
     >>> from fusion.family import Forms
     >>> from fusion.pattern import PlainTarget, RewriteAlways
@@ -137,22 +155,32 @@ def rewrite_call(ctx: StageContext, family: Family, *, what: str, why: str | Non
     import tensorflow as tf
 
     forms = family.forms
+    keeps = forms.conservative if keeps is None else keeps
     stats = PatternStats(matched=1)
     form = allowed[0] if allowed and why is None else None
-    if form is not None and ctx.chooser is not None:
+    if form is not None and ctx.chooser is not None and candidates is not None:
         chosen = signature()
-        form = ctx.chooser.choose(family.name, chosen, candidates(), forms.conservative).choice
-        if form == forms.conservative:
-            form, why = None, f"{chosen}: {forms.kept} kept: measured faster"
+        form = ctx.chooser.choose(family.name, chosen, candidates(),
+                                  keeps if conservative is None else conservative).choice
+        if form == keeps:
+            form = None
+            why = f"{chosen}: {forms.kept if kept is None else kept} kept: measured faster"
     if form is None:
         stats.decline(f"{what}: {why}")
         ctx.record(family.name, stats)
         return keras()
-    with tf.name_scope(f"{forms.scope}_{(prefix + form).replace(' ', '_')}"):
+    scope = f"{forms.scope}_{(prefix + form).replace(' ', '_')}" if forms.scope else None
+    with tf.name_scope(scope) if scope else contextlib.nullcontext():
         out = emit(form)
-    stats.fuse(forms.labels[prefix + form])
-    ctx.record(family.name, stats)
-    return out
+    if isinstance(out, Emitted):
+        ctx.record(family.name, out.stats)
+        if not out.stats.fused:
+            return keras()
+        out = out.value
+    else:
+        stats.fuse(forms.labels[prefix + form])
+        ctx.record(family.name, stats)
+    return out if then is None else then(out)
 
 
 def _routed(chain: list[tuple[Family, Hook]]) -> Callable[[Any], Any]:
@@ -350,9 +378,9 @@ def unsupported_inputs(args: tuple, kwargs: dict) -> str | None:
 
 
 __all__ = [  # the stage API: hooks and their flow here, the context and the forms re-exported
-    "FAULT_POINTS", "GROUP", "XLA", "XLA_CALLS", "Hook", "InjectedFault", "StageContext",
+    "FAULT_POINTS", "GROUP", "XLA", "XLA_CALLS", "Emitted", "Hook", "InjectedFault", "StageContext",
     "active", "autocast", "autocast_dtype", "custom_gradient", "failing",
     "functional_neighbours", "install", "integer_rounding", "layer_value", "rewrite_call",
     "stages", "timed_form", "tracing", "transaction", "uninstall", "unsupported_inputs",
-    "with_xla", "xla_region",
+    "widened", "with_xla", "xla_region",
 ]

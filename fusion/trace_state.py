@@ -66,8 +66,8 @@ class TraceState:
     """The rnn stage's layer calls another may read as its lower half of a wavefront:
     their outputs' ``ref()`` -> what the upper call needs of them."""
     integer_edges: bool | None = None
-    """Whether a region traced in the graph widens bfloat16 by integer operations
-    (``fusion.bfloat16_bits.integer_edges``); None: not said."""
+    """Whether a region traced in the graph widens bfloat16 by integer operations (the
+    contributed ``fusion.forms.RegionEdges``); None: not said."""
 
 
 _STATES: weakref.WeakKeyDictionary[Any, TraceState] = weakref.WeakKeyDictionary()

@@ -79,13 +79,16 @@ class PickForm:
 def exact_patterns() -> list[str]:
     """Every registered family but ``onednn``, which runs convolutions on oneDNN's kernels and
     so changes float32 summation order (tests/test_onednn.py holds it to its own tolerance),
-    and ``bias_row``, whose kernel gradient comes out of a wider MatMul (the same sums, perhaps
-    blocked otherwise; tests/test_bias_row.py holds it to rounding). What these give equals
-    stock but for the rounding of a fused kernel's own activation (Tanh, Sigmoid, Elu):
-    bitwise for Relu chains, the kernels Grappler gives stock too."""
+    and the families whose forms sum in another order (``fusion.forms.rounds_otherwise``: a
+    kernel gradient out of a wider MatMul, the same sums perhaps blocked otherwise; their own
+    tests hold them to rounding). What these give equals stock but for the rounding of a fused
+    kernel's own activation (Tanh, Sigmoid, Elu): bitwise for Relu chains, the kernels
+    Grappler gives stock too."""
     import fusion
+    from fusion.forms import rounds_otherwise
 
-    return [name for name in fusion.available_patterns() if name not in ("onednn", "bias_row")]
+    left_out = {"onednn", *rounds_otherwise()}
+    return [name for name in fusion.available_patterns() if name not in left_out]
 
 
 # -- tolerances from rounding --------------------------------------------------------------------

@@ -120,3 +120,18 @@ def test_every_graph_pass_and_stage_is_a_declared_family():
     for family in stage.stages():
         assert family.name in declared
         assert family.graph_pass is not None or (family.forms and family.forms.marks), family.name
+
+
+CONTRIBUTED = ("fusion.calls.bias_row", "fusion.bfloat16_bits")
+"""Modules that offer their forms to other stages through ``fusion.forms`` alone: removing one
+(and its own test) leaves every other module as it is."""
+
+
+@pytest.mark.parametrize("module", CONTRIBUTED)
+def test_contributed_forms_are_reached_through_fusion_forms_alone(module):
+    """No other library module, and neither of the tests' shared helpers, imports a module
+    that contributes forms (``fusion.forms.contribute``): the stages ask ``fusion.forms``."""
+    importers = [name for name, targets in GRAPH.items() if module in targets]
+    importers += [f"tests/{name}.py" for name in ("helpers", "parity")
+                  if module in _imports(ROOT / "tests" / f"{name}.py")]
+    assert not importers, f"{module} imported by {sorted(importers)}"

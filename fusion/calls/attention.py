@@ -64,6 +64,7 @@ from fusion.stage import (
     StageContext,
     rewrite_call,
     timed_form,
+    widened,
     with_xla,
     xla_region,
 )
@@ -141,9 +142,7 @@ def bfloat16_softmax_exact() -> bool:
 def _softmax_gradient(dprobs: tf.Tensor, probs: tf.Tensor) -> tf.Tensor:
     """Softmax's gradient ``(dp - sum(dp * p)) * p`` in float32 from bfloat16 ``dprobs`` and
     ``probs``, rounded to bfloat16 (an XLA region's body: inputs widened, output rounded, by
-    integer operations)."""
-    from fusion.bfloat16_bits import widened
-
+    integer operations where a module contributes them: ``fusion.forms.RegionEdges``)."""
     dp, p = widened(dprobs), widened(probs)
     return tf.cast((dp - tf.reduce_sum(dp * p, -1, keepdims=True)) * p, tf.bfloat16)
 

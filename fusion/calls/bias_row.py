@@ -40,6 +40,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from fusion import forms
 from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Forms, declare
 from fusion.stage import (
     Hook,
@@ -163,3 +164,15 @@ DECLARED = declare(Family(
                 kept="Keras's MatMul and bias"),
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))
+
+
+AFFINE = forms.contribute(forms.AffineForm(
+    FAMILY, " " + FORM, bias_row_product,
+    {"einsum_dense": {
+        "matmul bias row": "EinsumDense: Reshape + one MatMul, the bias a row of the kernel, "
+                           "in place of Einsum",
+        "shared bias row": "MultiHeadAttention: query, key and value projections as one "
+                           "MatMul, the biases a row of the kernels"}}))
+"""The product offered to the stages whose forms end in ``x @ kernel + bias``
+(``fusion.forms.AffineForm``: ``einsum_dense``'s ``matmul`` and ``shared`` forms each gain a
+``... bias row`` form); they ask ``fusion.forms``, never this module."""

@@ -40,22 +40,18 @@ from typing import Any
 
 import tensorflow as tf
 
-from fusion.calls.bias_row import bias_row_product
 from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Forms, declare
-from fusion.pattern import PatternStats
-from fusion.stage import Hook, StageContext, layer_value, timed_form
+from fusion.forms import HostForms, affine, affine_forms
+from fusion.stage import Hook, StageContext, layer_value, rewrite_call, timed_form
 
 FAMILY = "einsum_dense"
 SCOPE = "tfmx_einsum_dense"
 LABEL = "EinsumDense: Reshape + MatMul (+ BiasAdd) in place of Einsum"
 SHARED_LABEL = "MultiHeadAttention: query, key and value projections as one MatMul"
-ROW = " bias row"  # a form's suffix: its bias as a row of the kernel (fusion.calls.bias_row)
-ROW_LABEL = "EinsumDense: Reshape + one MatMul, the bias a row of the kernel, in place of Einsum"
-SHARED_ROW_LABEL = ("MultiHeadAttention: query, key and value projections as one MatMul, the "
-                    "biases a row of the kernels")
-LABELS = {"matmul": LABEL, "shared": SHARED_LABEL, "matmul" + ROW: ROW_LABEL,
-          "shared" + ROW: SHARED_ROW_LABEL}
-"""Each form's report label, by its name (its scope: ``tfmx_einsum_dense_<form>``)."""
+LABELS = HostForms(FAMILY, {"matmul": LABEL, "shared": SHARED_LABEL}, "labels")
+"""Each form's report label, by its name (its scope: ``tfmx_einsum_dense_<form>``): the two
+MatMul forms and each with a contributed product in place of its MatMul and bias
+(``fusion.forms.AffineForm``: ``matmul<suffix>``, ``shared<suffix>``)."""
 _pending = threading.local()  # .outputs: id(EinsumDense) -> its output, computed in advance
 
 
@@ -96,11 +92,11 @@ def has_flat_bias(layer: Any) -> bool:
         tuple(layer.bias.shape) == tuple(layer.kernel.shape[len(contracted):])
 
 
-def as_matmul(layer: Any, inputs: tf.Tensor, bias_row: bool = False) -> tf.Tensor:
+def as_matmul(layer: Any, inputs: tf.Tensor, product: str = "") -> tf.Tensor:
     """``layer``'s output (an ``EinsumDense`` whose equation :func:`split_equation` accepts)
-    as ``Reshape`` + ``MatMul`` (+ ``BiasAdd``) + activation + ``Reshape``; with ``bias_row``
-    a bias over all the kept axes is a row of the kernel instead (one MatMul,
-    ``fusion.calls.bias_row``)."""
+    as ``Reshape`` + ``MatMul`` (+ ``BiasAdd``) + activation + ``Reshape``; with ``product``
+    (a contributed :class:`fusion.forms.AffineForm`'s suffix) a bias over all the kept axes
+    is computed with the MatMul by that product instead."""
     _, contracted, kept = split_equation(layer.equation)
     kernel = layer_value(layer.kernel)
     shape = kernel.shape.as_list()
@@ -110,12 +106,10 @@ def as_matmul(layer: Any, inputs: tf.Tensor, bias_row: bool = False) -> tf.Tenso
     flat_kernel = tf.reshape(kernel, [cols, math.prod(kept_dims)])
     bias = None if layer.bias is None else layer_value(layer.bias)
     flat_bias = has_flat_bias(layer)
-    if flat_bias and bias_row:
-        y = bias_row_product(rows, flat_kernel, tf.reshape(bias, [-1]))
+    if flat_bias:
+        y = affine(rows, flat_kernel, tf.reshape(bias, [-1]), product)
     else:
         y = tf.matmul(rows, flat_kernel)
-    if flat_bias and not bias_row:
-        y = tf.nn.bias_add(y, tf.reshape(bias, [-1]))
     early = layer.activation is not None and (len(kept) == 1 and (flat_bias or bias is None))
     if early:  # on the last axis, which the reshape keeps: the contraction family fuses it
         y = layer.activation(y)
@@ -143,58 +137,59 @@ def find_einsum_dense(layer: Any, inputs: Any) -> str | None:
     return None
 
 
+def check_einsum_dense(layer: Any, inputs: tf.Tensor) -> str | None:
+    """Why this call keeps Keras's Einsum (:func:`find_einsum_dense`, or its operands'
+    dtypes differ), or None."""
+    why = find_einsum_dense(layer, inputs)
+    kernel = layer_value(layer.kernel)
+    if why is None and kernel.dtype != inputs.dtype:
+        why = f"input {inputs.dtype.name} and kernel {kernel.dtype.name} differ"
+    return why
+
+
 def fused_einsum_dense_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
                             *args: Any, **kwargs: Any) -> Any:
     """``EinsumDense.call`` while tfmx traces: the MatMul form where it is correct and (by the
-    tuner) faster, else Keras's Einsum with the reason recorded. A projection that
-    :func:`fused_attention_call` already computed (in one MatMul with its siblings) returns
-    that output."""
+    tuner) faster, else Keras's Einsum with the reason recorded
+    (:func:`fusion.stage.rewrite_call`). A projection that :func:`fused_attention_call`
+    already computed (in one MatMul with its siblings) returns that output."""
     done = getattr(_pending, "outputs", {}).pop(id(layer), None)
     if done is not None:
         return done
     if not tf.inside_function():
         return original(layer, inputs, *args, **kwargs)
-    stats = PatternStats(matched=1)
     inputs = tf.convert_to_tensor(inputs)
-    why = find_einsum_dense(layer, inputs)
-    if why is None and layer_value(layer.kernel).dtype != inputs.dtype:
-        why = f"input {inputs.dtype.name} and kernel {layer_value(layer.kernel).dtype.name} differ"
-    use = why is None
-    if use and ctx.chooser is not None:
+    why = check_einsum_dense(layer, inputs)
+    forms = _matmul_forms(layer) if why is None else {}
+
+    def signature() -> str:
         from fusion.fragment import shape_text
 
-        signature = (f"EinsumDense {layer.equation} input {shape_text(inputs.shape)} "
-                     f"{inputs.dtype.name} bias={layer.bias is not None} "
-                     f"activation={getattr(layer.activation, '__name__', None)}")
+        return (f"EinsumDense {layer.equation} input {shape_text(inputs.shape)} "
+                f"{inputs.dtype.name} bias={layer.bias is not None} "
+                f"activation={getattr(layer.activation, '__name__', None)}")
+
+    def candidates() -> dict:
         variables = layer.trainable_variables
-        candidates = {
-            "einsum": timed_form(lambda x: original(layer, x), [inputs.shape], inputs.dtype,
-                                 variables),
-            **{form: timed_form(lambda x, row=row: as_matmul(layer, x, bias_row=row),
-                                [inputs.shape], inputs.dtype, variables)
-               for form, row in _matmul_forms(layer)},
-        }
-        conservative = "einsum" if ctx.target.runs_op("Einsum") else "matmul"
-        form = ctx.chooser.choose(FAMILY, signature, candidates, conservative).choice
-        if form == "einsum":
-            use, why = False, f"{signature}: Keras's Einsum kept: measured faster"
-    else:
-        form = "matmul"
-    if not use:
-        stats.decline(f"EinsumDense: {why}")
-        ctx.record(FAMILY, stats)
-        return original(layer, inputs, *args, **kwargs)
-    with tf.name_scope(f"{SCOPE}_{form.replace(' ', '_')}"):
-        out = as_matmul(layer, inputs, bias_row=form.endswith(ROW))
-    stats.fuse(LABELS[form])
-    ctx.record(FAMILY, stats)
-    return out
+        return {"einsum": timed_form(lambda x: original(layer, x), [inputs.shape],
+                                     inputs.dtype, variables),
+                **{form: timed_form(lambda x, p=product: as_matmul(layer, x, p),
+                                    [inputs.shape], inputs.dtype, variables)
+                   for form, product in forms.items()}}
+
+    return rewrite_call(
+        ctx, DECLARED, what="EinsumDense", why=why, allowed=list(forms), signature=signature,
+        candidates=candidates, keras=lambda: original(layer, inputs, *args, **kwargs),
+        emit=lambda form: as_matmul(layer, inputs, forms[form]),
+        conservative="einsum" if ctx.target.runs_op("Einsum") else "matmul")
 
 
-def _matmul_forms(layer: Any) -> list[tuple[str, bool]]:
-    """The MatMul forms of ``layer`` the tuner weighs: (name, bias as a row); the bias-row one
+def _matmul_forms(layer: Any) -> dict[str, str]:
+    """The MatMul forms of ``layer`` the tuner weighs, by name: the suffix of the contributed
+    product each computes its bias with (``""``: MatMul + BiasAdd); the contributed ones
     where the bias is over all the kept axes."""
-    return [("matmul", False), *([("matmul" + ROW, True)] if has_flat_bias(layer) else [])]
+    products = [form.suffix for form in affine_forms(FAMILY)] if has_flat_bias(layer) else []
+    return {"matmul" + suffix: suffix for suffix in ["", *products]}
 
 
 def _projections(layer: Any) -> tuple[Any, Any, Any]:
@@ -245,13 +240,13 @@ def find_shared_projection(layer: Any, query: Any, value: Any, key: Any) -> str 
     return None
 
 
-def shared_projection(layer: Any, x: tf.Tensor, bias_row: bool = False) -> list[tf.Tensor]:
+def shared_projection(layer: Any, x: tf.Tensor, product: str = "") -> list[tf.Tensor]:
     """The query, key and value projections of ``x`` (a ``MultiHeadAttention``'s, accepted by
     :func:`find_shared_projection`) as one ``MatMul`` of ``x`` viewed ``[rows, features]`` with
     the three kernels concatenated (+ one ``BiasAdd``), split back into the three outputs:
     the backward is one MatMul for the input's gradient (no sum of three) and one for the
-    kernels'. With ``bias_row`` the biases are a row of the kernels (``fusion.calls.bias_row``:
-    one MatMul for the kernels' and the biases' gradients too).
+    kernels'. With ``product`` (a contributed :class:`fusion.forms.AffineForm`'s suffix) the
+    MatMul and the biases are computed by that product.
 
     >>> import keras, numpy as np
     >>> mha = keras.layers.MultiHeadAttention(2, 3)
@@ -271,12 +266,7 @@ def shared_projection(layer: Any, x: tf.Tensor, bias_row: bool = False) -> list[
     kernel = tf.concat([tf.reshape(k, [cols, n]) for k, n in zip(kernels, widths)], 1)
     bias = None if denses[0].bias is None else \
         tf.concat([tf.reshape(layer_value(d.bias), [-1]) for d in denses], 0)
-    if bias is not None and bias_row:
-        y = bias_row_product(rows, kernel, bias)
-    else:
-        y = tf.matmul(rows, kernel)
-        if bias is not None:
-            y = tf.nn.bias_add(y, bias)
+    y = tf.matmul(rows, kernel) if bias is None else affine(rows, kernel, bias, product)
     leading = x.shape[: x.shape.rank - len(contracted)]
     dynamic = tf.shape(x)[: x.shape.rank - len(contracted)]
     outs = []
@@ -295,53 +285,53 @@ def fused_attention_call(ctx: StageContext, original: Callable, layer: Any, quer
     if not tf.inside_function() or args:
         return original(layer, query, value, key, *args, **kwargs)
     why = find_shared_projection(layer, query, value, key)
-    stats = PatternStats(matched=1)
     denses = _projections(layer)
-    if why is None and ctx.chooser is not None:
+    products = [""] + ([f.suffix for f in affine_forms(FAMILY)]
+                       if why is None and denses[0].bias is not None else [])
+    forms = {"shared" + suffix: suffix for suffix in products} if why is None else {}
+    x = tf.convert_to_tensor(query) if why is None else query
+
+    def signature() -> str:
         from fusion.fragment import shape_text
 
-        x = tf.convert_to_tensor(query)
+        contracted = len(split_equation(denses[0].equation)[1])
+        return (f"MultiHeadAttention projections {denses[0].equation} input "
+                f"{shape_text(x.shape)} {x.dtype.name} widths "
+                f"{[math.prod(d.kernel.shape[contracted:]) for d in denses]}")
+
+    def candidates() -> dict:
         variables = [v for d in denses for v in d.trainable_variables]
 
         def separate(v: Any) -> Any:
             return tf.stack([tf.reduce_sum(tf.square(as_matmul(d, v))) for d in denses])
 
-        def shared(v: Any, row: bool) -> Any:
+        def shared(v: Any, product: str) -> Any:
             return tf.stack([tf.reduce_sum(tf.square(o))
-                             for o in shared_projection(layer, v, bias_row=row)])
+                             for o in shared_projection(layer, v, product)])
 
-        contracted = len(split_equation(denses[0].equation)[1])
-        signature = (f"MultiHeadAttention projections {denses[0].equation} input "
-                     f"{shape_text(x.shape)} {x.dtype.name} widths "
-                     f"{[math.prod(d.kernel.shape[contracted:]) for d in denses]}")
-        rows = [False, *([True] if denses[0].bias is not None else [])]
-        candidates = {"separate": timed_form(separate, [x.shape], x.dtype, variables),
-                      **{"shared" + (ROW if row else ""): timed_form(
-                          lambda v, row=row: shared(v, row), [x.shape], x.dtype, variables)
-                         for row in rows}}
-        form = ctx.chooser.choose(FAMILY, signature, candidates, "separate").choice
-        if form == "separate":
-            why = f"{signature}: three MatMuls kept: measured faster"
-    else:
-        form = "shared"
-    if why is not None:
-        stats.decline(f"MultiHeadAttention projections: {why}")
-        ctx.record(FAMILY, stats)
-        return original(layer, query, value, key, **kwargs)
-    with tf.name_scope(f"{SCOPE}_{form.replace(' ', '_')}"):
-        outs = shared_projection(layer, tf.convert_to_tensor(query),
-                                 bias_row=form.endswith(ROW))
-    stats.fuse(LABELS[form])
-    ctx.record(FAMILY, stats)
-    before = getattr(_pending, "outputs", {})
-    _pending.outputs = {**before, **{id(d): out for d, out in zip(denses, outs)}}
-    try:
-        return original(layer, query, value, key, **kwargs)
-    finally:
-        _pending.outputs = before
+        return {"separate": timed_form(separate, [x.shape], x.dtype, variables),
+                **{form: timed_form(lambda v, p=product: shared(v, p), [x.shape], x.dtype,
+                                    variables)
+                   for form, product in forms.items()}}
+
+    def rest(outs: list) -> Any:  # Keras's call, its projections returning ``outs``
+        before = getattr(_pending, "outputs", {})
+        _pending.outputs = {**before, **{id(d): out for d, out in zip(denses, outs)}}
+        try:
+            return original(layer, query, value, key, **kwargs)
+        finally:
+            _pending.outputs = before
+
+    return rewrite_call(
+        ctx, DECLARED, what="MultiHeadAttention projections", why=why, allowed=list(forms),
+        signature=signature, candidates=candidates,
+        keras=lambda: original(layer, query, value, key, **kwargs),
+        emit=lambda form: shared_projection(layer, x, forms[form]), then=rest,
+        keeps="separate", kept="three MatMuls")
 
 
-MARKS = {form: frozenset({"MatMul", "_FusedMatMul"}) for form in LABELS}
+MARKS = HostForms(FAMILY, dict.fromkeys(("matmul", "shared"),
+                                         frozenset({"MatMul", "_FusedMatMul"})), "marks")
 """Per form, the op that shows it in a traced graph: its MatMul (plain, or fused with its bias
 by contraction)."""
 
@@ -353,6 +343,6 @@ DECLARED = declare(Family(
     hooks=(Hook("keras.src.layers.core.einsum_dense:EinsumDense", "call", fused_einsum_dense_call),
            Hook("keras.src.layers.attention.multi_head_attention:MultiHeadAttention", "call",
                 fused_attention_call)),
-    forms=Forms(SCOPE, MARKS, LABELS),
+    forms=Forms(SCOPE, MARKS, LABELS, conservative="einsum", kept="Keras's Einsum"),
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))

@@ -197,7 +197,7 @@ def gelu_xla_slope(x: tf.Tensor, approximate: bool = False,
     the backward is one multiplication, outside XLA. For a float32 ``x`` the arithmetic is
     :func:`gelu_custom`'s; a 16-bit ``x`` rounds as :func:`gelu_slope_kept` does. With
     ``bfloat16_bits`` a bfloat16 ``x``'s two results are rounded by integer operations in the
-    region's loop (:mod:`fusion.bfloat16_bits`: the same bits as XLA's convert).
+    region's loop (the contributed ``fusion.forms.RegionEdges``: the same bits as XLA's convert).
 
     >>> import tensorflow as tf
     >>> x = tf.constant([-1.0, 0.0, 2.0], tf.bfloat16)

@@ -20,8 +20,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from fusion.bfloat16_bits import widened
-from fusion.stage import custom_gradient, xla_region
+from fusion.stage import custom_gradient, widened, xla_region
 
 ONEDNN_OP = "_MklLayerNorm"
 
@@ -171,8 +170,8 @@ def onednn_backward(epsilon: float, has_gamma: bool,
     """
 
     def backward(flat: tf.Tensor, dy: tf.Tensor, *weights: Any) -> tuple:
-        # widened: in an XLA region rounding bfloat16 by integer operations, the 16-bit
-        # inputs are widened that way too (fusion.bfloat16_bits); elsewhere a Cast
+        # widened: in an XLA region whose bfloat16 edges are the contributed ones
+        # (fusion.forms.RegionEdges), the 16-bit inputs are widened that way too; else a Cast
         xhat, inv = _normalized(widened(flat), [1], epsilon)
         g32 = tf.cast(weights[0], tf.float32) if has_gamma else None
         dx, *dweights = _closed_form_grad(widened(dy), xhat, inv, g32, [1], [0],
@@ -195,7 +194,7 @@ def layer_norm_onednn(x: tf.Tensor, gamma: Any, beta: Any, first_axis: int,
     form's by one rounding of gamma and beta), the gradient still computed in float32. With
     ``xla_gradient`` the backward (statistics and closed form) is one XLA-compiled region,
     which with ``bfloat16_bits`` rounds a bfloat16 gradient by integer operations
-    (:mod:`fusion.bfloat16_bits`).
+    (the contributed ``fusion.forms.RegionEdges``).
 
     >>> import keras, numpy as np
     >>> x = tf.constant(np.arange(24, dtype="float32").reshape(2, 3, 4) ** 1.5)
