@@ -114,6 +114,17 @@ def test_apple_table_is_the_shipped_op_list():
     assert ("BiasAdd", "LeakyRelu") in apple.fused_ops["_FusedConv2D"]
 
 
+def test_apple_table_has_the_three_letter_ops():
+    """The wheel's strings were read from three characters up: the elementwise ops with short
+    names are in, and every name is an op TensorFlow registers."""
+    from tensorflow.python.framework import op_def_registry
+
+    apple = plugin_table(APPLE)
+    assert {"Mul", "Sub", "Sum", "Neg", "Pow", "Add", "Exp", "Log", "Max", "Abs"} <= set(apple.ops)
+    assert not any(len(op) < 3 for op in apple.ops)
+    assert [op for op in apple.ops if op_def_registry.get(op) is None] == []
+
+
 def test_lookups():
     assert [(t.name, t.version) for t in known_plugins()] == [(APPLE, "1.2.0"), (OPEN, "0.4.1")]
     assert plugin_table("tensorflow_metal_plugin", "0.4.1") is plugin_table(OPEN)

@@ -2,7 +2,9 @@
 ``fused_ops`` lists its fused kernels take, and the ops a given TensorFlow keeps off it.
 
 - ``tensorflow-metal`` 1.2.0, Apple's closed plugin (TensorFlow 2.18-2.19): its kernel names,
-  read from the strings of its public wheel, ship as
+  the strings of three characters or more of its public wheel's ``libmetal_plugin.dylib`` that
+  are TensorFlow 2.21 ops (``Mul``, ``Sub``, ``Sum`` among them; the two-letter ``If``, ``Lu``,
+  ``Qr`` left out, too short to tell from chance), ship as
   ``tfmx/data/tensorflow-metal-1.2.0-ops.txt``. The wheel does not say which dtypes each kernel
   takes, so every op's set is empty (read: any); its fused lists are the conv computations its
   error strings name.
