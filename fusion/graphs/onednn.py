@@ -32,8 +32,11 @@ Where oneDNN is on, TensorFlow's pass already does this and the backend lists no
 retarget; where the kernels are not registered (other platforms), likewise. Results differ
 from Eigen's by float32 summation order only (a few 1e-6, relative; the tests check).
 
-One shape, as in every family: :class:`OneDnnMatch` records a node, :func:`find_onednn` fills
-records (and says why a node stays on Eigen), :func:`rewrite_onednn` retargets.
+One rule (:mod:`fusion.rule`), as every family: its match takes a node the target has a oneDNN
+kernel for (a :class:`OneDnnMatch`, a ``MaxPool`` with its gradients), its check says why it
+stays on Eigen (the tuner's answer among the reasons), a last look keeps a batch norm only with
+its partner, :func:`rewrite_onednn` retargets. A target with nothing to retarget leaves the
+graph unread.
 
 Example:
     >>> import tensorflow as tf
@@ -58,10 +61,11 @@ import platform
 from collections.abc import Mapping
 
 from fusion.family import register
-from fusion.fragment import choose_rewrite, input_shapes
+from fusion.fragment import input_shapes
 from fusion.graph import GraphView, NodeDef, parse_input
 from fusion.match import const_value, dtype_name
-from fusion.pattern import Chooser, RewriteContext, Target, apply_matches
+from fusion.pattern import Chooser, RewriteContext, Target
+from fusion.rule import Rule, RuleContext
 
 KERNEL_LABEL = "MklNameChangeOp"
 """The kernel label TensorFlow registers oneDNN's renamed ("Native") kernels under."""
@@ -265,43 +269,55 @@ def max_pool_gradients(view: GraphView, node: NodeDef) -> tuple[list[NodeDef], s
     return gradients, None
 
 
-def find_onednn(view: GraphView, target: Target, tuner: Chooser | None = None,
-                ) -> tuple[list[OneDnnMatch], list[str]]:
-    """Every node ``target`` runs on a oneDNN kernel; reasons for the ones left on Eigen.
+# -- match ----------------------------------------------------------------------------------
+def _ops(ctx: RuleContext) -> Mapping[str, str]:
+    """TensorFlow op -> oneDNN op, as the target declares them (none: nothing to retarget)."""
+    if "ops" not in ctx.memo:
+        kernels = ctx.target.capability(OneDnnKernels)
+        ctx.memo["ops"] = {} if kernels is None else kernels.ops
+    return ctx.memo["ops"]
 
-    Convolutions and MatMuls go to oneDNN where ``tuner`` measures it faster than Eigen at
-    the node's own shapes (None: always)."""
-    kernels = target.capability(OneDnnKernels)
-    ops = {} if kernels is None else kernels.ops
-    declined: list[str] = []
-    candidates: dict[str, OneDnnMatch] = {}
-    if not ops:  # cuda, metal, cpu with oneDNN on: no walk over the graph
-        return [], declined
-    for node in view:
-        new = ops.get(node.op)
-        if new is None or "_kernel" in node.attr or node.op == "MaxPoolGrad":
-            continue  # absent, already labelled for a kernel, or moved with its forward
-        why = _why_not(node, view)
-        match = OneDnnMatch(node, new)
-        if why is None and node.op == "MaxPool":
-            gradients, why = max_pool_gradients(view, node)
-            if gradients and "MaxPoolGrad" not in ops:
-                why = "MaxPool: this build has no oneDNN kernel of its gradient"
-            match = OneDnnMatch(node, new, tuple(gradients))
-        if why is None and tuner is not None and node.op not in _UNTUNED:
-            sig = signature(view, node) + match.with_gradients
-            choice = choose_rewrite(tuner, "onednn", sig, view,
-                                    [node.name, *(g.name for g in match.gradients)],
-                                    lambda v, m=match: rewrite_onednn(v, m),
-                                    stock="eigen", fused="onednn")
-            if choice.choice == "eigen":
-                why = f"{sig}: left on Eigen: {choice.why()}"
-        if why is None:
-            candidates[node.name] = match
-        else:
-            declined.append(why)
-    declined += _unpaired_batch_norms(view, candidates)
-    return list(candidates.values()), declined
+
+def _nothing_to_retarget(ctx: RuleContext) -> list[str] | None:
+    """cuda, metal, cpu with oneDNN on: the graph is not walked (no reasons)."""
+    return None if _ops(ctx) else []
+
+
+def _match(node: NodeDef, ctx: RuleContext) -> OneDnnMatch | None:
+    """``node`` with its oneDNN op (a ``MaxPool`` with the gradients that read it), or None:
+    no oneDNN kernel, already labelled for a kernel, or a ``MaxPoolGrad`` (moved with its
+    forward)."""
+    new = _ops(ctx).get(node.op)
+    if new is None or "_kernel" in node.attr or node.op == "MaxPoolGrad":
+        return None
+    gradients = max_pool_gradients(ctx.view, node)[0] if node.op == "MaxPool" else []
+    return OneDnnMatch(node, new, tuple(gradients))
+
+
+# -- check ----------------------------------------------------------------------------------
+def _check(match: OneDnnMatch, ctx: RuleContext) -> str | None:
+    """Why the node stays on Eigen: its dtype, layout, padding, device or fused chain, a
+    MaxPool gradient that cannot move with it, or the tuner measuring Eigen faster."""
+    view, node = ctx.view, match.node
+    why = _why_not(node, view)
+    if why is None and node.op == "MaxPool":
+        gradients, why = max_pool_gradients(view, node)
+        if gradients and "MaxPoolGrad" not in _ops(ctx):
+            why = "MaxPool: this build has no oneDNN kernel of its gradient"
+    if why is None and node.op not in _UNTUNED:
+        sig = signature(view, node) + match.with_gradients
+        kept = ctx.tuned("onednn", sig, [node.name, *(g.name for g in match.gradients)],
+                         lambda v: rewrite_onednn(v, match), stock="eigen", fused="onednn")
+        why = None if kept is None else f"{sig}: left on Eigen: {kept}"
+    return why
+
+
+def _pairs(matches: list[OneDnnMatch], ctx: RuleContext) -> tuple[list[OneDnnMatch], list[str]]:
+    """The matches kept once every batch norm without its partner is dropped, and why those
+    are."""
+    candidates = {m.node.name: m for m in matches}
+    reasons = _unpaired_batch_norms(ctx.view, candidates)
+    return list(candidates.values()), reasons
 
 
 def _unpaired_batch_norms(view: GraphView, candidates: dict[str, OneDnnMatch]) -> list[str]:
@@ -330,6 +346,7 @@ def _unpaired_batch_norms(view: GraphView, candidates: dict[str, OneDnnMatch]) -
     return reasons
 
 
+# -- emit -----------------------------------------------------------------------------------
 def _retarget(view: GraphView, old: NodeDef, op: str) -> NodeDef:
     node = NodeDef()
     node.CopyFrom(old)
@@ -360,6 +377,21 @@ def rewrite_onednn(view: GraphView, match: OneDnnMatch) -> NodeDef:
     return node
 
 
+# -- declaration ----------------------------------------------------------------------------
+RULE = Rule(match=_match, check=_check, emit=rewrite_onednn,
+            kind=lambda m: f"{m.node.op} -> {m.op}{m.with_gradients}",
+            begin=_nothing_to_retarget, finish=_pairs)
+
+
+def find_onednn(view: GraphView, target: Target, tuner: Chooser | None = None,
+                ) -> tuple[list[OneDnnMatch], list[str]]:
+    """Every node ``target`` runs on a oneDNN kernel; reasons for the ones left on Eigen.
+
+    Convolutions and MatMuls go to oneDNN where ``tuner`` measures it faster than Eigen at
+    the node's own shapes (None: always)."""
+    return RULE.find(view, target, tuner)
+
+
 @register(
     "onednn",
     "cpu with oneDNN off: Conv2D, Conv3D, DepthwiseConv2dNative and their gradients, MatMul, "
@@ -375,8 +407,4 @@ def rewrite_onednn(view: GraphView, match: OneDnnMatch) -> NodeDef:
 )
 def onednn_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Retarget every convolution, MatMul and batch norm ``ctx.target`` runs on oneDNN."""
-    apply_matches(
-        view, ctx, find_onednn(view, ctx.target, ctx.tuner),
-        lambda v, m: rewrite_onednn(v, m),
-        lambda m: f"{m.node.op} -> {m.op}{m.with_gradients}",
-    )
+    RULE.apply(view, ctx)
