@@ -193,6 +193,14 @@ def _type_attrs(node: Any) -> dict[str, int]:
             and not k.startswith("_")}
 
 
+def _value_type(types: dict[str, int]) -> int:
+    """The dtype a node computes in: ``T`` or ``dtype`` where it has one."""
+    for attr in ("T", "dtype", "DstT", "Tout"):
+        if attr in types:
+            return types[attr]
+    return types[sorted(types)[0]]
+
+
 def _dtype_name(enum: int) -> str:
     from tensorflow.python.framework import dtypes
 
@@ -390,7 +398,7 @@ def place(graph_def: Any, backend: Backend) -> Placement:
         for node in body.nodes:
             device, kind, why, _ = decided[node.name]
             types = _type_attrs(node)
-            dtype = _dtype_name(next(iter(types.values()))) if types else ""
+            dtype = _dtype_name(_value_type(types)) if types else ""
             nodes[(body.function, node.name)] = Placed(body.function, node.name, node.op, dtype,
                                                        device, kind, why, parts_of(node))
         crossings += _crossings(body, by_name, decided)
@@ -548,8 +556,8 @@ def audit_model(model: Any, x: Any, y: Any, plugin: str | None = None,
     >>> model.compile("sgd", "mse")
     >>> audit = audit_model(model, np.zeros((2, 3), "float32"), np.zeros((2, 2), "float32"),
     ...                     plugin="tensorflow-metal-plugin", tensorflow="2.21")
-    >>> audit.ok, audit.stock.device_of("MatMul"), audit.tfmx.fallbacks()
-    (True, 'GPU', [])
+    >>> audit.ok, audit.stock.device_of("MatMul"), sorted(audit.tfmx.host_ops())
+    (True, 'GPU', ['AddV2', 'BroadcastTo', 'DivNoNan'])
     """
     import tensorflow as tf
 
