@@ -6,8 +6,11 @@ moving statistics, composite::
     inv  = Rsqrt(AddV2(variance, epsilon)) * gamma
     out  = AddV2(Mul(conv, inv), Sub(beta, Mul(mean, inv)))
 
-:func:`find_conv_bn` records the convolution, that subgraph and an optional activation in a
-:class:`ConvBatchNormMatch`; :func:`rewrite_conv_bn` writes ``_FusedConv2D`` with
+One rule (:mod:`fusion.rule`), as every family: its match finds that subgraph after a
+``Conv2D`` (the batch_norm family's own expression, :func:`fusion.graphs.batch_norm.affine`)
+and the activation after it the target runs fused (a :class:`ConvBatchNormMatch`), its check
+says why it stays apart (the target's kernels, the statistics' shapes, readers of its
+intermediates), :func:`rewrite_conv_bn` writes ``_FusedConv2D`` with
 ``fused_ops=["FusedBatchNorm"(, activation)]``, ``num_args=4`` (gamma, beta, mean, variance) and
 ``epsilon``. Training graphs never match: there the statistics are the batch's own moments.
 
@@ -44,7 +47,8 @@ from fusion.match import (
     dtype_name,
     fused_node,
 )
-from fusion.pattern import RewriteContext, Target, apply_matches
+from fusion.pattern import RewriteContext, Target
+from fusion.rule import Rule, RuleContext
 
 ACTIVATIONS = ("Relu", "Relu6", "Elu", "LeakyRelu")
 
@@ -71,76 +75,74 @@ class ConvBatchNormMatch:
         return ("FusedBatchNorm",) + ((self.activation.op,) if self.activation else ())
 
 
-def _vector(view: GraphView, ref: str, channels: int | None) -> bool:
-    node = view.node(ref)
-    shape = None if node is None else output_shape(node, parse_input(ref)[1])
-    return shape is not None and len(shape) == 1 and (channels is None or shape[0] == channels)
-
-
+# -- match ----------------------------------------------------------------------------------
 _PATTERN = affine(normalization(gamma=True))  # batch_norm's own, with gamma
 _INTERIOR = ("scale_mul", "add_eps", "rsqrt", "inv", "mean_mul", "shift", "out")
 
 
-def _match_at(view: GraphView, conv: NodeDef) -> ConvBatchNormMatch | None:
-    """The batch-norm subgraph applied to ``conv``'s output, by structure; None if absent."""
+def _match(conv: NodeDef, ctx: RuleContext) -> ConvBatchNormMatch | None:
+    """The batch-norm subgraph applied to ``conv``'s output, by structure, with the activation
+    after it where the target runs it fused; None if absent."""
+    view = ctx.view
     for scale_mul in (c for c in view.consumers(conv.name) if c.op == "Mul"):
         for out in (c for c in view.consumers(scale_mul.name) if c.op == "AddV2"):
             found = match(view, out.name, _PATTERN, Match(refs={"x": conv.name}))
             if found is None or found.refs["scale_mul"] != scale_mul.name or (
                     "beta" not in found.refs):  # (-mean) * inv: no beta to fold
                 continue
-            return ConvBatchNormMatch(
+            record = ConvBatchNormMatch(
                 conv=conv, interior=tuple(view.node(found.refs[n]) for n in _INTERIOR),
                 gamma=found.refs["gamma"], beta=found.refs["beta"], mean=found.refs["mean"],
                 variance=found.refs["var"], epsilon=found.values["epsilon"])
+            record.activation = _activation(view, record, ctx.target)
+            return record
     return None
 
 
-def find_conv_bn(
-    view: GraphView, target: Target
-) -> tuple[list[ConvBatchNormMatch], list[str]]:
-    """Every Conv2D + inference batch norm in ``view`` that ``target`` can fold, and declines."""
-    matches, declined = [], []
-    for conv in view.nodes():
-        if conv.op != "Conv2D":
-            continue
-        match = _match_at(view, conv)
-        if match is None:
-            continue
-        dtype = dtype_name(conv)
-        fmt = conv.attr["data_format"].s.decode()
-        channels = (output_shape(conv) or (None,))[-1] if fmt == "NHWC" else None
-        if not supports(target, "Conv2D", dtype, ("FusedBatchNorm",)):
-            declined.append(f"Conv2D+BatchNorm: {target.name} runs no fused batch norm "
-                            f"in {dtype}")
-            continue
-        if fmt != "NHWC" or not all(
-            _vector(view, r, channels) for r in (match.gamma, match.beta, match.mean,
-                                                 match.variance)
-        ):
-            declined.append("Conv2D+BatchNorm: statistics are not per-channel vectors of an "
-                            "NHWC convolution")
-            continue
-        inside = {n.name for n in (conv, *match.interior)}
-        why = blocker(view, conv, inside)
-        for node in match.interior[:-1]:
-            why = why or blocker(view, node, inside)
-        why = why or ("BatchNorm output has a control edge"
-                      if view.has_control_edges(match.interior[-1]) else None)
-        if why is not None:
-            declined.append(f"Conv2D+BatchNorm: {why}")
-            continue
-        act = consumer(view, match.interior[-1], "Relu") or next(
-            (c for c in view.consumers(match.interior[-1].name) if c.op in ACTIVATIONS), None)
-        if act is not None and supports(
-            target, "Conv2D", dtype, ("FusedBatchNorm", act.op)
-        ) and blocker(view, match.interior[-1], inside | {act.name}) is None \
-                and not view.has_control_edges(act):
-            match.activation = act
-        matches.append(match)
-    return matches, declined
+def _activation(view: GraphView, match: ConvBatchNormMatch, target: Target) -> NodeDef | None:
+    """The activation after the batch norm that the fused kernel may take, or None."""
+    conv, out = match.conv, match.interior[-1]
+    inside = {n.name for n in (conv, *match.interior)}
+    act = consumer(view, out, "Relu") or next(
+        (c for c in view.consumers(out.name) if c.op in ACTIVATIONS), None)
+    if act is not None and supports(
+        target, "Conv2D", dtype_name(conv), ("FusedBatchNorm", act.op)
+    ) and blocker(view, out, inside | {act.name}) is None and not view.has_control_edges(act):
+        return act
+    return None
 
 
+# -- check ----------------------------------------------------------------------------------
+def _check(match: ConvBatchNormMatch, ctx: RuleContext) -> str | None:
+    """Why the batch norm stays apart: no fused kernel on the target, statistics that are not
+    per-channel vectors of an NHWC convolution, or intermediates read elsewhere."""
+    view, target, conv = ctx.view, ctx.target, match.conv
+    dtype = dtype_name(conv)
+    fmt = conv.attr["data_format"].s.decode()
+    channels = (output_shape(conv) or (None,))[-1] if fmt == "NHWC" else None
+    if not supports(target, "Conv2D", dtype, ("FusedBatchNorm",)):
+        return f"Conv2D+BatchNorm: {target.name} runs no fused batch norm in {dtype}"
+    if fmt != "NHWC" or not all(
+        _vector(view, r, channels) for r in (match.gamma, match.beta, match.mean, match.variance)
+    ):
+        return ("Conv2D+BatchNorm: statistics are not per-channel vectors of an NHWC "
+                "convolution")
+    inside = {n.name for n in (conv, *match.interior)}
+    why = blocker(view, conv, inside)
+    for node in match.interior[:-1]:
+        why = why or blocker(view, node, inside)
+    why = why or ("BatchNorm output has a control edge"
+                  if view.has_control_edges(match.interior[-1]) else None)
+    return None if why is None else f"Conv2D+BatchNorm: {why}"
+
+
+def _vector(view: GraphView, ref: str, channels: int | None) -> bool:
+    node = view.node(ref)
+    shape = None if node is None else output_shape(node, parse_input(ref)[1])
+    return shape is not None and len(shape) == 1 and (channels is None or shape[0] == channels)
+
+
+# -- emit -----------------------------------------------------------------------------------
 def rewrite_conv_bn(view: GraphView, match: ConvBatchNormMatch) -> NodeDef:
     """Replace the convolution and batch norm with one ``_FusedConv2D`` named like the tail."""
     conv, tail = match.conv, match.tail
@@ -163,6 +165,18 @@ def rewrite_conv_bn(view: GraphView, match: ConvBatchNormMatch) -> NodeDef:
     return fused
 
 
+# -- declaration ----------------------------------------------------------------------------
+RULE = Rule(anchors=frozenset({"Conv2D"}), match=_match, check=_check, emit=rewrite_conv_bn,
+            kind=lambda m: f"_FusedConv2D({', '.join(m.fused_ops)})")
+
+
+def find_conv_bn(
+    view: GraphView, target: Target
+) -> tuple[list[ConvBatchNormMatch], list[str]]:
+    """Every Conv2D + inference batch norm in ``view`` that ``target`` can fold, and declines."""
+    return RULE.find(view, target)
+
+
 @register(
     "conv_bn_fold",
     "inference Conv2D + BatchNormalization (+ activation) -> _FusedConv2D(FusedBatchNorm)",
@@ -172,8 +186,4 @@ def rewrite_conv_bn(view: GraphView, match: ConvBatchNormMatch) -> NodeDef:
 )
 def conv_bn_fold_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Fold every inference batch norm that follows a Conv2D into the convolution."""
-    apply_matches(
-        view, ctx, find_conv_bn(view, ctx.target),
-        lambda v, m: rewrite_conv_bn(v, m),
-        lambda m: f"_FusedConv2D({', '.join(m.fused_ops)})",
-    )
+    RULE.apply(view, ctx)
