@@ -1,7 +1,9 @@
 """Contraction patterns: Conv2D / DepthwiseConv2dNative / MatMul + BiasAdd (+ Add) (+ activation).
 
-One shape, as in TensorFlow's remapper: :class:`ContractionMatch` records what was matched,
-:func:`find_contractions` fills records, :func:`rewrite_contraction` writes one
+One rule (:mod:`fusion.rule`), as TensorFlow's remapper: its match takes a contraction, the
+``BiasAdd`` after it and as much of the residual ``Add`` and activation (an expression of
+:mod:`fusion.expr` for GELU) as the target runs fused (a :class:`ContractionMatch`, with why the
+rest was left), its check says why the chain stays apart, :func:`rewrite_contraction` writes one
 ``_FusedConv2D`` / ``_FusedDepthwiseConv2dNative`` / ``_FusedMatMul`` node that takes the name of
 the chain's last node, so its consumers need no rewiring.
 
@@ -43,7 +45,7 @@ import tensorflow as tf
 
 from fusion.expr import Any, Match, Near, Op, Pattern, Skip, match
 from fusion.family import register
-from fusion.fragment import choose_rewrite, input_shapes
+from fusion.fragment import input_shapes
 from fusion.graph import GraphView, NodeDef, output_shape, parse_input
 from fusion.match import (
     AttrLike,
@@ -54,7 +56,8 @@ from fusion.match import (
     same_shape,
     sole_consumer,
 )
-from fusion.pattern import Chooser, RewriteContext, Target, apply_matches
+from fusion.pattern import Chooser, RewriteContext, Target
+from fusion.rule import Rule, RuleContext
 
 FUSED_OP = {
     "Conv2D": "_FusedConv2D",
@@ -98,6 +101,42 @@ class ContractionMatch:
         return self.nodes[-1]
 
 
+Chains = frozenset[tuple[str, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ContractionKernels:
+    """What a backend declares for this family: the ``fused_ops`` lists it runs per op and
+    dtype, and the data formats of its fused convolutions.
+
+    >>> k = ContractionKernels({"MatMul": {"float32": frozenset({("BiasAdd",)})}})
+    >>> k.runs("MatMul", "float32", ("BiasAdd",)), k.runs("MatMul", "float32", ("BiasAdd", "Relu"))
+    (True, False)
+    """
+
+    chains: Mapping[str, Mapping[str, Chains]]  # op -> dtype -> fused_ops lists
+    data_formats: Mapping[str, frozenset[str]] = dataclasses.field(default_factory=dict)
+
+    def runs(self, op: str, dtype: str, fused_ops: tuple[str, ...]) -> bool:
+        """True if ``_Fused<op>`` with ``fused_ops`` runs in ``dtype``."""
+        return tuple(fused_ops) in self.chains.get(op, {}).get(dtype, frozenset())
+
+    def runs_format(self, op: str, data_format: str) -> bool:
+        """True if the fused form of ``op`` runs in ``data_format`` (NHWC, NCHW)."""
+        return data_format in self.data_formats.get(op, frozenset())
+
+    def describe(self) -> dict:
+        return {op: {dt: sorted("+".join(c) for c in chains) for dt, chains in by_dtype.items()}
+                for op, by_dtype in self.chains.items()}
+
+
+def supports(target: Target, op: str, dtype: str, fused_ops: tuple[str, ...]) -> bool:
+    """True if ``target`` declares ``_Fused<op>`` with ``fused_ops`` in ``dtype``."""
+    kernels = target.capability(ContractionKernels)
+    return kernels is not None and kernels.runs(op, dtype, fused_ops)
+
+
+# -- match ----------------------------------------------------------------------------------
 # tf.nn.gelu(approximate=True): 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3))).
 _SQRT_2_OVER_PI = 0.7978845608028654
 _GELU_CUBIC = 0.044715
@@ -178,124 +217,16 @@ def _activation_after(
     return None
 
 
-Chains = frozenset[tuple[str, ...]]
-
-
-@dataclasses.dataclass(frozen=True)
-class ContractionKernels:
-    """What a backend declares for this family: the ``fused_ops`` lists it runs per op and
-    dtype, and the data formats of its fused convolutions.
-
-    >>> k = ContractionKernels({"MatMul": {"float32": frozenset({("BiasAdd",)})}})
-    >>> k.runs("MatMul", "float32", ("BiasAdd",)), k.runs("MatMul", "float32", ("BiasAdd", "Relu"))
-    (True, False)
-    """
-
-    chains: Mapping[str, Mapping[str, Chains]]  # op -> dtype -> fused_ops lists
-    data_formats: Mapping[str, frozenset[str]] = dataclasses.field(default_factory=dict)
-
-    def runs(self, op: str, dtype: str, fused_ops: tuple[str, ...]) -> bool:
-        """True if ``_Fused<op>`` with ``fused_ops`` runs in ``dtype``."""
-        return tuple(fused_ops) in self.chains.get(op, {}).get(dtype, frozenset())
-
-    def runs_format(self, op: str, data_format: str) -> bool:
-        """True if the fused form of ``op`` runs in ``data_format`` (NHWC, NCHW)."""
-        return data_format in self.data_formats.get(op, frozenset())
-
-    def describe(self) -> dict:
-        return {op: {dt: sorted("+".join(c) for c in chains) for dt, chains in by_dtype.items()}
-                for op, by_dtype in self.chains.items()}
-
-
-def supports(target: Target, op: str, dtype: str, fused_ops: tuple[str, ...]) -> bool:
-    """True if ``target`` declares ``_Fused<op>`` with ``fused_ops`` in ``dtype``."""
-    kernels = target.capability(ContractionKernels)
-    return kernels is not None and kernels.runs(op, dtype, fused_ops)
-
-
-
-
-
-def find_contractions(
-    view: GraphView, target: Target, tuner: Chooser | None = None,
-) -> tuple[list[ContractionMatch], list[str]]:
-    """Every fusable contraction chain in ``view``, and a reason for each declined one.
-
-    A chain in a 16-bit dtype is fused only where ``tuner`` measures the fused kernel faster
-    than the ops apart at the chain's shapes (16-bit fused kernels run unevenly across
-    processors: TensorFlow's bfloat16 ``_FusedMatMul`` ran 25x slower than MatMul + BiasAdd on
-    one CPU); float32 chains, which Grappler fuses itself where it can, are not timed."""
-    matches: list[ContractionMatch] = []
-    declined: list[str] = []
-    claimed: set[str] = set()
-    for node in view.nodes():
-        if node.op not in FUSED_OP:
-            continue
-        consumers = view.consumers(node.name)
-        bias = next((c for c in consumers if c.op == "BiasAdd"), None)
-        if bias is None or parse_input(bias.input[0])[0] != node.name:
-            continue  # not a candidate: no bias follows (e.g. a gradient matmul)
-        op, dtype = node.op, dtype_name(node)
-        if not supports(target, op, dtype, ("BiasAdd",)):
-            declined.append(f"{op}: {target.name} runs no fused {op} in {dtype}")
-            continue
-        why = _contraction_blocker(view, node, bias, target)
-        if why is None:
-            why = blocker(view, node, {bias.name})
-        if why is None and view.has_control_edges(bias):
-            why = "BiasAdd has a control edge"
-        if why is not None:
-            declined.append(f"{op}+BiasAdd: {why}")
-            continue
-        if node.name in claimed or bias.name in claimed:
-            declined.append(f"{op}+BiasAdd: overlaps another fused chain")
-            continue
-        match = ContractionMatch(contraction=node, bias_add=bias)
-        _extend(view, match, target, op, dtype)
-        if tuner is not None and dtype != "float32":
-            why = _tuned_blocker(view, match, dtype, tuner)
-            if why is not None:
-                declined.append(why)
-                continue
-        claimed.update(n.name for n in match.nodes)
-        matches.append(match)
-    return matches, declined
-
-
-def _tuned_blocker(view: GraphView, match: ContractionMatch, dtype: str,
-                   tuner: Chooser) -> str | None:
-    """Why ``match`` stays apart (the ops measured faster unfused here), or None."""
-    c = match.contraction
-    shapes = input_shapes(view, c)[:2]
-    kind = f"{FUSED_OP[c.op]}({', '.join(match.fused_ops)})"
-    signature = f"{kind} {dtype} {' '.join(shapes)}"
-    choice = choose_rewrite(tuner, "contraction", signature, view,
-                            [n.name for n in match.nodes],
-                            lambda v: rewrite_contraction(v, match),
-                            stock="unfused", fused="fused")
-    if choice.choice == "unfused":
-        return f"{signature}: left unfused: {choice.why()}"
-    return None
-
-
-def _contraction_blocker(
-    view: GraphView, node: NodeDef, bias: NodeDef, target: Target
-) -> str | None:
-    if node.op == "MatMul" and node.attr["transpose_a"].b:
-        return "MatMul with transpose_a is not fused"
-    if node.op != "MatMul":
-        fmt = node.attr["data_format"].s.decode() if "data_format" in node.attr else "NHWC"
-        bias_fmt = bias.attr["data_format"].s.decode() if "data_format" in bias.attr else "NHWC"
-        if fmt != bias_fmt:
-            return f"data_format {fmt} with BiasAdd in {bias_fmt}"
-        kernels = target.capability(ContractionKernels)
-        if kernels is None or not kernels.runs_format(node.op, fmt):
-            return f"{target.name} runs fused {node.op} in NHWC only, not {fmt}"
-        if node.op == "DepthwiseConv2dNative" and node.attr["padding"].s == b"EXPLICIT":
-            return "explicit padding is not an attribute of _FusedDepthwiseConv2dNative"
-    if parse_input(bias.input[0])[0] != node.name:
-        return "BiasAdd reads the contraction as its bias"
-    return None
+def _match(node: NodeDef, ctx: RuleContext) -> ContractionMatch | None:
+    """``node``, the ``BiasAdd`` reading it, and what follows that the target runs fused
+    (:func:`_extend`); None where no bias follows (a gradient's MatMul, say)."""
+    bias = next((c for c in ctx.view.consumers(node.name) if c.op == "BiasAdd"), None)
+    if bias is None or parse_input(bias.input[0])[0] != node.name:
+        return None
+    match = ContractionMatch(contraction=node, bias_add=bias)
+    if supports(ctx.target, node.op, dtype_name(node), ("BiasAdd",)):
+        _extend(ctx.view, match, ctx.target, node.op, dtype_name(node))
+    return match
 
 
 def _extend(
@@ -352,6 +283,59 @@ def _extend(
     match.activation, match.activation_nodes = act, act_nodes
 
 
+# -- check ----------------------------------------------------------------------------------
+def _check(match: ContractionMatch, ctx: RuleContext) -> str | None:
+    """Why the chain stays apart: no fused kernel on the target, a layout or attribute the
+    fused op lacks, an intermediate read elsewhere, an overlap with a chain taken before, or
+    (16-bit chains) the tuner measuring the ops apart faster.
+
+    A chain in a 16-bit dtype is fused only where the tuner measures the fused kernel faster
+    than the ops apart at the chain's shapes (16-bit fused kernels run unevenly across
+    processors, some far slower than the ops apart); float32 chains, which Grappler fuses
+    itself where it can, are not timed."""
+    view, target, node, bias = ctx.view, ctx.target, match.contraction, match.bias_add
+    op, dtype = node.op, dtype_name(node)
+    if not supports(target, op, dtype, ("BiasAdd",)):
+        return f"{op}: {target.name} runs no fused {op} in {dtype}"
+    why = _contraction_blocker(view, node, bias, target)
+    if why is None:
+        why = blocker(view, node, {bias.name})
+    if why is None and view.has_control_edges(bias):
+        why = "BiasAdd has a control edge"
+    if why is not None:
+        return f"{op}+BiasAdd: {why}"
+    if ctx.overlaps((node.name, bias.name)):
+        return f"{op}+BiasAdd: overlaps another fused chain"
+    if dtype == "float32":
+        return None
+    shapes = input_shapes(view, node)[:2]
+    signature = f"{FUSED_OP[op]}({', '.join(match.fused_ops)}) {dtype} {' '.join(shapes)}"
+    kept = ctx.tuned("contraction", signature, [n.name for n in match.nodes],
+                     lambda v: rewrite_contraction(v, match), stock="unfused", fused="fused")
+    return None if kept is None else f"{signature}: left unfused: {kept}"
+
+
+def _contraction_blocker(
+    view: GraphView, node: NodeDef, bias: NodeDef, target: Target
+) -> str | None:
+    if node.op == "MatMul" and node.attr["transpose_a"].b:
+        return "MatMul with transpose_a is not fused"
+    if node.op != "MatMul":
+        fmt = node.attr["data_format"].s.decode() if "data_format" in node.attr else "NHWC"
+        bias_fmt = bias.attr["data_format"].s.decode() if "data_format" in bias.attr else "NHWC"
+        if fmt != bias_fmt:
+            return f"data_format {fmt} with BiasAdd in {bias_fmt}"
+        kernels = target.capability(ContractionKernels)
+        if kernels is None or not kernels.runs_format(node.op, fmt):
+            return f"{target.name} runs fused {node.op} in NHWC only, not {fmt}"
+        if node.op == "DepthwiseConv2dNative" and node.attr["padding"].s == b"EXPLICIT":
+            return "explicit padding is not an attribute of _FusedDepthwiseConv2dNative"
+    if parse_input(bias.input[0])[0] != node.name:
+        return "BiasAdd reads the contraction as its bias"
+    return None
+
+
+# -- emit -----------------------------------------------------------------------------------
 def rewrite_contraction(view: GraphView, match: ContractionMatch) -> NodeDef:
     """Replace the chain in ``match`` with one fused node named like the chain's tail."""
     c, tail = match.contraction, match.tail
@@ -378,6 +362,22 @@ def rewrite_contraction(view: GraphView, match: ContractionMatch) -> NodeDef:
     return fused
 
 
+# -- declaration ----------------------------------------------------------------------------
+RULE = Rule(
+    anchors=frozenset(FUSED_OP), match=_match, check=_check, emit=rewrite_contraction,
+    kind=lambda m: f"{FUSED_OP[m.contraction.op]}({', '.join(m.fused_ops)})",
+    partial=lambda m: m.partial, claims=lambda m: [n.name for n in m.nodes],
+)
+
+
+def find_contractions(
+    view: GraphView, target: Target, tuner: Chooser | None = None,
+) -> tuple[list[ContractionMatch], list[str]]:
+    """Every fusable contraction chain in ``view``, and a reason for each declined one (a
+    16-bit chain timed by ``tuner`` if given: see the rule's check)."""
+    return RULE.find(view, target, tuner)
+
+
 @register(
     "contraction",
     "Conv2D / DepthwiseConv2dNative / MatMul + BiasAdd (+ residual Add) (+ activation) "
@@ -388,9 +388,4 @@ def rewrite_contraction(view: GraphView, match: ContractionMatch) -> NodeDef:
 )
 def contraction_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Find every contraction chain in ``view`` and fuse it for ``ctx.target``."""
-    apply_matches(
-        view, ctx, find_contractions(view, ctx.target, ctx.tuner),
-        lambda v, m: rewrite_contraction(v, m),
-        lambda m: f"{FUSED_OP[m.contraction.op]}({', '.join(m.fused_ops)})",
-        lambda m: m.partial,
-    )
+    RULE.apply(view, ctx)
