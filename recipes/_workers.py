@@ -6,13 +6,13 @@ recipe N times with a ``TF_CONFIG`` each (worker ``i`` of the cluster) and :data
 set, streams the chief's output (worker 0; the others log to ``<out>/worker-<i>.log``), and
 stops every worker if one fails. Each worker creates the strategy before TensorFlow runs
 anything, builds and compiles the model in its scope and trains with tfmx (Keras 3's own ``fit``
-fails under several workers, keras-team/keras#20585; tfmx's rebuilt step works: README,
-"Several machines"). A worker run is the tfmx run alone: no stock or stock' run to compare with
+fails under several workers, keras-team/keras#20585; tfmx's rebuilt step works:
+docs/distributed.md). A worker run is the tfmx run alone: no stock or stock' run to compare with
 in the same processes, no interleaved timing (each step is a collective of every worker); the
 chief writes ``metrics.json`` with the step times ``fit`` measured.
 
 On several machines, run the recipe on each with its own ``TF_CONFIG`` and
-``TFMX_RECIPE_WORKER=1`` instead (README, "Several machines").
+``TFMX_RECIPE_WORKER=1`` instead (docs/distributed.md).
 
 Example:
     >>> config = cluster_config(["localhost:2222", "localhost:2223"], 1)

@@ -8,8 +8,8 @@ lr times it, which these small learning rates do not amplify). So each tensor mu
 helpers.float_tolerance(float32, steps x roundings per update, its largest stock value). A
 constant c the kernel turns into 1 - c itself (in float32) differs from Keras's float32(1 - c)
 by a relative error that is added too, in roundings, each step; Adam's 1 - beta_2 (1.3e-5,
-README) once, since the second moment is an average of g^2: whole for it, half for the steps
-that divide by its square root.
+docs/families.md) once, since the second moment is an average of g^2: whole for it, half for
+the steps that divide by its square root.
 """
 
 from __future__ import annotations

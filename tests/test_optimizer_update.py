@@ -5,8 +5,8 @@ the update kernel is the one thing that rounds differently); every weight and op
 within the float32 rounding of those 20 updates (helpers.float_tolerance: the roundings of one
 update, counted below per optimizer, times the steps, relative to each tensor's largest value).
 The Adam-family kernels compute 1 - beta_2 themselves (fusion/graphs/optimizer_update.py,
-README): no float32 input gives Keras's 0.001 for beta_2=0.999, so the second-moment slot is
-off by that constant's relative error (1.3e-5) and each step by half of it; that is added on
+docs/families.md): no float32 input gives Keras's 0.001 for beta_2=0.999, so the second-moment
+slot is off by that constant's relative error (1.3e-5) and each step by half of it; that is added on
 top. Optimizers that are declined must match bitwise.
 """
 

@@ -114,7 +114,7 @@ class Backend:
         return self.name in _present_backends()
 
     def describe(self) -> dict:
-        """A plain dict of what this backend fuses, for reports and the README table."""
+        """A plain dict of what this backend fuses, for reports and ``tfmx backends``."""
         from fusion.graphs.batch_norm_kernels import BatchNormKernels
         from fusion.graphs.contraction import ContractionKernels
 
