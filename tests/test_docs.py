@@ -176,7 +176,8 @@ def commands(text: str) -> set[tuple[str, str]]:
     [('python -m', 'recipes.tour'), ('tfmx', 'bench')]
     """
     code = [span for span in _SPAN.findall(_FENCE.sub("", text))]
-    code += [body for _, language, body, _ in code_blocks(text) if language in ("bash", "sh")]
+    code += [re.sub(r"(?m)(^|\s)#.*$", "", body)  # a shell comment is prose
+             for _, language, body, _ in code_blocks(text) if language in ("bash", "sh")]
     found = set()
     for piece in code:
         found |= {("tfmx", name) for name in _TFMX_COMMAND.findall(piece)}
@@ -220,7 +221,7 @@ def _all_commands() -> list[tuple[str, str]]:
     return sorted(found)
 
 
-@pytest.mark.parametrize("kind,name", _all_commands(), ids=" ".join)
+@pytest.mark.parametrize("kind,name", _all_commands(), ids=[" ".join(c) for c in _all_commands()])
 def test_every_command_named_exists(kind, name):
     if kind == "python -m" and name.split(".")[0] not in (*PACKAGES, "recipes"):
         assert importlib.util.find_spec(name) is not None, f"python -m {name}: no such module"
@@ -269,7 +270,7 @@ def test_the_doc_checks_can_fail():
     assert broken_links(ROOT / "docs" / "index.md", "[x](no_such_page.md)") == ["no_such_page.md"]
     assert broken_links(DOCS / "index.md", "[x](../README.md)") == ["../README.md"]
     assert broken_links(DOCS / "index.md", "[x](tuning.md#the-cache)") == []
-    assert commands("```bash\ntfmx nosuch --x\n```\n") == {("tfmx", "nosuch")}
+    assert commands("```bash\ntfmx nosuch --x  # tfmx and XLA\n```\n") == {("tfmx", "nosuch")}
     assert commands("```\ntfmx report (backend cpu)\n```\n`python -m recipes.<name>`") == set()
     assert code_blocks("```python\nx\n```\n")[0][3] is None
     assert DIARY.search("in session 12") and DIARY.search("issue 16") and not DIARY.search("a")
