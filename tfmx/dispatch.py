@@ -4,9 +4,10 @@
 ``tf.function`` (``multi_step_on_iterator``) with the data iterator. On every call that
 ``tf.function`` binds the argument again, builds the call's function type and looks it up in its
 cache, hashing every tensor the function captured: every model variable and optimizer slot.
-For the benchmark MLP (200 captured handles) that is 1-1.5 ms a step, as long as the step's
-whole graph after tfmx's rewrite. :class:`IteratorDispatch` does the lookup once per iterator
-type: the first call of each goes through the ``tf.function`` (tracing, variable creation,
+For a model with a few hundred captured handles (the benchmark's MLP) that costs as much as
+a small step's whole graph after tfmx's rewrite.
+:class:`IteratorDispatch` does the lookup once per iterator type: the first call of each goes
+through the ``tf.function`` (tracing, variable creation,
 retracing rules all TensorFlow's), later calls go to the ConcreteFunction that call ran. It
 steps aside (calls the ``tf.function``) for anything but an eager call with one ``tf.data``
 iterator or one distributed iterator of a strategy within this process (MirroredStrategy):
