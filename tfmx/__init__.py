@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from tfmx.fused_function import FusedFunction, function
     from tfmx.reporting import Report
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Public names whose modules import TensorFlow: loaded on first access (PEP 562).
 _LAZY = {"FusedFunction": "tfmx.fused_function", "function": "tfmx.fused_function",
@@ -60,6 +60,7 @@ def enable(
     strict: bool | None = None,
     exclude: Sequence[str] | None = None,
     plugin: str | None = None,
+    verbose: int | None = None,
 ) -> None:
     """Switch the rewrite on for every Keras model's fit/evaluate/predict and tfmx.function.
 
@@ -93,6 +94,8 @@ def enable(
             else off), the call it failed on runs as Keras wrote it, ``tfmx.report()``
             records the error and a :class:`TfmxWarning` says so once: training goes on. (A
             GraphDef pass that fails always leaves its part of the graph as it was.)
+        verbose: 0 silences the line a first run prints when tfmx starts measuring a model
+            (:mod:`tfmx.notice`); None: ``$TFMX_VERBOSE`` (default 1).
 
     Global and idempotent: calling it again replaces the settings; models compiled before
     rebuild their step functions on next use. Bad names raise ValueError listing the choices.
@@ -118,8 +121,10 @@ def enable(
     from tfmx import keras_hook, state
     from tfmx.backends import get_backend
     from tfmx.guard import ENV_XLA, enabled_by_env
+    from tfmx.notice import set_verbose
     from tfmx.tuner import resolve_mode
 
+    set_verbose(verbose)
     target = get_backend(backend, plugin=plugin)
     patterns = resolve(patterns, exclude)
     if verify is None:

@@ -41,12 +41,14 @@ class FitPlan:
     serial: int
     calls: int | None
     steps: int | None = None
+    verbose: int | None = None  # the fit's verbose (0: tfmx.notice prints nothing either)
 
 
 _serials = itertools.count(1)
 
 
-def plan_fit(epochs: int | None, steps: int | None, steps_per_execution: int = 1) -> FitPlan:
+def plan_fit(epochs: int | None, steps: int | None, steps_per_execution: int = 1,
+             verbose: int | None = None) -> FitPlan:
     """Announce a ``fit`` of ``epochs`` x ``steps`` batches, ``steps_per_execution`` batches a
     call, in this thread: the train step's guard sizes its budget on it.
 
@@ -59,7 +61,7 @@ def plan_fit(epochs: int | None, steps: int | None, steps_per_execution: int = 1
     if epochs and steps and steps > 0:
         calls = epochs * -(-int(steps) // max(1, int(steps_per_execution or 1)))
         total = int(epochs) * int(steps)
-    plan = FitPlan(next(_serials), calls, total)
+    plan = FitPlan(next(_serials), calls, total, verbose)
     _local.plan = plan
     return plan
 
@@ -130,7 +132,8 @@ def planning_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
         model = getattr(self, "model", None)
         try:
             plan = plan_fit(params.get("epochs"), params.get("steps"),
-                            getattr(model, "steps_per_execution", 1) or 1)
+                            getattr(model, "steps_per_execution", 1) or 1,
+                            params.get("verbose"))
         except (TypeError, ValueError):
             plan = plan_fit(None, None)
         _local.active = plan

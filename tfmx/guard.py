@@ -78,6 +78,7 @@ from tfmx.fit_plan import (
     planning_callbacks,
 )
 from tfmx.guard_record import GuardRecord
+from tfmx.notice import announce, fit_key
 from tfmx.outer_trace import Embedded, collecting, embedded, forced_form, forcing
 from tfmx.step_price import (
     GateDecision,
@@ -174,6 +175,10 @@ def make_guard(function: str, opts: Any, ops: Mapping[str, int], signature: str 
                      cache=cache)
     if signature:
         made.remember(cache, f"{function} {signature}")
+    if made.kept is None:  # a trial to run: the first measuring of a fit says so once
+        announce(fit_key(function), 1 + len(challengers), lambda: sum(
+            expected_first_call(f, made.ops, 0.0, made._cache)[0]
+            for f in ("stock", *challengers) if f != "fused"))
     return made
 
 

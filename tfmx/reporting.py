@@ -20,6 +20,7 @@ from tensorflow.core.framework import graph_pb2
 
 from fusion.graph import op_histogram
 from fusion.pattern import PatternStats
+from tfmx.verdict import verdict
 
 MAX_KEPT_GRAPHS = 32
 
@@ -147,7 +148,8 @@ class Report:
         }
 
     def __str__(self) -> str:
-        lines = [f"tfmx report (backend {self.backend}): {len(self.traces)} traced function(s)"]
+        lines = [*filter(None, [verdict(self)]),  # the step kept, its time, what measuring cost
+                 f"tfmx report (backend {self.backend}): {len(self.traces)} traced function(s)"]
         if self.traces:
             lines.append("")
             lines.append(f"{'function':<28} {'status':<24} {'nodes':>13} {'rewrite s':>10} "

@@ -66,6 +66,7 @@ from collections.abc import Callable, Mapping
 
 from tfmx import fit_plan
 from tfmx.env import plan_share, share_from_env
+from tfmx.notice import announce, fit_key
 from tfmx.timing import (
     MIN_ROUNDS,
     SIGNIFICANCE,
@@ -224,6 +225,9 @@ class Tuner:
                 timer = functools.partial(measure, allowance=allowed)
                 timed = {conservative: candidates[conservative],
                          **{n: f for n, f in candidates.items() if n != conservative}}
+        if self._depth == 0:  # the first measuring of a fit says so once (tfmx.notice)
+            bound = allowed(0.0) if planned is not None else math.inf
+            announce(fit_key("tuner"), None, min(left, bound), bound=True)
         start = time.perf_counter()
         self._depth += 1  # a decision made while building another's candidates is nested
         try:
