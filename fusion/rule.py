@@ -13,7 +13,8 @@ Every match/rewrite family over the traced GraphDef has the shape of TensorFlow'
   report records it. Where two correct forms exist, the check asks the tuner
   (:meth:`RuleContext.tuned`).
 - ``emit(view, record)``: writes the fused form (on the pass's view, or on a fragment of it the
-  tuner times).
+  tuner times). A family passes ``lambda v, m: rewrite_x(v, m)``, so its module's function is
+  the one looked up when the pass runs (a test may replace it to see a wrong rewrite caught).
 
 Every candidate is matched and checked on the graph as it was, then every accepted record is
 emitted, in the order the nodes were met; ``kind`` names the form each record emits in the

@@ -11,7 +11,7 @@ Keras 3 on TensorFlow writes batch norm as ``tf.nn.moments`` + ``tf.nn.batch_nor
 with ``Reshape`` of the per-channel vectors when the channel axis is not the last, and a
 ``Cast`` in and out under a float16/bfloat16 policy (Keras computes batch norm in float32).
 
-Two records, one shape each (as in Grappler's remapper):
+Two rules (:mod:`fusion.rule`), one after the other (as in Grappler's remapper):
 
 - :class:`BatchNormMatch` (``find_batch_norm`` / ``rewrite_batch_norm``): the composite, training
   or inference, -> one ``FusedBatchNormV3`` (``is_training`` accordingly). In training the
@@ -56,10 +56,11 @@ import tensorflow as tf
 from fusion.expr import Any, Const, Match, OneOf, Op, Pattern, Where, match
 from fusion.family import register
 from fusion.graph import GraphView, NodeDef, output_shape, parse_input, tensor_ref
-from fusion.graphs.batch_norm_ex import find_batch_norm_ex, rewrite_batch_norm_ex
+from fusion.graphs.batch_norm_ex import RULE as EX_RULE
 from fusion.graphs.batch_norm_kernels import LOW_PRECISION, kernel_blocker
 from fusion.match import blocker, const_node, const_value, dtype_name, new_node
-from fusion.pattern import RewriteContext, Target, apply_matches
+from fusion.pattern import RewriteContext, Target
+from fusion.rule import Rule, RuleContext
 
 
 # -- records --------------------------------------------------------------------------------
@@ -88,7 +89,7 @@ class BatchNormMatch:
         return _layout(self.rank, self.axis)[0]
 
 
-# -- helpers --------------------------------------------------------------------------------
+# -- match ----------------------------------------------------------------------------------
 def _layout(rank: int, axis: int) -> tuple[str, str | None]:
     """(data_format, how x is brought to 4-D or 5-D) for a channel ``axis`` of a ``rank`` input;
     ("", None) when FusedBatchNormV3 cannot take it."""
@@ -98,13 +99,6 @@ def _layout(rank: int, axis: int) -> tuple[str, str | None]:
         (2, 1): ("NHWC", "reshape"), (3, 2): ("NHWC", "reshape"),
         (3, 1): ("NCHW", "reshape"),
     }.get((rank, axis), ("", None))
-
-
-def _set_shapes(node: NodeDef, shapes: list[tuple | None]) -> None:
-    attr = node.attr["_output_shapes"]
-    del attr.list.shape[:]
-    for shape in shapes:
-        attr.list.shape.add().CopyFrom(tf.TensorShape(shape).as_proto())
 
 
 def _per_channel(view: GraphView, ref: str, rank: int) -> tuple[str, NodeDef | None,
@@ -314,6 +308,41 @@ def _swallow_casts(view: GraphView, match: BatchNormMatch) -> None:
     match.tail, match.x, match.dtype = outs[0], cast_in.input[0], low
 
 
+def _match(rsqrt: NodeDef, ctx: RuleContext) -> BatchNormMatch | str | None:
+    """The composite around ``rsqrt`` (:func:`_match_at`): its record, why it is declined
+    before one could be made, or None."""
+    match, why = _match_at(ctx.view, rsqrt)
+    return match if match is not None else (f"BatchNorm: {why}" if why else None)
+
+
+# -- check ----------------------------------------------------------------------------------
+def _check(match: BatchNormMatch, ctx: RuleContext) -> str | None:
+    """Why the composite stays: a layout FusedBatchNormV3 cannot take, no kernel on the
+    target, intermediates read elsewhere (in training: by the backward), an overlap."""
+    view = ctx.view
+    label = f"BatchNorm({match.kind})"
+    fmt = match.data_format
+    if not fmt:
+        return (f"{label}: channel axis {match.axis} of a rank-{match.rank} input "
+                "(FusedBatchNormV3 takes channels last or first)")
+    if _layout(match.rank, match.axis)[1] and match.axis != match.rank - 1:
+        x_node = view.node(match.x)
+        shape = output_shape(x_node, parse_input(match.x)[1]) if x_node else None
+        if shape is None or shape[2] is None:
+            return f"{label}: channels-first 3-D input of unknown length"
+    why = kernel_blocker(ctx.target, "FusedBatchNormV3", match.dtype, fmt,
+                         match.kind == "training", match.channels, match.epsilon)
+    why = why or _blocked(view, match)
+    if why is None and ctx.overlaps(n.name for n in match.interior):
+        why = "overlaps another batch norm"
+    if why is None:
+        return None
+    if match.kind == "training" and "feeds" in why:
+        why += (" (the backward reads it: training batch norm is fused before "
+                "differentiation, by the batch_norm stage)")
+    return f"{label}: {why}"
+
+
 def _blocked(view: GraphView, match: BatchNormMatch) -> str | None:
     stats = [n for n in (match.batch_mean, match.batch_variance) if n is not None]
     inside = {n.name for n in (*match.interior, match.tail, *stats)}
@@ -329,52 +358,19 @@ def _blocked(view: GraphView, match: BatchNormMatch) -> str | None:
     return None
 
 
+# -- emit -----------------------------------------------------------------------------------
+def _set_shapes(node: NodeDef, shapes: list[tuple | None]) -> None:
+    attr = node.attr["_output_shapes"]
+    del attr.list.shape[:]
+    for shape in shapes:
+        attr.list.shape.add().CopyFrom(tf.TensorShape(shape).as_proto())
+
+
 def _shape4(match: BatchNormMatch, x_shape: tuple | None) -> list[int]:
     """The 4-D shape a 2-D/3-D input is reshaped to for FusedBatchNormV3."""
     if match.axis == match.rank - 1:
         return [-1, 1, 1, match.channels]
     return [-1, match.channels, x_shape[2], 1]  # [N, C, T] -> NCHW [N, C, T, 1]
-
-
-# -- find / rewrite: the composite ----------------------------------------------------------
-def find_batch_norm(view: GraphView, target: Target) -> tuple[list[BatchNormMatch], list[str]]:
-    """Every composite batch norm in ``view`` that ``target`` can run fused, and declines."""
-    matches, declined = [], []
-    taken: set[str] = set()
-    for rsqrt in view.nodes():
-        if rsqrt.op != "Rsqrt":
-            continue
-        match, why = _match_at(view, rsqrt)
-        if match is None:
-            if why:
-                declined.append(f"BatchNorm: {why}")
-            continue
-        label = f"BatchNorm({match.kind})"
-        fmt = match.data_format
-        if not fmt:
-            declined.append(f"{label}: channel axis {match.axis} of a rank-{match.rank} input "
-                            "(FusedBatchNormV3 takes channels last or first)")
-            continue
-        if _layout(match.rank, match.axis)[1] and match.axis != match.rank - 1:
-            x_node = view.node(match.x)
-            shape = output_shape(x_node, parse_input(match.x)[1]) if x_node else None
-            if shape is None or shape[2] is None:
-                declined.append(f"{label}: channels-first 3-D input of unknown length")
-                continue
-        why = kernel_blocker(target, "FusedBatchNormV3", match.dtype, fmt,
-                                        match.kind == "training", match.channels, match.epsilon)
-        why = why or _blocked(view, match)
-        if why is None and {n.name for n in match.interior} & taken:
-            why = "overlaps another batch norm"
-        if why is not None:
-            if match.kind == "training" and "feeds" in why:
-                why += " (the backward reads it: training batch norm is fused before " \
-                       "differentiation, by the batch_norm stage)"
-            declined.append(f"{label}: {why}")
-            continue
-        taken.update(n.name for n in match.interior)
-        matches.append(match)
-    return matches, declined
 
 
 def _batch_statistics(view: GraphView, match: BatchNormMatch, fused_name: str, x4: str,
@@ -471,6 +467,18 @@ def rewrite_batch_norm(view: GraphView, match: BatchNormMatch) -> NodeDef:
     return fused
 
 
+# -- declaration ----------------------------------------------------------------------------
+RULE = Rule(anchors=frozenset({"Rsqrt"}), match=_match, check=_check,
+            emit=lambda v, m: rewrite_batch_norm(v, m),
+            kind=lambda m: f"FusedBatchNormV3({m.kind}, {m.dtype})",
+            claims=lambda m: [n.name for n in m.interior])
+
+
+def find_batch_norm(view: GraphView, target: Target) -> tuple[list[BatchNormMatch], list[str]]:
+    """Every composite batch norm in ``view`` that ``target`` can run fused, and declines."""
+    return RULE.find(view, target)
+
+
 @register(
     "batch_norm",
     "composite BatchNormalization -> FusedBatchNormV3 (training: before differentiation, "
@@ -481,14 +489,5 @@ def rewrite_batch_norm(view: GraphView, match: BatchNormMatch) -> NodeDef:
 )
 def batch_norm_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Fuse every composite batch norm, then every batch norm + residual Add + Relu."""
-    apply_matches(
-        view, ctx, find_batch_norm(view, ctx.target),
-        lambda v, m: rewrite_batch_norm(v, m),
-        lambda m: f"FusedBatchNormV3({m.kind}, {m.dtype})",
-    )
-    apply_matches(
-        view, ctx, find_batch_norm_ex(view, ctx.target),
-        lambda v, m: rewrite_batch_norm_ex(v, m),
-        lambda m: "_FusedBatchNormEx(side input, Relu)" + (
-            " + _FusedBatchNormGradEx (training)" if m.grad is not None else ""),
-    )
+    for rule in (RULE, EX_RULE):
+        rule.apply(view, ctx)

@@ -4,6 +4,11 @@ e.g. on CPU); in training with its backward, ``ReluGrad`` + ``FusedBatchNormGrad
 ``_FusedBatchNormGradEx``, wired as Grappler's remapper wires them on GPU. A batch norm whose
 ``Relu`` follows with no residual ``Add`` is declined with the reason.
 
+One rule (:mod:`fusion.rule`), which the batch_norm family runs after its first: its match
+walks back from a ``Relu`` to the residual ``Add`` and the ``FusedBatchNormV3`` (and, in
+training, forward to the backward that reads the kernel's reserve spaces), its check says why
+the ops stay apart, :func:`rewrite_batch_norm_ex` writes the fused kernels.
+
 Example:
     >>> import tensorflow as tf
     >>> from fusion.graph import GraphView
@@ -31,6 +36,7 @@ from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, output_shape, parse
 from fusion.graphs.batch_norm_kernels import kernel_blocker
 from fusion.match import dtype_name, new_node
 from fusion.pattern import Target
+from fusion.rule import Rule, RuleContext
 
 
 @dataclasses.dataclass
@@ -45,13 +51,14 @@ class BatchNormExMatch:
     identity: NodeDef | None = None
     relu_grad: NodeDef | None = None
     grad: NodeDef | None = None
+    backward_why: str | None = None  # why the backward read is not one _FusedBatchNormGradEx
 
     @property
     def training(self) -> bool:
         return self.fused.attr["is_training"].b
 
 
-# -- find / rewrite: FusedBatchNormV3 + Add + Relu ------------------------------------------
+# -- match ----------------------------------------------------------------------------------
 def _behind_identity(view: GraphView, ref: str) -> NodeDef | None:
     """The FusedBatchNormV3 whose output 0 is ``ref``, directly or through one Identity."""
     node = view.node(ref)
@@ -92,73 +99,72 @@ def _ex_backward(view: GraphView, fused: NodeDef,
     return relu_grad, grad
 
 
-def find_batch_norm_ex(view: GraphView,
-                       target: Target) -> tuple[list[BatchNormExMatch], list[str]]:
-    """Every FusedBatchNormV3 + residual Add + Relu that ``target`` runs as one
-    ``_FusedBatchNormEx`` (in training with its backward as ``_FusedBatchNormGradEx``), and
-    the declines."""
-    matches, declined = [], []
-    for relu in view.nodes():
-        if relu.op != "Relu":
-            continue
-        add = view.node(relu.input[0])
-        direct = _behind_identity(view, relu.input[0])
-        if direct is not None:  # a batch norm and its activation, no residual (pre-activation)
-            declined.append(f"FusedBatchNormV3+Relu: {_without_side_input(view, direct, target)}")
-            continue
-        if add is None or add.op not in ("Add", "AddV2") or parse_input(relu.input[0])[1]:
-            continue
-        inputs = view.data_inputs(add)
-        found = [(r, _behind_identity(view, r)) for r in inputs]
-        ref, fused = next(((r, f) for r, f in found if f is not None), (None, None))
-        if fused is None or len(inputs) != 2:
-            continue
-        side = next(r for r in inputs if r is not ref)
-        identity = view.node(ref) if view.node(ref) is not fused else None
-        label = "FusedBatchNormV3+Add+Relu"
-        shape = output_shape(fused, 0)
-        side_node = view.node(side) if side else None
-        side_shape = None if side_node is None else output_shape(side_node,
-                                                                 parse_input(side)[1])
-        training = fused.attr["is_training"].b
-        fmt = fused.attr["data_format"].s.decode()
-        channels = None
-        if shape is not None and len(shape) == 4:
-            channels = shape[3] if fmt == "NHWC" else shape[1]
-        why = kernel_blocker(target, "_FusedBatchNormEx", dtype_name(fused), fmt, training,
-                                        channels, fused.attr["epsilon"].f)
-        if why is None and identity is not None and not training:
-            why = "an Identity with control inputs between"
-        if why is None and (shape is None or shape != side_shape
-                            or any(d is None for d in shape[1:])):
-            why = "side input shape differs or is unknown (Add broadcasts, the kernel does not)"
-        if why is None:
-            first = identity or add
-            if fused.name in view.protected or any(i.startswith("^") for i in fused.input) \
-                    or [c.name for c in _data_consumers(view, fused.name)] != [first.name]:
-                why = "FusedBatchNormV3 output has other consumers"
-            elif identity is not None and (
-                    identity.name in view.protected
-                    or any(ctl for *_, ctl in view.consumer_edges(identity.name))
-                    or [c.name for c in _data_consumers(view, identity.name)] != [add.name]):
-                why = "the Identity after FusedBatchNormV3 has other consumers"
-            elif len(_data_consumers(view, add.name)) != 1 or view.has_control_edges(add) \
-                    or add.name in view.protected or view.has_control_edges(relu):
-                why = "Add output has other consumers"
-        relu_grad = grad = None
-        if why is None and any(c.op != "ZerosLike" for p in (3, 4, 5)
-                               for c in view.consumers(fused.name, p)):
-            backward = _ex_backward(view, fused, relu)
-            if isinstance(backward, str):
-                why = f"backward not fusable as _FusedBatchNormGradEx: {backward}"
-            else:
-                relu_grad, grad = backward
-        if why is not None:
-            declined.append(f"{label}: {why}")
-            continue
-        matches.append(BatchNormExMatch(fused=fused, add=add, relu=relu, side_input=side,
-                                        identity=identity, relu_grad=relu_grad, grad=grad))
-    return matches, declined
+def _match(relu: NodeDef, ctx: RuleContext) -> BatchNormExMatch | str | None:
+    """The ``FusedBatchNormV3`` (behind one Identity at most) and residual ``Add`` that
+    ``relu`` reads, the side input, and in training the backward; a reason for a batch norm
+    with its Relu and no residual Add; None for any other Relu."""
+    view = ctx.view
+    add = view.node(relu.input[0])
+    direct = _behind_identity(view, relu.input[0])
+    if direct is not None:  # a batch norm and its activation, no residual (pre-activation)
+        return f"FusedBatchNormV3+Relu: {_without_side_input(view, direct, ctx.target)}"
+    if add is None or add.op not in ("Add", "AddV2") or parse_input(relu.input[0])[1]:
+        return None
+    inputs = view.data_inputs(add)
+    found = [(r, _behind_identity(view, r)) for r in inputs]
+    ref, fused = next(((r, f) for r, f in found if f is not None), (None, None))
+    if fused is None or len(inputs) != 2:
+        return None
+    side = next(r for r in inputs if r is not ref)
+    identity = view.node(ref) if view.node(ref) is not fused else None
+    match = BatchNormExMatch(fused=fused, add=add, relu=relu, side_input=side, identity=identity)
+    if any(c.op != "ZerosLike" for p in (3, 4, 5) for c in view.consumers(fused.name, p)):
+        backward = _ex_backward(view, fused, relu)
+        if isinstance(backward, str):
+            match.backward_why = backward
+        else:
+            match.relu_grad, match.grad = backward
+    return match
+
+
+# -- check ----------------------------------------------------------------------------------
+def _check(match: BatchNormExMatch, ctx: RuleContext) -> str | None:
+    """Why the ops stay apart: the target's kernel, shapes the kernel does not broadcast,
+    other readers of the intermediates, or a backward that is not one
+    ``_FusedBatchNormGradEx``."""
+    view, fused, add, relu = ctx.view, match.fused, match.add, match.relu
+    identity, side = match.identity, match.side_input
+    shape = output_shape(fused, 0)
+    side_node = view.node(side) if side else None
+    side_shape = None if side_node is None else output_shape(side_node, parse_input(side)[1])
+    training = fused.attr["is_training"].b
+    fmt = fused.attr["data_format"].s.decode()
+    channels = None
+    if shape is not None and len(shape) == 4:
+        channels = shape[3] if fmt == "NHWC" else shape[1]
+    why = kernel_blocker(ctx.target, "_FusedBatchNormEx", dtype_name(fused), fmt, training,
+                         channels, fused.attr["epsilon"].f)
+    if why is None and identity is not None and not training:
+        why = "an Identity with control inputs between"
+    if why is None and (shape is None or shape != side_shape
+                        or any(d is None for d in shape[1:])):
+        why = "side input shape differs or is unknown (Add broadcasts, the kernel does not)"
+    if why is None:
+        first = identity or add
+        if fused.name in view.protected or any(i.startswith("^") for i in fused.input) \
+                or [c.name for c in _data_consumers(view, fused.name)] != [first.name]:
+            why = "FusedBatchNormV3 output has other consumers"
+        elif identity is not None and (
+                identity.name in view.protected
+                or any(ctl for *_, ctl in view.consumer_edges(identity.name))
+                or [c.name for c in _data_consumers(view, identity.name)] != [add.name]):
+            why = "the Identity after FusedBatchNormV3 has other consumers"
+        elif len(_data_consumers(view, add.name)) != 1 or view.has_control_edges(add) \
+                or add.name in view.protected or view.has_control_edges(relu):
+            why = "Add output has other consumers"
+    if why is None and match.backward_why is not None:
+        why = f"backward not fusable as _FusedBatchNormGradEx: {match.backward_why}"
+    return None if why is None else f"FusedBatchNormV3+Add+Relu: {why}"
 
 
 def _without_side_input(view: GraphView, fused: NodeDef, target: Target) -> str:
@@ -179,6 +185,7 @@ def _without_side_input(view: GraphView, fused: NodeDef, target: Target) -> str:
             "Relu into _FusedBatchNormEx where the device has it")
 
 
+# -- emit -----------------------------------------------------------------------------------
 def rewrite_batch_norm_ex(view: GraphView, match: BatchNormExMatch) -> NodeDef:
     """Replace FusedBatchNormV3 + Add + Relu with one ``_FusedBatchNormEx`` named like the Relu;
     in training see :func:`rewrite_batch_norm_ex_training`."""
@@ -258,3 +265,19 @@ def rewrite_batch_norm_ex_training(view: GraphView, match: BatchNormExMatch) -> 
     else:
         view.remove(relu_grad.name)
     return ex
+
+
+# -- declaration ----------------------------------------------------------------------------
+RULE = Rule(anchors=frozenset({"Relu"}), match=_match, check=_check,
+            emit=lambda v, m: rewrite_batch_norm_ex(v, m),
+            kind=lambda m: "_FusedBatchNormEx(side input, Relu)" + (
+                " + _FusedBatchNormGradEx (training)" if m.grad is not None else ""))
+"""The batch_norm family's second rule (``fusion.graphs.batch_norm`` declares the family)."""
+
+
+def find_batch_norm_ex(view: GraphView,
+                       target: Target) -> tuple[list[BatchNormExMatch], list[str]]:
+    """Every FusedBatchNormV3 + residual Add + Relu that ``target`` runs as one
+    ``_FusedBatchNormEx`` (in training with its backward as ``_FusedBatchNormGradEx``), and
+    the declines."""
+    return RULE.find(view, target)

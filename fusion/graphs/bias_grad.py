@@ -136,7 +136,8 @@ def rewrite_bias_grad(view: GraphView, match: BiasGradMatch) -> NodeDef:
 
 # -- declaration ----------------------------------------------------------------------------
 RULE = Rule(anchors=frozenset({"BiasAddGrad"}), match=_match, check=_check,
-            emit=rewrite_bias_grad, kind=lambda m: "BiasAddGrad as a MatMul of ones")
+            emit=lambda v, m: rewrite_bias_grad(v, m),
+            kind=lambda m: "BiasAddGrad as a MatMul of ones")
 
 
 def find_bias_grads(view: GraphView, target: Target, tuner: Chooser | None = None

@@ -116,7 +116,8 @@ def rewrite_cast(view: GraphView, match: CastMatch) -> None:
 
 
 # -- declaration ----------------------------------------------------------------------------
-RULE = Rule(anchors=frozenset({"Cast"}), match=_match, check=_check, emit=rewrite_cast,
+RULE = Rule(anchors=frozenset({"Cast"}), match=_match, check=_check,
+            emit=lambda v, m: rewrite_cast(v, m),
             kind=lambda m: f"removed {m.kind}", claims=lambda m: (m.cast.name,))
 
 

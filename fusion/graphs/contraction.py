@@ -364,7 +364,8 @@ def rewrite_contraction(view: GraphView, match: ContractionMatch) -> NodeDef:
 
 # -- declaration ----------------------------------------------------------------------------
 RULE = Rule(
-    anchors=frozenset(FUSED_OP), match=_match, check=_check, emit=rewrite_contraction,
+    anchors=frozenset(FUSED_OP), match=_match, check=_check,
+    emit=lambda v, m: rewrite_contraction(v, m),
     kind=lambda m: f"{FUSED_OP[m.contraction.op]}({', '.join(m.fused_ops)})",
     partial=lambda m: m.partial, claims=lambda m: [n.name for n in m.nodes],
 )

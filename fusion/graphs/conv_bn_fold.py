@@ -166,7 +166,8 @@ def rewrite_conv_bn(view: GraphView, match: ConvBatchNormMatch) -> NodeDef:
 
 
 # -- declaration ----------------------------------------------------------------------------
-RULE = Rule(anchors=frozenset({"Conv2D"}), match=_match, check=_check, emit=rewrite_conv_bn,
+RULE = Rule(anchors=frozenset({"Conv2D"}), match=_match, check=_check,
+            emit=lambda v, m: rewrite_conv_bn(v, m),
             kind=lambda m: f"_FusedConv2D({', '.join(m.fused_ops)})")
 
 

@@ -150,7 +150,7 @@ def rewrite_duplicate(view: GraphView, match: DuplicateMatch) -> None:
 
 
 # -- declaration ----------------------------------------------------------------------------
-RULE = Rule(match=_match, check=_check, emit=rewrite_duplicate,
+RULE = Rule(match=_match, check=_check, emit=lambda v, m: rewrite_duplicate(v, m),
             kind=lambda m: f"{m.node.op} computed once", walk=_topological,
             begin=_v1_control_flow)
 

@@ -146,7 +146,8 @@ def rewrite_layout(view: GraphView, match: LayoutMatch) -> NodeDef:
 
 
 # -- declaration ----------------------------------------------------------------------------
-RULE = Rule(anchors=frozenset({"MatMul"}), match=_match, check=_check, emit=rewrite_layout,
+RULE = Rule(anchors=frozenset({"MatMul"}), match=_match, check=_check,
+            emit=lambda v, m: rewrite_layout(v, m),
             kind=lambda m: "MatMul: its transposed operand transposed once")
 
 

@@ -378,7 +378,7 @@ def rewrite_onednn(view: GraphView, match: OneDnnMatch) -> NodeDef:
 
 
 # -- declaration ----------------------------------------------------------------------------
-RULE = Rule(match=_match, check=_check, emit=rewrite_onednn,
+RULE = Rule(match=_match, check=_check, emit=lambda v, m: rewrite_onednn(v, m),
             kind=lambda m: f"{m.node.op} -> {m.op}{m.with_gradients}",
             begin=_nothing_to_retarget, finish=_pairs)
 

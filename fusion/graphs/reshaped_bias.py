@@ -114,7 +114,7 @@ def rewrite_reshaped_bias(view: GraphView, match: ReshapedBiasMatch) -> NodeDef:
 # -- declaration ----------------------------------------------------------------------------
 RULE = Rule(
     anchors=frozenset({"MatMul"}), match=_match, check=_check,
-    emit=rewrite_reshaped_bias,
+    emit=lambda v, m: rewrite_reshaped_bias(v, m),
     kind=lambda m: "BiasAdd moved ahead of the Reshape after MatMul",
 )
 
