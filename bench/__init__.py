@@ -14,6 +14,9 @@ import it. ``tfmx bench ...`` runs ``python -m bench ...`` (:mod:`bench.cli`).
 - :mod:`bench.compare`: the best alternative (the fastest of stock and XLA) and tfmx against
   it; :mod:`bench.tables`: the markdown output.
 - :mod:`bench.fit_price`: what tfmx costs on whole short fits (``python -m bench.fit_price``).
+- :mod:`bench.records`: ``tfmx bench --record`` keeps each result as JSON under
+  ``bench/results/``, one file per workload and oneDNN state; :mod:`bench.publish`
+  (``python -m bench.tables --markdown``) writes BENCHMARKS.md and the README's table from them.
 
 Example:
     >>> from bench.runner import run_benchmark

@@ -2,7 +2,7 @@
 
     tfmx bench [--model M [M ...]] [--rounds N] [--steps N] [--batch-size B]
                [--modes stock tfmx xla] [--policy NAME] [--onednn on|off|both]
-               [--replicas N] [--output FILE.md] [--json [FILE.json]]
+               [--replicas N] [--output FILE.md] [--json [FILE.json]] [--record [DIR]]
 
 ``tfmx bench ...`` runs ``python -m bench ...`` in a process of its own (:mod:`tfmx.cli`: the
 library never imports its benchmark). Parsing (and ``--help``) does not import TensorFlow.
@@ -20,10 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 
 from bench.onednn import ONEDNN_CHOICES
+from bench.records import RESULTS_DIR
 from bench.workloads import GROUPS, MODES, OPTIMIZERS, WORKLOADS, expand_models
 
 
@@ -83,10 +85,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE.json",
                         help="save the raw results and the comparison as JSON to FILE.json "
                              "(without FILE: print them after the table)")
+    parser.add_argument("--record", nargs="?", const=str(RESULTS_DIR), default=None,
+                        metavar="DIR",
+                        help="keep each result as a JSON record, one file per workload and "
+                             "oneDNN state, with this command (default folder bench/results/; "
+                             "python -m bench.tables --markdown writes BENCHMARKS.md from them)")
     return parser
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _bench(args: argparse.Namespace, command: str = "tfmx bench") -> int:
     from bench import runner
     from bench.compare import results_document
     from bench.replicas import check_replicas, replica_modes
@@ -119,6 +126,11 @@ def _bench(args: argparse.Namespace) -> int:
             with open(args.json, "w") as f:
                 f.write(document + "\n")
             print(f"wrote {args.json}", file=sys.stderr)
+    if args.record:
+        from bench.records import write_records
+
+        for path in write_records(results, command, args.record):
+            print(f"recorded {path}", file=sys.stderr)
     if args.output:
         existing = os.path.exists(args.output) and os.path.getsize(args.output) > 0
         with open(args.output, "a") as f:
@@ -139,5 +151,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     SystemExit: tfmx bench: the xla mode cannot run with replicas > 1: ...
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    return _bench(args)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    return _bench(args, shlex.join(["tfmx", "bench", *argv]))

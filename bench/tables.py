@@ -1,5 +1,8 @@
 """``tfmx bench``'s output: markdown lines and tables.
 
+``python -m bench.tables --markdown`` writes BENCHMARKS.md and the README's table from the
+records ``tfmx bench --record`` keeps (:mod:`bench.publish`, :mod:`bench.records`).
+
 :func:`format_markdown` lays out:
 
 - A machine line (:func:`format_environment`): date, CPU model name (vendor, family, model
@@ -394,3 +397,11 @@ def format_markdown(results: Mapping[str, Any] | Iterable[Mapping[str, Any]]) ->
     blocks = ["\n\n".join(head)] + [_format_workload(g, replicas)
                                      for g in by_workload(results)]
     return "\n\n".join(blocks) + "\n"
+
+
+if __name__ == "__main__":  # python -m bench.tables --markdown: see bench.publish
+    import sys
+
+    from bench.publish import main
+
+    sys.exit(main())

@@ -18,6 +18,9 @@ from bench import onednn, runner
 from bench.cli import _parser
 from bench.compare import compare, results_document
 from bench.onednn import child_command, onednn_states
+from bench.publish import END, START, format_benchmarks, format_readme_table
+from bench.publish import main as publish_main
+from bench.records import load_records, record_name, write_records
 from bench.runner import run_benchmarks
 from bench.tables import format_comparison, format_markdown, format_onednn
 from tfmx import machine
@@ -238,7 +241,8 @@ def test_tiny_real_run_measures_both_states_in_their_own_processes(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "tfmx", "bench", "--model", "mlp", "--rounds", "1", "--steps",
          "1", "--warmup", "1", "--modes", "stock", "tfmx", "--onednn", "both", "--json",
-         str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+         str(out), "--record", str(tmp_path / "results")], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| workload | stock (on) | stock (off) | tfmx (on) | tfmx (off) |" in proc.stdout
     assert "TF_ENABLE_ONEDNN_OPTS=1, a process of its own" in proc.stdout
@@ -248,3 +252,90 @@ def test_tiny_real_run_measures_both_states_in_their_own_processes(tmp_path):
     row, = doc["comparison"]
     assert set(row["tfmx_vs_best_alternative"]) == {"on", "off"}
     assert row["best_alternative"]["mode"] == "stock"
+    # the records, one per oneDNN state, and BENCHMARKS.md and the README's table from them
+    records = load_records(tmp_path / "results")
+    assert [r["onednn"] for r in records] == ["off", "on"]
+    assert records[0]["command"].startswith("tfmx bench --model mlp --rounds 1")
+    assert records[0]["command"].endswith(f"--record {tmp_path / 'results'}")
+    assert records[0]["env"]["tensorflow"] and records[0]["env"]["cpu_count"] >= 1
+    assert set(records[0]["modes"]["tfmx"]) >= {"median_ms", "p25_ms", "p75_ms"}
+    assert records[0]["ratios"]["tfmx/stock"] > 0
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{START}\nold\n{END}\nrest\n")
+    bench_md = tmp_path / "BENCHMARKS.md"
+    assert publish_main(["--markdown", "--results", str(tmp_path / "results"),
+                         "--benchmarks", str(bench_md), "--readme", str(readme)]) == 0
+    text = bench_md.read_text()
+    assert text.startswith("# Benchmarks\n") and "| mlp (adam, batch " in text
+    assert f"`{records[0]['command']}`" in text
+    assert readme.read_text().startswith(f"intro\n{START}\n| workload | processor |")
+    assert readme.read_text().endswith(f"{END}\nrest\n") and "old" not in readme.read_text()
+
+
+# -- records and the published tables -------------------------------------------------------
+def test_records_one_file_per_workload_and_state_holding_the_ratios(tmp_path):
+    results = [result("on", stock=10.0, xla=12.0, tfmx=8.0),
+               result("off", stock=9.0, xla=11.0, tfmx=8.5)]
+    paths = write_records(results, "tfmx bench --model mlp --onednn both --record", tmp_path)
+    assert [p.name for p in paths] == ["mlp-adam-batch32-onednn-on.json",
+                                       "mlp-adam-batch32-onednn-off.json"]
+    off, on = load_records(tmp_path)
+    assert on["ratios"]["tfmx/stock"] == pytest.approx(0.8)
+    assert on["ratios"]["tfmx/best_alternative"] == pytest.approx(8.0 / 9.0)
+    assert on["best_alternative"] == {"ms": 9.0, "mode": "stock", "onednn": "off"}
+    assert on["env"]["cpu"] == "Xeon" and on["env"]["onednn_env"] == "1"
+    assert on["modes"]["tfmx"] == timing(8.0)
+    # a new measurement of one state replaces its file: the folder holds current figures
+    write_records([result("on", stock=10.0, tfmx=7.0)], "again", tmp_path)
+    off, on = load_records(tmp_path)
+    assert (on["command"], on["modes"]["tfmx"]["median_ms"]) == ("again", 7.0)
+    assert off["command"].startswith("tfmx bench")
+    (tmp_path / "notes.json").write_text("[]")  # not a record: left out
+    assert len(load_records(tmp_path)) == 2
+    assert record_name({"model": "gru", "optimizer": "adam"}) == "gru-adam-onednn-unknown.json"
+
+
+def test_benchmarks_md_is_the_records_only(tmp_path):
+    write_records([result("on", stock=10.0, xla=12.0, tfmx=8.0),
+                   result("off", stock=9.0, xla=11.0, tfmx=8.5)], "tfmx bench X", tmp_path)
+    gru = result("on", model="gru", stock=4.0, tfmx=5.0)
+    gru["env"]["cpu"] = "EPYC"
+    write_records([gru], "tfmx bench Y", tmp_path)
+    records = load_records(tmp_path)
+    text = format_benchmarks(records)
+    lines = text.splitlines()
+    assert lines[0] == "# Benchmarks" and "python -m bench.tables --markdown" in text
+    heads = [x for x in lines if x.startswith("## ")]
+    assert heads == [
+        "## EPYC, 2 cores (flags: amx_bf16 avx512f); TensorFlow 2.21.0, Keras 3.15.1, "
+        "Python 3.11.7",
+        "## Xeon, 2 cores (flags: amx_bf16 avx512f); TensorFlow 2.21.0, Keras 3.15.1, "
+        "Python 3.11.7"]
+    assert ("| mlp (adam, batch 32) | off | 9.00 (9.00-9.00) | 11.00 (11.00-11.00) | "
+            "8.50 (8.50-8.50) | 0.944 | 9.00 stock (off) | 0.944 |") in lines
+    assert ("| mlp (adam, batch 32) | on | 10.00 (10.00-10.00) | 12.00 (12.00-12.00) | "
+            "8.00 (8.00-8.00) | 0.800 | 9.00 stock (off) | 0.889 |") in lines
+    assert ("| gru (adam, batch 32) | on | 4.00 (4.00-4.00) | 5.00 (5.00-5.00) | 1.250 | "
+            "4.00 stock (on) | 1.250 |") in lines
+    assert "| mlp (adam, batch 32) | on | 2026-01-02 10:00 | `tfmx bench X` |" in lines
+    table = format_readme_table(records).splitlines()
+    assert table[2:4] == ["| gru (adam, batch 32) | EPYC | on | 1.250 | 1.250 |",
+                          "| mlp (adam, batch 32) | Xeon | on | 0.800 | 0.889 |"]
+
+
+def test_publishing_touches_the_readme_only_between_its_markers(tmp_path):
+    write_records([result("on", stock=2.0, tfmx=1.0)], "tfmx bench Z", tmp_path / "r")
+    bench_md, readme = tmp_path / "B.md", tmp_path / "README.md"
+    readme.write_text("no markers here\n")
+    args = ["--markdown", "--results", str(tmp_path / "r"), "--benchmarks", str(bench_md),
+            "--readme", str(readme)]
+    assert publish_main(args) == 0
+    assert readme.read_text() == "no markers here\n" and bench_md.exists()
+    bench_md.write_text("old figures\n")
+    assert publish_main([*args[:2], str(tmp_path / "none"), *args[3:]]) == 1
+    assert bench_md.read_text() == "old figures\n"  # no record: nothing written
+
+
+def test_the_record_option_defaults_to_bench_results():
+    assert _parser().parse_args(["--record"]).record == str(ROOT / "bench" / "results")
+    assert _parser().parse_args([]).record is None

@@ -1,0 +1,256 @@
+"""BENCHMARKS.md and the README's benchmark table, written from the records alone.
+
+``python -m bench.tables --markdown`` (or ``python -m bench.publish --markdown``) reads every
+record under ``bench/results/`` (:func:`bench.records.load_records`, written by
+``tfmx bench ... --record``) and writes:
+
+- BENCHMARKS.md (:func:`format_benchmarks`): how to reproduce a row, how to read the tables,
+  then per machine (processor, cores, flags, TensorFlow and Keras) one row per workload and
+  oneDNN state: each mode's median ms/step with its p25-p75 spread, tfmx / stock, the best
+  alternative and tfmx / best alternative; then the command that measured each row.
+- The README's small table (:func:`format_readme_table`), between the lines
+  ``<!-- bench-table:start -->`` and ``<!-- bench-table:end -->``, only where both exist
+  (:func:`replace_between_markers`); nothing else of the README is touched.
+
+With no record it writes nothing and says which command makes one. Without ``--markdown`` it
+prints BENCHMARKS.md's text.
+
+Example:
+    >>> from bench.publish import format_readme_table
+    >>> print(format_readme_table([]))
+    No benchmark recorded yet: `tfmx bench --model mlp --onednn both --record`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.compare import compare
+from bench.records import RESULTS_DIR, load_records
+
+ROOT = Path(__file__).resolve().parents[1]
+START = "<!-- bench-table:start -->"
+END = "<!-- bench-table:end -->"
+LABELS = {"stock": "stock", "xla": "XLA", "tfmx": "tfmx"}
+EXAMPLE = "tfmx bench --model mlp --onednn both --record"
+
+HEADER = """# Benchmarks
+
+Written by `python -m bench.tables --markdown` from the records in `bench/results/` (one JSON
+file per workload and oneDNN state); edit the records, not this file. To measure a row again,
+run its command (last table of its machine's section) on a quiet machine: it replaces that
+row's record. Then run `python -m bench.tables --markdown` again to rewrite this file and the
+README's table. A record keeps the full result it came from (every round, the rewrite, the
+guard's trial).
+
+How to read the tables: median milliseconds per training step over interleaved rounds, the
+warm-up (tracing, rewriting, compiling) excluded, with the p25-p75 spread of the rounds in
+parentheses. stock: Keras's own step; XLA: the step with `jit_compile=True`; tfmx: the step
+after `tfmx.enable()`. tfmx / stock: tfmx's median over stock's, both measured in the same
+process. Best alternative: the fastest of stock and XLA in any oneDNN state recorded for the
+workload on that machine; tfmx / best below 1: tfmx is faster than anything else measured."""
+
+
+def _workload(result: Mapping[str, Any]) -> str:
+    what = [result.get("optimizer") or "adam"]
+    what += [f"batch {result['batch_size']}"] if result.get("batch_size") else []
+    what += [f"policy {result['policy']}"] if result.get("policy") else []
+    n = result.get("replicas") or 1
+    what += [f"{n} replicas"] if n > 1 else []
+    return f"{result['model']} ({', '.join(what)})"
+
+
+def _timing(t: Mapping[str, Any] | None) -> str:
+    if not t or t.get("median_ms") is None:
+        return "-"
+    spread = (f" ({t['p25_ms']:.2f}-{t['p75_ms']:.2f})"
+              if t.get("p25_ms") is not None and t.get("p75_ms") is not None else "")
+    return f"{t['median_ms']:.2f}{spread}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _state(state: str) -> str:
+    return "-" if state in ("?", None) else state
+
+
+def machine(env: Mapping[str, Any]) -> str:
+    """The machine a record ran on, as a heading: processor, cores, flags, versions.
+
+    >>> machine({"cpu": "AMD EPYC", "cpu_count": 2, "cpu_flags": ["avx2"],
+    ...          "tensorflow": "2.21.0", "keras": "3.15.1", "python": "3.11.7"})
+    'AMD EPYC, 2 cores (flags: avx2); TensorFlow 2.21.0, Keras 3.15.1, Python 3.11.7'
+    """
+    flags = " ".join(env.get("cpu_flags") or []) or "none of interest"
+    gpus = f", {env['gpus']} GPU(s)" if env.get("gpus") else ""
+    return (f"{env.get('cpu') or 'unknown processor'}, {env.get('cpu_count')} cores "
+            f"(flags: {flags}){gpus}; TensorFlow {env.get('tensorflow')}, Keras "
+            f"{env.get('keras')}, Python {env.get('python')}")
+
+
+def by_machine(records: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """Records grouped by :func:`machine`, in the order first seen.
+
+    >>> env = {"cpu": "c", "cpu_count": 2, "tensorflow": "2.21.0", "keras": "3.15.1"}
+    >>> list(by_machine([{"env": env}, {"env": {**env, "cpu": "d"}}, {"env": env}]).values())
+    ... # doctest: +ELLIPSIS
+    [[{'env': {'cpu': 'c', ...}}, {'env': {'cpu': 'c', ...}}], [{'env': {'cpu': 'd', ...}}]]
+    """
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    for record in records:
+        groups.setdefault(machine(record.get("env") or {}), []).append(record)
+    return groups
+
+
+def _rows(records: Sequence[Mapping[str, Any]]) -> list[tuple[Mapping[str, Any], dict]]:
+    """Each record with its workload's :func:`bench.compare.compare` row over the records of
+    the same machine (the best alternative in any state recorded)."""
+    results = [r["result"] for r in records]
+    rows = {(c["model"], c["optimizer"], c["policy"], c["batch_size"], c["replicas"]): c
+            for c in compare(results)}
+    out = []
+    for record in records:
+        r = record["result"]
+        key = (r["model"], r.get("optimizer", "adam"), r.get("policy"), r.get("batch_size"),
+               r.get("replicas", 1))
+        out.append((record, rows[key]))
+    return out
+
+
+def format_machine(title: str, records: Sequence[Mapping[str, Any]]) -> str:
+    """One machine's section of BENCHMARKS.md: the figures, then the commands."""
+    modes = [m for m in ("stock", "xla", "tfmx") if any(m in r["modes"] for r in records)]
+    header = (["workload", "oneDNN"] + [f"{LABELS[m]} ms" for m in modes]
+              + ["tfmx / stock", "best alternative", "tfmx / best"])
+    lines = [f"## {title}", "",
+             "| " + " | ".join(header) + " |",
+             "|---|---|" + "---:|" * len(modes) + "---:|---|---:|"]
+    commands = ["", "| workload | oneDNN | measured | command |", "|---|---|---|---|"]
+    for record, row in _rows(records):
+        state = record.get("onednn", "?")
+        best = row["best_alternative"]
+        best_s = (f"{best['ms']:.2f} {LABELS[best['mode']]}"
+                  + ("" if best["onednn"] == "?" else f" ({best['onednn']})")) if best else "-"
+        vs_best = row["tfmx_vs_best_alternative"].get(state)
+        cells = [_workload(record["result"]), _state(state)]
+        cells += [_timing(record["modes"].get(m)) for m in modes]
+        cells += [_ratio(record["ratios"].get("tfmx/stock")), best_s, _ratio(vs_best)]
+        lines.append("| " + " | ".join(cells) + " |")
+        date = (record.get("env") or {}).get("date") or "-"
+        commands.append(f"| {_workload(record['result'])} | {_state(state)} | {date} | "
+                        f"`{record.get('command', '-')}` |")
+    return "\n".join(lines + commands)
+
+
+def format_benchmarks(records: Sequence[Mapping[str, Any]]) -> str:
+    """BENCHMARKS.md's text from ``records`` (:func:`bench.records.load_records`).
+
+    >>> text = format_benchmarks([])
+    >>> text.splitlines()[0], "No benchmark recorded yet" in text
+    ('# Benchmarks', True)
+    """
+    if not records:
+        return f"{HEADER}\n\nNo benchmark recorded yet: `{EXAMPLE}`.\n"
+    sections = [format_machine(title, group) for title, group in by_machine(records).items()]
+    return HEADER + "\n\n" + "\n\n".join(sections) + "\n"
+
+
+def format_readme_table(records: Sequence[Mapping[str, Any]]) -> str:
+    """The README's table: per machine and workload, tfmx's faster oneDNN state, tfmx / stock
+    there and tfmx / best alternative; a line saying where the figures come from."""
+    if not records:
+        return f"No benchmark recorded yet: `{EXAMPLE}`."
+    lines = ["| workload | processor | oneDNN | tfmx / stock | tfmx / best alternative |",
+             "|---|---|---|---:|---:|"]
+    for group in by_machine(records).values():
+        seen = set()
+        for record, row in _rows(group):
+            top = row["tfmx_best"]
+            key = id(row)
+            if key in seen or not top or record.get("onednn") != top["onednn"]:
+                continue
+            seen.add(key)
+            cpu = (record.get("env") or {}).get("cpu") or "unknown processor"
+            lines.append(f"| {_workload(record['result'])} | {cpu} | {_state(top['onednn'])} | "
+                         f"{_ratio(record['ratios'].get('tfmx/stock'))} | "
+                         f"{_ratio(top['vs_best_alternative'])} |")
+    lines += ["", "Median step times from `bench/results/`, written by "
+              "`python -m bench.tables --markdown`; every figure and the command that "
+              "measured it: BENCHMARKS.md."]
+    return "\n".join(lines)
+
+
+def replace_between_markers(text: str, table: str) -> str | None:
+    """``text`` with what lies between :data:`START` and :data:`END` replaced by ``table``;
+    None where either marker is missing or they are out of order.
+
+    >>> print(replace_between_markers("a\\n<!-- bench-table:start -->\\nold\\n"
+    ...                               "<!-- bench-table:end -->\\nb", "new"))
+    a
+    <!-- bench-table:start -->
+    new
+    <!-- bench-table:end -->
+    b
+    >>> replace_between_markers("no markers", "new") is None
+    True
+    """
+    start, end = text.find(START), text.find(END)
+    if start < 0 or end < start:
+        return None
+    return text[:start + len(START)] + "\n" + table.strip("\n") + "\n" + text[end:]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.tables",
+        description="Write BENCHMARKS.md and the README's benchmark table from the records "
+                    "under bench/results/ (tfmx bench ... --record).")
+    parser.add_argument("--markdown", action="store_true",
+                        help="write BENCHMARKS.md and the README's table (default: print "
+                             "BENCHMARKS.md's text)")
+    parser.add_argument("--results", default=str(RESULTS_DIR), metavar="DIR",
+                        help="the records' folder (default bench/results/)")
+    parser.add_argument("--benchmarks", default=str(ROOT / "BENCHMARKS.md"), metavar="FILE",
+                        help="the file to write (default BENCHMARKS.md beside bench/)")
+    parser.add_argument("--readme", default=str(ROOT / "README.md"), metavar="FILE",
+                        help="the README whose bench-table markers get the small table")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m bench.tables [--markdown] [--results DIR] [--benchmarks FILE]
+    [--readme FILE]``; returns the exit status (1: no record, nothing written).
+
+    >>> main(["--markdown", "--results", "/no/such/folder"])
+    1
+    """
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    records = load_records(args.results)
+    if not args.markdown:
+        print(format_benchmarks(records), end="")
+        return 0
+    if not records:
+        print(f"bench.tables: no record in {args.results}; make some with `{EXAMPLE}`; "
+              f"nothing written", file=sys.stderr)
+        return 1
+    Path(args.benchmarks).write_text(format_benchmarks(records))
+    print(f"wrote {args.benchmarks} from {len(records)} record(s)", file=sys.stderr)
+    readme = Path(args.readme)
+    text = readme.read_text() if readme.is_file() else ""
+    updated = replace_between_markers(text, format_readme_table(records))
+    if updated is None:
+        print(f"{readme}: no bench-table markers; left as it is", file=sys.stderr)
+    elif updated != text:
+        readme.write_text(updated)
+        print(f"wrote the table between the bench-table markers of {readme}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

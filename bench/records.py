@@ -1,0 +1,147 @@
+"""Benchmark records: ``tfmx bench --record`` keeps each result as one JSON file.
+
+One file per workload (model, optimizer, batch, policy, replicas) and oneDNN state under
+``bench/results/`` (:data:`RESULTS_DIR`); a new measurement of the same workload and state
+replaces its file, so the folder holds the current figures only. A record holds the command
+that measured it, the machine (processor and its flags, cores, oneDNN state and how it was set,
+TensorFlow, Keras and Python versions), per mode the median ms/step and the p25-p75 spread,
+the ratios tfmx/stock and tfmx/best alternative (the fastest of stock and XLA in any oneDNN
+state of the same run, :func:`bench.compare.compare`), and the full result it came from.
+``python -m bench.tables --markdown`` (:mod:`bench.publish`) writes BENCHMARKS.md from these
+files only.
+
+Example:
+    >>> import tempfile
+    >>> from bench.records import load_records, write_records
+    >>> result = {"model": "mlp", "optimizer": "adam", "batch_size": 32,
+    ...           "env": {"onednn": True, "cpu": "cpu"},
+    ...           "modes": {m: {"median_ms": v, "p25_ms": v, "p75_ms": v}
+    ...                     for m, v in (("stock", 4.0), ("tfmx", 3.0))}}
+    >>> folder = tempfile.mkdtemp()
+    >>> [p.name for p in write_records([result], "tfmx bench --model mlp --record", folder)]
+    ['mlp-adam-batch32-onednn-on.json']
+    >>> record, = load_records(folder)
+    >>> record["ratios"]["tfmx/stock"], record["command"]
+    (0.75, 'tfmx bench --model mlp --record')
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from bench.compare import compare
+from bench.onednn import onednn_state
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+"""Where ``tfmx bench --record`` writes and ``python -m bench.tables --markdown`` reads."""
+
+SCHEMA = 1
+"""The records' layout; a record of another layout is not read (:func:`load_records`)."""
+
+ENV_KEYS = ("date", "cpu", "cpu_vendor", "cpu_family", "cpu_model", "cpu_flags", "cpu_count",
+            "onednn", "onednn_env", "tensorflow", "keras", "python", "platform", "gpus")
+TIMING_KEYS = ("median_ms", "p25_ms", "p75_ms", "min_ms", "first_call_s")
+
+
+def record_name(result: Mapping[str, Any]) -> str:
+    """The file name of ``result``'s record: its workload and oneDNN state.
+
+    >>> record_name({"model": "gru", "optimizer": "adamw", "batch_size": 64,
+    ...              "policy": "mixed_bfloat16", "replicas": 2, "env": {"onednn": False}})
+    'gru-adamw-batch64-mixed_bfloat16-2replicas-onednn-off.json'
+    """
+    parts = [result["model"], result.get("optimizer") or "adam"]
+    if result.get("batch_size"):
+        parts.append(f"batch{result['batch_size']}")
+    if result.get("policy"):
+        parts.append(str(result["policy"]))
+    if (result.get("replicas") or 1) > 1:
+        parts.append(f"{result['replicas']}replicas")
+    state = onednn_state(result)
+    parts.append("onednn-" + ("unknown" if state == "?" else state))
+    return re.sub(r"[^\w.-]+", "_", "-".join(str(p) for p in parts)) + ".json"
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def make_record(result: Mapping[str, Any], row: Mapping[str, Any] | None, command: str
+                ) -> dict[str, Any]:
+    """``result`` (one :func:`bench.runner.run_benchmark` result) as a record; ``row`` is its
+    workload's :func:`bench.compare.compare` row (the best alternative over the run's states).
+
+    >>> r = {"model": "mlp", "env": {"onednn": False},
+    ...      "modes": {"stock": {"median_ms": 2.0}, "xla": {"median_ms": 1.0},
+    ...                "tfmx": {"median_ms": 1.5}}}
+    >>> row, = compare([r])
+    >>> rec = make_record(r, row, "tfmx bench --model mlp")
+    >>> rec["onednn"], rec["ratios"]
+    ('off', {'tfmx/stock': 0.75, 'tfmx/best_alternative': 1.5})
+    >>> rec["best_alternative"]
+    {'ms': 1.0, 'mode': 'xla', 'onednn': 'off'}
+    """
+    modes = {mode: {k: t[k] for k in TIMING_KEYS if k in t}
+             for mode, t in result.get("modes", {}).items()}
+    median = {mode: t.get("median_ms") for mode, t in modes.items()}
+    best = row.get("best_alternative") if row else None
+    return {
+        "schema": SCHEMA,
+        "command": command,
+        "workload": {k: result.get(k) for k in ("model", "description", "optimizer",
+                                                "batch_size", "policy", "replicas", "rounds",
+                                                "steps", "warmup")},
+        "onednn": onednn_state(result),
+        "isolated": bool(result.get("isolated")),
+        "env": {k: (result.get("env") or {}).get(k) for k in ENV_KEYS},
+        "modes": modes,
+        "ratios": {"tfmx/stock": _ratio(median.get("tfmx"), median.get("stock")),
+                   "tfmx/best_alternative": _ratio(median.get("tfmx"),
+                                                   best["ms"] if best else None)},
+        "best_alternative": best,
+        "result": dict(result),
+    }
+
+
+def write_records(results: Iterable[Mapping[str, Any]], command: str,
+                  directory: str | Path | None = None) -> list[Path]:
+    """Write one record per result (:func:`make_record`, :func:`record_name`) into
+    ``directory`` (default :data:`RESULTS_DIR`, created if missing), replacing the files of
+    the same workload and state; the paths written, in order."""
+    results = list(results)
+    folder = Path(directory) if directory is not None else RESULTS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = {(r["model"], r.get("optimizer", "adam"), r.get("policy"), r.get("batch_size"),
+             r.get("replicas", 1)): r for r in compare(results)}
+    written = []
+    for result in results:
+        key = (result["model"], result.get("optimizer", "adam"), result.get("policy"),
+               result.get("batch_size"), result.get("replicas", 1))
+        record = make_record(result, rows.get(key), command)
+        path = folder / record_name(result)
+        path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+        written.append(path)
+    return written
+
+
+def load_records(directory: str | Path | None = None) -> list[dict[str, Any]]:
+    """Every record in ``directory`` (default :data:`RESULTS_DIR`), by file name; files of
+    another layout (:data:`SCHEMA`) or not JSON are left out. [] if there is no folder.
+
+    >>> load_records("/no/such/folder")
+    []
+    """
+    folder = Path(directory) if directory is not None else RESULTS_DIR
+    records = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and record.get("schema") == SCHEMA:
+            records.append(record)
+    return records
