@@ -100,6 +100,10 @@ def test_wheel_installs_in_a_fresh_venv_and_runs_a_recipe(tmp_path):
     assert "recipes/small_cnn.py" in names and "recipes/_common.py" in names
     assert "tfmx/data/tensorflow-metal-plugin-0.4.1.json" in names
     assert any(n.endswith("licenses/LICENSE") for n in names)
+    meta = zipfile.ZipFile(wheels[0]).read("tfmx_keras-0.2.0.dist-info/METADATA").decode()
+    assert "Name: tfmx-keras" in meta and "License-Expression: Apache-2.0" in meta
+    assert "Description-Content-Type: text/markdown" in meta and "Project-URL" not in meta
+    assert "# tfmx-keras" in meta  # the PyPI page's text
 
     venv.create(tmp_path / "venv", system_site_packages=True, with_pip=True)
     python = str(tmp_path / "venv" / "bin" / "python")
