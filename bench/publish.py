@@ -41,11 +41,11 @@ EXAMPLE = "tfmx bench --model mlp --onednn both --record"
 HEADER = """# Benchmarks
 
 Written by `python -m bench.tables --markdown` from the records in `bench/results/` (one JSON
-file per workload and oneDNN state); edit the records, not this file. To measure a row again,
-run its command (last table of its machine's section) on a quiet machine: it replaces that
-row's record. Then run `python -m bench.tables --markdown` again to rewrite this file and the
-README's table. A record keeps the full result it came from (every round, the rewrite, the
-guard's trial).
+file per workload and oneDNN state), not by hand. To measure a row again, run its command
+(last table of its machine's section) on a quiet machine: it replaces that row's record.
+Then run `python -m bench.tables --markdown` again to rewrite this file and the README's
+table. A record keeps the full result it came from (every round, the rewrite, the guard's
+trial).
 
 How to read the tables: median milliseconds per training step over interleaved rounds, the
 warm-up (tracing, rewriting, compiling) excluded, with the p25-p75 spread of the rounds in
@@ -111,6 +111,12 @@ def by_machine(records: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[s
 def _rows(records: Sequence[Mapping[str, Any]]) -> list[tuple[Mapping[str, Any], dict]]:
     """Each record with its workload's :func:`bench.compare.compare` row over the records of
     the same machine (the best alternative in any state recorded)."""
+    order = {"on": 0, "off": 1}
+    first: dict[str, int] = {}
+    for r in records:
+        first.setdefault(_workload(r["result"]), len(first))
+    records = sorted(records, key=lambda r: (first[_workload(r["result"])],
+                                             order.get(r.get("onednn"), 2)))
     results = [r["result"] for r in records]
     rows = {(c["model"], c["optimizer"], c["policy"], c["batch_size"], c["replicas"]): c
             for c in compare(results)}
