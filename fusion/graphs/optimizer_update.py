@@ -13,6 +13,12 @@ The fused node takes every control input of the ops it replaces, and every contr
 those ops (and the function's control outputs) now points at it, so ordering against other
 reads and writes of the same variables is kept.
 
+One rule (:mod:`fusion.rule`), as every family: its match starts from a variable's own write
+and tries each spec in turn (an :class:`UpdateMatch`: what it bound, the nodes the kernel
+replaces; a spec with no kernel declines there), its check says why Keras's composite stays
+(the target's kernels, the constants, readers outside the update, the tuner), a last look adds
+the optimizers it knows by name and does not fuse, :func:`rewrite_update` writes the kernel.
+
 Example:
     >>> import numpy as np, tensorflow as tf, keras
     >>> from fusion.pipeline import rewrite
@@ -44,10 +50,10 @@ from tensorflow.python.framework import op_def_registry
 
 from fusion.expr import Any, Const, Match, Op, Pattern, Read, match, norm_ref
 from fusion.family import register
-from fusion.fragment import choose_rewrite
 from fusion.graph import GraphView, output_shape, parse_input
 from fusion.match import const_node, fused_node
-from fusion.pattern import Chooser, RewriteContext, Target, apply_matches
+from fusion.pattern import Chooser, RewriteContext, Target
+from fusion.rule import Rule, RuleContext
 
 WRITE_OPS = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"})
 RTOL = 1e-6  # how closely a baked-in constant must equal what the kernel computes
@@ -244,10 +250,11 @@ NO_KERNEL = {
 }
 
 
-# -- the match record, find, rewrite --------------------------------------------------------
+# -- match ----------------------------------------------------------------------------------
 @dataclasses.dataclass
 class UpdateMatch:
-    """One variable's update: the spec, what it bound, the nodes the kernel replaces."""
+    """One variable's update: the spec, what it bound, the nodes the kernel replaces (and
+    ``blocked``: why they cannot all go, a variable read or write used elsewhere)."""
 
     spec: Spec
     found: Match
@@ -255,6 +262,7 @@ class UpdateMatch:
     dtype: int
     remove: list[str]
     stateful: list[str]
+    blocked: str | None = None
 
 
 def _match_scalar(view: GraphView, ref: str, name: str, found: Match) -> Match | None:
@@ -352,6 +360,62 @@ def _removable(view: GraphView, covered: set[str]) -> tuple[list[str], str | Non
     return sorted(keep), None
 
 
+def variable_shape(view: GraphView, found: Match) -> tuple[int, ...] | None:
+    """The static shape of the updated variable (its gradient's), None if not fully known."""
+    grad = view.node(found.refs["grad"])
+    shape = output_shape(grad, parse_input(found.refs["grad"])[1]) if grad is not None else None
+    return None if shape is None or None in shape else tuple(int(d) for d in shape)
+
+
+def _writers(ctx: RuleContext) -> dict[str, list[NodeDef]]:
+    """The variable writes of the graph, by the handle they write."""
+    if "writers" not in ctx.memo:
+        writers: dict[str, list[NodeDef]] = collections.defaultdict(list)
+        for node in ctx.view:
+            if node.op in WRITE_OPS:
+                writers[norm_ref(node.input[0])].append(node)
+        ctx.memo["writers"] = writers
+    return ctx.memo["writers"]
+
+
+def _match(anchor: NodeDef, ctx: RuleContext) -> UpdateMatch | str | None:
+    """The first spec whose update ends in ``anchor`` (the variable's own write) and takes no
+    node an update matched before took; its nodes are claimed whether it is fused or not. A
+    spec with no kernel declines with its reason (or silently: a write left alone on
+    purpose)."""
+    if anchor.name in ctx.claimed:
+        return None
+    view = ctx.view
+    for spec in SPECS:
+        if spec.writes[-1].op != anchor.op:
+            continue
+        found = _match_spec(view, spec, anchor, _writers(ctx))
+        if found is None or ctx.overlaps(found.nodes):
+            continue
+        ctx.claimed |= found.nodes
+        if spec.kernel is None:
+            return f"{spec.optimizer}: {spec.why}" if spec.why else None
+        fed = {parse_input(found.refs[i])[0] for i in spec.inputs if not i.startswith("=")}
+        remove, blocked = _removable(view, found.nodes - fed)
+        stateful = [n for n in remove if _is_stateful(view.node(n))]
+        return UpdateMatch(spec, found, anchor.name, anchor.attr["dtype"].type, remove,
+                           stateful, blocked)
+    return None
+
+
+# -- check ----------------------------------------------------------------------------------
+def _check(match: UpdateMatch, ctx: RuleContext) -> str | None:
+    """Why Keras's composite stays: the target's kernel or the dtype, a constant the kernel
+    does not compute, a read or write used outside the update, or the tuner."""
+    spec = match.spec
+    reason = _why_not(ctx.view, spec, match.found, ctx.target, match.dtype) or match.blocked
+    if reason is None:
+        reason = _tuned_reason(ctx, spec, match)
+    if reason is None or reason.startswith(spec.optimizer):
+        return reason
+    return f"{spec.optimizer}: {reason}"
+
+
 def _why_not(view: GraphView, spec: Spec, found: Match, target: Target, dtype: int) -> str | None:
     assert spec.kernel is not None
     if not target.runs_op(spec.kernel):
@@ -375,75 +439,23 @@ def _why_not(view: GraphView, spec: Spec, found: Match, target: Target, dtype: i
     return None
 
 
-def variable_shape(view: GraphView, found: Match) -> tuple[int, ...] | None:
-    """The static shape of the updated variable (its gradient's), None if not fully known."""
-    grad = view.node(found.refs["grad"])
-    shape = output_shape(grad, parse_input(found.refs["grad"])[1]) if grad is not None else None
-    return None if shape is None or None in shape else tuple(int(d) for d in shape)
-
-
-def _tuned_reason(view: GraphView, spec: Spec, m: UpdateMatch, tuner: Chooser) -> str | None:
+def _tuned_reason(ctx: RuleContext, spec: Spec, m: UpdateMatch) -> str | None:
     """Why this update keeps the composite (the tuner measured it faster here), or None."""
-    shape = variable_shape(view, m.found)
+    shape = variable_shape(ctx.view, m.found)
     signature = (f"{spec.kernel} {tf.dtypes.as_dtype(m.dtype).name} "
                  f"{list(shape) if shape is not None else '?'}")
-    choice = choose_rewrite(tuner, "optimizer_update", signature, view, m.remove,
-                            lambda v: rewrite_update(v, m), stock="composite", fused="kernel")
-    if choice.choice == "composite":
-        return f"{spec.optimizer}: {signature} keeps Keras's composite: {choice.why()}"
-    return None
+    kept = ctx.tuned("optimizer_update", signature, m.remove,
+                     lambda v: rewrite_update(v, m), stock="composite", fused="kernel")
+    if kept is None:
+        return None
+    return f"{spec.optimizer}: {signature} keeps Keras's composite: {kept}"
 
 
-def find_updates(view: GraphView, target: Target, tuner: Chooser | None = None,
-                 ) -> tuple[list[UpdateMatch], list[str]]:
-    """Every variable update a Spec matches, and reasons for those declined.
-
-    Where the kernel and Keras's composite are both correct, ``tuner`` decides which runs
-    (measured on this machine by ``tfmx.tuner``; None: the kernel)."""
-    writers: dict[str, list[NodeDef]] = collections.defaultdict(list)
-    for node in view:
-        if node.op in WRITE_OPS:
-            writers[norm_ref(node.input[0])].append(node)
-    matches: list[UpdateMatch] = []
-    declined: list[str] = []
-    claimed: set[str] = set()
-    for anchor in list(view):
-        if anchor.op not in WRITE_OPS or anchor.name in claimed:
-            continue
-        for spec in SPECS:
-            if spec.writes[-1].op != anchor.op:
-                continue
-            found = _match_spec(view, spec, anchor, writers)
-            if found is None:
-                continue
-            if found.nodes & claimed:
-                continue
-            claimed |= found.nodes
-            fed = {parse_input(found.refs[i])[0] for i in spec.inputs if not i.startswith("=")}
-            covered = found.nodes - fed
-            if spec.kernel is None:
-                if spec.why:  # an empty reason: a write this family leaves alone on purpose
-                    declined.append(f"{spec.optimizer}: {spec.why}")
-                break
-            dtype = anchor.attr["dtype"].type
-            reason = _why_not(view, spec, found, target, dtype)
-            remove: list[str] = []
-            if reason is None:
-                remove, reason = _removable(view, covered)
-            match = None
-            if reason is None:
-                stateful = [n for n in remove if _is_stateful(view.node(n))]
-                match = UpdateMatch(spec, found, anchor.name, dtype, remove, stateful)
-                if tuner is not None:
-                    reason = _tuned_reason(view, spec, match, tuner)
-            if reason is not None:
-                declined.append(reason if reason.startswith(spec.optimizer)
-                                else f"{spec.optimizer}: {reason}")
-                break
-            matches.append(match)
-            break
-    declined.extend(_unfused_by_name(view, claimed))
-    return matches, declined
+def _by_name(matches: list[UpdateMatch], ctx: RuleContext
+             ) -> tuple[list[UpdateMatch], list[str]]:
+    """Every match kept, and the reasons for the optimizers' writes left composite that no
+    spec matched (:func:`_unfused_by_name`)."""
+    return matches, _unfused_by_name(ctx.view, ctx.claimed)
 
 
 def _sparse_gradient(view: GraphView, node: NodeDef, depth: int = 4) -> bool:
@@ -478,6 +490,7 @@ def _unfused_by_name(view: GraphView, claimed: set[str]) -> list[str]:
     return reasons
 
 
+# -- emit -----------------------------------------------------------------------------------
 def rewrite_update(view: GraphView, m: UpdateMatch) -> NodeDef:
     """Replace one matched update by its kernel; returns the fused node."""
     spec = m.spec
@@ -512,13 +525,25 @@ def rewrite_update(view: GraphView, m: UpdateMatch) -> NodeDef:
     return fused
 
 
+# -- declaration ----------------------------------------------------------------------------
+RULE = Rule(anchors=WRITE_OPS, match=_match, check=_check,
+            emit=lambda v, m: rewrite_update(v, m), kind=lambda m: m.spec.optimizer,
+            finish=_by_name)
+
+
+def find_updates(view: GraphView, target: Target, tuner: Chooser | None = None,
+                 ) -> tuple[list[UpdateMatch], list[str]]:
+    """Every variable update a Spec matches, and reasons for those declined.
+
+    Where the kernel and Keras's composite are both correct, ``tuner`` decides which runs
+    (measured on this machine by ``tfmx.tuner``; None: the kernel)."""
+    return RULE.find(view, target, tuner)
+
+
 @register(
     "optimizer_update",
     "Keras optimizer updates (Adam, AdamW, SGD, RMSprop, Adadelta, Adamax) → ResourceApply*",
 )
 def optimizer_update_pass(view: GraphView, ctx: RewriteContext) -> None:
     """The optimizer-update family's pass: find every update, fuse what the target runs."""
-    apply_matches(
-        view, ctx, find_updates(view, ctx.target, ctx.tuner),
-        lambda v, m: rewrite_update(v, m), lambda m: m.spec.optimizer,
-    )
+    RULE.apply(view, ctx)
