@@ -1,11 +1,10 @@
 """What every family's graph pass shares: its statistics, the target it rewrites for, the
 chooser between correct forms, the pass context and the body of a pass.
 
-A graph pass has one repeated shape, as in TensorFlow's remapper.cc: a match record (a
-dataclass), ``find_*`` that fills records from a :class:`~fusion.graph.GraphView` with the
-reason for each one it declines, and ``rewrite_*`` that writes the fused form. Its pass
-function ties them together (:func:`apply_matches`); the family declares it in the one
-registry, :mod:`fusion.family`.
+A graph pass has one repeated shape, as in TensorFlow's remapper.cc: rules
+(:mod:`fusion.rule`), each a match at an anchor node, a check that gives the reason it
+declines, and the form it emits. :func:`apply_matches` counts and emits what a rule found; the
+family declares its pass in the one registry, :mod:`fusion.family`.
 
 Example:
     >>> from fusion.pattern import PatternStats
@@ -181,7 +180,8 @@ def apply_matches(
 ) -> None:
     """The body every family's pass shares: count matches and declines, rewrite each match.
 
-    ``found`` is what the family's ``find_*`` returned: (match records, decline reasons).
+    ``found`` is what a rule found (``fusion.rule.Rule.find``): (match records, decline
+    reasons).
     """
     matches, declined = found
     ctx.stats.matched += len(matches) + len(declined)

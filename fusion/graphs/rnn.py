@@ -6,6 +6,10 @@ the stage's name scopes in the traced graph, checks each unit's structure (a ``W
 none for an unrolled form, on cpu; ``CudnnRNNV3`` nodes the target runs on GPU targets) and
 reports it as observed: the stage reports what it rewrote, this pass what reached the graph.
 
+It rewrites nothing, so it is not a rule (:mod:`fusion.rule`): a plain pass that finds the units
+(:func:`find_rnn_units`), checks each (a broken unit is an error of the family, not a decline)
+and counts it as observed.
+
 Example:
     >>> import tensorflow as tf
     >>> from fusion.graph import GraphView
