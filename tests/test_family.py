@@ -1,8 +1,9 @@
 """A family defined here, in the shape every built-in family has, and nothing else edited.
 
-``double_negation`` is a graph pass: ``Neg(Neg(x))`` -> ``x`` (exact), declared after
-``contraction`` with its reason. ``halved`` is a stage: a Keras layer of this file whose
-``call`` computes ``x * 0.5`` is routed, while tfmx traces, to a handler that emits
+``double_negation`` is a graph pass: ``Neg(Neg(x))`` -> ``x`` (exact), one rule
+(``fusion.rule``: an expression to match, a check giving the reason it declines, the form it
+emits), declared after ``contraction`` with its reason. ``halved`` is a stage: a Keras layer of
+this file whose ``call`` computes ``x * 0.5`` is routed, while tfmx traces, to a handler that emits
 ``x / 2`` (the same value, exactly) under its own name scope; the one generic observer
 (``fusion.family.Forms``) finds that scope in the traced graph. Each is switched on and off
 by name through ``tfmx.enable(patterns=..., exclude=...)``, reported, and in the pipeline at its
@@ -11,8 +12,6 @@ declared place.
 
 from __future__ import annotations
 
-import dataclasses
-
 import keras
 import numpy as np
 import pytest
@@ -20,45 +19,46 @@ import tensorflow as tf
 
 import fusion
 import tfmx
+from fusion.expr import Any, Match, Op
 from fusion.family import Family, Forms, declare, families, forget, register
 from fusion.graph import GraphView, NodeDef
-from fusion.pattern import PatternStats, RewriteContext, apply_matches
+from fusion.pattern import PatternStats, PlainTarget, RewriteContext
+from fusion.rule import Rule, RuleContext
 from fusion.stage import Hook, StageContext
 
-
 # -- a graph pass, in one module-sized definition ------------------------------------------
-@dataclasses.dataclass
-class DoubleNegation:
-    outer: NodeDef
-    inner: NodeDef
+# match: Neg(Neg(x)), from the outer Neg
+DOUBLE_NEGATION = Op("Neg", Op("Neg", Any("x"), bind="inner"), bind="outer")
 
 
-def find_double_negations(view: GraphView) -> tuple[list[DoubleNegation], list[str]]:
-    """Every ``Neg(Neg(x))`` whose inner ``Neg`` feeds only the outer one, and why others stay."""
-    matches, declined = [], []
-    for outer in view.nodes():
-        inner = view.node(outer.input[0]) if outer.op == "Neg" else None
-        if inner is None or inner.op != "Neg":
-            continue
-        if len(view.consumers(inner.name)) != 1 or inner.name in view.protected:
-            declined.append("Neg(Neg(x)): the inner Neg has other readers")
-            continue
-        matches.append(DoubleNegation(outer, inner))
-    return matches, declined
+# check: None to rewrite, else the reason the report records
+def check_double_negation(found: Match, ctx: RuleContext) -> str | None:
+    inner = found.refs["inner"]
+    if len(ctx.view.consumers(inner)) != 1 or inner in ctx.view.protected:
+        return "Neg(Neg(x)): the inner Neg has other readers"
+    if ctx.overlaps(found.nodes):
+        return "Neg(Neg(x)): overlaps another"
+    return None
 
 
-def rewrite_double_negation(view: GraphView, match: DoubleNegation) -> NodeDef:
-    """The outer ``Neg`` becomes an ``Identity`` of ``x`` (its name kept for its readers)."""
-    identity = NodeDef(name=match.outer.name, op="Identity", input=[match.inner.input[0]])
-    identity.attr["T"].CopyFrom(match.outer.attr["T"])
-    view.remove(match.inner.name)
-    view.replace(match.outer.name, identity)
+# emit: the outer Neg becomes an Identity of x (its name kept for its readers)
+def rewrite_double_negation(view: GraphView, found: Match) -> NodeDef:
+    outer = view.node(found.refs["outer"])
+    identity = NodeDef(name=outer.name, op="Identity", input=[found.refs["x"]])
+    identity.attr["T"].CopyFrom(outer.attr["T"])
+    view.remove(found.refs["inner"])
+    view.replace(outer.name, identity)
     return identity
 
 
+# declaration
+RULE = Rule(anchors=frozenset({"Neg"}), match=DOUBLE_NEGATION, check=check_double_negation,
+            emit=lambda v, m: rewrite_double_negation(v, m), kind=lambda m: "Neg(Neg(x)) -> x",
+            claims=lambda m: m.nodes)
+
+
 def _double_negation_pass(view: GraphView, ctx: RewriteContext) -> None:
-    apply_matches(view, ctx, find_double_negations(view), rewrite_double_negation,
-                  lambda m: "Neg(Neg(x)) -> x")
+    RULE.apply(view, ctx)
 
 
 # -- a stage, in one module-sized definition ----------------------------------------------
@@ -163,3 +163,53 @@ def test_excluding_one_leaves_the_other(new_families):
     traced, ran, _ = _ran(_step(), x)
     assert ran["Neg"] == traced["Neg"] - 4 and not ran["RealDiv"]
     assert "halved" not in tfmx.report().patterns
+
+
+# -- the rule driver ----------------------------------------------------------------------
+def _negations(depth: int, extra_reader: bool = False) -> GraphView:
+    """x, then ``depth`` Negs in a chain (n1 = -x, n2 = -n1, ...); an Abs of n1 if asked."""
+    nodes = [NodeDef(name="x", op="Placeholder")]
+    for i in range(1, depth + 1):
+        nodes.append(NodeDef(name=f"n{i}", op="Neg", input=[nodes[-1].name]))
+        nodes[-1].attr["T"].type = tf.float32.as_datatype_enum
+    if extra_reader:
+        nodes.append(NodeDef(name="other", op="Abs", input=["n1"]))
+    return GraphView(nodes)
+
+
+def test_a_rule_records_each_decline_and_emits_what_it_accepted():
+    view = _negations(2, extra_reader=True)
+    ctx = RewriteContext(PlainTarget("toy"), PatternStats())
+    RULE.apply(view, ctx)
+    assert ctx.stats.as_dict()["declined"] == {"Neg(Neg(x)): the inner Neg has other readers": 1}
+    assert ctx.stats.matched == 1 and ctx.stats.fused == 0
+    assert view.node("n2").op == "Neg"  # declined: left as it was
+
+
+def test_a_rule_finds_on_the_graph_as_it_was_and_claims_what_it_takes():
+    view = _negations(3)  # n2 = Neg(Neg(x)) and n3 = Neg(Neg(n1)) overlap at n2
+    matches, declined = RULE.find(view, PlainTarget("toy"))
+    assert [m.refs["outer"] for m in matches] == ["n2"]
+    assert declined == ["Neg(Neg(x)): overlaps another"]
+    ctx = RewriteContext(PlainTarget("toy"), PatternStats())
+    RULE.apply(view, ctx)
+    assert (ctx.stats.fused, view.node("n2").op, list(view.node("n2").input)) == (
+        1, "Identity", ["x"])
+    assert view.node("n3").op == "Neg" and "n1" not in view
+
+
+def test_a_rule_may_leave_a_graph_alone_and_take_a_last_look():
+    leave = Rule(match=DOUBLE_NEGATION, check=check_double_negation,
+                 emit=rewrite_double_negation, kind=str, anchors=frozenset({"Neg"}),
+                 begin=lambda ctx: ["not this graph"])
+    assert leave.find(_negations(2), PlainTarget("toy")) == ([], ["not this graph"])
+    drop_all = Rule(match=DOUBLE_NEGATION, check=check_double_negation,
+                    emit=rewrite_double_negation, kind=str, anchors=frozenset({"Neg"}),
+                    finish=lambda found, ctx: ([], [f"dropped {len(found)}"]))
+    assert drop_all.find(_negations(2), PlainTarget("toy")) == ([], ["dropped 1"])
+
+
+def test_a_match_function_may_decline_before_it_makes_a_record():
+    rule = Rule(match=lambda node, ctx: "no record: a reason" if node.op == "Neg" else None,
+                check=lambda record, ctx: None, emit=lambda view, record: None, kind=str)
+    assert rule.find(_negations(2), PlainTarget("toy")) == ([], ["no record: a reason"] * 2)
