@@ -5,10 +5,9 @@ bfloat16 ends in XLA's ``convert``. On a CPU that conversion can cost more than 
 arithmetic where the region computes (a GELU's value and derivative, ``Erf`` and ``Exp``,
 measured faster with the rounding written as integer operations, which XLA fuses into the
 region's loop like any other; a loop that only scales and narrows gains little). The integer
-form is
-round-to-nearest-even as TensorFlow and XLA round (add ``0x7FFF`` plus the lowest kept bit,
-keep the upper 16 bits; a NaN becomes the quiet NaN of its sign, as XLA's convert makes it),
-so the two forms give the same bits: which one a region uses is a matter of speed alone, and
+form is round-to-nearest-even as TensorFlow and XLA round (add ``0x7FFF`` plus the lowest kept
+bit, keep the upper 16 bits; a NaN becomes the quiet NaN of its sign, as XLA's convert makes
+it), so the two forms give the same bits: which one a region uses is a matter of speed alone, and
 the tuner measures it on the region, on the machine (:func:`fusion.forms.integer_rounding`).
 One exception on some CPUs: a conversion instruction that treats denormal inputs as zero
 (AVX512_BF16's ``VCVTNEPS2BF16``), where XLA emits it, gives 0 for a float32 below 2^-126

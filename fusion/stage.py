@@ -77,6 +77,17 @@ class Hook:
     # a single call), then in the order the stages registered.
     outer: int = 0
 
+    @classmethod
+    def on(cls, call: str, handler: Callable[..., Any], outer: int = 0) -> Hook:
+        """The hook of ``call``, spelled ``"module:Class.method"`` (or
+        ``"package:module.function"``), run by ``handler``.
+
+        >>> Hook.on("keras.src.layers.core.dense:Dense.call", print).owner
+        'keras.src.layers.core.dense:Dense'
+        """
+        owner, _, attribute = call.rpartition(".")
+        return cls(owner, attribute, handler, outer)
+
     def owner_class(self) -> type:
         module, name = self.owner.split(":")
         return getattr(importlib.import_module(module), name)
@@ -113,11 +124,12 @@ def functional_neighbours(layer: Any) -> tuple[list[Any], list[Any]] | None:
 class Emitted:
     """What an ``emit`` of :func:`rewrite_call` returns where the form reports itself: the
     call's output and its statistics (a form that rewrites through the graph passes has their
-    labels). With nothing fused in ``stats`` (its reason declined, its errors) the form did not
-    change the graph: ``value`` is unused and the call is Keras's."""
+    labels). ``kept``: the form found it could not run before it changed the graph (its
+    reasons and errors in ``stats``); the call is then Keras's."""
 
     value: Any
     stats: PatternStats
+    kept: bool = False
 
 
 def rewrite_call(ctx: StageContext, family: Family, *, what: str, why: str | None,
@@ -136,7 +148,7 @@ def rewrite_call(ctx: StageContext, family: Family, *, what: str, why: str | Non
     recorded as fused with its label (the family's :class:`~fusion.family.Forms`), or with
     the statistics ``emit`` returns (:class:`Emitted`), then passed to ``then`` outside that
     scope. ``allowed`` is empty, or ``why`` given, where the call cannot be rewritten:
-    ``keras()`` with the reason recorded.
+    ``keras()`` with the reason recorded (after ``what: ``, where ``what`` names the call).
 
     >>> from fusion.family import Forms
     >>> from fusion.pattern import PlainTarget, RewriteAlways
@@ -166,7 +178,7 @@ def rewrite_call(ctx: StageContext, family: Family, *, what: str, why: str | Non
             form = None
             why = f"{chosen}: {forms.kept if kept is None else kept} kept: measured faster"
     if form is None:
-        stats.decline(f"{what}: {why}")
+        stats.decline(f"{what}: {why}" if what else why)
         ctx.record(family.name, stats)
         return keras()
     scope = f"{forms.scope}_{(prefix + form).replace(' ', '_')}" if forms.scope else None
@@ -174,7 +186,7 @@ def rewrite_call(ctx: StageContext, family: Family, *, what: str, why: str | Non
         out = emit(form)
     if isinstance(out, Emitted):
         ctx.record(family.name, out.stats)
-        if not out.stats.fused:
+        if out.kept:
             return keras()
         out = out.value
     else:
@@ -378,8 +390,8 @@ def unsupported_inputs(args: tuple, kwargs: dict) -> str | None:
 
 
 __all__ = [  # the stage API: hooks and their flow here, the context and the forms re-exported
-    "FAULT_POINTS", "GROUP", "XLA", "XLA_CALLS", "Emitted", "Hook", "InjectedFault", "StageContext",
-    "active", "autocast", "autocast_dtype", "custom_gradient", "failing",
+    "FAULT_POINTS", "GROUP", "XLA", "XLA_CALLS", "Emitted", "Hook", "InjectedFault",
+    "StageContext", "active", "autocast", "autocast_dtype", "custom_gradient", "failing",
     "functional_neighbours", "install", "integer_rounding", "layer_value", "rewrite_call",
     "stages", "timed_form", "tracing", "transaction", "uninstall", "unsupported_inputs",
     "widened", "with_xla", "xla_region",

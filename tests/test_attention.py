@@ -355,8 +355,8 @@ def test_cross_attention_fit_matches_stock_with_batched_matmuls_in_the_graph_tha
 def test_declines_with_a_reason():
     layer = keras.layers.MultiHeadAttention(2, 4, attention_axes=(1, 2))
     q = tf.zeros([2, 3, 3, 2, 4])
-    assert "attention_axes" in stage.find_attention(layer, q, False)
-    assert "return_attention_scores" in stage.find_attention(layer, tf.zeros([2, 3, 2, 4]),
+    assert "attention_axes" in stage.check(layer, q, False)
+    assert "return_attention_scores" in stage.check(layer, tf.zeros([2, 3, 2, 4]),
                                                               True)
 
 

@@ -95,12 +95,12 @@ def test_declines_with_a_reason_and_passes_sparse_inputs_on():
     x = tf.zeros([2, 3, 4])
     plain = keras.layers.Dense(5)
     plain.build(x.shape)
-    assert stage.find_bias_row(plain, x) is None
-    assert "float64" in stage.find_bias_row(plain, tf.zeros([2, 3, 4], tf.float64))
+    assert stage.check(plain, x) is None
+    assert "float64" in stage.check(plain, tf.zeros([2, 3, 4], tf.float64))
     quantized = keras.layers.Dense(5)
     quantized.build(x.shape)
     quantized.quantize("int8")
-    assert "quantized" in stage.find_bias_row(quantized, x)
+    assert "quantized" in stage.check(quantized, x)
     sparse = tf.sparse.from_dense(tf.eye(2, 4))
     ctx = stage_mechanism.StageContext(PlainTarget("cpu"), RewriteAlways())
     calls = []

@@ -274,9 +274,9 @@ def test_shared_projection_matches_keras_and_declines_cross_attention():
     x = tf.random.normal([2, T, D], seed=3)
     other = tf.random.normal([2, T + 1, D], seed=4)
     mha(x, x)
-    assert stage.find_shared_projection(mha, x, x, None) is None
-    assert "cross-attention" in stage.find_shared_projection(mha, x, other, None)
-    assert "cross-attention" in stage.find_shared_projection(mha, x, x, other)
+    assert stage.check_projections(mha, x, x, None) is None
+    assert "cross-attention" in stage.check_projections(mha, x, other, None)
+    assert "cross-attention" in stage.check_projections(mha, x, x, other)
 
     seen = []
 

@@ -155,8 +155,8 @@ def test_the_xla_region_is_the_closed_form_in_float32(approximate):
 
 
 def test_declines_what_it_cannot_take():
-    assert "float64" in stage._decline(tf.zeros([2], tf.float64))
-    assert stage._decline(tf.zeros([2, 3], tf.bfloat16)) is None
+    assert "float64" in stage.check(tf.zeros([2], tf.float64))
+    assert stage.check(tf.zeros([2, 3], tf.bfloat16)) is None
 
 
 def _model(seed: int = 0) -> keras.Model:

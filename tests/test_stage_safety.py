@@ -176,3 +176,30 @@ def test_a_variable_created_inside_an_attempt_is_initialized_when_it_ends():
         attempt.commit() if commit else attempt.abandon()
         made.assign_add([1.0, 1.0])  # an uninitialized variable has nothing to add to
         assert made.numpy().tolist() == [2.0, 2.0]
+
+
+SECTIONS = ("# -- match:", "# -- check:", "# -- forms:", "# -- declaration")
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_every_stage_module_reads_in_one_order(family):
+    """Each stage family's module: what it matches, why a call declines, the forms it emits
+    (the conservative one named), the declaration; each under its heading, in that order, with
+    the same names (fusion/calls/__init__.py)."""
+    import importlib
+    import inspect
+
+    from fusion.stage import Hook
+
+    module = importlib.import_module(f"fusion.calls.{family}")
+    source = inspect.getsource(module)
+    at = [source.find("\n" + heading) for heading in SECTIONS]
+    assert -1 not in at and at == sorted(at), dict(zip(SECTIONS, at))
+    for name, section in (("MATCHES", 0), ("check", 1), ("CONSERVATIVE", 2), ("DECLARED", 3)):
+        place = max(source.find(f"\n{spelled}", at[section])
+                    for spelled in (f"{name} =", f"def {name}("))
+        assert place > at[section] and (section == 3 or place < at[section + 1]), (name, family)
+    declared = module.DECLARED
+    assert [f"{h.owner}.{h.attribute}" for h in declared.hooks] == list(module.MATCHES)
+    assert declared.forms.conservative == module.CONSERVATIVE
+    assert all(isinstance(h, Hook) for h in declared.hooks)

@@ -3,6 +3,14 @@
 family (``fusion.family.declare``) with its hooks and, where its units are only observed in
 the traced graph, how (``fusion.family.Forms``).
 
+Every stage module reads in one order, under the same four headings: ``match`` (``MATCHES``,
+the Keras calls it hooks as ``"module:Class.method"``, and what it finds in them), ``check``
+(``check``: the reason a call keeps Keras's own form, or None), ``forms`` (``CONSERVATIVE``,
+the form Keras runs, then the forms it emits with their report labels and marks, and the
+hook's flow through ``fusion.stage.rewrite_call``), ``declaration`` (``DECLARED``). Helpers
+too large for one module live beside it (``layer_norm_kernels``, ``rnn_kernels``,
+``rnn_wavefront``) and declare nothing.
+
 >>> from fusion.stage import stages
 >>> sorted(s.name for s in stages())  # doctest: +NORMALIZE_WHITESPACE
 ['attention', 'batch_norm', 'bias_row', 'einsum_dense', 'feed_forward', 'gelu',

@@ -69,8 +69,39 @@ from fusion.stage import (
     xla_region,
 )
 
+# -- match: the Keras calls it hooks, and what it finds in them -----------------------------------
 FAMILY = "attention"
 SCOPE = "tfmx_attention"
+MATCHES = ("keras.src.layers.attention.multi_head_attention:MultiHeadAttention._compute_attention",
+           # keras.ops.dot_product_attention's TensorFlow core, a module function
+           "keras.src.backend.tensorflow:nn._dot_product_attention_xla")
+"""The Keras calls the stage hooks: a ``MultiHeadAttention``'s attention of its projected
+heads, and ``keras.ops.dot_product_attention``'s."""
+
+
+# -- check: why a call keeps Keras's own form (None: it need not) ---------------------------------
+def check(layer: Any, query: Any, return_scores: bool) -> str | None:
+    """Why this ``MultiHeadAttention`` call keeps Keras's Einsums, or None if the stage can
+    emit its form."""
+    if return_scores:
+        return "return_attention_scores=True (Keras returns the scores it computes)"
+    if getattr(layer, "_flash_attention", None):
+        return "flash_attention=True"
+    if len(query.shape) != 4 or tuple(layer._attention_axes) != (1,):  # noqa: SLF001
+        return "attention over axes other than the sequence (attention_axes)"
+    if query.dtype.name not in ("float32", "float16", "bfloat16"):
+        return f"compute dtype {query.dtype.name}"
+    return None
+
+
+def check_dot_product(query: Any) -> str | None:
+    """Why this ``dot_product_attention`` call keeps Keras's Einsums, or None."""
+    name = query.dtype.name
+    return None if name in ("float32", "float16", "bfloat16") else f"compute dtype {name}"
+
+
+# -- forms: what it emits (CONSERVATIVE: the form Keras runs), and the hook's flow ----------------
+CONSERVATIVE = "einsum"  # Keras's Einsums
 SOFTMAX_16 = "bmm folded bf16 softmax"  # the folded form, softmax read and written in bfloat16
 LABELS = {
     "bmm": "MultiHeadAttention: Transpose + BatchMatMulV2 in place of Einsum",
@@ -87,6 +118,10 @@ LABELS = {
                        "query",
     "sdpa xla": "dot_product_attention: one XLA-compiled region (forward and gradient)",
 }
+MARKS = {**dict.fromkeys(LABELS, frozenset({"BatchMatMulV2", "BatchMatMulV3"})),
+         XLA: XLA_CALLS, "sdpa xla": XLA_CALLS}
+"""Per form, the ops that show its kernel in a traced graph: its batched MatMuls, or the call
+of its XLA region."""
 
 
 def _heads_first(x: tf.Tensor) -> tf.Tensor:
@@ -245,19 +280,6 @@ def _masked_softmax(layer: Any, scores: tf.Tensor, mask: Any, causal_only: bool)
     return probs if causal_only else tf.where(keep, probs, tf.zeros([], probs.dtype))
 
 
-def find_attention(layer: Any, query: Any, return_scores: bool) -> str | None:
-    """Why this call keeps Keras's Einsums, or None if the stage can emit its form."""
-    if return_scores:
-        return "return_attention_scores=True (Keras returns the scores it computes)"
-    if getattr(layer, "_flash_attention", None):
-        return "flash_attention=True"
-    if len(query.shape) != 4 or tuple(layer._attention_axes) != (1,):  # noqa: SLF001
-        return "attention over axes other than the sequence (attention_axes)"
-    if query.dtype.name not in ("float32", "float16", "bfloat16"):
-        return f"compute dtype {query.dtype.name}"
-    return None
-
-
 def _forms(ctx: StageContext, layer: Any, query: Any, unmasked: bool) -> list[str]:
     """The forms of this call: with dropout, Keras's path with MatMuls; else the batched
     MatMuls, scale folded or not, and, for unmasked bfloat16 on a cpu whose bfloat16 softmax
@@ -291,7 +313,7 @@ def _candidates(ctx: StageContext, layer: Any, original: Callable, shapes: list,
         return lambda q, k, v: _emit(form, layer, q, k, v, None, True, causal)
 
     timed = {name: timed_form(forward(form), shapes, dtype)
-             for name, form in (("einsum", None), *((f, f) for f in forms))}
+             for name, form in ((CONSERVATIVE, None), *((f, f) for f in forms))}
     if "bmm dropout" in forms:
         return timed
     return with_xla(ctx, timed, xla_region(forward(None)), shapes, dtype)
@@ -329,7 +351,7 @@ def fused_attention(ctx: StageContext, original: Callable, layer: Any, query: An
 
     if not tf.inside_function():
         return keras()
-    why = find_attention(layer, query, return_attention_scores)
+    why = check(layer, query, return_attention_scores)
 
     def signature() -> str:
         from fusion.fragment import shape_text
@@ -364,8 +386,7 @@ def fused_dot_product_attention(ctx: StageContext, original: Callable, query: An
 
     if not tf.inside_function():
         return keras()
-    why = None if query.dtype.name in ("float32", "float16", "bfloat16") else \
-        f"compute dtype {query.dtype.name}"
+    why = check_dot_product(query)
     forms = [] if why else ["bmm", "bmm folded"]
 
     def form_of(form: str) -> Callable[..., Any]:
@@ -383,7 +404,7 @@ def fused_dot_product_attention(ctx: StageContext, original: Callable, query: An
 
     def candidates() -> dict:
         shapes = [t.shape for t in (query, key, value)]
-        timed = {"einsum": timed_form(keras, shapes, query.dtype),
+        timed = {CONSERVATIVE: timed_form(keras, shapes, query.dtype),
                  **{f: timed_form(form_of(f), shapes, query.dtype) for f in forms}}
         return with_xla(ctx, timed, xla_region(keras), shapes, query.dtype)
 
@@ -391,22 +412,14 @@ def fused_dot_product_attention(ctx: StageContext, original: Callable, query: An
                     lambda form: form_of(form)(query, key, value), prefix="sdpa ")
 
 
-MARKS = {**dict.fromkeys(LABELS, frozenset({"BatchMatMulV2", "BatchMatMulV3"})),
-         XLA: XLA_CALLS, "sdpa xla": XLA_CALLS}
-"""Per form, the ops that show its kernel in a traced graph: its batched MatMuls, or the call
-of its XLA region."""
-
-
+# -- declaration ----------------------------------------------------------------------------------
 DECLARED = declare(Family(
     FAMILY,
     "Keras MultiHeadAttention's dot-product attention and keras.ops.dot_product_attention -> "
     "Transpose + BatchMatMulV2 (scale folded, or one XLA region, where measured faster), "
     "Keras's masks, softmax and dropout stream unchanged",
-    hooks=(Hook("keras.src.layers.attention.multi_head_attention:MultiHeadAttention",
-                "_compute_attention", fused_attention),
-           # keras.ops.dot_product_attention's TensorFlow core, a module function
-           Hook("keras.src.backend.tensorflow:nn", "_dot_product_attention_xla",
-                fused_dot_product_attention)),
-    forms=Forms(SCOPE, MARKS, LABELS, conservative="einsum", kept="Keras's Einsums"),
+    hooks=(Hook.on(MATCHES[0], fused_attention),
+           Hook.on(MATCHES[1], fused_dot_product_attention)),
+    forms=Forms(SCOPE, MARKS, LABELS, conservative=CONSERVATIVE, kept="Keras's Einsums"),
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))

@@ -40,17 +40,18 @@ from tensorflow.python.eager import execute
 from tensorflow.python.framework import importer, ops
 from tensorflow.python.ops import resource_variable_ops
 
-from fusion.family import Family, declare
+from fusion.family import Family, Forms, declare
 from fusion.pattern import PatternStats
-from fusion.stage import Hook, StageContext
+from fusion.stage import Emitted, Hook, StageContext, rewrite_call
 
+# -- match: the Keras calls it hooks, and what it finds in them -----------------------------------
 PATTERN = "batch_norm"
-# Ops that may sit in a rewritten forward graph without a registered gradient.
-_NO_GRADIENT_NEEDED = frozenset({"Const", "NoOp", "Placeholder", "AssignVariableOp",
-                                 "AssignAddVariableOp", "AssignSubVariableOp"})
+MATCHES = ("keras.src.layers.normalization.batch_normalization:BatchNormalization.call",)
+"""The Keras call the stage hooks: a ``BatchNormalization`` layer's, where a gradient tape
+records it or it trains."""
 
 
-
+# -- check: why a call keeps Keras's own form (None: it need not) ---------------------------------
 def _layer_decline(layer: Any, mask: Any) -> str | None:
     """Why this layer's configuration has no fused kernel, or None."""
     if mask is not None:
@@ -76,6 +77,26 @@ def _replica_decline(layer: Any, inputs: Any, ctx: StageContext) -> str | None:
         return f"inside a tf.distribute strategy, {inputs.dtype.name} inputs"
     return kernel_blocker(ctx.target, "FusedBatchNormV3", "float32", "NHWC", True,
                           int(inputs.shape[-1]), layer.epsilon)
+
+
+def check(layer: Any, inputs: Any, mask: Any, training: bool,
+          ctx: StageContext) -> str | None:
+    """Why this call keeps Keras's composite (its configuration, or inside a
+    ``tf.distribute`` strategy what the replica form cannot take), or None."""
+    why = _layer_decline(layer, mask)
+    if why is None and tf.distribute.has_strategy():
+        why = _replica_decline(layer, inputs, ctx) if training else (
+            "inside a tf.distribute strategy, not training (the moving statistics)")
+    return why
+
+
+# -- forms: what it emits (CONSERVATIVE: the form Keras runs), and the hook's flow ----------------
+CONSERVATIVE = "composite"  # Keras's composite, differentiated by autodiff
+REPLICA = "replica"  # FusedBatchNormV3 emitted in a tf.distribute replica's graph
+SPLICED = "spliced"  # the layer's forward rewritten on a scratch graph, spliced into the step
+# Ops that may sit in a rewritten forward graph without a registered gradient.
+_NO_GRADIENT_NEEDED = frozenset({"Const", "NoOp", "Placeholder", "AssignVariableOp",
+                                 "AssignAddVariableOp", "AssignSubVariableOp"})
 
 
 def _replica_forward(layer: Any, inputs: Any) -> tuple[Any, Any, Any]:
@@ -114,59 +135,18 @@ def _replica_update(layer: Any, mean: Any, variance: Any) -> None:
     layer.moving_variance.assign(moving_variance * momentum + variance * (1.0 - momentum))
 
 
-def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
-                     training: Any = None, mask: Any = None) -> Any:
-    """``layer.call`` with its composite batch norm rewritten before differentiation (the
-    stage's handler of ``BatchNormalization.call``)."""
-
-    def stock() -> Any:
-        return original(layer, inputs, training=training, mask=mask)
-
-    if not tf.inside_function():
-        return stock()
-    recording = execute.must_record_gradient()
-    is_training = training is True and layer.trainable
-    if not (is_training or recording):
-        return stock()  # inference without a tape: the graph pass fuses it after tracing
-    if not isinstance(training, (bool, type(None))):
-        return stock()
-    stats = PatternStats()
-    why = _layer_decline(layer, mask)
-    replica = why is None and tf.distribute.has_strategy()
-    if replica:
-        inputs = tf.convert_to_tensor(inputs)
-        why = _replica_decline(layer, inputs, ctx) if is_training else (
-            "inside a tf.distribute strategy, not training (the moving statistics)")
-    if why is not None:
-        stats.matched += 1
-        stats.decline(f"BatchNorm: {why}")
-        ctx.record(PATTERN, stats)
-        return stock()
-    if replica:
-        stats.matched += 1
-        try:
-            out, mean, variance = _replica_forward(layer, inputs)
-        except Exception as exc:  # noqa: BLE001 - never break training: nothing assigned yet
-            stats.errors.append(f"{layer.name}: replica form: {type(exc).__name__}: {exc}")
-            ctx.record(PATTERN, stats)
-            return stock()
-        _replica_update(layer, mean, variance)
-        stats.fuse("FusedBatchNormV3(training, float32)")
-        ctx.record(PATTERN, stats)
-        return out
+def _replica_emit(layer: Any, inputs: Any) -> Emitted:
+    """The replica form (:func:`_replica_forward`, then :func:`_replica_update`), or Keras's
+    call where it raised (nothing assigned yet)."""
+    stats = PatternStats(matched=1)
     try:
-        plan, stats = _rewrite(layer, original, inputs, training, ctx)
-    except Exception as exc:  # noqa: BLE001 - never break training because of tfmx
-        stats = PatternStats()
-        stats.errors.append(f"{layer.name}: forward stage: {type(exc).__name__}: {exc}")
-        ctx.warn(f"forward:{type(exc).__name__}",
-                 f"tfmx left batch norm {layer.name!r} unfused ({type(exc).__name__}: "
-                 f"{exc}); tfmx.report() has the details.")
-        plan = None
-    ctx.record(PATTERN, stats)
-    # Once the plan is spliced into the step's graph there is no going back (its variable
-    # updates would run twice): everything that can fail was checked on a scratch graph.
-    return stock() if plan is None else _splice(plan, inputs)
+        out, mean, variance = _replica_forward(layer, inputs)
+    except Exception as exc:  # noqa: BLE001 - never break training: nothing assigned yet
+        stats.errors.append(f"{layer.name}: replica form: {type(exc).__name__}: {exc}")
+        return Emitted(None, stats, kept=True)
+    _replica_update(layer, mean, variance)
+    stats.fuse("FusedBatchNormV3(training, float32)")
+    return Emitted(out, stats)
 
 
 def _rewrite(layer: Any, original: Callable, inputs: Any, training: Any,
@@ -253,10 +233,65 @@ def _attr_tuple(op: tf.Operation) -> tuple:
     return tuple(flat)
 
 
+def _spliced_emit(ctx: StageContext, layer: Any, original: Callable, inputs: Any,
+                  training: Any) -> Emitted:
+    """The layer's forward rewritten on a scratch graph (:func:`_rewrite`) and spliced into
+    the step (:func:`_splice`), reported as the batch_norm pattern reported it; Keras's call
+    where anything did not fit."""
+    try:
+        plan, stats = _rewrite(layer, original, inputs, training, ctx)
+    except Exception as exc:  # noqa: BLE001 - never break training because of tfmx
+        stats = PatternStats()
+        stats.errors.append(f"{layer.name}: forward stage: {type(exc).__name__}: {exc}")
+        ctx.warn(f"forward:{type(exc).__name__}",
+                 f"tfmx left batch norm {layer.name!r} unfused ({type(exc).__name__}: "
+                 f"{exc}); tfmx.report() has the details.")
+        plan = None
+    # Once the plan is spliced into the step's graph there is no going back (its variable
+    # updates would run twice): everything that can fail was checked on a scratch graph.
+    return Emitted(None, stats, kept=True) if plan is None else Emitted(_splice(plan, inputs),
+                                                                        stats)
+
+
+def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
+                     training: Any = None, mask: Any = None) -> Any:
+    """``layer.call`` with its composite batch norm rewritten before differentiation (the
+    stage's handler of ``BatchNormalization.call``, :func:`fusion.stage.rewrite_call`): inside
+    a ``tf.distribute`` strategy the replica form, else the layer's forward rewritten on a
+    scratch graph and spliced in."""
+
+    def stock() -> Any:
+        return original(layer, inputs, training=training, mask=mask)
+
+    if not tf.inside_function():
+        return stock()
+    is_training = training is True and layer.trainable
+    if not (is_training or execute.must_record_gradient()):
+        return stock()  # inference without a tape: the graph pass fuses it after tracing
+    if not isinstance(training, (bool, type(None))):
+        return stock()
+    replica = _layer_decline(layer, mask) is None and tf.distribute.has_strategy()
+    if replica:
+        inputs = tf.convert_to_tensor(inputs)
+    why = check(layer, inputs, mask, is_training, ctx)
+
+    def emit(form: str) -> Emitted:
+        if form == REPLICA:
+            return _replica_emit(layer, inputs)
+        return _spliced_emit(ctx, layer, original, inputs, training)
+
+    return rewrite_call(ctx, DECLARED, what="BatchNorm", why=why,
+                        allowed=[REPLICA if replica else SPLICED], signature=lambda: "",
+                        candidates=None, keras=stock, emit=emit)
+
+
+# -- declaration ----------------------------------------------------------------------------------
 DECLARED = declare(Family(
     PATTERN,
     "Keras BatchNormalization in training -> FusedBatchNormV3 (its registered gradient: "
     "FusedBatchNormGradV3), emitted before differentiation",
-    hooks=(Hook("keras.src.layers.normalization.batch_normalization:BatchNormalization", "call",
-                fused_layer_call),),
+    hooks=(Hook.on(MATCHES[0], fused_layer_call),),
+    # no scope of its own: the spliced nodes keep the names of the layer's forward (its graph
+    # pass finds them); each form reports what the batch_norm pattern fused
+    forms=Forms("", {}, {}, conservative=CONSERVATIVE, kept="Keras's composite"),
 ))

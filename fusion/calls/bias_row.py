@@ -51,14 +51,15 @@ from fusion.stage import (
     timed_form,
 )
 
+# -- match: the Keras calls it hooks, and what it finds in them -----------------------------------
 FAMILY = "bias_row"
 SCOPE = "tfmx_dense"
-FORM = "bias row"
-CONSERVATIVE = "keras"
-LABEL = "Dense: the bias as a row of the kernel (one MatMul forward, one for both gradients)"
+MATCHES = ("keras.src.layers.core.dense:Dense.call",)
+"""The Keras calls the stage hooks: a ``Dense`` layer's (one with a bias)."""
 
 
-def find_bias_row(layer: Any, inputs: Any) -> str | None:
+# -- check: why a call keeps Keras's own form (None: it need not) ---------------------------------
+def check(layer: Any, inputs: Any) -> str | None:
     """Why this ``Dense`` call keeps Keras's form (None: the bias-row form applies). A layer
     without a bias is not a match (the caller passes it on without a reason)."""
     if getattr(layer, "quantization_mode", None):
@@ -73,6 +74,14 @@ def find_bias_row(layer: Any, inputs: Any) -> str | None:
     if kernel.dtype != inputs.dtype:
         return f"input {inputs.dtype.name} and kernel {kernel.dtype.name} differ"
     return None
+
+
+# -- forms: what it emits (CONSERVATIVE: the form Keras runs), and the hook's flow ----------------
+FORM = "bias row"
+CONSERVATIVE = "keras"
+LABEL = "Dense: the bias as a row of the kernel (one MatMul forward, one for both gradients)"
+MARKS = {FORM: frozenset({"MatMul", "_FusedMatMul"})}
+"""The op that shows the form in a traced graph: its MatMul (plain, or fused by contraction)."""
 
 
 def bias_row_product(x: tf.Tensor, kernel: tf.Tensor, bias: tf.Tensor) -> tf.Tensor:
@@ -144,28 +153,23 @@ def fused_dense_call(ctx: StageContext, original: Callable, layer: Any, inputs: 
                 FORM: timed_form(lambda x: dense_with_bias_row(layer, x, activation=False),
                                  [inputs.shape], inputs.dtype, variables)}
 
-    return rewrite_call(ctx, DECLARED, what="Dense", why=find_bias_row(layer, inputs),
+    return rewrite_call(ctx, DECLARED, what="Dense", why=check(layer, inputs),
                         allowed=[FORM], signature=signature, candidates=candidates,
                         keras=lambda: original(layer, inputs, training=training),
                         emit=lambda form: dense_with_bias_row(layer, inputs))
 
 
-MARKS = {FORM: frozenset({"MatMul", "_FusedMatMul"})}
-"""The op that shows the form in a traced graph: its MatMul (plain, or fused by contraction)."""
-
-
+# -- declaration ----------------------------------------------------------------------------------
 DECLARED = declare(Family(
     FAMILY,
     "Keras Dense with a bias -> one MatMul of the input widened by a column of ones and the "
     "kernel by the bias as a row (its gradient one MatMul for kernel and bias), where measured "
     "faster than MatMul + BiasAdd",
-    hooks=(Hook("keras.src.layers.core.dense:Dense", "call", fused_dense_call),),
+    hooks=(Hook.on(MATCHES[0], fused_dense_call),),
     forms=Forms(SCOPE, MARKS, {FORM: LABEL}, conservative=CONSERVATIVE,
                 kept="Keras's MatMul and bias"),
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))
-
-
 AFFINE = forms.contribute(forms.AffineForm(
     FAMILY, " " + FORM, bias_row_product,
     {"einsum_dense": {

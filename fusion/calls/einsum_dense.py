@@ -44,15 +44,13 @@ from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Forms, declare
 from fusion.forms import HostForms, affine, affine_forms
 from fusion.stage import Hook, StageContext, layer_value, rewrite_call, timed_form
 
+# -- match: the Keras calls it hooks, and what it finds in them -----------------------------------
 FAMILY = "einsum_dense"
 SCOPE = "tfmx_einsum_dense"
-LABEL = "EinsumDense: Reshape + MatMul (+ BiasAdd) in place of Einsum"
-SHARED_LABEL = "MultiHeadAttention: query, key and value projections as one MatMul"
-LABELS = HostForms(FAMILY, {"matmul": LABEL, "shared": SHARED_LABEL}, "labels")
-"""Each form's report label, by its name (its scope: ``tfmx_einsum_dense_<form>``): the two
-MatMul forms and each with a contributed product in place of its MatMul and bias
-(``fusion.forms.AffineForm``: ``matmul<suffix>``, ``shared<suffix>``)."""
-_pending = threading.local()  # .outputs: id(EinsumDense) -> its output, computed in advance
+MATCHES = ("keras.src.layers.core.einsum_dense:EinsumDense.call",
+           "keras.src.layers.attention.multi_head_attention:MultiHeadAttention.call")
+"""The Keras calls the stage hooks: an ``EinsumDense`` layer's, and a ``MultiHeadAttention``'s
+(its three projections at once)."""
 
 
 def split_equation(equation: str) -> tuple[str, str, str] | None:
@@ -92,37 +90,6 @@ def has_flat_bias(layer: Any) -> bool:
         tuple(layer.bias.shape) == tuple(layer.kernel.shape[len(contracted):])
 
 
-def as_matmul(layer: Any, inputs: tf.Tensor, product: str = "") -> tf.Tensor:
-    """``layer``'s output (an ``EinsumDense`` whose equation :func:`split_equation` accepts)
-    as ``Reshape`` + ``MatMul`` (+ ``BiasAdd``) + activation + ``Reshape``; with ``product``
-    (a contributed :class:`fusion.forms.AffineForm`'s suffix) a bias over all the kept axes
-    is computed with the MatMul by that product instead."""
-    _, contracted, kept = split_equation(layer.equation)
-    kernel = layer_value(layer.kernel)
-    shape = kernel.shape.as_list()
-    cols = math.prod(shape[: len(contracted)])
-    kept_dims = shape[len(contracted):]
-    rows = tf.reshape(inputs, [-1, cols])
-    flat_kernel = tf.reshape(kernel, [cols, math.prod(kept_dims)])
-    bias = None if layer.bias is None else layer_value(layer.bias)
-    flat_bias = has_flat_bias(layer)
-    if flat_bias:
-        y = affine(rows, flat_kernel, tf.reshape(bias, [-1]), product)
-    else:
-        y = tf.matmul(rows, flat_kernel)
-    early = layer.activation is not None and (len(kept) == 1 and (flat_bias or bias is None))
-    if early:  # on the last axis, which the reshape keeps: the contraction family fuses it
-        y = layer.activation(y)
-    leading = tf.shape(inputs)[: inputs.shape.rank - len(contracted)]
-    y = tf.reshape(y, tf.concat([leading, kept_dims], 0))
-    y.set_shape(inputs.shape[: inputs.shape.rank - len(contracted)].concatenate(kept_dims))
-    if bias is not None and not flat_bias:
-        y = y + bias  # Keras's broadcast add (a bias over some of the kept axes)
-    if layer.activation is not None and not early:
-        y = layer.activation(y)
-    return y
-
-
 def find_einsum_dense(layer: Any, inputs: Any) -> str | None:
     """Why this call keeps Keras's Einsum, or None if the stage can emit its MatMul form."""
     if getattr(layer, "quantization_mode", None):
@@ -135,61 +102,6 @@ def find_einsum_dense(layer: Any, inputs: Any) -> str | None:
     if inputs.dtype.name not in ("float32", "float16", "bfloat16"):
         return f"input dtype {inputs.dtype.name}"
     return None
-
-
-def check_einsum_dense(layer: Any, inputs: tf.Tensor) -> str | None:
-    """Why this call keeps Keras's Einsum (:func:`find_einsum_dense`, or its operands'
-    dtypes differ), or None."""
-    why = find_einsum_dense(layer, inputs)
-    kernel = layer_value(layer.kernel)
-    if why is None and kernel.dtype != inputs.dtype:
-        why = f"input {inputs.dtype.name} and kernel {kernel.dtype.name} differ"
-    return why
-
-
-def fused_einsum_dense_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
-                            *args: Any, **kwargs: Any) -> Any:
-    """``EinsumDense.call`` while tfmx traces: the MatMul form where it is correct and (by the
-    tuner) faster, else Keras's Einsum with the reason recorded
-    (:func:`fusion.stage.rewrite_call`). A projection that :func:`fused_attention_call`
-    already computed (in one MatMul with its siblings) returns that output."""
-    done = getattr(_pending, "outputs", {}).pop(id(layer), None)
-    if done is not None:
-        return done
-    if not tf.inside_function():
-        return original(layer, inputs, *args, **kwargs)
-    inputs = tf.convert_to_tensor(inputs)
-    why = check_einsum_dense(layer, inputs)
-    forms = _matmul_forms(layer) if why is None else {}
-
-    def signature() -> str:
-        from fusion.fragment import shape_text
-
-        return (f"EinsumDense {layer.equation} input {shape_text(inputs.shape)} "
-                f"{inputs.dtype.name} bias={layer.bias is not None} "
-                f"activation={getattr(layer.activation, '__name__', None)}")
-
-    def candidates() -> dict:
-        variables = layer.trainable_variables
-        return {"einsum": timed_form(lambda x: original(layer, x), [inputs.shape],
-                                     inputs.dtype, variables),
-                **{form: timed_form(lambda x, p=product: as_matmul(layer, x, p),
-                                    [inputs.shape], inputs.dtype, variables)
-                   for form, product in forms.items()}}
-
-    return rewrite_call(
-        ctx, DECLARED, what="EinsumDense", why=why, allowed=list(forms), signature=signature,
-        candidates=candidates, keras=lambda: original(layer, inputs, *args, **kwargs),
-        emit=lambda form: as_matmul(layer, inputs, forms[form]),
-        conservative="einsum" if ctx.target.runs_op("Einsum") else "matmul")
-
-
-def _matmul_forms(layer: Any) -> dict[str, str]:
-    """The MatMul forms of ``layer`` the tuner weighs, by name: the suffix of the contributed
-    product each computes its bias with (``""``: MatMul + BiasAdd); the contributed ones
-    where the bias is over all the kept axes."""
-    products = [form.suffix for form in affine_forms(FAMILY)] if has_flat_bias(layer) else []
-    return {"matmul" + suffix: suffix for suffix in ["", *products]}
 
 
 def _projections(layer: Any) -> tuple[Any, Any, Any]:
@@ -207,7 +119,18 @@ def _same_tensor(a: Any, b: Any) -> bool:
         ops[0].inputs[0] is ops[1].inputs[0] and a.dtype == b.dtype
 
 
-def find_shared_projection(layer: Any, query: Any, value: Any, key: Any) -> str | None:
+# -- check: why a call keeps Keras's own form (None: it need not) ---------------------------------
+def check(layer: Any, inputs: tf.Tensor) -> str | None:
+    """Why this call keeps Keras's Einsum (:func:`find_einsum_dense`, or its operands'
+    dtypes differ), or None."""
+    why = find_einsum_dense(layer, inputs)
+    kernel = layer_value(layer.kernel)
+    if why is None and kernel.dtype != inputs.dtype:
+        why = f"input {inputs.dtype.name} and kernel {kernel.dtype.name} differ"
+    return why
+
+
+def check_projections(layer: Any, query: Any, value: Any, key: Any) -> str | None:
     """Why this ``MultiHeadAttention`` call keeps three projections, or None when its query,
     key and value are one tensor projected by three ``EinsumDense`` of one tensordot equation
     with flat biases (all or none), no activation and the input's dtype: one MatMul of the
@@ -240,9 +163,55 @@ def find_shared_projection(layer: Any, query: Any, value: Any, key: Any) -> str 
     return None
 
 
+# -- forms: what it emits (CONSERVATIVE: the form Keras runs), and the hook's flow ----------------
+CONSERVATIVE = "einsum"  # Keras's Einsum (a backend without that kernel: the MatMul form)
+LABEL = "EinsumDense: Reshape + MatMul (+ BiasAdd) in place of Einsum"
+SHARED_LABEL = "MultiHeadAttention: query, key and value projections as one MatMul"
+LABELS = HostForms(FAMILY, {"matmul": LABEL, "shared": SHARED_LABEL}, "labels")
+"""Each form's report label, by its name (its scope: ``tfmx_einsum_dense_<form>``): the two
+MatMul forms and each with a contributed product in place of its MatMul and bias
+(``fusion.forms.AffineForm``: ``matmul<suffix>``, ``shared<suffix>``)."""
+MARKS = HostForms(FAMILY, dict.fromkeys(("matmul", "shared"),
+                                         frozenset({"MatMul", "_FusedMatMul"})), "marks")
+"""Per form, the op that shows it in a traced graph: its MatMul (plain, or fused with its bias
+by contraction)."""
+_pending = threading.local()  # .outputs: id(EinsumDense) -> its output, computed in advance
+
+
+def as_matmul(layer: Any, inputs: tf.Tensor, product: str = "") -> tf.Tensor:
+    """``layer``'s output (an ``EinsumDense`` whose equation :func:`split_equation` accepts)
+    as ``Reshape`` + ``MatMul`` (+ ``BiasAdd``) + activation + ``Reshape``; with ``product``
+    (a contributed :class:`fusion.forms.AffineForm`'s suffix) a bias over all the kept axes
+    is computed with the MatMul by that product instead."""
+    _, contracted, kept = split_equation(layer.equation)
+    kernel = layer_value(layer.kernel)
+    shape = kernel.shape.as_list()
+    cols = math.prod(shape[: len(contracted)])
+    kept_dims = shape[len(contracted):]
+    rows = tf.reshape(inputs, [-1, cols])
+    flat_kernel = tf.reshape(kernel, [cols, math.prod(kept_dims)])
+    bias = None if layer.bias is None else layer_value(layer.bias)
+    flat_bias = has_flat_bias(layer)
+    if flat_bias:
+        y = affine(rows, flat_kernel, tf.reshape(bias, [-1]), product)
+    else:
+        y = tf.matmul(rows, flat_kernel)
+    early = layer.activation is not None and (len(kept) == 1 and (flat_bias or bias is None))
+    if early:  # on the last axis, which the reshape keeps: the contraction family fuses it
+        y = layer.activation(y)
+    leading = tf.shape(inputs)[: inputs.shape.rank - len(contracted)]
+    y = tf.reshape(y, tf.concat([leading, kept_dims], 0))
+    y.set_shape(inputs.shape[: inputs.shape.rank - len(contracted)].concatenate(kept_dims))
+    if bias is not None and not flat_bias:
+        y = y + bias  # Keras's broadcast add (a bias over some of the kept axes)
+    if layer.activation is not None and not early:
+        y = layer.activation(y)
+    return y
+
+
 def shared_projection(layer: Any, x: tf.Tensor, product: str = "") -> list[tf.Tensor]:
     """The query, key and value projections of ``x`` (a ``MultiHeadAttention``'s, accepted by
-    :func:`find_shared_projection`) as one ``MatMul`` of ``x`` viewed ``[rows, features]`` with
+    :func:`check_projections`) as one ``MatMul`` of ``x`` viewed ``[rows, features]`` with
     the three kernels concatenated (+ one ``BiasAdd``), split back into the three outputs:
     the backward is one MatMul for the input's gradient (no sum of three) and one for the
     kernels'. With ``product`` (a contributed :class:`fusion.forms.AffineForm`'s suffix) the
@@ -277,6 +246,51 @@ def shared_projection(layer: Any, x: tf.Tensor, product: str = "") -> list[tf.Te
     return outs
 
 
+def _matmul_forms(layer: Any) -> dict[str, str]:
+    """The MatMul forms of ``layer`` the tuner weighs, by name: the suffix of the contributed
+    product each computes its bias with (``""``: MatMul + BiasAdd); the contributed ones
+    where the bias is over all the kept axes."""
+    products = [form.suffix for form in affine_forms(FAMILY)] if has_flat_bias(layer) else []
+    return {"matmul" + suffix: suffix for suffix in ["", *products]}
+
+
+def fused_einsum_dense_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
+                            *args: Any, **kwargs: Any) -> Any:
+    """``EinsumDense.call`` while tfmx traces: the MatMul form where it is correct and (by the
+    tuner) faster, else Keras's Einsum with the reason recorded
+    (:func:`fusion.stage.rewrite_call`). A projection that :func:`fused_attention_call`
+    already computed (in one MatMul with its siblings) returns that output."""
+    done = getattr(_pending, "outputs", {}).pop(id(layer), None)
+    if done is not None:
+        return done
+    if not tf.inside_function():
+        return original(layer, inputs, *args, **kwargs)
+    inputs = tf.convert_to_tensor(inputs)
+    why = check(layer, inputs)
+    forms = _matmul_forms(layer) if why is None else {}
+
+    def signature() -> str:
+        from fusion.fragment import shape_text
+
+        return (f"EinsumDense {layer.equation} input {shape_text(inputs.shape)} "
+                f"{inputs.dtype.name} bias={layer.bias is not None} "
+                f"activation={getattr(layer.activation, '__name__', None)}")
+
+    def candidates() -> dict:
+        variables = layer.trainable_variables
+        return {CONSERVATIVE: timed_form(lambda x: original(layer, x), [inputs.shape],
+                                         inputs.dtype, variables),
+                **{form: timed_form(lambda x, p=product: as_matmul(layer, x, p),
+                                    [inputs.shape], inputs.dtype, variables)
+                   for form, product in forms.items()}}
+
+    return rewrite_call(
+        ctx, DECLARED, what="EinsumDense", why=why, allowed=list(forms), signature=signature,
+        candidates=candidates, keras=lambda: original(layer, inputs, *args, **kwargs),
+        emit=lambda form: as_matmul(layer, inputs, forms[form]),
+        conservative=CONSERVATIVE if ctx.target.runs_op("Einsum") else "matmul")
+
+
 def fused_attention_call(ctx: StageContext, original: Callable, layer: Any, query: Any,
                          value: Any, key: Any = None, *args: Any, **kwargs: Any) -> Any:
     """``MultiHeadAttention.call`` while tfmx traces: a self-attention's three projections as
@@ -284,7 +298,7 @@ def fused_attention_call(ctx: StageContext, original: Callable, layer: Any, quer
     rest of Keras's call as it is (its projections then return what was computed)."""
     if not tf.inside_function() or args:
         return original(layer, query, value, key, *args, **kwargs)
-    why = find_shared_projection(layer, query, value, key)
+    why = check_projections(layer, query, value, key)
     denses = _projections(layer)
     products = [""] + ([f.suffix for f in affine_forms(FAMILY)]
                        if why is None and denses[0].bias is not None else [])
@@ -330,19 +344,13 @@ def fused_attention_call(ctx: StageContext, original: Callable, layer: Any, quer
         keeps="separate", kept="three MatMuls")
 
 
-MARKS = HostForms(FAMILY, dict.fromkeys(("matmul", "shared"),
-                                         frozenset({"MatMul", "_FusedMatMul"})), "marks")
-"""Per form, the op that shows it in a traced graph: its MatMul (plain, or fused with its bias
-by contraction)."""
-
-
+# -- declaration ----------------------------------------------------------------------------------
 DECLARED = declare(Family(
     FAMILY,
     "Keras EinsumDense (MultiHeadAttention's projections) -> Reshape + MatMul (+ BiasAdd, "
     "which the contraction family fuses) where the equation is a tensordot and measured faster",
-    hooks=(Hook("keras.src.layers.core.einsum_dense:EinsumDense", "call", fused_einsum_dense_call),
-           Hook("keras.src.layers.attention.multi_head_attention:MultiHeadAttention", "call",
-                fused_attention_call)),
-    forms=Forms(SCOPE, MARKS, LABELS, conservative="einsum", kept="Keras's Einsum"),
+    hooks=(Hook.on(MATCHES[0], fused_einsum_dense_call),
+           Hook.on(MATCHES[1], fused_attention_call)),
+    forms=Forms(SCOPE, MARKS, LABELS, conservative=CONSERVATIVE, kept="Keras's Einsum"),
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))

@@ -51,10 +51,11 @@ from fusion.stage import (
     xla_region,
 )
 
+# -- match: the Keras calls it hooks, and what it finds in them -----------------------------------
 FAMILY = "feed_forward"
 SCOPE = "tfmx_feed_forward"
-LABELS = {XLA: "Dense(activation) -> Dense: one XLA-compiled region (forward and gradient)"}
-"""The region's report label, by its name in the stage's scope (``tfmx_feed_forward_xla``)."""
+MATCHES = ("keras.src.layers.core.dense:Dense.call",)
+"""The Keras call the stage hooks: a ``Dense`` layer's (two of them: a feed-forward block)."""
 
 
 def find_feed_forward(layer: Any) -> tuple[bool, str | None]:
@@ -76,6 +77,21 @@ def find_feed_forward(layer: Any) -> tuple[bool, str | None]:
     return True, None
 
 
+# -- check: why a call keeps Keras's own form (None: it need not) ---------------------------------
+def check(layer: Any) -> str | None:
+    """Why ``layer`` does not start a feed-forward block the stage can emit as one region
+    (:func:`find_feed_forward`), or None."""
+    return find_feed_forward(layer)[1]
+
+
+# -- forms: what it emits (CONSERVATIVE: the form Keras runs), and the hook's flow ----------------
+CONSERVATIVE = "separate"  # the two layers as Keras runs them
+LABELS = {XLA: "Dense(activation) -> Dense: one XLA-compiled region (forward and gradient)"}
+"""The region's report label, by its name in the stage's scope (``tfmx_feed_forward_xla``)."""
+MARKS = {XLA: XLA_CALLS}
+"""The op that shows the form in a traced graph: its XLA region's call."""
+
+
 def fused_dense_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
                      training: Any = None) -> Any:
     """``Dense.call`` while tfmx traces with XLA allowed: the first Dense of a feed-forward block
@@ -90,7 +106,7 @@ def fused_dense_call(ctx: StageContext, original: Callable, layer: Any, inputs: 
     if first is None:
         out = original(layer, inputs, training=training)
         rank = inputs.shape.rank
-        if rank is not None and rank >= 3 and find_feed_forward(layer)[0]:
+        if rank is not None and rank >= 3 and check(layer) is None:
             pending[out.ref()] = (layer, inputs)
         return out
     return _block(ctx, original, first, layer, inputs)
@@ -113,7 +129,7 @@ def _block(ctx: StageContext, original: Callable, first: tuple[Any, tf.Tensor], 
             return both(v)
 
     def candidates() -> dict:
-        return {"separate": timed_form(separate, [x.shape], x.dtype, variables),
+        return {CONSERVATIVE: timed_form(separate, [x.shape], x.dtype, variables),
                 XLA: timed_form(xla_region(both), [x.shape], x.dtype, variables)}
 
     activation = up.activation.__name__
@@ -125,16 +141,13 @@ def _block(ctx: StageContext, original: Callable, first: tuple[Any, tf.Tensor], 
                         emit=lambda form: xla_region(both)(x))
 
 
-MARKS = {XLA: XLA_CALLS}
-"""The op that shows the form in a traced graph: its XLA region's call."""
-
-
+# -- declaration ----------------------------------------------------------------------------------
 DECLARED = declare(Family(
     FAMILY,
     "Keras Dense(activation) -> Dense on tokens (a transformer's FFN) -> one XLA-compiled "
     "region (forward and gradient), where measured faster than the two layers",
     # outer: it sees both Dense layers of a block before bias_row rewrites either one
-    hooks=(Hook("keras.src.layers.core.dense:Dense", "call", fused_dense_call, outer=1),),
-    forms=Forms(SCOPE, MARKS, LABELS, conservative="separate", kept="the two layers"),
+    hooks=(Hook.on(MATCHES[0], fused_dense_call, outer=1),),
+    forms=Forms(SCOPE, MARKS, LABELS, conservative=CONSERVATIVE, kept="the two layers"),
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))

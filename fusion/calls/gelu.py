@@ -74,8 +74,30 @@ from fusion.stage import (
     xla_region,
 )
 
+# -- match: the Keras calls it hooks, and what it finds in them -----------------------------------
 FAMILY = "gelu"
 SCOPE = "tfmx_gelu"
+MATCHES = ("keras.src.backend.tensorflow:nn.gelu",)
+"""The Keras call the stage hooks: the TensorFlow backend's ``gelu`` (``activation="gelu"``,
+``keras.activations.gelu``, ``keras.ops.gelu``)."""
+
+
+# -- check: why a call keeps Keras's own form (None: it need not) ---------------------------------
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def check(x: Any) -> str | None:
+    """Why the stage leaves this GELU to the composite, or None."""
+    if x.dtype.name not in _DTYPES:
+        return f"input dtype {x.dtype.name}"
+    if x.shape.rank is None:
+        return "input of unknown rank"
+    return None
+
+
+# -- forms: what it emits (CONSERVATIVE: the form Keras runs), and the hook's flow ----------------
+CONSERVATIVE = "composite"  # Keras's composite, differentiated by autodiff
+SLOPE_KEPT = "upcast slope kept"
 LABELS = {"custom": "GELU: closed-form derivative (custom gradient)",
           "custom erfc": "GELU: closed-form derivative (custom gradient), TensorFlow's Erfc CDF",
           "custom upcast": "GELU: closed-form derivative (custom gradient), computed in float32 "
@@ -86,14 +108,16 @@ LABELS = {"custom": "GELU: closed-form derivative (custom gradient)",
           XLA: "GELU: its value and derivative computed in one XLA-compiled region, the "
                "backward one multiplication"}
 """Every form's report label, by its name in the stage's scopes (``tfmx_gelu_<form>``)."""
-
+MARKS = {"custom": frozenset({"Erf", "Tanh"}), "custom erfc": frozenset({"Erfc"}),
+         "custom upcast": frozenset({"Erf", "Erfc", "Tanh"}),
+         SLOPE_KEPT: frozenset({"Erf", "Erfc", "Tanh"}), XLA: XLA_CALLS}
+"""Per form, the ops that show it in a traced graph: its Erf or Tanh, or its XLA region's
+call."""
 _SQRT_HALF = 1.0 / math.sqrt(2.0)
 _PDF = 1.0 / math.sqrt(2.0 * math.pi)  # the standard normal density at 0
 _LOG_PDF_SCALE = math.log(_PDF / _SQRT_HALF)  # ln(1 / sqrt(pi)): x * pdf(x) in terms of t
 _TANH_K = math.sqrt(2.0 / math.pi)
 _TANH_A = 0.044715
-_DTYPES = ("float32", "float16", "bfloat16")
-SLOPE_KEPT = "upcast slope kept"
 
 
 def _exact(x: tf.Tensor, erfc: bool) -> tuple[tf.Tensor, Callable[[], tf.Tensor]]:
@@ -214,15 +238,6 @@ def gelu_xla_slope(x: tf.Tensor, approximate: bool = False,
     return _slope_kept(x, region)
 
 
-def _decline(x: Any) -> str | None:
-    """Why the stage leaves this GELU to the composite, or None."""
-    if x.dtype.name not in _DTYPES:
-        return f"input dtype {x.dtype.name}"
-    if x.shape.rank is None:
-        return "input of unknown rank"
-    return None
-
-
 def gelu_upcast(x: tf.Tensor, approximate: bool = False, erfc: bool = False) -> tf.Tensor:
     """:func:`gelu_custom` of a 16-bit ``x`` computed in float32: ``x`` cast up, the GELU and
     its closed-form derivative in float32, the output cast back to ``x``'s dtype (and the
@@ -275,7 +290,7 @@ def fused_gelu(ctx: StageContext, original: Callable, x: Any, approximate: bool 
 
     def candidates() -> dict:
         bits = rounded()  # decided before the forms are timed, not while one is
-        timed = {"composite": timed_form(lambda v: original(v, approximate), [x.shape], x.dtype),
+        timed = {CONSERVATIVE: timed_form(lambda v: original(v, approximate), [x.shape], x.dtype),
                  **{name: timed_form(f, [x.shape], x.dtype) for name, f in forms.items()}}
         return with_xla(ctx, timed, lambda v: gelu_xla_slope(v, approximate, bits),
                         [x.shape], x.dtype)
@@ -284,24 +299,18 @@ def fused_gelu(ctx: StageContext, original: Callable, x: Any, approximate: bool 
         return gelu_xla_slope(x, approximate, rounded()) if form == XLA else forms[form](x)
 
     return rewrite_call(
-        ctx, DECLARED, what="GELU", why=_decline(x), allowed=list(forms),
+        ctx, DECLARED, what="GELU", why=check(x), allowed=list(forms),
         signature=lambda: f"gelu input {shape_text(x.shape)} {x.dtype.name} "
                           f"approximate={approximate}",
         candidates=candidates, keras=lambda: original(x, approximate), emit=emit)
 
 
-MARKS = {"custom": frozenset({"Erf", "Tanh"}), "custom erfc": frozenset({"Erfc"}),
-         "custom upcast": frozenset({"Erf", "Erfc", "Tanh"}),
-         SLOPE_KEPT: frozenset({"Erf", "Erfc", "Tanh"}), XLA: XLA_CALLS}
-"""Per form, the ops that show it in a traced graph: its Erf or Tanh, or its XLA region's
-call."""
-
-
+# -- declaration ----------------------------------------------------------------------------------
 DECLARED = declare(Family(
     FAMILY,
     "Keras GELU (exact or tanh) in training -> a closed-form derivative (custom gradient) or "
     "one XLA region, where measured faster than autodiff of the composite",
-    hooks=(Hook("keras.src.backend.tensorflow:nn", "gelu", fused_gelu),),
-    forms=Forms(SCOPE, MARKS, LABELS, conservative="composite", kept="the composite"),
+    hooks=(Hook.on(MATCHES[0], fused_gelu),),
+    forms=Forms(SCOPE, MARKS, LABELS, conservative=CONSERVATIVE, kept="the composite"),
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))

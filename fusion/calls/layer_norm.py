@@ -81,15 +81,110 @@ from fusion.stage import (
     xla_region,
 )
 
+# -- match: the Keras calls it hooks, and what it finds in them -----------------------------------
 FAMILY = "layer_norm"
 SCOPE = "tfmx_layer_norm"
+MATCHES = ("keras.src.layers.normalization.layer_normalization:LayerNormalization.call",
+           "keras.src.layers.normalization.rms_normalization:RMSNormalization.call")
+"""The Keras calls the stage hooks: a ``LayerNormalization`` layer's and an
+``RMSNormalization`` layer's."""
+
+
+def _first_axis(layer: Any, ndims: int) -> int | None:
+    """The first normalized axis when the normalized axes are the trailing ones, else None."""
+    axes = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+    axes = sorted(a % ndims for a in axes)
+    if axes != list(range(axes[0], ndims)) or axes[0] == 0:
+        return None
+    return axes[0]
+
+
+def find_rms_norm(layer: Any, inputs: Any) -> tuple[int | None, str | None]:
+    """(first normalized axis, None) for an ``RMSNormalization`` call the stage can rewrite,
+    or (None, why): trailing normalized axes of a float input (what both layers' forms need)."""
+    ndims = inputs.shape.rank
+    if ndims is None:
+        return None, "input of unknown rank"
+    first = _first_axis(layer, ndims)
+    if first is None:
+        return None, f"normalized axes {layer.axis} are not the trailing axes of a rank-" \
+                     f"{ndims} input"
+    if inputs.dtype.name not in ("float32", "float16", "bfloat16"):
+        return None, f"input dtype {inputs.dtype.name}"
+    return first, None
+
+
+def find_layer_norm(layer: Any, inputs: Any, target: Any) -> tuple[int | None, str | None]:
+    """(first normalized axis, None) for a layer call this stage can fuse, or (None, why)."""
+    why = check(layer)
+    return (None, why) if why else find_rms_norm(layer, inputs)
+
+
+def find_residual(layer: Any, inputs: Any) -> tuple[tf.Tensor, tf.Tensor] | None:
+    """The two summands of the residual ``keras.layers.Add`` whose output is ``inputs`` and
+    feeds ``layer`` alone, or None: the two layers may then run as one region, the sum
+    inside it. Known only in a Keras functional graph (each layer called once there, the
+    ``Add`` of two inputs read by ``layer`` only, so no other reader needs the sum) for an
+    ``AddV2`` of two tensors of the output's shape (no broadcast) traced in this graph.
+
+    >>> import keras
+    >>> inp = keras.Input((4, 8))
+    >>> norm = keras.layers.LayerNormalization()
+    >>> _ = keras.Model(inp, norm(keras.layers.Add()([inp, inp])))
+    >>> find_residual(norm, tf.ones([2, 4, 8])) is None  # not an AddV2 of this graph
+    True
+    """
+    from keras.src.layers.merging.add import Add
+
+    around = functional_neighbours(layer)
+    if around is None or len(around[0]) != 1 or not isinstance(around[0][0], Add):
+        return None
+    summed = functional_neighbours(around[0][0])
+    if summed is None or len(summed[0]) != 2 or summed[1] != [layer]:
+        return None
+    op = getattr(inputs, "op", None)
+    if (op is None or op.type != "AddV2" or op.graph is not tf.compat.v1.get_default_graph()
+            or not inputs.shape.is_fully_defined()
+            or any(t.shape != inputs.shape for t in op.inputs)):
+        return None
+    return op.inputs[0], op.inputs[1]
+
+
+# -- check: why a call keeps Keras's own form (None: it need not) ---------------------------------
+def check(layer: Any) -> str | None:
+    """Why this ``LayerNormalization`` keeps Keras's composite whatever its input (its axes
+    and dtype: :func:`find_rms_norm`), or None."""
+    if getattr(layer, "rms_scaling", False):
+        return "rms_scaling=True (scales by the variance, no mean subtracted: no kernel)"
+    return None
+
+
+def fused_blocker(layer: Any, target: Any) -> str | None:
+    """Why ``target`` cannot run the ``FusedBatchNormV3`` form of ``layer``, or None."""
+    from fusion.graphs.batch_norm_kernels import (
+        kernel_blocker,  # (the patterns import the stages)
+    )
+
+    return kernel_blocker(target, "FusedBatchNormV3", "float32", "NCHW", True, None,
+                          float(layer.epsilon))
+
+
+def onednn_blocker(first: int, inputs: Any, target: Any) -> str | None:
+    """Why the ``_MklLayerNorm`` form is not offered for this call, or None."""
+    if first != inputs.shape.rank - 1:
+        return "oneDNN's layer norm normalizes the last axis alone"
+    if not target.runs_op(ONEDNN_OP) or not onednn_layer_norm_registered():
+        return f"{target.name} runs no {ONEDNN_OP}"
+    return None
+
+
+# -- forms: what it emits (CONSERVATIVE: the form Keras runs), and the hook's flow ----------------
+CONSERVATIVE = "composite"  # Keras's composite, differentiated by autodiff
 LABEL = "LayerNormalization: FusedBatchNormV3 on [1, rows, cols, 1] (NCHW) + gamma, beta"
 CUSTOM_LABEL = "LayerNormalization: composite forward + closed-form custom gradient"
 ONEDNN_LABEL = ("LayerNormalization: oneDNN's _MklLayerNorm forward + closed-form custom "
                 "gradient")
 RMS_LABEL = "RMSNormalization: composite forward + closed-form custom gradient"
-
-
 XLA_GRADIENT = " xla gradient"
 """The suffix of a form's name whose gradient is one XLA-compiled region."""
 
@@ -157,93 +252,6 @@ def rms_norm_custom(x: tf.Tensor, scale: Any, first_axis: int, epsilon: float,
 RMS_FORMS = {"rms custom": (rms_norm_custom, RMS_LABEL),
              "rms custom" + XLA_GRADIENT: _xla_gradient_form((rms_norm_custom, RMS_LABEL))}
 """The correct form of ``RMSNormalization`` besides Keras's composite."""
-
-
-def _value(variable: Any) -> Any:
-    """A Keras variable's tensor (read where the tape records it), None stays None."""
-    return None if variable is None else variable.value
-
-
-def _first_axis(layer: Any, ndims: int) -> int | None:
-    """The first normalized axis when the normalized axes are the trailing ones, else None."""
-    axes = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
-    axes = sorted(a % ndims for a in axes)
-    if axes != list(range(axes[0], ndims)) or axes[0] == 0:
-        return None
-    return axes[0]
-
-
-def find_rms_norm(layer: Any, inputs: Any) -> tuple[int | None, str | None]:
-    """(first normalized axis, None) for an ``RMSNormalization`` call the stage can rewrite,
-    or (None, why): trailing normalized axes of a float input (what both layers' forms need)."""
-    ndims = inputs.shape.rank
-    if ndims is None:
-        return None, "input of unknown rank"
-    first = _first_axis(layer, ndims)
-    if first is None:
-        return None, f"normalized axes {layer.axis} are not the trailing axes of a rank-" \
-                     f"{ndims} input"
-    if inputs.dtype.name not in ("float32", "float16", "bfloat16"):
-        return None, f"input dtype {inputs.dtype.name}"
-    return first, None
-
-
-def find_residual(layer: Any, inputs: Any) -> tuple[tf.Tensor, tf.Tensor] | None:
-    """The two summands of the residual ``keras.layers.Add`` whose output is ``inputs`` and
-    feeds ``layer`` alone, or None: the two layers may then run as one region, the sum
-    inside it. Known only in a Keras functional graph (each layer called once there, the
-    ``Add`` of two inputs read by ``layer`` only, so no other reader needs the sum) for an
-    ``AddV2`` of two tensors of the output's shape (no broadcast) traced in this graph.
-
-    >>> import keras
-    >>> inp = keras.Input((4, 8))
-    >>> norm = keras.layers.LayerNormalization()
-    >>> _ = keras.Model(inp, norm(keras.layers.Add()([inp, inp])))
-    >>> find_residual(norm, tf.ones([2, 4, 8])) is None  # not an AddV2 of this graph
-    True
-    """
-    from keras.src.layers.merging.add import Add
-
-    around = functional_neighbours(layer)
-    if around is None or len(around[0]) != 1 or not isinstance(around[0][0], Add):
-        return None
-    summed = functional_neighbours(around[0][0])
-    if summed is None or len(summed[0]) != 2 or summed[1] != [layer]:
-        return None
-    op = getattr(inputs, "op", None)
-    if (op is None or op.type != "AddV2" or op.graph is not tf.compat.v1.get_default_graph()
-            or not inputs.shape.is_fully_defined()
-            or any(t.shape != inputs.shape for t in op.inputs)):
-        return None
-    return op.inputs[0], op.inputs[1]
-
-
-def find_layer_norm(layer: Any, inputs: Any, target: Any) -> tuple[int | None, str | None]:
-    """(first normalized axis, None) for a layer call this stage can fuse, or (None, why)."""
-    if getattr(layer, "rms_scaling", False):
-        return None, "rms_scaling=True (scales by the variance, no mean subtracted: no kernel)"
-    return find_rms_norm(layer, inputs)
-
-
-def fused_blocker(layer: Any, target: Any) -> str | None:
-    """Why ``target`` cannot run the ``FusedBatchNormV3`` form of ``layer``, or None."""
-    from fusion.graphs.batch_norm_kernels import (
-        kernel_blocker,  # (the patterns import the stages)
-    )
-
-    return kernel_blocker(target, "FusedBatchNormV3", "float32", "NCHW", True, None,
-                          float(layer.epsilon))
-
-
-def onednn_blocker(first: int, inputs: Any, target: Any) -> str | None:
-    """Why the ``_MklLayerNorm`` form is not offered for this call, or None."""
-    if first != inputs.shape.rank - 1:
-        return "oneDNN's layer norm normalizes the last axis alone"
-    if not target.runs_op(ONEDNN_OP) or not onednn_layer_norm_registered():
-        return f"{target.name} runs no {ONEDNN_OP}"
-    return None
-
-
 RESIDUAL = "residual xla"  # the layer and the residual Add before it as one XLA region
 XLA_LABELS = {"xla": "LayerNormalization: one XLA-compiled region (forward and gradient)",
               "rms xla": "RMSNormalization: one XLA-compiled region (forward and gradient)",
@@ -254,52 +262,19 @@ XLA_LABELS = {"xla": "LayerNormalization: one XLA-compiled region (forward and g
 LABELS = {**{f: label for f, (_, label) in FORMS.items()},
           **{f: label for f, (_, label) in RMS_FORMS.items()}, **XLA_LABELS}
 """Every form's report label, by its name in the stage's scopes (``tfmx_layer_norm_<form>``)."""
+_KERNELS = {"fused": frozenset({"FusedBatchNormV3"}), "custom": frozenset({"Rsqrt"}),
+            "onednn": frozenset({"_MklLayerNorm"}), ONEDNN_16: frozenset({"_MklLayerNorm"})}
+MARKS = {**_KERNELS, **{name + XLA_GRADIENT: ops for name, ops in _KERNELS.items()},
+         "rms custom": frozenset({"Rsqrt"}), "rms custom" + XLA_GRADIENT: frozenset({"Rsqrt"}),
+         "xla": XLA_CALLS, "rms xla": XLA_CALLS,
+         "residual xla": XLA_CALLS, "rms residual xla": XLA_CALLS}
+"""Per form, the ops that show it in a traced graph: FusedBatchNormV3 for the fused form, the
+Rsqrt of the custom ones, oneDNN's layer norm, the call of an XLA region."""
 
 
-def _rewrite(ctx: StageContext, original: Callable, layer: Any, inputs: tf.Tensor,
-             first: int | None, why: str | None, forms: dict[str, Callable], prefix: str,
-             signature: str) -> Any:
-    """The one flow of both hooks: ``forms`` (name -> ``emit(x)``, the first the form taken
-    without a tuner) against Keras's composite and, where XLA may run, the composite compiled
-    as one region, and after a residual ``Add`` read by this layer alone
-    (:func:`find_residual`) the sum and the composite as one region (every form then timed
-    from the two summands); the tuner's pick emitted under ``tfmx_layer_norm_<prefix><form>``,
-    or Keras's composite with the reason recorded."""
-    residual = find_residual(layer, inputs) if ctx.xla and first is not None else None
-    variables = layer.trainable_variables
-
-    def keras_form(x: Any) -> Any:
-        return original(layer, x)
-
-    def summed(form: Callable) -> Callable:
-        return lambda a, b: form(a + b)
-
-    def candidates() -> dict:
-        every = {"composite": keras_form, **forms}
-        if residual is None:
-            timed = {name: timed_form(f, [inputs.shape], inputs.dtype, variables)
-                     for name, f in every.items()}
-            return with_xla(ctx, timed, xla_region(keras_form), [inputs.shape], inputs.dtype,
-                            variables)
-        shapes = [t.shape for t in residual]
-        every[XLA] = xla_region(keras_form)
-        timed = {name: timed_form(summed(f), shapes, inputs.dtype, variables)
-                 for name, f in every.items()}
-        timed[RESIDUAL] = timed_form(xla_region(summed(keras_form)), shapes, inputs.dtype,
-                                     variables)
-        return timed
-
-    def emit(form: str) -> Any:
-        if form == RESIDUAL:
-            return xla_region(summed(keras_form))(*residual)
-        return (xla_region(keras_form) if form == XLA else forms[form])(inputs)
-
-    if residual is not None:
-        signature += " after a residual Add"
-    return rewrite_call(ctx, DECLARED, what=signature.split(" ", 1)[0], why=why,
-                        allowed=list(forms) if first is not None else [],
-                        signature=lambda: signature, candidates=candidates,
-                        keras=lambda: original(layer, inputs), emit=emit, prefix=prefix)
+def _value(variable: Any) -> Any:
+    """A Keras variable's tensor (read where the tape records it), None stays None."""
+    return None if variable is None else variable.value
 
 
 def layer_norm_forms(layer: Any, inputs: Any, target: Any, first: int | None,
@@ -347,6 +322,52 @@ def _rounded_gradient(ctx: StageContext, layer: Any, inputs: tf.Tensor) -> bool:
 
     return integer_rounding(ctx, "LayerNormalization gradient", region,
                             [[rows, cols], [rows, cols]])
+
+
+def _rewrite(ctx: StageContext, original: Callable, layer: Any, inputs: tf.Tensor,
+             first: int | None, why: str | None, forms: dict[str, Callable], prefix: str,
+             signature: str) -> Any:
+    """The one flow of both hooks: ``forms`` (name -> ``emit(x)``, the first the form taken
+    without a tuner) against Keras's composite and, where XLA may run, the composite compiled
+    as one region, and after a residual ``Add`` read by this layer alone
+    (:func:`find_residual`) the sum and the composite as one region (every form then timed
+    from the two summands); the tuner's pick emitted under ``tfmx_layer_norm_<prefix><form>``,
+    or Keras's composite with the reason recorded."""
+    residual = find_residual(layer, inputs) if ctx.xla and first is not None else None
+    variables = layer.trainable_variables
+
+    def keras_form(x: Any) -> Any:
+        return original(layer, x)
+
+    def summed(form: Callable) -> Callable:
+        return lambda a, b: form(a + b)
+
+    def candidates() -> dict:
+        every = {CONSERVATIVE: keras_form, **forms}
+        if residual is None:
+            timed = {name: timed_form(f, [inputs.shape], inputs.dtype, variables)
+                     for name, f in every.items()}
+            return with_xla(ctx, timed, xla_region(keras_form), [inputs.shape], inputs.dtype,
+                            variables)
+        shapes = [t.shape for t in residual]
+        every[XLA] = xla_region(keras_form)
+        timed = {name: timed_form(summed(f), shapes, inputs.dtype, variables)
+                 for name, f in every.items()}
+        timed[RESIDUAL] = timed_form(xla_region(summed(keras_form)), shapes, inputs.dtype,
+                                     variables)
+        return timed
+
+    def emit(form: str) -> Any:
+        if form == RESIDUAL:
+            return xla_region(summed(keras_form))(*residual)
+        return (xla_region(keras_form) if form == XLA else forms[form])(inputs)
+
+    if residual is not None:
+        signature += " after a residual Add"
+    return rewrite_call(ctx, DECLARED, what=signature.split(" ", 1)[0], why=why,
+                        allowed=list(forms) if first is not None else [],
+                        signature=lambda: signature, candidates=candidates,
+                        keras=lambda: original(layer, inputs), emit=emit, prefix=prefix)
 
 
 def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
@@ -409,25 +430,13 @@ def fused_rms_call(ctx: StageContext, original: Callable, layer: Any, inputs: An
                     signature)
 
 
-_KERNELS = {"fused": frozenset({"FusedBatchNormV3"}), "custom": frozenset({"Rsqrt"}),
-            "onednn": frozenset({"_MklLayerNorm"}), ONEDNN_16: frozenset({"_MklLayerNorm"})}
-MARKS = {**_KERNELS, **{name + XLA_GRADIENT: ops for name, ops in _KERNELS.items()},
-         "rms custom": frozenset({"Rsqrt"}), "rms custom" + XLA_GRADIENT: frozenset({"Rsqrt"}),
-         "xla": XLA_CALLS, "rms xla": XLA_CALLS,
-         "residual xla": XLA_CALLS, "rms residual xla": XLA_CALLS}
-"""Per form, the ops that show it in a traced graph: FusedBatchNormV3 for the fused form, the
-Rsqrt of the custom ones, oneDNN's layer norm, the call of an XLA region."""
-
-
+# -- declaration ----------------------------------------------------------------------------------
 DECLARED = declare(Family(
     FAMILY,
     "Keras LayerNormalization -> FusedBatchNormV3 on the rows (its registered gradient: "
     "FusedBatchNormGradV3) + gamma, beta, or a closed-form gradient; RMSNormalization -> a "
     "closed-form gradient; emitted before differentiation where measured faster",
-    hooks=(Hook("keras.src.layers.normalization.layer_normalization:LayerNormalization", "call",
-                fused_layer_call),
-           Hook("keras.src.layers.normalization.rms_normalization:RMSNormalization", "call",
-                fused_rms_call)),
-    forms=Forms(SCOPE, MARKS, LABELS, conservative="composite", kept="Keras's composite"),
+    hooks=(Hook.on(MATCHES[0], fused_layer_call), Hook.on(MATCHES[1], fused_rms_call)),
+    forms=Forms(SCOPE, MARKS, LABELS, conservative=CONSERVATIVE, kept="Keras's composite"),
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))

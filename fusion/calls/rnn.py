@@ -38,46 +38,17 @@ import warnings
 from typing import Any
 
 from fusion import trace_state
-from fusion.family import Family, declare
+from fusion.family import Family, Forms, declare
 from fusion.pattern import PatternStats, Target
-from fusion.stage import Hook, StageContext, timed_form
+from fusion.stage import Emitted, Hook, StageContext, rewrite_call, timed_form
 
+# -- match: the Keras calls it hooks, and what it finds in them -----------------------------------
 FAMILY = "rnn"
 SCOPE = "tfmx_rnn_"
 DECLINED = SCOPE + "declined_"
+MATCHES = ("keras.src.layers.rnn.lstm:LSTM.inner_loop", "keras.src.layers.rnn.gru:GRU.inner_loop")
+"""The Keras calls the stage hooks: an ``LSTM`` or ``GRU`` layer's loop over the sequence."""
 
-# Why a layer keeps Keras's own loop, by the code that goes into its name scope.
-DECLINE_REASONS = {
-    "unroll": "unroll=True: Keras unrolls the loop in Python, nothing to fuse",
-    "tuned": "Keras's own loop measured faster than the hoisted one on this machine "
-             "(tfmx.report(): tuned)",
-    "stateful": "stateful=True is not fused (states live in variables across batches)",
-    "recurrent_dropout": "recurrent_dropout > 0 needs a fresh mask inside every step",
-    "activation": "activation / recurrent_activation other than tanh / sigmoid",
-    "dtype": "compute dtype other than float32 (mixed precision) is not fused yet",
-    "use_cudnn_true": "use_cudnn=True on a target without cuDNN: Keras's own error stands",
-    "use_cudnn_false": "use_cudnn=False asks the GPU target for Keras's generic loop",
-    "reset_before_gpu": "GRU(reset_after=False) has no cuDNN / Metal kernel (cuDNN GRU "
-                        "applies the reset gate after the MatMul)",
-    "cell": "not a Keras LSTMCell / GRUCell",
-    "target": "no RNN form for this target",
-    "error": "building the fused form raised (see the warning); Keras's own loop runs",
-}
-_KIND_NAMES = {"lstm": "LSTM", "gru": "GRU(reset_after=True)",
-               "gru_reset_before": "GRU(reset_after=False)"}
-_CPU_FORMS = {
-    "hoisted": "hoisted input projection + recurrent loop, custom gradient",
-    "unrolled": "hoisted input projection + unrolled recurrence, custom gradient",
-    "keras_unrolled": "Keras's cell unrolled (measured faster than its loop)",
-}
-KIND_LABELS = {(kind, form): f"{name}: {text}"
-               for kind, name in _KIND_NAMES.items() for form, text in _CPU_FORMS.items()}
-KIND_LABELS[("lstm", "wavefront")] = ("LSTM -> LSTM: the layer below and this one unrolled "
-                                      "as one wavefront, custom gradient")
-KIND_LABELS[("gru", "wavefront")] = ("GRU -> GRU (reset_after=True): the layer below and this "
-                                     "one unrolled as one wavefront, custom gradient")
-KIND_LABELS[("lstm", "cudnn")] = "LSTM: CudnnRNNV3 (+ CudnnRNNBackpropV3 by its gradient)"
-KIND_LABELS[("gru", "cudnn")] = "GRU: CudnnRNNV3 (+ CudnnRNNBackpropV3 by its gradient)"
 
 @dataclasses.dataclass(frozen=True)
 class RnnKernels:
@@ -146,6 +117,58 @@ def find_rnn_layer(layer: Any, target: Target) -> tuple[RnnMatch | None, str | N
     if gpu and kind == "gru_reset_before":
         return None, "reset_before_gpu"
     return RnnMatch(kind, kernels.form, layer, swap_zr=kernels.gru_gates_rzh), None
+
+
+# -- check: why a call keeps Keras's own form (None: it need not) ---------------------------------
+# Why a layer keeps Keras's own loop, by the code that goes into its name scope.
+DECLINE_REASONS = {
+    "unroll": "unroll=True: Keras unrolls the loop in Python, nothing to fuse",
+    "tuned": "Keras's own loop measured faster than the hoisted one on this machine "
+             "(tfmx.report(): tuned)",
+    "stateful": "stateful=True is not fused (states live in variables across batches)",
+    "recurrent_dropout": "recurrent_dropout > 0 needs a fresh mask inside every step",
+    "activation": "activation / recurrent_activation other than tanh / sigmoid",
+    "dtype": "compute dtype other than float32 (mixed precision) is not fused yet",
+    "use_cudnn_true": "use_cudnn=True on a target without cuDNN: Keras's own error stands",
+    "use_cudnn_false": "use_cudnn=False asks the GPU target for Keras's generic loop",
+    "reset_before_gpu": "GRU(reset_after=False) has no cuDNN / Metal kernel (cuDNN GRU "
+                        "applies the reset gate after the MatMul)",
+    "cell": "not a Keras LSTMCell / GRUCell",
+    "target": "no RNN form for this target",
+    "error": "building the fused form raised (see the warning); Keras's own loop runs",
+}
+
+
+def check(layer: Any, target: Target) -> str | None:
+    """Why ``layer``'s calls keep Keras's own loop on ``target`` (:func:`find_rnn_layer`'s
+    code, in words), or None.
+
+    >>> import keras
+    >>> from tfmx.backends import get_backend
+    >>> check(keras.layers.LSTM(4, stateful=True), get_backend("cpu"))
+    'stateful=True is not fused (states live in variables across batches)'
+    """
+    why = find_rnn_layer(layer, target)[1]
+    return None if why is None else DECLINE_REASONS[why]
+
+
+# -- forms: what it emits (CONSERVATIVE: the form Keras runs), and the hook's flow ----------------
+CONSERVATIVE = "keras"  # Keras's own loop
+_KIND_NAMES = {"lstm": "LSTM", "gru": "GRU(reset_after=True)",
+               "gru_reset_before": "GRU(reset_after=False)"}
+_CPU_FORMS = {
+    "hoisted": "hoisted input projection + recurrent loop, custom gradient",
+    "unrolled": "hoisted input projection + unrolled recurrence, custom gradient",
+    "keras_unrolled": "Keras's cell unrolled (measured faster than its loop)",
+}
+KIND_LABELS = {(kind, form): f"{name}: {text}"
+               for kind, name in _KIND_NAMES.items() for form, text in _CPU_FORMS.items()}
+KIND_LABELS[("lstm", "wavefront")] = ("LSTM -> LSTM: the layer below and this one unrolled "
+                                      "as one wavefront, custom gradient")
+KIND_LABELS[("gru", "wavefront")] = ("GRU -> GRU (reset_after=True): the layer below and this "
+                                     "one unrolled as one wavefront, custom gradient")
+KIND_LABELS[("lstm", "cudnn")] = "LSTM: CudnnRNNV3 (+ CudnnRNNBackpropV3 by its gradient)"
+KIND_LABELS[("gru", "cudnn")] = "GRU: CudnnRNNV3 (+ CudnnRNNBackpropV3 by its gradient)"
 
 
 def _state_list(initial_state) -> list:
@@ -220,7 +243,7 @@ def cpu_forms(steps: int | None) -> dict[str, RnnForm]:
         >>> sorted(cpu_forms(None))
         ['hoisted x1', 'keras']
     """
-    forms = [RnnForm("keras", False)]
+    forms = [RnnForm(CONSERVATIVE, False)]
     for chunks in TUNED_CHUNKS:
         if chunks == 1 or (steps is not None and steps >= 2 * chunks):
             forms.append(RnnForm(f"hoisted x{chunks}", True, chunks=chunks))
@@ -284,8 +307,8 @@ def _tuned_form(match: RnnMatch, original, sequences, initial_state, mask, train
     signature = (f"{match.kind} input {shape} units {match.layer.cell.units} "
                  f"sequences={match.layer.return_sequences} mask={mask is not None} "
                  f"training={bool(training)} input_gradient={input_gradient}")
-    choice = tuner.choose("rnn", signature, _layer_candidates(
-        match, original, sequences, training, input_gradient), conservative="keras")
+    choice = tuner.choose(FAMILY, signature, _layer_candidates(
+        match, original, sequences, training, input_gradient), conservative=CONSERVATIVE)
     return cpu_forms(sequences.shape[1])[choice.choice]
 
 
@@ -467,14 +490,49 @@ def forward_stage(ctx: StageContext, original, layer, sequences, initial_state, 
 
 def _emit(ctx: StageContext, match: RnnMatch | None, why: str | None, form: RnnForm, original,
           layer, sequences, initial_state, mask, training):
-    """The layer call in ``form`` (or as part of a pair with the layer below), recorded."""
+    """The layer call in ``form``, or with the layer below as one wavefront where that is
+    chosen (:func:`fusion.stage.rewrite_call`; the forms were decided before, by
+    :func:`_tuned_form` and :func:`_pair_chosen`), else Keras's loop under
+    ``tfmx_rnn_declined_<code>``, recorded with the reason."""
     import tensorflow as tf
 
-    stats = PatternStats(matched=1)
     train = training if isinstance(training, bool) else training is not None
-    below = None if match is None or match.form != "hoisted" else _below(match, sequences,
-                                                                         mask, train)
-    if below is not None and _pair_chosen(ctx.chooser, below, match, original, form):
+    code = [why]  # the reason Keras's loop runs, as the code of its name scope
+
+    def keras() -> Any:
+        with tf.name_scope(DECLINED + code[0]):
+            return original(layer, sequences, initial_state, mask, training=training)
+
+    def alone() -> Any:  # the layer call by itself
+        if match is not None and form.name == CONSERVATIVE:
+            code[0] = "tuned"
+        name = None if match is None or code[0] else (
+            "keras unrolled" if not form.hoisted and form.unrolled else "own")
+        return rewrite_call(ctx, DECLARED, what="", why=DECLINE_REASONS.get(code[0], code[0]),
+                            allowed=[name] if name else [], signature=lambda: "",
+                            candidates=None, keras=keras, emit=own_form)
+
+    def own_form(name: str) -> Emitted:
+        stats = PatternStats(matched=1)
+        if name == "keras unrolled":  # Keras's cell, unrolled: measured faster than every loop
+            stats.fuse(KIND_LABELS[(match.kind, "keras_unrolled")])
+            with tf.name_scope(SCOPE + match.kind + "_keras_unrolled"):
+                return Emitted(run_keras_loop(layer, original, sequences, initial_state, mask,
+                                              training, unrolled=True), stats)
+        try:
+            result = rewrite_rnn_layer(match, sequences, initial_state, mask, training,
+                                       form.chunks, form.unrolled)
+        except Exception as exc:  # noqa: BLE001 - never break training: Keras's loop runs
+            code[0] = "error"
+            stats.errors.append(f"{layer.name}: {type(exc).__name__}: {exc}")
+            stats.decline(DECLINE_REASONS["error"])
+            warnings.warn(f"tfmx rnn: {layer.name}: {type(exc).__name__}: {exc}; "
+                          "Keras's own loop runs", stacklevel=3)
+            return Emitted(None, stats, kept=True)
+        stats.fuse(KIND_LABELS[(match.kind, "unrolled" if form.unrolled else match.form)])
+        return Emitted(result, stats)
+
+    def pair(name: str) -> Emitted:
         try:
             states = _state_list(initial_state)
             up_dropout = _dropout_mask(match, sequences) if train else None
@@ -482,46 +540,31 @@ def _emit(ctx: StageContext, match: RnnMatch | None, why: str | None, form: RnnF
                                       below.initial_state, _own_zeros(states, below.sequences),
                                       up_dropout)
         except Exception as exc:  # noqa: BLE001 - never break training: the layers run
-            stats.errors.append(f"{layer.name}: {type(exc).__name__}: {exc}")
+            failed = PatternStats()  # the call is counted once, by the layer's own form
+            failed.errors.append(f"{layer.name}: {type(exc).__name__}: {exc}")
             warnings.warn(f"tfmx rnn: {layer.name} with the layer below: "
                           f"{type(exc).__name__}: {exc}; the layers run one by one",
                           stacklevel=3)
-        else:
-            stats.fuse(KIND_LABELS[(match.kind, WAVEFRONT)])
-            ctx.record(FAMILY, stats)
-            return result
-    if match is not None and form.name == "keras":
-        match, why = None, "tuned"
-    elif match is not None and not form.hoisted and form.unrolled:
-        # Keras's cell, unrolled: measured faster than every loop
-        stats.fuse(KIND_LABELS[(match.kind, "keras_unrolled")])
-        ctx.record(FAMILY, stats)
-        with tf.name_scope(SCOPE + match.kind + "_keras_unrolled"):
-            return run_keras_loop(layer, original, sequences, initial_state, mask,
-                                  training, unrolled=True)
-    if match is not None:
-        try:
-            result = rewrite_rnn_layer(match, sequences, initial_state, mask, training,
-                                       form.chunks, form.unrolled)
-        except Exception as exc:  # noqa: BLE001 - never break training: Keras's loop runs
-            why = "error"
-            stats.errors.append(f"{layer.name}: {type(exc).__name__}: {exc}")
-            warnings.warn(f"tfmx rnn: {layer.name}: {type(exc).__name__}: {exc}; "
-                          "Keras's own loop runs", stacklevel=3)
-        else:
-            stats.fuse(KIND_LABELS[(match.kind, "unrolled" if form.unrolled else match.form)])
-            ctx.record(FAMILY, stats)
-            return result
-    stats.decline(DECLINE_REASONS.get(why, why))
-    ctx.record(FAMILY, stats)
-    with tf.name_scope(DECLINED + why):
-        return original(layer, sequences, initial_state, mask, training=training)
+            return Emitted(None, failed, kept=True)
+        stats = PatternStats(matched=1)
+        stats.fuse(KIND_LABELS[(match.kind, WAVEFRONT)])
+        return Emitted(result, stats)
+
+    below = None if match is None or match.form != "hoisted" else _below(match, sequences,
+                                                                         mask, train)
+    if below is not None and _pair_chosen(ctx.chooser, below, match, original, form):
+        return rewrite_call(ctx, DECLARED, what="", why=None, allowed=[WAVEFRONT],
+                            signature=lambda: "", candidates=None, keras=alone, emit=pair)
+    return alone()
 
 
+# -- declaration ----------------------------------------------------------------------------------
 DECLARED = declare(Family(
     FAMILY,
     "Keras LSTM / GRU -> hoisted input projection + recurrent loop (or unrolled) with custom "
     "gradient (cpu), CudnnRNNV3 (cuda, metal); emitted before differentiation",
-    hooks=(Hook("keras.src.layers.rnn.lstm:LSTM", "inner_loop", forward_stage),
-           Hook("keras.src.layers.rnn.gru:GRU", "inner_loop", forward_stage)),
+    hooks=(Hook.on(MATCHES[0], forward_stage), Hook.on(MATCHES[1], forward_stage)),
+    # no scope from the flow: each form names its own (tfmx_rnn_<kind>[_<form>], Keras's loop
+    # tfmx_rnn_declined_<code>), which the family's graph pass reads
+    forms=Forms("", {}, {}, conservative=CONSERVATIVE, kept="Keras's own loop"),
 ))
