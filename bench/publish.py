@@ -150,7 +150,7 @@ def format_machine(title: str, records: Sequence[Mapping[str, Any]]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
         date = (record.get("env") or {}).get("date") or "-"
         commands.append(f"| {_workload(record['result'])} | {_state(state)} | {date} | "
-                        f"`{record.get('command', '-')}` |")
+                        f"`{record.get('reproduce') or record.get('command', '-')}` |")
     return "\n".join(lines + commands)
 
 

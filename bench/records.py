@@ -3,10 +3,11 @@
 One file per workload (model, optimizer, batch, policy, replicas) and oneDNN state under
 ``bench/results/`` (:data:`RESULTS_DIR`); a new measurement of the same workload and state
 replaces its file, so the folder holds the current figures only. A record holds the command
-that measured it, the machine (processor and its flags, cores, oneDNN state and how it was set,
-TensorFlow, Keras and Python versions), per mode the median ms/step and the p25-p75 spread,
-the ratios tfmx/stock and tfmx/best alternative (the fastest of stock and XLA in any oneDNN
-state of the same run, :func:`bench.compare.compare`), and the full result it came from.
+that measured it (and, as ``reproduce``, the same command for its workload alone), the
+machine (processor and its flags, cores, oneDNN state and how it was set, TensorFlow, Keras
+and Python versions), per mode the median ms/step and the p25-p75 spread, the ratios
+tfmx/stock and tfmx/best alternative (the fastest of stock and XLA in any oneDNN state of the
+same run, :func:`bench.compare.compare`), and the full result it came from.
 ``python -m bench.tables --markdown`` (:mod:`bench.publish`) writes BENCHMARKS.md from these
 files only.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -66,6 +68,28 @@ def record_name(result: Mapping[str, Any]) -> str:
     return re.sub(r"[^\w.-]+", "_", "-".join(str(p) for p in parts)) + ".json"
 
 
+def narrow_command(command: str, model: str) -> str:
+    """``command`` (a ``tfmx bench`` command line) measuring ``model`` alone: its ``--model``
+    list replaced by that workload (added where the command had none).
+
+    >>> narrow_command("tfmx bench --model mlp gru --onednn both --record", "gru")
+    'tfmx bench --model gru --onednn both --record'
+    >>> narrow_command("tfmx bench --rounds 3", "small_cnn")
+    'tfmx bench --rounds 3 --model small_cnn'
+    """
+    words, out, skipping, found = shlex.split(command), [], False, False
+    for word in words:
+        if skipping and not word.startswith("-"):
+            continue
+        skipping = False
+        if word == "--model" or word.startswith("--model="):
+            out += ["--model", model]
+            skipping, found = word == "--model", True
+            continue
+        out.append(word)
+    return shlex.join(out if found else [*out, "--model", model])
+
+
 def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
@@ -92,6 +116,7 @@ def make_record(result: Mapping[str, Any], row: Mapping[str, Any] | None, comman
     return {
         "schema": SCHEMA,
         "command": command,
+        "reproduce": narrow_command(command, result["model"]) if command else "",
         "workload": {k: result.get(k) for k in ("model", "description", "optimizer",
                                                 "batch_size", "policy", "replicas", "rounds",
                                                 "steps", "warmup")},

@@ -267,7 +267,7 @@ def test_tiny_real_run_measures_both_states_in_their_own_processes(tmp_path):
                          "--benchmarks", str(bench_md), "--readme", str(readme)]) == 0
     text = bench_md.read_text()
     assert text.startswith("# Benchmarks\n") and "| mlp (adam, batch " in text
-    assert f"`{records[0]['command']}`" in text
+    assert f"`{records[0]['reproduce']}`" in text and "--model mlp" in records[0]["reproduce"]
     assert readme.read_text().startswith(f"intro\n{START}\n| workload | processor |")
     assert readme.read_text().endswith(f"{END}\nrest\n") and "old" not in readme.read_text()
 
@@ -317,7 +317,7 @@ def test_benchmarks_md_is_the_records_only(tmp_path):
             "8.00 (8.00-8.00) | 0.800 | 9.00 stock (off) | 0.889 |") in lines
     assert ("| gru (adam, batch 32) | on | 4.00 (4.00-4.00) | 5.00 (5.00-5.00) | 1.250 | "
             "4.00 stock (on) | 1.250 |") in lines
-    assert "| mlp (adam, batch 32) | on | 2026-01-02 10:00 | `tfmx bench X` |" in lines
+    assert "| mlp (adam, batch 32) | on | 2026-01-02 10:00 | `tfmx bench X --model mlp` |" in lines
     table = format_readme_table(records).splitlines()
     assert table[2:4] == ["| gru (adam, batch 32) | EPYC | on | 1.250 | 1.250 |",
                           "| mlp (adam, batch 32) | Xeon | on | 0.800 | 0.889 |"]
