@@ -19,7 +19,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 def test_help_runs_and_lists_the_subcommands():
     proc = run("-m", "tfmx", "--help")
     assert proc.returncode == 0, proc.stderr
-    for command in ("bench", "recipe", "backends"):
+    for command in ("bench", "recipe", "backends", "placement"):
         assert command in proc.stdout
 
 
@@ -46,3 +46,45 @@ def test_subcommands_keep_tensorflow_info_logs_quiet():
     assert "cpu:" in proc.stdout
     # An info line TensorFlow logs after start-up at TF_CPP_MIN_LOG_LEVEL 0 (not at 2).
     assert "cpu_feature_guard" not in proc.stderr
+
+
+SCRIPT = """
+import keras, numpy as np, tfmx
+tfmx.enable(backend="cpu")  # tfmx placement plans for metal whatever a script asks
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="relu"),
+                          keras.layers.Dense(2)])
+model.compile("adam", "mse")
+model.fit(np.zeros((4, 8), "float32"), np.zeros((4, 2), "float32"), epochs=1, verbose=0)
+raise SystemExit("the plan ran")
+"""
+
+
+def test_placement_of_a_script_for_each_plugin(tmp_path):
+    script = tmp_path / "model.py"
+    script.write_text(SCRIPT)
+    proc = run("-m", "tfmx", "placement", str(script), "--plugin", "tensorflow-metal-plugin")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "tensorflow-metal-plugin 0.4.1" in out and "the plan ran" not in proc.stderr
+    assert "Sequential.train_step:" in out and "  stock: " in out and "  tfmx: " in out
+    assert "DivNoNan x5" in out  # Keras's loss reduction: no kernel in the open plugin
+    assert "moved from the device to the host by tfmx: 0" in out
+    proc = run("-m", "tfmx", "placement", str(script), "--plugin", "tensorflow-metal", "--json")
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    (audit,) = json.loads(proc.stdout)
+    assert audit["stock"] == "stock" and audit["moved_to_host"] == []
+    assert "tensorflow-metal 1.2.0" in audit["backend"]
+
+
+def test_placement_of_a_recipe_and_bad_targets():
+    env_run = subprocess.run(
+        [sys.executable, "-m", "tfmx", "placement", "small_cnn"], cwd=ROOT, capture_output=True,
+        text=True, timeout=600, env={**os.environ, "TFMX_RECIPES_OFFLINE": "1"})
+    assert env_run.returncode == 0, env_run.stderr
+    assert "tensorflow-metal 1.2.0" in env_run.stdout and "train_step:" in env_run.stdout
+    proc = run("-m", "tfmx", "placement", "no_such_recipe")
+    assert proc.returncode != 0 and "neither a script" in proc.stderr
+    proc = run("-m", "tfmx", "placement", "small_cnn", "--plugin", "metal")
+    assert proc.returncode != 0 and "unknown Metal plugin" in proc.stderr

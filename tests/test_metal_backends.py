@@ -256,3 +256,31 @@ def test_metal_backend_names_its_plugin_in_the_description():
         table = plugin_table(plugin)
         assert table.version in backend.description and "TensorFlow" in backend.description
         assert backend.describe()["plugin"] == f"{table.name} {table.version}"
+
+
+# -- on a Mac: the first step checked at run time ------------------------------------------------
+@pytest.mark.parametrize("plugin", [APPLE, OPEN])
+def test_verify_first_step_is_the_default_where_metal_runs(monkeypatch, plugin):
+    """Where the metal backend is present (a Mac with a plugin's GPU), enable() checks each
+    traced function's first step against stock (tfmx.verify.FALLBACK): no CI runs Metal."""
+    from tfmx import backends, state, verify
+
+    assert verify.FALLBACK == "first-step"
+    monkeypatch.setattr(backends, "_present_backends", lambda: frozenset({"cpu", "metal"}))
+    try:
+        tfmx.enable(backend="metal", plugin=plugin)
+        assert state.options().backend.available
+        assert state.options().verify == verify.FALLBACK
+        tfmx.enable(backend="metal", plugin=plugin, verify=False)  # said: kept
+        assert state.options().verify is False
+        tfmx.enable(backend="cpu")
+        assert state.options().verify is False
+    finally:
+        tfmx.disable()
+    # Off a Mac the plan only traces: nothing runs, nothing to check.
+    monkeypatch.undo()
+    tfmx.enable(backend="metal", plugin=plugin)
+    try:
+        assert not state.options().backend.available and state.options().verify is False
+    finally:
+        tfmx.disable()

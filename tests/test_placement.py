@@ -231,3 +231,31 @@ def test_audit_model_puts_tfmx_back_as_it_was():
         assert state.options() == before
     finally:
         tfmx.disable()
+
+
+@pytest.mark.usefixtures("every_rewrite")
+def test_the_report_has_a_placement_section_on_metal_only():
+    import tfmx
+
+    x, y = np.zeros((2, 6, 6, 2), np.float32), np.zeros((2, 2), np.float32)
+    tfmx.enable(backend="metal", plugin=OPEN)
+    try:
+        with pytest.raises(tfmx.BackendUnavailableError):
+            _adam_model().fit(x, y, batch_size=2, epochs=1, verbose=0)
+        report = tfmx.report()
+        text = str(report)
+        assert "placement on tensorflow-metal-plugin 0.4.1" in text
+        assert "  traced: " in text and "  tfmx: " in text  # stock not recorded by a fit
+        assert "moved from the device to the host by tfmx: 0" in text
+        (entry,) = [e for e in report.to_dict()["placement"]
+                    if e["function"].endswith("train_step")]
+        assert entry["tfmx"]["host_ops"]["DivNoNan"] == 5 and entry["moved_to_host"] == []
+        assert entry["before"]["crossings"] >= entry["tfmx"]["crossings"] > 0
+    finally:
+        tfmx.disable()
+    tfmx.enable(backend="cpu")
+    try:
+        _adam_model().fit(x, y, batch_size=2, epochs=1, verbose=0)
+        assert tfmx.report().placement() == [] and "placement on" not in str(tfmx.report())
+    finally:
+        tfmx.disable()

@@ -8,6 +8,8 @@ Subcommands::
     tfmx recipe NAME [recipe args...]      # e.g. tfmx recipe small_cnn --quick
     tfmx recipe --list                     # the recipes and what each shows
     tfmx backends [--json]                 # what each backend fuses
+    tfmx placement SCRIPT.py|RECIPE [--plugin P] [--tensorflow V] [--json] [-- args...]
+                                           # where each node would run on a Mac (a plan)
     tfmx tune [--export F | --import F [--force] | --clear]   # this machine's tuning cache
 
 Only the subcommands import TensorFlow, so ``tfmx --help`` answers at once.
@@ -31,6 +33,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,6 +55,24 @@ def _parser() -> argparse.ArgumentParser:
                         help="list the recipes and what each shows, then exit")
     recipe.add_argument("name", nargs="?", help="recipe name (tfmx recipe --list)")
     recipe.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the recipe")
+
+    placement = sub.add_parser(
+        "placement", help="where each node of a model's training step would run on a Mac: "
+                          "the ops that fall back to the host, stock and with tfmx",
+        description="Run a model script or a recipe (--quick, its tfmx run only) with tfmx "
+                    "planning for the metal backend of a Metal plugin, on any machine: the "
+                    "first step of each traced function raises once planned, and the placement "
+                    "audit of each plan is printed (tfmx.placement). Exit status 1 if tfmx "
+                    "moved a node from the device to the host.")
+    placement.add_argument("target", help="a model script (path ending in .py) or a recipe name")
+    placement.add_argument("--plugin", default=None,
+                           help="tensorflow-metal or tensorflow-metal-plugin, optionally "
+                                "==VERSION (default: the installed one, else tensorflow-metal)")
+    placement.add_argument("--tensorflow", default=None, metavar="VERSION",
+                           help="the TensorFlow version to plan for (default: the installed one)")
+    placement.add_argument("--json", action="store_true", help="print as JSON")
+    placement.add_argument("args", nargs="*", metavar="-- ARGS",
+                           help="arguments for the script or the recipe, after --")
 
     backends = sub.add_parser("backends", help="what each backend fuses")
     backends.add_argument("--json", action="store_true", help="print as JSON")
@@ -189,6 +210,89 @@ def _backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def _placement_run(args: argparse.Namespace) -> tuple[list[str], Any]:
+    """The argv and the runner of ``tfmx placement``'s target."""
+    import runpy
+    import tempfile
+
+    if args.target.endswith(".py"):
+        if not os.path.isfile(args.target):
+            raise SystemExit(f"tfmx placement: no script {args.target!r}")
+        return [args.target, *args.args], lambda: runpy.run_path(args.target,
+                                                               run_name="__main__")
+    if args.target not in recipe_summaries():
+        raise SystemExit(f"tfmx placement: {args.target!r} is neither a script (.py) nor a "
+                         f"recipe; recipes: {', '.join(recipe_summaries())}")
+    module = f"recipes.{args.target}"
+    argv = [module, "--quick", "--tfmx-only", "--no-baseline", "--out",
+            tempfile.mkdtemp(prefix="tfmx-placement-"), *args.args]
+    return argv, lambda: runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _placement(args: argparse.Namespace) -> int:
+    """Run the target with every ``tfmx.enable()`` planning for the chosen metal backend and
+    each traced step's stock form recorded beside its plan; print the placement audits."""
+    import dataclasses
+
+    import tfmx
+    from tfmx import state
+    from tfmx.backends import get_backend
+    from tfmx.fused_function import FusedFunction
+    from tfmx.reporting import Report
+
+    try:
+        backend = get_backend("metal", plugin=args.plugin, tensorflow=args.tensorflow)
+    except ValueError as err:
+        raise SystemExit(f"tfmx placement: {err}") from None
+    argv, run = _placement_run(args)
+    enable, entry = tfmx.enable, FusedFunction._entry
+
+    reports: list = []  # each enable() starts a report: the traces of all of them are audited
+
+    def planned(*positional: Any, **options: Any) -> None:
+        reports.append(state.report())
+        options.pop("backend", None)
+        options.pop("plugin", None)
+        enable("metal", *positional[1:], plugin=args.plugin, **options)
+        state.set_options(dataclasses.replace(state.options(), backend=backend))
+
+    def recorded(self: Any, opts: Any, call_args: tuple, kwargs: dict) -> Any:
+        found = entry(self, opts, call_args, kwargs)
+        record = found.record
+        if record is not None and record.graph_stock is None:
+            try:
+                record.graph_stock = self.stock_concrete_function(
+                    *call_args, **kwargs).graph.as_graph_def(add_shapes=True)
+            except Exception:  # noqa: BLE001 - the audit then compares the traced form
+                pass
+        return found
+
+    saved_argv = sys.argv
+    tfmx.enable, FusedFunction._entry, sys.argv = planned, recorded, argv
+    try:
+        planned()
+        run()
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the plan raises at its first step
+        if not isinstance(exc, tfmx.BackendUnavailableError):
+            print(f"tfmx placement: {args.target} stopped: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+    finally:
+        tfmx.enable, FusedFunction._entry, sys.argv = enable, entry, saved_argv
+        reports.append(state.report())
+        tfmx.disable()
+    report = Report(backend="metal", metal=backend)
+    for seen in {id(r): r for r in reports}.values():
+        report.traces += [t for t in seen.traces if t.backend == "metal"]
+    audits = report.placement()
+    if args.json:
+        print(json.dumps(report.to_dict()["placement"], indent=2))
+    else:
+        print(f"tfmx placement of {args.target} for {backend.description}")
+        print("\n".join(report._placement_lines()) if audits else
+              "no training step was traced before the run stopped")
+    return 1 if any(audit.moved for _, audit in audits) else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tfmx`` console script; returns the exit status.
 
@@ -204,7 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["bench"]:  # every argument after it, --help included, is the benchmark's
         return _bench(argv[1:])
     args = _parser().parse_args(argv)
-    handler = {"recipe": _recipe, "backends": _backends, "tune": _tune}[args.command]
+    handler = {"recipe": _recipe, "backends": _backends, "tune": _tune,
+               "placement": _placement}[args.command]
     return handler(args)
 
 

@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 from tensorflow.core.framework import graph_pb2
 
@@ -42,6 +43,9 @@ class TraceRecord:
     graph_after: graph_pb2.GraphDef | None = None
     trace_seconds: float = 0.0  # tracing the step with the stages on (their tuning included)
     tune_seconds: float = 0.0  # the tuner's measuring, in the trace and in the rewrite
+    # The step as Keras alone traces it (no stage, no rewrite), where it was recorded
+    # (``tfmx placement``); the placement audit falls back to ``graph_before``.
+    graph_stock: graph_pb2.GraphDef | None = None
 
     def as_dict(self) -> dict:
         changed = {
@@ -78,15 +82,24 @@ class Report:
     # ("stages": the one tfmx rewrites; "stock": the guard's and verify's reference; "taped":
     # under an outer tape; "xla": the guard's XLA form)
     python_traces: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    # The metal backend (tfmx.backends.Backend) the traces were planned for: the placement
+    # section audits them for it.
+    metal: Any = None
 
     # -- recording -------------------------------------------------------------------------
     def add_trace(self, record: TraceRecord, stats: dict[str, PatternStats] | None = None) -> None:
+        if record.backend == "metal" and self.metal is None:
+            from tfmx import state
+
+            opts = state.options()
+            self.metal = opts.backend if opts is not None and opts.backend.name == "metal" \
+                else None
         self.traces.append(record)
         for name, s in (stats or {}).items():
             self.patterns.setdefault(name, PatternStats()).merge(s)
         kept = [t for t in self.traces if t.graph_before is not None]
         for old in kept[:-MAX_KEPT_GRAPHS]:
-            old.graph_before = old.graph_after = None
+            old.graph_before = old.graph_after = old.graph_stock = None
 
     def add_decision(self, decision: object) -> None:
         """Record one tuner decision (:class:`tfmx.tuner.Decision`)."""
@@ -130,6 +143,51 @@ class Report:
         """How many chains/updates were fused (by one pattern, or all)."""
         return sum(s.fused for n, s in self.patterns.items() if pattern in (None, n))
 
+    def placement(self) -> list[tuple[TraceRecord, Any]]:
+        """Each kept trace's placement audit (:class:`tfmx.placement.Audit`: stock, or the
+        trace as tfmx's stages left it where stock was not recorded, against the plan) for
+        the metal backend it was planned for; empty for other backends.
+
+        >>> Report(backend="cpu").placement()
+        []
+        """
+        if self.metal is None:
+            return []
+        from tfmx.placement import compare
+
+        audits = []
+        for t in self.traces:
+            stock = t.graph_stock if t.graph_stock is not None else t.graph_before
+            if stock is not None and t.graph_after is not None:
+                audits.append((t, compare(stock, t.graph_after, self.metal)))
+        return audits
+
+    def _placement_lines(self) -> list[str]:
+        try:
+            audits = self.placement()
+        except Exception as exc:  # noqa: BLE001 - a report never fails on its audit
+            return [f"placement not audited: {type(exc).__name__}: {exc}"]
+        lines = []
+        for t, audit in audits:
+            label = "stock" if t.graph_stock is not None else "traced"
+            lines += ["", f"{t.function}:", *audit.lines(label)]
+        return lines
+
+    def _placement_dict(self) -> list[dict]:
+        try:
+            audits = self.placement()
+        except Exception as exc:  # noqa: BLE001 - a report never fails on its audit
+            return [{"error": f"{type(exc).__name__}: {exc}"}]
+
+        def side(placed: Any) -> dict:
+            return {"host_ops": dict(placed.host_ops()), "crossings": len(placed.crossings),
+                    "crossing_bytes": placed.crossing_bytes()}
+
+        return [{"function": t.function, "backend": a.backend,
+                 "stock": "stock" if t.graph_stock is not None else "traced",
+                 "before": side(a.stock), "tfmx": side(a.tfmx),
+                 "moved_to_host": [f"{p.op} {p.name}" for p in a.moved]} for t, a in audits]
+
     def to_dict(self) -> dict:
         before, after = self.op_histogram()
         return {
@@ -144,6 +202,7 @@ class Report:
             "guards": [dataclasses.asdict(g.summary()) for g in self.guards],
             "python_traces": {f"{name} ({form})": n
                               for (name, form), n in self.python_traces.items()},
+            "placement": self._placement_dict(),
             "notes": list(self.notes),
         }
 
@@ -200,6 +259,7 @@ class Report:
                 forms = ", ".join(f"{form} {n}" for (other, form), n in
                                   self.python_traces.items() if other == name)
                 lines.append(f"  {name}: {self.traces_of(name)} ({forms})")
+        lines += self._placement_lines()
         for t in self.traces:
             for err in t.errors:
                 lines.append(f"note: {t.function}: {err}")
