@@ -76,6 +76,10 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def _suffix(state: str) -> str:
+    return "" if state in ("?", None) else f" {state}"
+
+
 def _state(state: str) -> str:
     return "-" if state in ("?", None) else state
 
@@ -183,12 +187,17 @@ def format_readme_table(records: Sequence[Mapping[str, Any]]) -> str:
                 continue
             seen.add(key)
             cpu = (record.get("env") or {}).get("cpu") or "unknown processor"
+            best = row["best_alternative"]
+            named = (f" ({LABELS[best['mode']]}{_suffix(best['onednn'])})"
+                     if best and top["vs_best_alternative"] is not None else "")
             lines.append(f"| {_workload(record['result'])} | {cpu} | {_state(top['onednn'])} | "
                          f"{_ratio(record['ratios'].get('tfmx/stock'))} | "
-                         f"{_ratio(top['vs_best_alternative'])} |")
-    lines += ["", "Median step times from `bench/results/`, written by "
-              "`python -m bench.tables --markdown`; every figure and the command that "
-              "measured it: BENCHMARKS.md."]
+                         f"{_ratio(top['vs_best_alternative'])}{named} |")
+    lines += ["", "Ratios of median step times (below 1: tfmx faster), oneDNN in tfmx's faster "
+              "state; the best alternative is the fastest of stock and XLA in any oneDNN "
+              "state. Measured on: " + "; ".join(f"{m}." for m in by_machine(records))
+              + " Written by `python -m bench.tables --markdown` from `bench/results/`; "
+              "every figure and the command that measured it: BENCHMARKS.md."]
     return "\n".join(lines)
 
 
