@@ -119,6 +119,7 @@ def test_wheel_installs_in_a_fresh_venv_and_runs_a_recipe(tmp_path):
     assert entry.exists()
     listing = _run([str(entry), "recipe", "--list"], tmp_path, env, 300)
     assert "small_cnn" in listing
+    assert "--markdown" in _run([python, "-m", "bench.tables", "--help"], tmp_path, env, 300)
     out = tmp_path / "run"
     _run([python, "-m", "recipes.small_cnn", "--quick", "--tfmx-only", "--out", str(out)],
          tmp_path, env, 600)
