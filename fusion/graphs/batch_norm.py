@@ -63,7 +63,6 @@ from fusion.pattern import RewriteContext, Target
 from fusion.rule import Rule, RuleContext
 
 
-# -- records --------------------------------------------------------------------------------
 @dataclasses.dataclass
 class BatchNormMatch:
     """One composite batch norm, training or inference."""

@@ -4,10 +4,10 @@ e.g. on CPU); in training with its backward, ``ReluGrad`` + ``FusedBatchNormGrad
 ``_FusedBatchNormGradEx``, wired as Grappler's remapper wires them on GPU. A batch norm whose
 ``Relu`` follows with no residual ``Add`` is declined with the reason.
 
-One rule (:mod:`fusion.rule`), which the batch_norm family runs after its first: its match
-walks back from a ``Relu`` to the residual ``Add`` and the ``FusedBatchNormV3`` (and, in
-training, forward to the backward that reads the kernel's reserve spaces), its check says why
-the ops stay apart, :func:`rewrite_batch_norm_ex` writes the fused kernels.
+One rule (:mod:`fusion.rule`), which the batch_norm family runs after its first: its match is
+an expression of :mod:`fusion.expr` at a ``Relu`` (:data:`BATCH_NORM_ADD_RELU`; in training
+also the backward that reads the kernel's reserve spaces), its check says why the ops stay
+apart, :func:`rewrite_batch_norm_ex` writes the fused kernels.
 
 Example:
     >>> import tensorflow as tf
@@ -32,6 +32,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from fusion.expr import Any, Op, Skip, match, norm_ref
 from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, output_shape, parse_input, tensor_ref
 from fusion.graphs.batch_norm_kernels import kernel_blocker
 from fusion.match import dtype_name, new_node
@@ -59,14 +60,13 @@ class BatchNormExMatch:
 
 
 # -- match ----------------------------------------------------------------------------------
-def _behind_identity(view: GraphView, ref: str) -> NodeDef | None:
-    """The FusedBatchNormV3 whose output 0 is ``ref``, directly or through one Identity."""
-    node = view.node(ref)
-    if node is not None and node.op == "Identity" and not parse_input(ref)[1]:
-        ref, node = node.input[0], view.node(node.input[0])
-    if node is None or node.op != "FusedBatchNormV3" or parse_input(ref)[1]:
-        return None
-    return node
+_FUSED = Op("FusedBatchNormV3", *(Any(f"fused_input_{i}") for i in range(5)), bind="fused")
+BATCH_NORM_RELU = Op("Relu", Skip("Identity", _FUSED), bind="relu")
+"""A ``Relu`` of a ``FusedBatchNormV3``'s output (through one Identity at most)."""
+BATCH_NORM_ADD_RELU = Op("Relu", Op(("Add", "AddV2"), Skip("Identity", _FUSED), Any("side"),
+                                    bind="add"), bind="relu")
+"""A ``Relu`` of a ``FusedBatchNormV3``'s output (through one Identity at most) plus a side
+input, in either order."""
 
 
 def _data_consumers(view: GraphView, name: str, port: int = 0) -> list[NodeDef]:
@@ -100,31 +100,32 @@ def _ex_backward(view: GraphView, fused: NodeDef,
 
 
 def _match(relu: NodeDef, ctx: RuleContext) -> BatchNormExMatch | str | None:
-    """The ``FusedBatchNormV3`` (behind one Identity at most) and residual ``Add`` that
-    ``relu`` reads, the side input, and in training the backward; a reason for a batch norm
-    with its Relu and no residual Add; None for any other Relu."""
+    """:data:`BATCH_NORM_ADD_RELU` at ``relu`` with, in training, the backward; a reason for
+    :data:`BATCH_NORM_RELU` (a batch norm with its Relu and no residual Add); None for any
+    other Relu."""
     view = ctx.view
-    add = view.node(relu.input[0])
-    direct = _behind_identity(view, relu.input[0])
+    direct = match(view, relu.name, BATCH_NORM_RELU)
     if direct is not None:  # a batch norm and its activation, no residual (pre-activation)
-        return f"FusedBatchNormV3+Relu: {_without_side_input(view, direct, ctx.target)}"
-    if add is None or add.op not in ("Add", "AddV2") or parse_input(relu.input[0])[1]:
+        fused = view.node(direct.refs["fused"])
+        return f"FusedBatchNormV3+Relu: {_without_side_input(view, fused, ctx.target)}"
+    found = match(view, relu.name, BATCH_NORM_ADD_RELU)
+    if found is None:
         return None
+    fused, add = view.node(found.refs["fused"]), view.node(found.refs["add"])
+    identity = next((view.node(n) for n in sorted(found.nodes)
+                     if view.node(n).op == "Identity"), None)
     inputs = view.data_inputs(add)
-    found = [(r, _behind_identity(view, r)) for r in inputs]
-    ref, fused = next(((r, f) for r, f in found if f is not None), (None, None))
-    if fused is None or len(inputs) != 2:
-        return None
-    side = next(r for r in inputs if r is not ref)
-    identity = view.node(ref) if view.node(ref) is not fused else None
-    match = BatchNormExMatch(fused=fused, add=add, relu=relu, side_input=side, identity=identity)
+    branch = (identity or fused).name  # the input the expression took for the batch norm's
+    side = inputs[1] if norm_ref(inputs[0]) == branch else inputs[0]
+    record = BatchNormExMatch(fused=fused, add=add, relu=relu, side_input=side,
+                              identity=identity)
     if any(c.op != "ZerosLike" for p in (3, 4, 5) for c in view.consumers(fused.name, p)):
         backward = _ex_backward(view, fused, relu)
         if isinstance(backward, str):
-            match.backward_why = backward
+            record.backward_why = backward
         else:
-            match.relu_grad, match.grad = backward
-    return match
+            record.relu_grad, record.grad = backward
+    return record
 
 
 # -- check ----------------------------------------------------------------------------------

@@ -96,7 +96,7 @@ class Spec:
     why: str = ""
 
 
-# -- the specs, one per Keras update_step form (keras/src/optimizers/*.py) -----------------
+# -- match: the specs, one per Keras update_step form (keras/src/optimizers/*.py) ----------
 G = Any("grad")
 
 
@@ -250,7 +250,7 @@ NO_KERNEL = {
 }
 
 
-# -- match ----------------------------------------------------------------------------------
+# -- match: a spec at a variable's own write ------------------------------------------------
 @dataclasses.dataclass
 class UpdateMatch:
     """One variable's update: the spec, what it bound, the nodes the kernel replaces (and
