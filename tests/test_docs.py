@@ -262,8 +262,11 @@ def test_mkdocs_nav_lists_every_page():
     config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
     assert config["docs_dir"] == "docs"
     listed = [page for entry in config["nav"] for page in entry.values()]
-    assert sorted(listed) == sorted(path.name for path in DOC_PAGES), (
-        "mkdocs.yml's nav and docs/*.md differ")
+    pages = [path.name for path in DOC_PAGES]
+    unlisted, absent = sorted(set(pages) - set(listed)), sorted(set(listed) - set(pages))
+    assert not unlisted, f"add to mkdocs.yml's nav: {unlisted}"
+    assert not absent, f"mkdocs.yml's nav lists pages docs/ does not have: {absent}"
+    assert len(listed) == len(set(listed)), "mkdocs.yml's nav lists a page twice"
 
 
 def test_the_doc_checks_can_fail():
