@@ -60,7 +60,7 @@ from fusion.graphs.batch_norm_ex import RULE as EX_RULE
 from fusion.graphs.batch_norm_kernels import LOW_PRECISION, kernel_blocker
 from fusion.match import blocker, const_node, const_value, dtype_name, new_node
 from fusion.pattern import RewriteContext, Target
-from fusion.rule import Rule, RuleContext
+from fusion.rule import Rule, RuleContext, graph_pass
 
 
 @dataclasses.dataclass
@@ -473,6 +473,9 @@ RULE = Rule(anchors=frozenset({"Rsqrt"}), match=_match, check=_check,
             claims=lambda m: [n.name for n in m.interior])
 
 
+_BOTH = graph_pass(RULE, EX_RULE)  # the composite first: its FusedBatchNormV3 may take a side input
+
+
 def find_batch_norm(view: GraphView, target: Target) -> tuple[list[BatchNormMatch], list[str]]:
     """Every composite batch norm in ``view`` that ``target`` can run fused, and declines."""
     return RULE.find(view, target)
@@ -488,5 +491,4 @@ def find_batch_norm(view: GraphView, target: Target) -> tuple[list[BatchNormMatc
 )
 def batch_norm_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Fuse every composite batch norm, then every batch norm + residual Add + Relu."""
-    for rule in (RULE, EX_RULE):
-        rule.apply(view, ctx)
+    _BOTH(view, ctx)
