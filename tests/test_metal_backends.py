@@ -284,3 +284,18 @@ def test_verify_first_step_is_the_default_where_metal_runs(monkeypatch, plugin):
         assert not state.options().backend.available and state.options().verify is False
     finally:
         tfmx.disable()
+
+
+def test_the_open_backend_knows_the_dtypes_of_its_kernels():
+    """A stage emitting a helper op in the step's dtype can ask the backend: the open plugin
+    registers most of its kernels for float32 and float16 only."""
+    open_metal = get_backend("metal", plugin=OPEN, tensorflow="2.21")
+    table = plugin_table(OPEN)
+    for op in ("ConcatV2", "Transpose", "StridedSlice", "MatMul"):
+        assert open_metal.runs_op(op, "float32") and open_metal.runs_op(op, "float16")
+        assert not open_metal.runs_op(op, "bfloat16"), op
+        assert open_metal.runs_op(op)
+    assert open_metal.runs_op("Cast", "bfloat16") == ("bfloat16" in table.ops["Cast"])
+    assert not open_metal.runs_op("ResourceApplyAdam", "float32")  # host-only under 2.21
+    apple = get_backend("metal", plugin=APPLE)  # no dtypes in its table: any
+    assert apple.runs_op("ConcatV2", "bfloat16") and not apple.runs_op("Einsum", "float32")

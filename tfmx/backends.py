@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import os
 import platform
+import types
 from collections.abc import Iterable
 from importlib import resources
 from typing import Any, TypeVar
@@ -83,10 +84,24 @@ class Backend:
     # kernels run them from the host (not in ``kernels``); ``host_only_why`` says why.
     host_only: frozenset[str] = frozenset()
     host_only_why: str = ""
+    # op -> the value dtypes its kernel takes, where the backend's table says (absent or
+    # empty: any); see :meth:`runs_op`.
+    op_dtypes: Any = dataclasses.field(default=None, compare=False, repr=False)
 
-    def runs_op(self, op: str) -> bool:
-        """True if this backend has a kernel for ``op``."""
-        return self.kernels is None or op in self.kernels
+    def runs_op(self, op: str, dtype: str | None = None) -> bool:
+        """True if this backend has a kernel for ``op`` (in ``dtype``, where given and its
+        table lists dtypes: a stage that emits a helper op in the step's dtype asks this).
+
+        >>> metal = get_backend("metal", plugin="tensorflow-metal-plugin", tensorflow="2.21")
+        >>> metal.runs_op("ConcatV2"), metal.runs_op("ConcatV2", "bfloat16")
+        (True, False)
+        >>> get_backend("cuda").runs_op("ConcatV2", "bfloat16")
+        True
+        """
+        if self.kernels is not None and op not in self.kernels:
+            return False
+        allowed = (self.op_dtypes or {}).get(op)
+        return dtype is None or not allowed or dtype in allowed
 
     def host_only_reason(self, op: str) -> str | None:
         """Why ``op`` would run on the host here (its plugin has a kernel for it, but not under
@@ -377,6 +392,7 @@ def _open_metal(table: metal_plugins.PluginTable, tensorflow: str,
         plugin=(table.name, table.version),
         host_only=host,
         host_only_why=why,
+        op_dtypes=types.MappingProxyType(dict(table.ops)),
         notes=(*said, *notes),
     )
 

@@ -474,8 +474,10 @@ class Audit:
     tfmx put on the host that stock ran on the device (the rule: none).
 
     A tfmx node on the host is *moved* if its stock counterpart (same function, same name, same
-    op) was on the device; a node with no counterpart (one tfmx emitted, a fused one among
-    them) is moved unless stock has a fallback of each of its parts in its dtype."""
+    op) was on the device. A node with no counterpart (one tfmx emitted, a fused one among
+    them) is moved if, of the stock nodes tfmx replaced in its layer's scope, one ran on the
+    plugin's kernel; where it replaced none there, unless stock has a fallback of each of its
+    parts in its dtype."""
 
     backend: str
     stock: Placement
@@ -502,13 +504,28 @@ class Audit:
         return "\n".join(self.lines())
 
 
+def _scope(name: str) -> str:
+    """A node's layer scope: its name without the last part and tfmx's own sub-scopes."""
+    return "/".join(part for part in name.split("/")[:-1] if not part.startswith("tfmx_"))
+
+
 def _moved(stock: Placement, planned: Placement) -> list[Placed]:
     stock_host = {(p.op, p.dtype) for p in stock.fallbacks()}
+    # What tfmx replaced, by scope: the stock nodes its plan no longer has.
+    replaced: dict[tuple[str, str], list[Placed]] = collections.defaultdict(list)
+    for key, q in stock.nodes.items():
+        if key not in planned.nodes and q.kind in ("device", "fallback"):
+            replaced[(q.function, _scope(q.name))].append(q)
     moved = []
     for p in planned.fallbacks():
         twin = stock.nodes.get((p.function, p.name))
         if twin is not None and twin.op == p.op:
             if twin.device == GPU:
+                moved.append(p)
+            continue
+        region = replaced.get((p.function, _scope(p.name)))
+        if region:  # a node tfmx emitted for the work of a region: was that on the device?
+            if any(q.device == GPU and q.why == "the plugin's kernel" for q in region):
                 moved.append(p)
         elif any((part, p.dtype) not in stock_host for part in p.parts):
             moved.append(p)
