@@ -44,6 +44,9 @@ def test_subcommands_keep_tensorflow_info_logs_quiet():
     proc = run("-m", "tfmx", "backends")
     assert proc.returncode == 0, proc.stderr
     assert "cpu:" in proc.stdout
+    # metal once per Metal plugin tfmx has a table of
+    assert "metal: Apple tensorflow-metal 1.2.0" in proc.stdout
+    assert "metal: tensorflow-metal-plugin 0.4.1" in proc.stdout
     # An info line TensorFlow logs after start-up at TF_CPP_MIN_LOG_LEVEL 0 (not at 2).
     assert "cpu_feature_guard" not in proc.stderr
 

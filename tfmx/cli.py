@@ -7,7 +7,7 @@ Subcommands::
                [--replicas N] [--output FILE.md] [--json [FILE.json]]   # python -m bench
     tfmx recipe NAME [recipe args...]      # e.g. tfmx recipe small_cnn --quick
     tfmx recipe --list                     # the recipes and what each shows
-    tfmx backends [--json]                 # what each backend fuses
+    tfmx backends [--json]                 # what each backend fuses (metal: per plugin)
     tfmx placement SCRIPT.py|RECIPE [--plugin P] [--tensorflow V] [--json] [-- args...]
                                            # where each node would run on a Mac (a plan)
     tfmx tune [--export F | --import F [--force] | --clear]   # this machine's tuning cache
@@ -186,8 +186,14 @@ def _recipe(args: argparse.Namespace) -> int:
 
 def _backends(args: argparse.Namespace) -> int:
     from tfmx.backends import BACKEND_NAMES, get_backend
+    from tfmx.metal_plugins import known_plugins
 
     described = [get_backend(name).describe() for name in BACKEND_NAMES]
+    default_metal = described[BACKEND_NAMES.index("metal")]["plugin"]
+    for table in known_plugins():  # the other Metal plugins tfmx can plan for
+        if f"{table.name} {table.version}" != default_metal:
+            described.append(get_backend(
+                "metal", plugin=f"{table.name}=={table.version}").describe())
     if args.json:
         print(json.dumps(described, indent=2))
         return 0

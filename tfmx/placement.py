@@ -475,9 +475,8 @@ class Audit:
 
     A tfmx node on the host is *moved* if its stock counterpart (same function, same name, same
     op) was on the device. A node with no counterpart (one tfmx emitted, a fused one among
-    them) is moved if, of the stock nodes tfmx replaced in its layer's scope, one ran on the
-    plugin's kernel; where it replaced none there, unless stock has a fallback of each of its
-    parts in its dtype."""
+    them) is moved if stock has no fallback of one of its parts in its dtype, unless every
+    stock node tfmx replaced in its layer's scope was on the host already."""
 
     backend: str
     stock: Placement
@@ -523,11 +522,12 @@ def _moved(stock: Placement, planned: Placement) -> list[Placed]:
             if twin.device == GPU:
                 moved.append(p)
             continue
+        # A node tfmx emitted: moved if stock had no such fallback and what it replaced in
+        # its layer's scope (if anything) ran there on the plugin's kernel.
         region = replaced.get((p.function, _scope(p.name)))
-        if region:  # a node tfmx emitted for the work of a region: was that on the device?
-            if any(q.device == GPU and q.why == "the plugin's kernel" for q in region):
-                moved.append(p)
-        elif any((part, p.dtype) not in stock_host for part in p.parts):
+        device_work = not region or any(q.device == GPU and q.why == "the plugin's kernel"
+                                        for q in region)
+        if device_work and any((part, p.dtype) not in stock_host for part in p.parts):
             moved.append(p)
     return moved
 
@@ -566,7 +566,8 @@ def audit_model(model: Any, x: Any, y: Any, plugin: str | None = None,
     """Trace compiled Keras ``model``'s train step on one batch of ``x``, ``y`` (arrays) as
     Keras alone traces it and as tfmx plans it for the metal backend of ``plugin`` under
     TensorFlow ``tensorflow`` (see :func:`tfmx.backends.get_backend`), and audit both. tfmx's
-    settings are put back afterwards; the report holds the plan's trace.
+    settings are put back afterwards (a fresh report starts where tfmx was on; where it was
+    off, ``tfmx.report()`` keeps the plan's trace).
 
     >>> import keras, numpy as np
     >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, activation="relu")])
