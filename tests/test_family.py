@@ -213,3 +213,32 @@ def test_a_match_function_may_decline_before_it_makes_a_record():
     rule = Rule(match=lambda node, ctx: "no record: a reason" if node.op == "Neg" else None,
                 check=lambda record, ctx: None, emit=lambda view, record: None, kind=str)
     assert rule.find(_negations(2), PlainTarget("toy")) == ([], ["no record: a reason"] * 2)
+
+
+PLAIN_PASSES = {"rnn": "it observes what its stage emitted, rewrites nothing"}
+"""The graph modules that are not rules, and why (each says so in its docstring)."""
+
+
+def test_every_graph_family_is_rules_in_one_shape():
+    """Each module of fusion/graphs that declares a rewriting family holds its rule(s) as
+    ``RULE`` and reads in the sections match, check, emit, declaration; a module that does not
+    rewrite says it is not a rule; a module that declares no family (a capability's data) has
+    no sections to keep."""
+    import importlib
+    import pathlib
+
+    sections = ("match", "check", "emit", "declaration")
+    for path in sorted((pathlib.Path(fusion.__file__).parent / "graphs").glob("[!_]*.py")):
+        module = importlib.import_module(f"fusion.graphs.{path.stem}")
+        source = path.read_text()
+        if path.stem in PLAIN_PASSES:
+            assert "not a rule" in module.__doc__, path.name
+            continue
+        if "RULE" not in vars(module):
+            assert "@register(" not in source, f"{path.name} declares a family but no RULE"
+            continue
+        assert isinstance(module.RULE, Rule), path.name
+        found = [line.split()[2].rstrip(":") for line in source.splitlines()
+                 if line.startswith("# -- ")]
+        order = [s for i, s in enumerate(found) if i == 0 or s != found[i - 1]]
+        assert order == list(sections), (path.name, found)
