@@ -2,11 +2,11 @@
 
 A :class:`Family` is what users name in ``tfmx.enable(patterns=[...], exclude=[...])``. It has
 a graph pass (a function from a :class:`~fusion.graph.GraphView` to itself, run on the traced
-step's GraphDef after differentiation, written as rules: :mod:`fusion.rule`), stage hooks (Keras methods routed while the step is
-traced, before differentiation: :mod:`fusion.stage`), or both. A stage family's emitted units
-are found in the traced graph and reported by one generic observer (:class:`Forms`: the
-name scope its forms are emitted under and the ops that show each form's kernel), not by a
-pass of its own.
+step's GraphDef after differentiation, written as rules: :mod:`fusion.rule`), stage hooks
+(Keras methods routed while the step is traced, before differentiation: :mod:`fusion.stage`),
+or both. A stage family's emitted units are found in the traced graph and reported by one
+generic observer (:class:`Forms`: the name scope its forms are emitted under and the ops that
+show each form's kernel), not by a pass of its own.
 
 The pipeline's order comes from the declarations: each family names the families it runs
 after (``after``, ``"*"``: after every family that does not itself run after this one) and
