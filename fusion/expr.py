@@ -12,7 +12,8 @@ A pattern is built from a few pieces and matched against the tensor a node consu
 - ``Read("m")``: a ReadVariableOp of the resource bound to ``m`` (a handle reference).
   ``after="update"`` also requires a control edge from the node bound to ``update`` (the read
   sees the value that update wrote); :meth:`Match.order_holds` checks it once all is bound.
-- ``Skip("Cast", inner)``: ``inner``, possibly behind a node of that op (Cast, Identity).
+- ``Skip("Cast", inner)``: ``inner``, possibly behind a node of that op (Cast, Identity);
+  ``many=True``: behind any number of them (a chain of Identity nodes).
 - ``Near("half", 0.5, rtol)``: a scalar Const within ``rtol`` (relative) of a value: a formula's
   constant as a 16-bit graph holds it.
 - ``OneOf(a, b, ...)``: the first alternative that matches.
@@ -85,6 +86,7 @@ class Read(Pattern):
 class Skip(Pattern):
     op: str
     inner: Pattern
+    many: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,8 +196,8 @@ def _match(view: GraphView, ref: str, pattern: Pattern, found: Match,
     if isinstance(pattern, Skip):
         node = view.node(ref)
         if node is not None and node.op == pattern.op and parse_input(ref)[1] == 0:
-            inner = _match(view, view.data_inputs(node)[0], pattern.inner, found.copy(),
-                           depth + 1)
+            behind = pattern if pattern.many else pattern.inner
+            inner = _match(view, view.data_inputs(node)[0], behind, found.copy(), depth + 1)
             if inner is not None:
                 inner.nodes.add(node.name)
                 return inner

@@ -53,3 +53,17 @@ def test_explain_names_the_deepest_piece_that_failed():
     assert explain(_view(), "y", pattern) == "half is 0.5, not 0.25"
     assert explain(_view(), "y", Op("Sub", Any("a"), Any("b"))) == "y is AddV2, not Sub"
     assert explain(_view(), "y", Op("AddV2", Any("a"), Any("b"))) is None
+
+
+def test_skip_many_looks_through_a_chain():
+    view = GraphView([
+        NodeDef(name="x", op="Placeholder"),
+        NodeDef(name="widen", op="Cast", input=["x"]),
+        NodeDef(name="i1", op="Identity", input=["widen"]),
+        NodeDef(name="i2", op="Identity", input=["i1"]),
+        NodeDef(name="narrow", op="Cast", input=["i2"]),
+    ])
+    inner = Op("Cast", Any("source"), bind="first")
+    found = match(view, "narrow", Op("Cast", Skip("Identity", inner, many=True)))
+    assert found.refs["first"] == "widen" and found.nodes == {"narrow", "i1", "i2", "widen"}
+    assert match(view, "narrow", Op("Cast", Skip("Identity", inner))) is None  # one only

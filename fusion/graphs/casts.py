@@ -12,7 +12,8 @@ Two kinds, both exact (the values do not change):
 The lossy direction (``float32 -> bfloat16 -> float32``) rounds, so it is never touched.
 
 One rule (:mod:`fusion.rule`), as every family: its match takes a ``Cast`` that is an
-identity or the second half of a lossless round trip (a :class:`CastMatch`), its check says why
+identity or the second half of a lossless round trip (an expression of :mod:`fusion.expr`,
+:data:`CAST_OF_CAST`; a :class:`CastMatch`), its check says why
 one stays (fetched, a control edge, an overlap with another), :func:`rewrite_cast` rewires and
 removes.
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from fusion.expr import Any, Op, Skip, match
 from fusion.family import register
 from fusion.graph import GraphView, NodeDef, parse_input
 from fusion.match import dtype_name
@@ -61,24 +63,22 @@ def _cast_types(node: NodeDef) -> tuple[str, str]:
     return dtype_name(node, "SrcT"), dtype_name(node, "DstT")
 
 
-def _producer_through_identity(view: GraphView, ref: str) -> tuple[NodeDef | None, str]:
-    """The node producing ``ref``, looking through Identity nodes; and the reference to it."""
-    node = view.node(ref)
-    while node is not None and node.op == "Identity" and parse_input(ref)[1] == 0:
-        ref = view.data_inputs(node)[0]
-        node = view.node(ref)
-    return node, ref
-
-
 # -- match ----------------------------------------------------------------------------------
+CAST_OF_CAST = Op("Cast", Skip("Identity", Op("Cast", Any("source"), bind="first"), many=True),
+                  bind="cast")
+"""A Cast of a Cast, through any Identity nodes between."""
+
+
 def _match(node: NodeDef, ctx: RuleContext) -> CastMatch | None:
-    """``node`` as an identity cast or the narrowing half of a lossless round trip, or None."""
+    """``node`` as an identity cast or the narrowing half of a lossless round trip
+    (:data:`CAST_OF_CAST` whose casts widen and narrow back), or None."""
     src_t, dst_t = _cast_types(node)
     if src_t == dst_t:
         return CastMatch(node, node.input[0], None, f"identity Cast {src_t}")
-    first, ref = _producer_through_identity(ctx.view, node.input[0])
-    if first is None or first.op != "Cast" or parse_input(ref)[1] != 0:
+    found = match(ctx.view, node.name, CAST_OF_CAST)
+    if found is None:
         return None
+    first = ctx.view.node(found.refs["first"])
     narrow, wide = _cast_types(first)
     if (narrow, wide) not in LOSSLESS_WIDENING or dst_t != narrow or src_t != wide:
         return None
