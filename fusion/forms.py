@@ -315,7 +315,12 @@ def contribute(form: AffineForm | RegionEdges) -> AffineForm | RegionEdges:
 
 
 def withdraw(form: AffineForm | RegionEdges) -> None:
-    """Remove a contribution (one a test made)."""
+    """Remove a contribution (one a test made).
+
+    >>> edges = RegionEdges("demo", "demo", "convert", *[lambda x: x] * 4)
+    >>> withdraw(contribute(edges)); edges in _EDGES
+    False
+    """
     if isinstance(form, AffineForm):
         _AFFINE.pop(form.suffix, None)
     elif form in _EDGES:
@@ -339,7 +344,11 @@ def _load() -> None:
 
 
 def affine_forms(host: str) -> list[AffineForm]:
-    """The affine products contributed to the family ``host``'s forms, in registration order."""
+    """The affine products contributed to the family ``host``'s forms, in registration order.
+
+    >>> affine_forms("no such family")
+    []
+    """
     _load()
     return [form for form in _AFFINE.values() if host in form.labels]
 
@@ -407,7 +416,11 @@ class HostForms(Mapping):
 
 def region_edges() -> RegionEdges | None:
     """The contributed way of an XLA region's bfloat16 edges (:class:`RegionEdges`), or None
-    where no module contributes one (every edge then XLA's convert)."""
+    where no module contributes one (every edge then XLA's convert).
+
+    >>> region_edges() is None or region_edges().conventional
+    'convert'
+    """
     _load()
     return _EDGES[-1] if _EDGES else None
 

@@ -82,7 +82,15 @@ heads, and ``keras.ops.dot_product_attention``'s."""
 # -- check: why a call keeps Keras's own form (None: it need not) ---------------------------------
 def check(layer: Any, query: Any, return_scores: bool) -> str | None:
     """Why this ``MultiHeadAttention`` call keeps Keras's Einsums, or None if the stage can
-    emit its form."""
+    emit its form.
+
+    >>> import keras
+    >>> mha = keras.layers.MultiHeadAttention(2, 3)
+    >>> _ = mha(tf.zeros([2, 5, 4]), tf.zeros([2, 5, 4]))
+    >>> heads = tf.zeros([2, 5, 2, 3])
+    >>> check(mha, heads, False) is None, check(mha, heads, True)
+    (True, 'return_attention_scores=True (Keras returns the scores it computes)')
+    """
     if return_scores:
         return "return_attention_scores=True (Keras returns the scores it computes)"
     if getattr(layer, "_flash_attention", None):
@@ -95,7 +103,11 @@ def check(layer: Any, query: Any, return_scores: bool) -> str | None:
 
 
 def check_dot_product(query: Any) -> str | None:
-    """Why this ``dot_product_attention`` call keeps Keras's Einsums, or None."""
+    """Why this ``dot_product_attention`` call keeps Keras's Einsums, or None.
+
+    >>> check_dot_product(tf.zeros([1, 2, 1, 4])), check_dot_product(tf.zeros([1], tf.float64))
+    (None, 'compute dtype float64')
+    """
     name = query.dtype.name
     return None if name in ("float32", "float16", "bfloat16") else f"compute dtype {name}"
 

@@ -82,7 +82,15 @@ def _replica_decline(layer: Any, inputs: Any, ctx: StageContext) -> str | None:
 def check(layer: Any, inputs: Any, mask: Any, training: bool,
           ctx: StageContext) -> str | None:
     """Why this call keeps Keras's composite (its configuration, or inside a
-    ``tf.distribute`` strategy what the replica form cannot take), or None."""
+    ``tf.distribute`` strategy what the replica form cannot take), or None.
+
+    >>> import keras
+    >>> from fusion.pattern import PlainTarget
+    >>> layer, ctx = keras.layers.BatchNormalization(), StageContext(PlainTarget("cpu"))
+    >>> check(layer, tf.zeros([2, 3]), None, True, ctx)
+    >>> check(layer, tf.zeros([2, 3]), tf.ones([2]), True, ctx)
+    'a mask (masked moments have no fused kernel)'
+    """
     why = _layer_decline(layer, mask)
     if why is None and tf.distribute.has_strategy():
         why = _replica_decline(layer, inputs, ctx) if training else (

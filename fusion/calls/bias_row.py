@@ -61,7 +61,14 @@ MATCHES = ("keras.src.layers.core.dense:Dense.call",)
 # -- check: why a call keeps Keras's own form (None: it need not) ---------------------------------
 def check(layer: Any, inputs: Any) -> str | None:
     """Why this ``Dense`` call keeps Keras's form (None: the bias-row form applies). A layer
-    without a bias is not a match (the caller passes it on without a reason)."""
+    without a bias is not a match (the caller passes it on without a reason).
+
+    >>> import keras
+    >>> layer = keras.layers.Dense(3)
+    >>> layer.build((None, 2))
+    >>> check(layer, tf.zeros([4, 2])), check(layer, tf.zeros([4, 2], tf.float64))
+    (None, 'input dtype float64')
+    """
     if getattr(layer, "quantization_mode", None):
         return f"quantized layer ({layer.quantization_mode})"
     if inputs.dtype.name not in ("float32", "float16", "bfloat16"):

@@ -122,7 +122,14 @@ def _same_tensor(a: Any, b: Any) -> bool:
 # -- check: why a call keeps Keras's own form (None: it need not) ---------------------------------
 def check(layer: Any, inputs: tf.Tensor) -> str | None:
     """Why this call keeps Keras's Einsum (:func:`find_einsum_dense`, or its operands'
-    dtypes differ), or None."""
+    dtypes differ), or None.
+
+    >>> import keras
+    >>> layer = keras.layers.EinsumDense("abc,cd->abd", (5, 3))
+    >>> layer.build((None, 5, 4))
+    >>> check(layer, tf.zeros([2, 5, 4])), check(layer, tf.zeros([2, 5, 4], tf.bfloat16))
+    (None, 'input bfloat16 and kernel float32 differ')
+    """
     why = find_einsum_dense(layer, inputs)
     kernel = layer_value(layer.kernel)
     if why is None and kernel.dtype != inputs.dtype:
@@ -134,7 +141,15 @@ def check_projections(layer: Any, query: Any, value: Any, key: Any) -> str | Non
     """Why this ``MultiHeadAttention`` call keeps three projections, or None when its query,
     key and value are one tensor projected by three ``EinsumDense`` of one tensordot equation
     with flat biases (all or none), no activation and the input's dtype: one MatMul of the
-    input with the three kernels side by side computes all three."""
+    input with the three kernels side by side computes all three.
+
+    >>> import keras
+    >>> mha = keras.layers.MultiHeadAttention(2, 3)
+    >>> x, y = tf.zeros([2, 5, 4]), tf.ones([2, 5, 4])
+    >>> _ = mha(x, x)
+    >>> check_projections(mha, x, x, None) is None, check_projections(mha, x, y, None)
+    (True, 'query, key and value are not one tensor (cross-attention)')
+    """
     if not _same_tensor(query, value) or (key is not None and not _same_tensor(key, value)):
         return "query, key and value are not one tensor (cross-attention)"
     if getattr(layer, "_use_gate", False):

@@ -80,7 +80,12 @@ def find_feed_forward(layer: Any) -> tuple[bool, str | None]:
 # -- check: why a call keeps Keras's own form (None: it need not) ---------------------------------
 def check(layer: Any) -> str | None:
     """Why ``layer`` does not start a feed-forward block the stage can emit as one region
-    (:func:`find_feed_forward`), or None."""
+    (:func:`find_feed_forward`), or None.
+
+    >>> import keras
+    >>> check(keras.layers.Dense(4))
+    'no activation between the two Dense layers'
+    """
     return find_feed_forward(layer)[1]
 
 

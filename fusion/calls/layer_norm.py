@@ -153,7 +153,12 @@ def find_residual(layer: Any, inputs: Any) -> tuple[tf.Tensor, tf.Tensor] | None
 # -- check: why a call keeps Keras's own form (None: it need not) ---------------------------------
 def check(layer: Any) -> str | None:
     """Why this ``LayerNormalization`` keeps Keras's composite whatever its input (its axes
-    and dtype: :func:`find_rms_norm`), or None."""
+    and dtype: :func:`find_rms_norm`), or None.
+
+    >>> import keras
+    >>> check(keras.layers.LayerNormalization()) is None
+    True
+    """
     if getattr(layer, "rms_scaling", False):
         return "rms_scaling=True (scales by the variance, no mean subtracted: no kernel)"
     return None
