@@ -18,7 +18,7 @@ from tensorflow.python.framework import op_def_registry
 from bench.workloads import WORKLOADS
 from tfmx import state
 from tfmx.metal_plugins import APPLE, OPEN, plugin_table
-from tfmx.placement import audit_model
+from tfmx.placement_audit import audit_model
 
 pytestmark = pytest.mark.usefixtures("every_rewrite")
 

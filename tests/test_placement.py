@@ -12,7 +12,8 @@ from tensorflow.core.framework import graph_pb2
 
 from tfmx.backends import get_backend
 from tfmx.metal_plugins import APPLE, OPEN
-from tfmx.placement import CPU, GPU, audit_model, compare, parts_of, place
+from tfmx.placement import CPU, GPU, compare, parts_of, place
+from tfmx.placement_audit import audit_model
 
 OPEN_21 = get_backend("metal", plugin=OPEN, tensorflow="2.21")
 OPEN_22 = get_backend("metal", plugin=OPEN, tensorflow="2.22")

@@ -82,18 +82,12 @@ class Report:
     # ("stages": the one tfmx rewrites; "stock": the guard's and verify's reference; "taped":
     # under an outer tape; "xla": the guard's XLA form)
     python_traces: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    # The metal backend (tfmx.backends.Backend) the traces were planned for: the placement
-    # section audits them for it.
+    # The metal backend (tfmx.backends.Backend) the traces were planned for, set by
+    # tfmx.state with the options: the placement section audits them for it.
     metal: Any = None
 
     # -- recording -------------------------------------------------------------------------
     def add_trace(self, record: TraceRecord, stats: dict[str, PatternStats] | None = None) -> None:
-        if record.backend == "metal" and self.metal is None:
-            from tfmx import state
-
-            opts = state.options()
-            self.metal = opts.backend if opts is not None and opts.backend.name == "metal" \
-                else None
         self.traces.append(record)
         for name, s in (stats or {}).items():
             self.patterns.setdefault(name, PatternStats()).merge(s)

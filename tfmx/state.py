@@ -86,7 +86,8 @@ def set_options(opts: Options | None) -> None:
         _options = opts
         _generation += 1
         if opts is not None:
-            _report = Report(backend=opts.backend.name)
+            _report = Report(backend=opts.backend.name,
+                             metal=opts.backend if opts.backend.name == "metal" else None)
             from tfmx.backends import ONEDNN_OFF_ADVICE
 
             if ONEDNN_OFF_ADVICE in opts.backend.notes:  # the cpu backend, oneDNN's pass off
