@@ -25,9 +25,9 @@ forms a stage emits and times :mod:`fusion.forms`; both are re-exported here):
 
 Example:
     >>> from fusion import stage
-    >>> sorted(s.name for s in stage.stages())  # doctest: +NORMALIZE_WHITESPACE
-    ['attention', 'batch_norm', 'bias_row', 'einsum_dense', 'feed_forward', 'gelu',
-     'layer_norm', 'rnn']
+    >>> names = {s.name for s in stage.stages()}  # each with its hooks
+    >>> {"attention", "batch_norm", "gelu", "layer_norm", "rnn"} <= names
+    True
     >>> stage.active() is None
     True
 """

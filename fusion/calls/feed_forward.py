@@ -151,7 +151,7 @@ DECLARED = declare(Family(
     FAMILY,
     "Keras Dense(activation) -> Dense on tokens (a transformer's FFN) -> one XLA-compiled "
     "region (forward and gradient), where measured faster than the two layers",
-    # outer: it sees both Dense layers of a block before bias_row rewrites either one
+    # outer: it sees both Dense layers of a block before a stage rewrites either one
     hooks=(Hook.on(MATCHES[0], fused_dense_call, outer=1),),
     forms=Forms(SCOPE, MARKS, LABELS, conservative=CONSERVATIVE, kept="the two layers"),
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
