@@ -217,3 +217,39 @@ def test_hooks_on_one_method_run_as_a_chain_outer_first():
     with stage_mechanism.tracing(only_inner):
         method(Owner(), x)
     assert seen == ["inner", "method"]
+
+
+@pytest.mark.parametrize("form", ["matmul bias row", "shared bias row"])
+def test_bias_row_forms_fit_like_stock_with_one_matmul_per_unit(monkeypatch, form):
+    """The product this family contributes to einsum_dense (``fusion.forms.AffineForm``):
+    the projections (``shared``: the self-attention's three as one) and the EinsumDense with
+    their biases as a row of the kernel, one MatMul each, no BiasAdd, in the graph that ran;
+    the fit within rounding of stock's."""
+    from helpers import PickForm
+    from test_einsum_dense import D, T, _model
+
+    from fusion.calls import einsum_dense
+    from tfmx import state
+
+    monkeypatch.setattr(state, "tuner", lambda: PickForm(form, "einsum_dense"))
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((24, T, D)).astype("float32")
+    y = rng.integers(0, 3, 24)
+    initial = [v.numpy() for v in _model().weights]
+    models = {}
+    for on in (False, True):
+        tfmx.enable(backend="cpu", patterns=["einsum_dense", "contraction"]) if on else \
+            tfmx.disable()
+        models[on] = _model()
+        models[on].fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    stats = tfmx.report().patterns["einsum_dense"]
+    label = einsum_dense.LABELS[form]
+    assert stats.fused_kinds[label] >= 1 and stats.observed[label]
+    (trace,) = [t for t in tfmx.report().traces if t.graph_after is not None][:1]
+    scope = "tfmx_einsum_dense_" + form.replace(" ", "_")
+    emitted = [n for n in trace.graph_after.node if scope in n.name
+               and not n.name.startswith("gradient")]
+    assert {"MatMul", "ConcatV2"} <= {n.op for n in emitted}
+    assert not {"BiasAdd", "_FusedMatMul"} & {n.op for n in emitted}
+    step = 3 * (3 * (D + 2) + 2 * T + TRANSCENDENTAL + 16 + T + 30)
+    assert_models_within_rounding(models[False], models[True], initial, 6 * step)

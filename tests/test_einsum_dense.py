@@ -189,38 +189,6 @@ def test_fit_matches_stock_with_fused_matmuls_in_the_graph_that_ran():
     assert_models_within_rounding(models[False], models[True], initial, 6 * step)
 
 
-@pytest.mark.parametrize("form", ["matmul bias row", "shared bias row"])
-def test_bias_row_forms_fit_like_stock_with_one_matmul_per_unit(monkeypatch, form):
-    """The projections (``shared``: the self-attention's three as one) and the EinsumDense
-    with their biases as a row of the kernel (``fusion.calls.bias_row``): one MatMul each, no
-    BiasAdd, in the graph that ran; the fit within rounding of stock's."""
-    from helpers import PickForm
-
-    from tfmx import state
-
-    monkeypatch.setattr(state, "tuner", lambda: PickForm(form, "einsum_dense"))
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((24, T, D)).astype("float32")
-    y = rng.integers(0, 3, 24)
-    initial = [v.numpy() for v in _model().weights]
-    models = {}
-    for on in (False, True):
-        tfmx.enable(backend="cpu", patterns=["einsum_dense", "contraction"]) if on else \
-            tfmx.disable()
-        models[on] = _model()
-        models[on].fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
-    stats = tfmx.report().patterns["einsum_dense"]
-    assert stats.fused_kinds[stage.LABELS[form]] >= 1 and stats.observed[stage.LABELS[form]]
-    (trace,) = [t for t in tfmx.report().traces if t.graph_after is not None][:1]
-    scope = "tfmx_einsum_dense_" + form.replace(" ", "_")
-    emitted = [n for n in trace.graph_after.node if scope in n.name
-               and not n.name.startswith("gradient")]
-    assert {"MatMul", "ConcatV2"} <= {n.op for n in emitted}
-    assert not {"BiasAdd", "_FusedMatMul"} & {n.op for n in emitted}
-    step = 3 * (3 * (D + 2) + 2 * T + TRANSCENDENTAL + 16 + T + 30)
-    assert_models_within_rounding(models[False], models[True], initial, 6 * step)
-
-
 def test_mixed_bfloat16_fit_matches_stock_with_bfloat16_matmuls():
     """Under mixed_bfloat16 (where the tuner may take the MatMul form) the
     MatMul form trains like Keras's Einsum within bfloat16 rounding, its MatMuls in bfloat16
