@@ -65,12 +65,11 @@ from tfmx.backends import Backend
 
 GPU, CPU = "GPU", "CPU"
 BOUNDARY = frozenset({"_Arg", "_Retval", "Placeholder", "Const", "_DeviceArg", "_DeviceRetval"})
-# Ops TensorFlow lets take a resource without being colocated with it (they forward the
-# handle rather than read it): tensorflow/core/common_runtime/input_colocation_exemption
-# registrations.
-COLOCATION_EXEMPT = frozenset({"Identity", "IdentityN", "If", "StatelessIf", "While",
-                               "StatelessWhile", "PartitionedCall", "StatefulPartitionedCall",
-                               "Switch", "Merge", "Enter", "Exit", "NextIteration"})
+# Ops that take a resource without being colocated with it: TensorFlow's registrations
+# (input_colocation_exemption_registry: IdentityN and the function calls forward the handle),
+# and If / While, which it lowers before placement into their bodies' ops (placed there).
+COLOCATION_EXEMPT = frozenset({"IdentityN", "PartitionedCall", "StatefulPartitionedCall", "If",
+                               "StatelessIf", "While", "StatelessWhile"})
 # What the nodes a fused kernel replaces are, beside its fused_ops list.
 _FUSED_BASE = {"_FusedConv2D": "Conv2D", "_FusedMatMul": "MatMul",
                "_FusedDepthwiseConv2dNative": "DepthwiseConv2dNative",
