@@ -294,7 +294,7 @@ def _placement(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict()["placement"], indent=2))
     else:
         print(f"tfmx placement of {args.target} for {backend.description}")
-        print("\n".join(report._placement_lines()) if audits else
+        print("\n".join(report.placement_lines()) if audits else
               "no training step was traced before the run stopped")
     return 1 if any(audit.moved for _, audit in audits) else 0
 

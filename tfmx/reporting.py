@@ -156,7 +156,13 @@ class Report:
                 audits.append((t, compare(stock, t.graph_after, self.metal)))
         return audits
 
-    def _placement_lines(self) -> list[str]:
+    def placement_lines(self) -> list[str]:
+        """The placement section as printed (empty off metal; a line saying why where the
+        audit could not be made: a report never fails on it).
+
+        >>> Report(backend="cpu").placement_lines()
+        []
+        """
         try:
             audits = self.placement()
         except Exception as exc:  # noqa: BLE001 - a report never fails on its audit
@@ -253,7 +259,7 @@ class Report:
                 forms = ", ".join(f"{form} {n}" for (other, form), n in
                                   self.python_traces.items() if other == name)
                 lines.append(f"  {name}: {self.traces_of(name)} ({forms})")
-        lines += self._placement_lines()
+        lines += self.placement_lines()
         for t in self.traces:
             for err in t.errors:
                 lines.append(f"note: {t.function}: {err}")
