@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import pkgutil
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -254,12 +255,9 @@ def integer_rounding(ctx: Any, what: str, region: Callable[..., Any], shapes: li
 # -- forms one module contributes to other stages --------------------------------------------
 # A module that offers another way to compute what several stages compute registers it here;
 # the stages ask this registry, never the module, so removing the module (and its test) leaves
-# every stage as it was, without the contributed forms.
-CONTRIBUTORS = ("fusion.bfloat16_bits",)
-"""Modules outside the families' packages that contribute here, imported on first need (one
-that is absent contributes nothing). The families' own packages are imported with them."""
-
-
+# every stage as it was, without the contributed forms. The contributing modules are found, not
+# named: every module of the fusion package and of the families' packages, imported on first
+# need.
 @dataclasses.dataclass(frozen=True)
 class AffineForm:
     """Another way to compute ``rows @ kernel + bias`` (``rows`` ``[n, k]``, ``kernel``
@@ -332,15 +330,13 @@ def _load() -> None:
     if _loaded:
         return
     _loaded = True
+    import fusion
     from fusion.family import families
 
     families()  # the families' packages, whose modules contribute as they are imported
-    for name in CONTRIBUTORS:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
+    for info in pkgutil.iter_modules(fusion.__path__):
+        if not info.ispkg and not info.name.startswith("_"):
+            importlib.import_module(f"fusion.{info.name}")
 
 
 def affine_forms(host: str) -> list[AffineForm]:
