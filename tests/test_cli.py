@@ -52,7 +52,9 @@ def test_subcommands_keep_tensorflow_info_logs_quiet():
 
 
 SCRIPT = """
+import sys
 import keras, numpy as np, tfmx
+print("script arguments", sys.argv[1:], file=sys.stderr)
 tfmx.enable(backend="cpu")  # tfmx placement plans for metal whatever a script asks
 model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="relu"),
                           keras.layers.Dense(2)])
@@ -72,8 +74,10 @@ def test_placement_of_a_script_for_each_plugin(tmp_path):
     assert "Sequential.train_step:" in out and "  stock: " in out and "  tfmx: " in out
     assert "DivNoNan x5" in out  # Keras's loss reduction: no kernel in the open plugin
     assert "moved from the device to the host by tfmx: 0" in out
-    proc = run("-m", "tfmx", "placement", str(script), "--plugin", "tensorflow-metal", "--json")
+    proc = run("-m", "tfmx", "placement", str(script), "--plugin", "tensorflow-metal", "--json",
+               "--", "--epochs", "1")
     assert proc.returncode == 0, proc.stderr
+    assert "script arguments ['--epochs', '1']" in proc.stderr
     import json
 
     (audit,) = json.loads(proc.stdout)

@@ -63,7 +63,8 @@ def _parser() -> argparse.ArgumentParser:
                     "planning for the metal backend of a Metal plugin, on any machine: the "
                     "first step of each traced function raises once planned, and the placement "
                     "audit of each plan is printed (tfmx.placement). Exit status 1 if tfmx "
-                    "moved a node from the device to the host.")
+                    "moved a node from the device to the host. Arguments after -- go to the "
+                    "script or the recipe.")
     placement.add_argument("target", help="a model script (path ending in .py) or a recipe name")
     placement.add_argument("--plugin", default=None,
                            help="tensorflow-metal or tensorflow-metal-plugin, optionally "
@@ -71,8 +72,6 @@ def _parser() -> argparse.ArgumentParser:
     placement.add_argument("--tensorflow", default=None, metavar="VERSION",
                            help="the TensorFlow version to plan for (default: the installed one)")
     placement.add_argument("--json", action="store_true", help="print as JSON")
-    placement.add_argument("args", nargs="*", metavar="-- ARGS",
-                           help="arguments for the script or the recipe, after --")
 
     backends = sub.add_parser("backends", help="what each backend fuses")
     backends.add_argument("--json", action="store_true", help="print as JSON")
@@ -313,7 +312,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # every argument after it, --help included, is the benchmark's
         return _bench(argv[1:])
+    extra: list[str] = []
+    if argv[:1] == ["placement"] and "--" in argv:  # the rest is the script's or recipe's
+        extra, argv = argv[argv.index("--") + 1:], argv[:argv.index("--")]
     args = _parser().parse_args(argv)
+    args.args = getattr(args, "args", None) or extra
     handler = {"recipe": _recipe, "backends": _backends, "tune": _tune,
                "placement": _placement}[args.command]
     return handler(args)
