@@ -246,11 +246,12 @@ def test_the_report_has_a_placement_section_on_metal_only():
         report = tfmx.report()
         text = str(report)
         assert "placement on tensorflow-metal-plugin 0.4.1" in text
-        assert "  traced: " in text and "  tfmx: " in text  # stock not recorded by a fit
+        assert "  stock: " in text and "  tfmx: " in text  # stock traced beside the plan
         assert "moved from the device to the host by tfmx: 0" in text
         (entry,) = [e for e in report.to_dict()["placement"]
                     if e["function"].endswith("train_step")]
-        assert entry["tfmx"]["host_ops"]["DivNoNan"] == 5 and entry["moved_to_host"] == []
+        assert entry["stock"] == "stock" and entry["moved_to_host"] == []
+        assert entry["tfmx"]["host_ops"]["DivNoNan"] == 5
         assert entry["before"]["crossings"] >= entry["tfmx"]["crossings"] > 0
     finally:
         tfmx.disable()

@@ -235,14 +235,13 @@ def _placement_run(args: argparse.Namespace) -> tuple[list[str], Any]:
 
 
 def _placement(args: argparse.Namespace) -> int:
-    """Run the target with every ``tfmx.enable()`` planning for the chosen metal backend and
-    each traced step's stock form recorded beside its plan; print the placement audits."""
+    """Run the target with every ``tfmx.enable()`` planning for the chosen metal backend (each
+    plan records its step's stock form beside it); print the placement audits."""
     import dataclasses
 
     import tfmx
     from tfmx import state
     from tfmx.backends import get_backend
-    from tfmx.fused_function import FusedFunction
     from tfmx.reporting import Report
 
     try:
@@ -250,7 +249,7 @@ def _placement(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise SystemExit(f"tfmx placement: {err}") from None
     argv, run = _placement_run(args)
-    enable, entry = tfmx.enable, FusedFunction._entry
+    enable = tfmx.enable
 
     reports: list = []  # each enable() starts a report: the traces of all of them are audited
 
@@ -261,19 +260,8 @@ def _placement(args: argparse.Namespace) -> int:
         enable("metal", *positional[1:], plugin=args.plugin, **options)
         state.set_options(dataclasses.replace(state.options(), backend=backend))
 
-    def recorded(self: Any, opts: Any, call_args: tuple, kwargs: dict) -> Any:
-        found = entry(self, opts, call_args, kwargs)
-        record = found.record
-        if record is not None and record.graph_stock is None:
-            try:
-                record.graph_stock = self.stock_concrete_function(
-                    *call_args, **kwargs).graph.as_graph_def(add_shapes=True)
-            except Exception:  # noqa: BLE001 - the audit then compares the traced form
-                pass
-        return found
-
     saved_argv = sys.argv
-    tfmx.enable, FusedFunction._entry, sys.argv = planned, recorded, argv
+    tfmx.enable, sys.argv = planned, argv
     try:
         planned()
         run()
@@ -282,7 +270,7 @@ def _placement(args: argparse.Namespace) -> int:
             print(f"tfmx placement: {args.target} stopped: {type(exc).__name__}: {exc}",
                   file=sys.stderr)
     finally:
-        tfmx.enable, FusedFunction._entry, sys.argv = enable, entry, saved_argv
+        tfmx.enable, sys.argv = enable, saved_argv
         reports.append(state.report())
         tfmx.disable()
     report = Report(backend="metal", metal=backend)

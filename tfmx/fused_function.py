@@ -322,6 +322,12 @@ class FusedFunction:
             if entry.record is not None:  # the price of this trace, as the report shows it
                 entry.record.trace_seconds = traced
                 entry.record.tune_seconds = getattr(tuner, "spent", 0.0) - spent
+            if entry.plan_only and opts.backend.name == "metal" and entry.record is not None:
+                try:  # stock, beside the plan: the report's placement audit compares them
+                    entry.record.graph_stock = self._reference(
+                        entry, args, kwargs).graph.as_graph_def(add_shapes=True)
+                except Exception:  # noqa: BLE001 - the audit then takes the traced form
+                    pass
             self._entries = {k: v for k, v in self._entries.items() if k[1] == key[1]}
             self._entries[key] = entry
         return entry

@@ -43,8 +43,8 @@ class TraceRecord:
     graph_after: graph_pb2.GraphDef | None = None
     trace_seconds: float = 0.0  # tracing the step with the stages on (their tuning included)
     tune_seconds: float = 0.0  # the tuner's measuring, in the trace and in the rewrite
-    # The step as Keras alone traces it (no stage, no rewrite), where it was recorded
-    # (``tfmx placement``); the placement audit falls back to ``graph_before``.
+    # The step as Keras alone traces it (no stage, no rewrite), recorded beside a metal plan;
+    # the placement audit falls back to ``graph_before`` where it is not.
     graph_stock: graph_pb2.GraphDef | None = None
 
     def as_dict(self) -> dict:
