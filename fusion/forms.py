@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import importlib
 import pkgutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import tensorflow as tf
@@ -270,6 +270,8 @@ class AffineForm:
     suffix: str
     product: Callable[[Any, Any, Any], Any]
     labels: Mapping[str, Mapping[str, str]]
+    # the ops ``product`` emits in its inputs' dtype (:func:`form_ops` adds them to the host's)
+    emits: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -431,3 +433,94 @@ def widened(x: Any) -> tf.Tensor:
     """
     edges = region_edges()
     return edges.widened(x) if edges is not None else tf.cast(x, tf.float32)
+
+
+# -- the kernels a form needs --------------------------------------------------------------------
+# Each family declares, beside its forms, the ops every form emits in the call's compute dtype
+# (``EMITS``: form -> op names). Ops TensorFlow itself runs on every device (Reshape, Identity,
+# Const, Shape, ...) are not declared: they never move a call to the host.
+def form_ops(emits: Mapping[str, frozenset[str]], form: str) -> frozenset[str]:
+    """The ops ``form`` emits in its compute dtype: ``emits[form]``, or for a host form with a
+    contributed product (``<host form><suffix>``, :class:`AffineForm`) the host form's ops and
+    the product's. A form ``emits`` does not name emits none that matter (an XLA region).
+
+    >>> sorted(form_ops({"matmul": frozenset({"MatMul", "BiasAdd"})}, "matmul"))
+    ['BiasAdd', 'MatMul']
+    >>> sorted(form_ops({"matmul": frozenset({"MatMul"})}, "matmul bias row"))
+    ['ConcatV2', 'MatMul', 'StridedSlice']
+    """
+    if form in emits:
+        return frozenset(emits[form])
+    for host, ops in emits.items():
+        suffix = form[len(host):]
+        if form.startswith(host) and suffix:
+            contributed = _affine_by_suffix(suffix)
+            if contributed is not None:
+                return frozenset(ops) | contributed.emits
+    return frozenset()
+
+
+def _affine_by_suffix(suffix: str) -> AffineForm | None:
+    _load()
+    return _AFFINE.get(suffix)
+
+
+def _runs(target: Any, op: str, dtype: str) -> bool:
+    try:
+        return bool(target.runs_op(op, dtype))
+    except TypeError:  # a target whose kernels have no dtypes (fusion.pattern.PlainTarget)
+        return bool(target.runs_op(op))
+
+
+def _where(target: Any) -> str:
+    plugin = getattr(target, "plugin", None)
+    return " ".join(plugin) if plugin else getattr(target, "name", str(target))
+
+
+def kernel_missing(target: Any, form: str, ops: Iterable[str], dtype: Any) -> str | None:
+    """Why ``target`` cannot run ``form``, which emits ``ops`` in ``dtype`` (the call's compute
+    dtype): the first op it has no kernel for in that dtype, named with the dtype and the
+    backend (its plugin where it has one), or None where it runs every one.
+
+    >>> from tfmx.backends import get_backend
+    >>> metal = get_backend("metal", plugin="tensorflow-metal-plugin", tensorflow="2.21.0")
+    >>> print(kernel_missing(metal, "bmm", {"Transpose", "BatchMatMulV2"}, tf.bfloat16))
+    the bmm form: the target has no BatchMatMulV2 kernel in bfloat16 under \
+tensorflow-metal-plugin 0.4.1: the call would run on the host
+    >>> kernel_missing(metal, "bmm", {"Transpose", "BatchMatMulV2"}, "float16") is None
+    True
+    >>> kernel_missing(get_backend("cpu"), "bmm", {"Transpose"}, "bfloat16") is None
+    True
+    """
+    name = tf.as_dtype(dtype).name
+    for op in sorted(ops):
+        if not _runs(target, op, name):
+            return (f"the {form} form: the target has no {op} kernel in {name} under "
+                    f"{_where(target)}: the call would run on the host")
+    return None
+
+
+def runnable_forms(target: Any, emits: Mapping[str, frozenset[str]], forms: Iterable[str],
+                   dtype: Any, keeps: str | None = None) -> tuple[list[str], str | None]:
+    """``forms`` (in order) whose every op (:func:`form_ops` of ``emits``) ``target`` runs in
+    ``dtype``, and the reason of the first one it cannot run (None: it runs them all). The
+    conservative form ``keeps`` (Keras's) is always kept.
+
+    >>> from fusion.pattern import PlainTarget
+    >>> emits = {"fast": frozenset({"ConcatV2"}), "plain": frozenset({"MatMul"})}
+    >>> target = PlainTarget("toy", kernels=frozenset({"MatMul"}))
+    >>> kept, why = runnable_forms(target, emits, ["fast", "plain"], "float32")
+    >>> kept, why
+    (['plain'], 'the fast form: the target has no ConcatV2 kernel in float32 under toy: the \
+call would run on the host')
+    """
+    kept: list[str] = []
+    why = None
+    for form in forms:
+        reason = None if form == keeps else \
+            kernel_missing(target, form, form_ops(emits, form), dtype)
+        if reason is None:
+            kept.append(form)
+        elif why is None:
+            why = reason
+    return kept, why

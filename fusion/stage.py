@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from fusion import patches
@@ -50,6 +50,7 @@ from fusion.forms import (
     custom_gradient,
     integer_rounding,
     layer_value,
+    runnable_forms,
     timed_form,
     widened,
     with_xla,
@@ -137,7 +138,8 @@ def rewrite_call(ctx: StageContext, family: Family, *, what: str, why: str | Non
                  candidates: Callable[[], dict] | None, keras: Callable[[], Any],
                  emit: Callable[[str], Any], prefix: str = "", keeps: str | None = None,
                  conservative: str | None = None, kept: str | None = None,
-                 then: Callable[[Any], Any] | None = None) -> Any:
+                 then: Callable[[Any], Any] | None = None,
+                 emits: Mapping[str, frozenset[str]] | None = None, dtype: Any = None) -> Any:
     """The flow every stage hook shares, for one call of the method ``family`` routes: without
     a tuner (or ``candidates``) the first of ``allowed``; with one, the tuner's pick among
     ``candidates()`` (factories by form name, timed under ``signature()``; its default the
@@ -149,6 +151,10 @@ def rewrite_call(ctx: StageContext, family: Family, *, what: str, why: str | Non
     the statistics ``emit`` returns (:class:`Emitted`), then passed to ``then`` outside that
     scope. ``allowed`` is empty, or ``why`` given, where the call cannot be rewritten:
     ``keras()`` with the reason recorded (after ``what: ``, where ``what`` names the call).
+    With ``emits`` (the family's declared ops per form) and ``dtype`` (the call's compute
+    dtype), a form whose ops the target has no kernel for in that dtype is neither emitted
+    nor timed (:func:`fusion.forms.runnable_forms`); where none is left, the reason names the
+    op.
 
     >>> from fusion.family import Forms
     >>> from fusion.pattern import PlainTarget, RewriteAlways
@@ -169,6 +175,15 @@ def rewrite_call(ctx: StageContext, family: Family, *, what: str, why: str | Non
     forms = family.forms
     keeps = forms.conservative if keeps is None else keeps
     stats = PatternStats(matched=1)
+    if emits is not None and dtype is not None and why is None and allowed:
+        runnable, why = runnable_forms(ctx.target, emits, allowed, dtype)
+        refused = set(allowed) - set(runnable)
+        allowed, why = runnable, None if runnable else why
+        if candidates is not None and refused:
+            every = candidates
+
+            def candidates() -> dict:
+                return {f: make for f, make in every().items() if f not in refused}
     form = allowed[0] if allowed and why is None else None
     if form is not None and ctx.chooser is not None and candidates is not None:
         chosen = signature()

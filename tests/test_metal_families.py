@@ -113,11 +113,6 @@ def test_mixed_float16_plans(name, plugin):
     _check(*_workload(name, "mixed_float16"), plugin)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the bias_row, einsum_dense and attention stages emit helper ops (ConcatV2, StridedSlice, "
-    "SplitV, Transpose, BatchMatMulV2) in the step's dtype without asking the backend: the "
-    "open plugin has no bfloat16 kernel of them (Backend.runs_op(op, dtype) says so), where "
-    "stock's own ops of those layers ran on it"))
 def test_mixed_bfloat16_plan_for_the_open_plugin():
     _check(*_workload("transformer", "mixed_bfloat16"), OPEN)
 

@@ -474,8 +474,8 @@ class Audit:
     tfmx put on the host that stock ran on the device (the rule: none).
 
     A tfmx node on the host is *moved* if its stock counterpart (same function, same name, same
-    op) was on the device. A node with no counterpart (one tfmx emitted, a fused one among
-    them) is moved if stock has no fallback of one of its parts in its dtype, unless every
+    op and dtype) was on the device. A node with no counterpart (one tfmx emitted, a fused one
+    among them) is moved if stock has no fallback of one of its parts in its dtype, unless every
     stock node tfmx replaced in its layer's scope was on the host already."""
 
     backend: str
@@ -518,7 +518,9 @@ def _moved(stock: Placement, planned: Placement) -> list[Placed]:
     moved = []
     for p in planned.fallbacks():
         twin = stock.nodes.get((p.function, p.name))
-        if twin is not None and twin.op == p.op:
+        # a twin is the same node: same op in the same dtype (tfmx's trace may give a name to
+        # another node than stock's did, a gradient's AddN of another dtype among them)
+        if twin is not None and twin.op == p.op and twin.dtype == p.dtype:
             if twin.device == GPU:
                 moved.append(p)
             continue

@@ -134,6 +134,12 @@ MARKS = {**dict.fromkeys(LABELS, frozenset({"BatchMatMulV2", "BatchMatMulV3"})),
          XLA: XLA_CALLS, "sdpa xla": XLA_CALLS}
 """Per form, the ops that show its kernel in a traced graph: its batched MatMuls, or the call
 of its XLA region."""
+_BMM = frozenset({"BatchMatMulV2", "Transpose"})
+EMITS = {"bmm": _BMM, "bmm folded": _BMM | {"Mul"}, SOFTMAX_16: _BMM | {"Mul", "Softmax"},
+         "bmm dropout": _BMM | {"Mul", "SelectV2", "Softmax"}}
+"""The ops each batched-MatMul form emits in the call's dtype (``dot_product_attention``'s
+forms are these under their prefix; an XLA region emits none a plugin's table names): a
+backend without one of them in that dtype keeps Keras's Einsums."""
 
 
 def _heads_first(x: tf.Tensor) -> tf.Tensor:
@@ -344,11 +350,14 @@ def _xla(layer: Any, original: Callable, query: Any, key: Any, value: Any, mask:
 
 def _rewrite(ctx: StageContext, what: str, why: str | None, forms: list[str],
              signature: Callable[[], str], candidates: Callable[[], dict],
-             keras: Callable[[], Any], emit: Callable[[str], Any], prefix: str = "") -> Any:
+             keras: Callable[[], Any], emit: Callable[[str], Any], prefix: str = "",
+             dtype: Any = None) -> Any:
     """Both hooks' flow (:func:`fusion.stage.rewrite_call`) against Keras's Einsums, emitted
-    under ``tfmx_attention_<prefix><form>``."""
+    under ``tfmx_attention_<prefix><form>``; the forms whose ops (:data:`EMITS`) the target
+    has no kernel for in ``dtype`` declined."""
     return rewrite_call(ctx, DECLARED, what=what, why=why, allowed=forms, signature=signature,
-                        candidates=candidates, keras=keras, emit=emit, prefix=prefix)
+                        candidates=candidates, keras=keras, emit=emit, prefix=prefix,
+                        emits=EMITS, dtype=dtype)
 
 
 def fused_attention(ctx: StageContext, original: Callable, layer: Any, query: Any, key: Any,
@@ -381,7 +390,7 @@ def fused_attention(ctx: StageContext, original: Callable, layer: Any, query: An
     forms = [] if why else _forms(ctx, layer, query, attention_mask is None and not causal)
     return _rewrite(ctx, "MultiHeadAttention", why, forms, signature, lambda: _candidates(
         ctx, layer, original, [t.shape for t in (query, key, value)], query.dtype, causal,
-        forms), keras, emit)
+        forms), keras, emit, dtype=query.dtype)
 
 
 def fused_dot_product_attention(ctx: StageContext, original: Callable, query: Any, key: Any,
@@ -421,7 +430,8 @@ def fused_dot_product_attention(ctx: StageContext, original: Callable, query: An
         return with_xla(ctx, timed, xla_region(keras), shapes, query.dtype)
 
     return _rewrite(ctx, "dot_product_attention", why, forms, signature, candidates, keras,
-                    lambda form: form_of(form)(query, key, value), prefix="sdpa ")
+                    lambda form: form_of(form)(query, key, value), prefix="sdpa ",
+                    dtype=query.dtype)
 
 
 # -- declaration ----------------------------------------------------------------------------------

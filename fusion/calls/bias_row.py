@@ -89,6 +89,9 @@ CONSERVATIVE = "keras"
 LABEL = "Dense: the bias as a row of the kernel (one MatMul forward, one for both gradients)"
 MARKS = {FORM: frozenset({"MatMul", "_FusedMatMul"})}
 """The op that shows the form in a traced graph: its MatMul (plain, or fused by contraction)."""
+EMITS = {FORM: frozenset({"ConcatV2", "MatMul", "OnesLike", "StridedSlice", "ZerosLike"})}
+"""The ops the form emits in the call's dtype (its widened input and kernel, the product and
+its gradient's rows): a backend without one of them in that dtype keeps Keras's form."""
 
 
 def bias_row_product(x: tf.Tensor, kernel: tf.Tensor, bias: tf.Tensor) -> tf.Tensor:
@@ -163,7 +166,8 @@ def fused_dense_call(ctx: StageContext, original: Callable, layer: Any, inputs: 
     return rewrite_call(ctx, DECLARED, what="Dense", why=check(layer, inputs),
                         allowed=[FORM], signature=signature, candidates=candidates,
                         keras=lambda: original(layer, inputs, training=training),
-                        emit=lambda form: dense_with_bias_row(layer, inputs))
+                        emit=lambda form: dense_with_bias_row(layer, inputs),
+                        emits=EMITS, dtype=inputs.dtype)
 
 
 # -- declaration ----------------------------------------------------------------------------------
@@ -183,7 +187,8 @@ AFFINE = forms.contribute(forms.AffineForm(
         "matmul bias row": "EinsumDense: Reshape + one MatMul, the bias a row of the kernel, "
                            "in place of Einsum",
         "shared bias row": "MultiHeadAttention: query, key and value projections as one "
-                           "MatMul, the biases a row of the kernels"}}))
+                           "MatMul, the biases a row of the kernels"}},
+    emits=EMITS[FORM]))
 """The product offered to the stages whose forms end in ``x @ kernel + bias``
 (``fusion.forms.AffineForm``: ``einsum_dense``'s ``matmul`` and ``shared`` forms each gain a
 ``... bias row`` form); they ask ``fusion.forms``, never this module."""

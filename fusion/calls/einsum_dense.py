@@ -190,6 +190,11 @@ MARKS = HostForms(FAMILY, dict.fromkeys(("matmul", "shared"),
                                          frozenset({"MatMul", "_FusedMatMul"})), "marks")
 """Per form, the op that shows it in a traced graph: its MatMul (plain, or fused with its bias
 by contraction)."""
+EMITS = {"matmul": frozenset({"BiasAdd", "MatMul", "Transpose"}),
+         "shared": frozenset({"BiasAdd", "ConcatV2", "MatMul", "Slice", "SplitV", "Transpose"})}
+"""The ops each MatMul form emits in the call's dtype (a contributed product's forms add the
+product's own, ``fusion.forms.form_ops``): a backend without one of them in that dtype keeps
+Keras's Einsum."""
 _pending = threading.local()  # .outputs: id(EinsumDense) -> its output, computed in advance
 
 
@@ -303,7 +308,8 @@ def fused_einsum_dense_call(ctx: StageContext, original: Callable, layer: Any, i
         ctx, DECLARED, what="EinsumDense", why=why, allowed=list(forms), signature=signature,
         candidates=candidates, keras=lambda: original(layer, inputs, *args, **kwargs),
         emit=lambda form: as_matmul(layer, inputs, forms[form]),
-        conservative=CONSERVATIVE if ctx.target.runs_op("Einsum") else "matmul")
+        conservative=CONSERVATIVE if ctx.target.runs_op("Einsum") else "matmul",
+        emits=EMITS, dtype=inputs.dtype)
 
 
 def fused_attention_call(ctx: StageContext, original: Callable, layer: Any, query: Any,
@@ -356,7 +362,7 @@ def fused_attention_call(ctx: StageContext, original: Callable, layer: Any, quer
         signature=signature, candidates=candidates,
         keras=lambda: original(layer, query, value, key, **kwargs),
         emit=lambda form: shared_projection(layer, x, forms[form]), then=rest,
-        keeps="separate", kept="three MatMuls")
+        keeps="separate", kept="three MatMuls", emits=EMITS, dtype=getattr(x, "dtype", None))
 
 
 # -- declaration ----------------------------------------------------------------------------------

@@ -122,6 +122,21 @@ _PDF = 1.0 / math.sqrt(2.0 * math.pi)  # the standard normal density at 0
 _LOG_PDF_SCALE = math.log(_PDF / _SQRT_HALF)  # ln(1 / sqrt(pi)): x * pdf(x) in terms of t
 _TANH_K = math.sqrt(2.0 / math.pi)
 _TANH_A = 0.044715
+_EXACT = frozenset({"AddV2", "Erf", "Exp", "Mul", "Sub"})
+_TANH = frozenset({"AddV2", "Mul", "Square", "Sub", "Tanh"})
+EMITS = {"custom": _EXACT, "custom erfc": _EXACT - {"Erf"} | {"Erfc", "Neg"},
+         "custom upcast": frozenset({"Cast"}), SLOPE_KEPT: frozenset({"Cast", "Mul"})}
+"""The ops each closed form emits in the input's dtype (the tanh approximation's ``custom``:
+:func:`emitted`); the upcast forms compute in float32 between their casts."""
+
+
+def emitted(approximate: bool) -> dict[str, frozenset[str]]:
+    """:data:`EMITS` for the exact GELU or the tanh approximation.
+
+    >>> sorted(emitted(True)["custom"])
+    ['AddV2', 'Mul', 'Square', 'Sub', 'Tanh']
+    """
+    return {**EMITS, "custom": _TANH} if approximate else EMITS
 
 
 def _exact(x: tf.Tensor, erfc: bool) -> tuple[tf.Tensor, Callable[[], tf.Tensor]]:
@@ -306,7 +321,8 @@ def fused_gelu(ctx: StageContext, original: Callable, x: Any, approximate: bool 
         ctx, DECLARED, what="GELU", why=check(x), allowed=list(forms),
         signature=lambda: f"gelu input {shape_text(x.shape)} {x.dtype.name} "
                           f"approximate={approximate}",
-        candidates=candidates, keras=lambda: original(x, approximate), emit=emit)
+        candidates=candidates, keras=lambda: original(x, approximate), emit=emit,
+        emits=emitted(approximate), dtype=x.dtype)
 
 
 # -- declaration ----------------------------------------------------------------------------------

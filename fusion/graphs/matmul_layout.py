@@ -88,8 +88,10 @@ def _check(match: LayoutMatch, ctx: RuleContext) -> str | None:
     """Why the MatMul keeps its ``transpose_b``: both operands transposed, its dtype or
     shapes, its edges, the target, or the tuner measuring it faster."""
     why = _blocker(ctx.view, match)
-    if why is None and not ctx.target.runs_op("Transpose"):
-        why = f"{ctx.target.name} runs no Transpose"
+    if why is None:
+        from fusion.forms import kernel_missing
+
+        why = kernel_missing(ctx.target, "transposed", {"Transpose"}, dtype_name(match.node))
     if why is not None:
         return f"MatMul (transpose_b): {why}"
     kept = ctx.tuned(FAMILY, match.signature, [match.node.name],
