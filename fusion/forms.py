@@ -446,8 +446,12 @@ def form_ops(emits: Mapping[str, frozenset[str]], form: str) -> frozenset[str]:
 
     >>> sorted(form_ops({"matmul": frozenset({"MatMul", "BiasAdd"})}, "matmul"))
     ['BiasAdd', 'MatMul']
-    >>> sorted(form_ops({"matmul": frozenset({"MatMul"})}, "matmul bias row"))
-    ['ConcatV2', 'MatMul', 'StridedSlice']
+    >>> demo = contribute(AffineForm("demo", " demo", lambda x, k, b: x @ k + b,
+    ...                              {"host": {"matmul demo": "host: the demo product"}},
+    ...                              emits=frozenset({"ConcatV2"})))
+    >>> sorted(form_ops({"matmul": frozenset({"MatMul"})}, "matmul demo"))
+    ['ConcatV2', 'MatMul']
+    >>> withdraw(demo)
     """
     if form in emits:
         return frozenset(emits[form])
@@ -484,16 +488,19 @@ def kernel_missing(target: Any, form: str, ops: Iterable[str], dtype: Any) -> st
 
     >>> from tfmx.backends import get_backend
     >>> metal = get_backend("metal", plugin="tensorflow-metal-plugin", tensorflow="2.21.0")
-    >>> print(kernel_missing(metal, "bmm", {"Transpose", "BatchMatMulV2"}, tf.bfloat16))
-    the bmm form: the target has no BatchMatMulV2 kernel in bfloat16 under \
-tensorflow-metal-plugin 0.4.1: the call would run on the host
+    >>> why = kernel_missing(metal, "bmm", {"Transpose", "BatchMatMulV2"}, tf.bfloat16)
+    >>> why.split(": ")[1]
+    'the target has no BatchMatMulV2 kernel in bfloat16 under tensorflow-metal-plugin 0.4.1'
     >>> kernel_missing(metal, "bmm", {"Transpose", "BatchMatMulV2"}, "float16") is None
+    True
+    >>> kernel_missing(metal, "upcast", {"Cast", "Erf:float32"}, tf.bfloat16) is None
     True
     >>> kernel_missing(get_backend("cpu"), "bmm", {"Transpose"}, "bfloat16") is None
     True
     """
-    name = tf.as_dtype(dtype).name
-    for op in sorted(ops):
+    for qualified in sorted(ops):
+        op, _, fixed = qualified.partition(":")
+        name = fixed or tf.as_dtype(dtype).name
         if not _runs(target, op, name):
             return (f"the {form} form: the target has no {op} kernel in {name} under "
                     f"{_where(target)}: the call would run on the host")
@@ -510,9 +517,8 @@ def runnable_forms(target: Any, emits: Mapping[str, frozenset[str]], forms: Iter
     >>> emits = {"fast": frozenset({"ConcatV2"}), "plain": frozenset({"MatMul"})}
     >>> target = PlainTarget("toy", kernels=frozenset({"MatMul"}))
     >>> kept, why = runnable_forms(target, emits, ["fast", "plain"], "float32")
-    >>> kept, why
-    (['plain'], 'the fast form: the target has no ConcatV2 kernel in float32 under toy: the \
-call would run on the host')
+    >>> kept, why.split(": ")[1]
+    (['plain'], 'the target has no ConcatV2 kernel in float32 under toy')
     """
     kept: list[str] = []
     why = None

@@ -48,6 +48,7 @@ from fusion.forms import (
     autocast,
     autocast_dtype,
     custom_gradient,
+    form_ops,
     integer_rounding,
     layer_value,
     runnable_forms,
@@ -151,10 +152,10 @@ def rewrite_call(ctx: StageContext, family: Family, *, what: str, why: str | Non
     the statistics ``emit`` returns (:class:`Emitted`), then passed to ``then`` outside that
     scope. ``allowed`` is empty, or ``why`` given, where the call cannot be rewritten:
     ``keras()`` with the reason recorded (after ``what: ``, where ``what`` names the call).
-    With ``emits`` (the family's declared ops per form) and ``dtype`` (the call's compute
-    dtype), a form whose ops the target has no kernel for in that dtype is neither emitted
-    nor timed (:func:`fusion.forms.runnable_forms`); where none is left, the reason names the
-    op.
+    With ``emits`` (the family's declared ops per form, by name with or without ``prefix``)
+    and ``dtype`` (the call's compute dtype), a form whose ops the target has no kernel for
+    in that dtype is neither emitted nor timed (:func:`fusion.forms.runnable_forms`); where
+    none is left, the reason names the op.
 
     >>> from fusion.family import Forms
     >>> from fusion.pattern import PlainTarget, RewriteAlways
@@ -176,7 +177,9 @@ def rewrite_call(ctx: StageContext, family: Family, *, what: str, why: str | Non
     keeps = forms.conservative if keeps is None else keeps
     stats = PatternStats(matched=1)
     if emits is not None and dtype is not None and why is None and allowed:
-        runnable, why = runnable_forms(ctx.target, emits, allowed, dtype)
+        declared = {f: form_ops(emits, prefix + f if prefix + f in emits else f)
+                    for f in allowed}
+        runnable, why = runnable_forms(ctx.target, declared, allowed, dtype)
         refused = set(allowed) - set(runnable)
         allowed, why = runnable, None if runnable else why
         if candidates is not None and refused:

@@ -102,6 +102,10 @@ def check(layer: Any, inputs: Any, mask: Any, training: bool,
 CONSERVATIVE = "composite"  # Keras's composite, differentiated by autodiff
 REPLICA = "replica"  # FusedBatchNormV3 emitted in a tf.distribute replica's graph
 SPLICED = "spliced"  # the layer's forward rewritten on a scratch graph, spliced into the step
+_FUSED = frozenset({"Cast", "FusedBatchNormV3:float32", "FusedBatchNormGradV3:float32"})
+EMITS = {REPLICA: _FUSED, SPLICED: _FUSED}
+"""The ops each form emits: the input's cast (Keras computes batch norm in float32), the
+kernel and its gradient in float32."""
 # Ops that may sit in a rewritten forward graph without a registered gradient.
 _NO_GRADIENT_NEEDED = frozenset({"Const", "NoOp", "Placeholder", "AssignVariableOp",
                                  "AssignAddVariableOp", "AssignSubVariableOp"})
@@ -290,7 +294,8 @@ def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: 
 
     return rewrite_call(ctx, DECLARED, what="BatchNorm", why=why,
                         allowed=[REPLICA if replica else SPLICED], signature=lambda: "",
-                        candidates=None, keras=stock, emit=emit)
+                        candidates=None, keras=stock, emit=emit, emits=EMITS,
+                        dtype=getattr(inputs, "dtype", None))
 
 
 # -- declaration ----------------------------------------------------------------------------------

@@ -95,6 +95,9 @@ LABELS = {XLA: "Dense(activation) -> Dense: one XLA-compiled region (forward and
 """The region's report label, by its name in the stage's scope (``tfmx_feed_forward_xla``)."""
 MARKS = {XLA: XLA_CALLS}
 """The op that shows the form in a traced graph: its XLA region's call."""
+EMITS = {XLA: frozenset()}
+"""The ops the form emits that a backend's kernel table decides: none (the region is XLA's,
+offered only where the trace allows XLA)."""
 
 
 def fused_dense_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
@@ -143,7 +146,7 @@ def _block(ctx: StageContext, original: Callable, first: tuple[Any, tf.Tensor], 
     return rewrite_call(ctx, DECLARED, what="feed-forward", why=None, allowed=[XLA],
                         signature=lambda: signature, candidates=candidates,
                         keras=lambda: original(second, hidden),
-                        emit=lambda form: xla_region(both)(x))
+                        emit=lambda form: xla_region(both)(x), emits=EMITS, dtype=x.dtype)
 
 
 # -- declaration ----------------------------------------------------------------------------------

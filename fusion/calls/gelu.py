@@ -123,20 +123,27 @@ _LOG_PDF_SCALE = math.log(_PDF / _SQRT_HALF)  # ln(1 / sqrt(pi)): x * pdf(x) in 
 _TANH_K = math.sqrt(2.0 / math.pi)
 _TANH_A = 0.044715
 _EXACT = frozenset({"AddV2", "Erf", "Exp", "Mul", "Sub"})
+_ERFC = _EXACT - {"Erf"} | {"Erfc", "Neg"}
 _TANH = frozenset({"AddV2", "Mul", "Square", "Sub", "Tanh"})
-EMITS = {"custom": _EXACT, "custom erfc": _EXACT - {"Erf"} | {"Erfc", "Neg"},
+EMITS = {"custom": _EXACT, "custom erfc": _ERFC,
          "custom upcast": frozenset({"Cast"}), SLOPE_KEPT: frozenset({"Cast", "Mul"})}
-"""The ops each closed form emits in the input's dtype (the tanh approximation's ``custom``:
-:func:`emitted`); the upcast forms compute in float32 between their casts."""
+"""The ops each closed form emits in the input's dtype (an upcast form's float32 ops, and the
+tanh approximation's: :func:`emitted`)."""
 
 
-def emitted(approximate: bool) -> dict[str, frozenset[str]]:
-    """:data:`EMITS` for the exact GELU or the tanh approximation.
+def emitted(approximate: bool, erfc: bool = False) -> dict[str, frozenset[str]]:
+    """:data:`EMITS` for the exact GELU (its upcast forms through Erfc where ``erfc``) or the
+    tanh approximation, an upcast form's float32 ops spelled ``"Op:float32"``.
 
     >>> sorted(emitted(True)["custom"])
     ['AddV2', 'Mul', 'Square', 'Sub', 'Tanh']
+    >>> "Erfc:float32" in emitted(False, erfc=True)["custom upcast"]
+    True
     """
-    return {**EMITS, "custom": _TANH} if approximate else EMITS
+    wide = frozenset(f"{op}:float32" for op in (_TANH if approximate else
+                                                 _ERFC if erfc else _EXACT))
+    return {**EMITS, "custom": _TANH if approximate else _EXACT,
+            "custom upcast": EMITS["custom upcast"] | wide, SLOPE_KEPT: EMITS[SLOPE_KEPT] | wide}
 
 
 def _exact(x: tf.Tensor, erfc: bool) -> tuple[tf.Tensor, Callable[[], tf.Tensor]]:
@@ -322,7 +329,8 @@ def fused_gelu(ctx: StageContext, original: Callable, x: Any, approximate: bool 
         signature=lambda: f"gelu input {shape_text(x.shape)} {x.dtype.name} "
                           f"approximate={approximate}",
         candidates=candidates, keras=lambda: original(x, approximate), emit=emit,
-        emits=emitted(approximate), dtype=x.dtype)
+        emits=emitted(approximate, not approximate and not ctx.target.runs_op("Erf")),
+        dtype=x.dtype)
 
 
 # -- declaration ----------------------------------------------------------------------------------

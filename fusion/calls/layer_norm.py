@@ -275,6 +275,18 @@ MARKS = {**_KERNELS, **{name + XLA_GRADIENT: ops for name, ops in _KERNELS.items
          "residual xla": XLA_CALLS, "rms residual xla": XLA_CALLS}
 """Per form, the ops that show it in a traced graph: FusedBatchNormV3 for the fused form, the
 Rsqrt of the custom ones, oneDNN's layer norm, the call of an XLA region."""
+_CAST = frozenset({"Cast"})
+_PLAIN_EMITS = {
+    "fused": _CAST | {f"{op}:float32" for op in (
+        "FusedBatchNormV3", "FusedBatchNormGradV3", "Mul", "AddV2", "Sum")},
+    "custom": _CAST | {f"{op}:float32" for op in ("Rsqrt", "Mean", "Mul", "Sub", "AddV2", "Sum")},
+    "onednn": _CAST | {f"{op}:float32" for op in ("_MklLayerNorm", "Mul", "Sub", "Sum")},
+    ONEDNN_16: _CAST | {"_MklLayerNorm"} | {f"{op}:float32" for op in ("Mul", "Sub", "Sum")},
+    "rms custom": _CAST | {f"{op}:float32" for op in ("Rsqrt", "Mean", "Mul", "Sub", "Sum")}}
+EMITS = {**_PLAIN_EMITS, **{name + XLA_GRADIENT: ops for name, ops in _PLAIN_EMITS.items()
+                            if name != "fused"}}
+"""The ops each form emits: in the input's dtype its casts (the oneDNN 16-bit kernel in it),
+the rest in float32 (``"Op:float32"``); a form's XLA-compiled gradient emits the forward's."""
 
 
 def _value(variable: Any) -> Any:
@@ -372,7 +384,8 @@ def _rewrite(ctx: StageContext, original: Callable, layer: Any, inputs: tf.Tenso
     return rewrite_call(ctx, DECLARED, what=signature.split(" ", 1)[0], why=why,
                         allowed=list(forms) if first is not None else [],
                         signature=lambda: signature, candidates=candidates,
-                        keras=lambda: original(layer, inputs), emit=emit, prefix=prefix)
+                        keras=lambda: original(layer, inputs), emit=emit, prefix=prefix,
+                        emits=EMITS, dtype=inputs.dtype)
 
 
 def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,

@@ -169,6 +169,13 @@ KIND_LABELS[("gru", "wavefront")] = ("GRU -> GRU (reset_after=True): the layer b
                                      "one unrolled as one wavefront, custom gradient")
 KIND_LABELS[("lstm", "cudnn")] = "LSTM: CudnnRNNV3 (+ CudnnRNNBackpropV3 by its gradient)"
 KIND_LABELS[("gru", "cudnn")] = "GRU: CudnnRNNV3 (+ CudnnRNNBackpropV3 by its gradient)"
+_LOOP = frozenset({"AddV2", "ConcatV2", "MatMul", "Mul", "Sigmoid", "Sub", "Tanh", "Transpose"})
+EMITS = {"hoisted": _LOOP, "keras unrolled": _LOOP - {"ConcatV2", "Transpose"},
+         "wavefront": _LOOP,
+         "cudnn": frozenset({"ConcatV2", "CudnnRNNBackpropV3", "CudnnRNNV3", "Split", "Transpose",
+                             "ZerosLike"})}
+"""The ops each form emits in the sequences' dtype (a layer's own form is its match's:
+``hoisted`` or ``cudnn``): a backend without one of them in that dtype keeps Keras's loop."""
 
 
 def _state_list(initial_state) -> list:
@@ -508,9 +515,11 @@ def _emit(ctx: StageContext, match: RnnMatch | None, why: str | None, form: RnnF
             code[0] = "tuned"
         name = None if match is None or code[0] else (
             "keras unrolled" if not form.hoisted and form.unrolled else "own")
+        emits = None if match is None else {**EMITS, "own": EMITS[match.form]}
         return rewrite_call(ctx, DECLARED, what="", why=DECLINE_REASONS.get(code[0], code[0]),
                             allowed=[name] if name else [], signature=lambda: "",
-                            candidates=None, keras=keras, emit=own_form)
+                            candidates=None, keras=keras, emit=own_form, emits=emits,
+                            dtype=getattr(sequences, "dtype", None))
 
     def own_form(name: str) -> Emitted:
         stats = PatternStats(matched=1)
@@ -554,7 +563,8 @@ def _emit(ctx: StageContext, match: RnnMatch | None, why: str | None, form: RnnF
                                                                          mask, train)
     if below is not None and _pair_chosen(ctx.chooser, below, match, original, form):
         return rewrite_call(ctx, DECLARED, what="", why=None, allowed=[WAVEFRONT],
-                            signature=lambda: "", candidates=None, keras=alone, emit=pair)
+                            signature=lambda: "", candidates=None, keras=alone, emit=pair,
+                            emits=EMITS, dtype=getattr(sequences, "dtype", None))
     return alone()
 
 
