@@ -208,3 +208,82 @@ def test_every_stage_module_reads_in_one_order(family):
     assert [f"{h.owner}.{h.attribute}" for h in declared.hooks] == list(module.MATCHES)
     assert declared.forms.conservative == module.CONSERVATIVE
     assert all(isinstance(h, Hook) for h in declared.hooks)
+
+
+# -- forms whose ops the target has no kernel for --------------------------------------------------
+LACKING = {"attention": "BatchMatMulV2", "batch_norm": "FusedBatchNormV3",
+           "bias_row": "ConcatV2", "einsum_dense": "MatMul", "gelu": "Exp",
+           "layer_norm": "Mul", "rnn": "MatMul"}
+"""Per family, an op every form its model here can take emits (in float32: the models train in
+float32). feed_forward is not here: its one form is an XLA region, with no op a kernel table
+decides (its EMITS says so)."""
+
+
+def _families_emits() -> dict[str, dict]:
+    import importlib
+
+    return {family: importlib.import_module(f"fusion.calls.{family}").EMITS
+            for family in STAGES}
+
+
+def test_every_lacking_op_is_declared_by_its_family():
+    for family, op in LACKING.items():
+        declared = {o.partition(":")[0] for ops in _families_emits()[family].values()
+                    for o in ops}
+        assert op in declared, (family, sorted(declared))
+    assert set(LACKING) | {"feed_forward"} >= set(STAGES)
+    assert not any(_families_emits().get("feed_forward", {}).values())
+
+
+@pytest.mark.parametrize("family", sorted(LACKING))
+def test_a_backend_without_an_op_of_the_form_in_the_dtype_keeps_keras_call(family, monkeypatch):
+    """The cpu backend, its table saying ``LACKING[family]`` has no float32 kernel: the stage
+    declines every form with the reason naming the op and dtype, and trains as stock."""
+    import dataclasses
+
+    from tfmx import backends
+
+    op = LACKING[family]
+    real = backends._cpu
+
+    def lacking(onednn: bool) -> backends.Backend:
+        return dataclasses.replace(real(onednn), op_dtypes={op: frozenset({"float64"})})
+
+    monkeypatch.setattr(backends, "_cpu", lacking)
+    assert not backends.get_backend("cpu").runs_op(op, "float32")
+    model, _ = _fit(family)
+    stats = tfmx.report().patterns[family]
+    reason = f"no {op} kernel in float32 under cpu: the call would run on the host"
+    assert not stats.fused, stats.as_dict()
+    assert any(reason in why for why in stats.declined), stats.as_dict()
+    # Keras's own call, under the rnn stage's scope of declined layers where it has one
+    assert [n for n in _emitted(model) if "_declined_" not in n] == []
+    for got, want in zip(model.weights, _stock_weights(family)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda"])
+def test_cpu_and_cuda_run_every_op_every_form_declares(name):
+    from tfmx.backends import get_backend
+
+    backend = get_backend(name)
+    for family, emits in _families_emits().items():
+        for form, ops in emits.items():
+            for qualified in ops:
+                op, _, fixed = qualified.partition(":")
+                for dtype in [fixed] if fixed else ["float32", "float16", "bfloat16"]:
+                    assert backend.runs_op(op, dtype), (name, family, form, op, dtype)
+
+
+def test_the_open_plugin_declines_bfloat16_forms_naming_op_and_plugin():
+    from fusion.calls import attention, bias_row, einsum_dense
+    from fusion.forms import runnable_forms
+    from tfmx.backends import get_backend
+
+    metal = get_backend("metal", plugin="tensorflow-metal-plugin", tensorflow="2.21.0")
+    for emits in (attention.EMITS, bias_row.EMITS, einsum_dense.EMITS):
+        kept, why = runnable_forms(metal, emits, list(emits), "bfloat16")
+        assert kept == [], kept
+        assert why.endswith("kernel in bfloat16 under tensorflow-metal-plugin 0.4.1: the call "
+                            "would run on the host"), why
+        assert runnable_forms(metal, emits, list(emits), "float16")[0] == list(emits)

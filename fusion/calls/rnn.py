@@ -135,6 +135,7 @@ DECLINE_REASONS = {
                         "applies the reset gate after the MatMul)",
     "cell": "not a Keras LSTMCell / GRUCell",
     "target": "no RNN form for this target",
+    "kernel": "the target has no kernel for an op of the form in the call's dtype",
     "error": "building the fused form raised (see the warning); Keras's own loop runs",
 }
 
@@ -507,7 +508,7 @@ def _emit(ctx: StageContext, match: RnnMatch | None, why: str | None, form: RnnF
     code = [why]  # the reason Keras's loop runs, as the code of its name scope
 
     def keras() -> Any:
-        with tf.name_scope(DECLINED + code[0]):
+        with tf.name_scope(DECLINED + (code[0] or "kernel")):  # or the form's op missing
             return original(layer, sequences, initial_state, mask, training=training)
 
     def alone() -> Any:  # the layer call by itself
