@@ -54,13 +54,42 @@ def test_nothing_measured_or_no_plan_runs_tfmx():
     assert price_gate(KNOWN, None).run == "tfmx"
 
 
+def test_nothing_measured_a_loop_that_can_switch_runs_stock_first():
+    verdict = price_gate({}, 48, switchable=True)
+    assert verdict.run == "stock" and "stock runs first" in verdict.why
+    assert price_gate({}, 48, share=None, switchable=True).run == "tfmx"  # no budget: a trial
+    assert price_gate({}, None, switchable=True).run == "tfmx"  # no plan
+
+
+def test_fused_unmeasured_its_first_call_is_seeded_from_stocks():
+    stock_only = {"stock_first_s": 2.0, "stock_ms": 40.0}
+    # fused's first call expected at FUSED_SEED x 2 s = 3 s: 1 s beyond stock's
+    assert price_gate(stock_only, 1249).run == "stock"  # 2% of 1249 x 40 ms < 1 s
+    verdict = price_gate(stock_only, 1251)
+    assert verdict.run == "tfmx" and "the fused step not measured yet" in verdict.why
+    assert "seed: 1.5 x stock's first call" in verdict.why
+    # asked mid-fit, stock already traced: tfmx's whole first call (3 s) is the extra
+    assert price_gate(stock_only, 1251, traced=True).run == "stock"
+    assert price_gate(stock_only, 3751, traced=True).run == "tfmx"
+    guard.learn_first_call("fused", 0.7, 700)  # learnt here: 1 ms per op
+    assert "learnt" not in price_gate(stock_only, 10, traced=True).why  # ops unknown: a seed
+    verdict = price_gate({**stock_only, "ops": 700.0}, 876, traced=True)  # 0.7 s of 35 s
+    assert verdict.run == "tfmx" and "measured here" in verdict.why
+
+
+def test_both_known_asked_mid_fit_the_whole_first_call_is_the_extra():
+    assert price_gate(KNOWN, 301).run == "tfmx"  # 6 s more than stock's: 301 x 20 ms > 6 s
+    assert price_gate(KNOWN, 301, traced=True).run == "stock"  # 9 s: more than 6.02 s
+    assert price_gate(KNOWN, 451, traced=True).run == "tfmx"
+
+
 def test_stock_unmeasured_the_rewrite_runs_within_the_trials_budget():
     fused_only = {"fused_first_s": 0.03, "fused_ms": 40.0}
     # its whole first call (stock's not measured, none learnt): 0.03 s <= 2% of 48 x 40 ms
     assert price_gate(fused_only, 48).run == "tfmx"
     costly = {"fused_first_s": 5.0, "fused_ms": 40.0}
     verdict = price_gate(costly, 48)
-    assert verdict.run == "stock" and "measured for the next fit" in verdict.why
+    assert verdict.run == "stock" and "stock runs and is measured" in verdict.why
     assert price_gate(costly, 48, share=None).run == "tfmx"  # no budget: the trial decides
     assert price_gate(costly, 10**4).run == "tfmx"  # 2% of 400 s covers it
 
@@ -189,8 +218,8 @@ def _model():
 def test_a_gated_fit_runs_stock_untraced_by_tfmx_and_learns_stocks_price(monkeypatch):
     seen = []
 
-    def gate(figures, calls, share=None, cache=None):
-        seen.append(calls)
+    def gate(figures, calls, share=None, cache=None, switchable=False, traced=False):
+        seen.append((calls, switchable, traced))
         return GateDecision("stock", "injected")
 
     monkeypatch.setattr(guard, "price_gate", gate)
@@ -201,14 +230,15 @@ def test_a_gated_fit_runs_stock_untraced_by_tfmx_and_learns_stocks_price(monkeyp
         model = _model()
         model.fit(x, y, batch_size=32, epochs=2, verbose=0)
         report = tfmx.report()
-        assert seen == [16]
+        # asked before the first trace, then after 1 + WATCHED_CALLS calls for the 10 left
+        assert seen == [(16, True, False), (10, False, True)]
         assert [t.status for t in report.traces] == ["stock: price gate"]
         assert "price gate: Sequential.train_step ran as stock: injected" in report.notes
         assert not [g for g in report.guards if g.function.endswith("train_step")]
         assert report.python_traces[("Sequential.train_step", "stages")] == 0
         (key,) = guard._prices
         assert key.startswith("Sequential.train_step ")
-        assert set(guard._prices[key]) == {"stock_first_s", "stock_ms"}
+        assert set(guard._prices[key]) == {"stock_first_s", "stock_ms", "ops"}
         assert guard.active_plan() is None  # the fit ended
     finally:
         tfmx.disable()
@@ -243,6 +273,7 @@ def test_decisions_made_while_measuring_another_are_made_for_the_same_fit():
 
 
 def test_a_fused_step_kept_after_one_timed_call_is_timed_on_for_its_price(monkeypatch):
+    monkeypatch.setattr(guard, "price_gate", lambda *a, **k: GateDecision("tfmx", "injected"))
     learnt = []
     real = guard.learn_price
     monkeypatch.setattr(guard, "learn_price", lambda key, cache=None, **figures: (
@@ -258,3 +289,69 @@ def test_a_fused_step_kept_after_one_timed_call_is_timed_on_for_its_price(monkey
         assert figures["fused_ms"] > 0 and "stock_ms" not in figures
     finally:
         tfmx.disable()
+
+
+def _fit_both(monkeypatch, gate, epochs=2):
+    """A stock fit and a tfmx fit (guard on, ``gate`` injected) of the same model and data:
+    the tfmx report, its model's final weights and the stock model's."""
+    monkeypatch.setattr(guard, "price_gate", gate)
+    x = np.random.default_rng(0).normal(size=(256, 16)).astype("float32")
+    y = np.random.default_rng(1).integers(0, 4, size=256).astype("int32")
+    stock = _model()
+    stock.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0)
+    tfmx.enable(backend="cpu", guard=True, tune="off", xla=False)
+    try:
+        model = _model()
+        model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0)
+        return tfmx.report(), model.get_weights(), stock.get_weights()
+    finally:
+        tfmx.disable()
+
+
+def test_a_fit_that_ran_stock_first_traces_tfmx_mid_fit_where_the_rest_pays(monkeypatch):
+    def gate(figures, calls, share=None, cache=None, switchable=False, traced=False):
+        if traced:  # asked again, stock's price measured: tfmx pays for the calls left
+            assert figures["stock_ms"] > 0 and figures["stock_first_s"] > 0
+            return GateDecision("tfmx", "injected: pays")
+        return GateDecision("stock" if switchable else "tfmx", "injected: nothing known")
+
+    report, weights, stock_weights = _fit_both(monkeypatch, gate)
+    assert [t.status for t in report.traces] == ["stock: price gate", "rewritten"]
+    assert report.traces[1].ops_after.get("_FusedMatMul", 0) >= 1  # in the form that ran
+    assert report.python_traces[("Sequential.train_step", "stock")] == 1
+    assert report.python_traces[("Sequential.train_step", "stages")] == 1
+    assert any(n.startswith("price gate, after 6 call(s) as stock: Sequential.train_step ran "
+                            "as tfmx: injected: pays (the 10 calls left)") for n in report.notes)
+    (g,) = [g for g in report.guards if g.function.endswith("train_step")]
+    assert g.summary().pairs >= 1
+    assert g._cost() < 0.5  # stock's first call was the fit's, not the trial's
+    for got, want in zip(weights, stock_weights, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_fit_that_ran_stock_first_stays_stock_where_the_rest_cannot_pay(monkeypatch):
+    report, weights, stock_weights = _fit_both(monkeypatch, guard.price_gate)  # the real gate
+    assert [t.status for t in report.traces] == ["stock: price gate"]
+    assert report.python_traces[("Sequential.train_step", "stages")] == 0
+    assert any("stock runs first" in n for n in report.notes)
+    assert any(n.startswith("price gate, after 6 call(s) as stock: Sequential.train_step ran "
+                            "as stock: its first call") for n in report.notes)
+    for got, want in zip(weights, stock_weights, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_form_that_fails_mid_fit_leaves_stock_running(monkeypatch):
+    from tfmx import dispatch
+
+    def gate(figures, calls, share=None, cache=None, switchable=False, traced=False):
+        return GateDecision("tfmx" if traced else "stock", "injected")
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("injected trace failure")
+
+    monkeypatch.setattr(dispatch.IteratorDispatch, "_traced_twin", broken)
+    report, weights, stock_weights = _fit_both(monkeypatch, gate)
+    assert any("tfmx's form could not be traced mid-fit (RuntimeError: injected trace "
+               "failure); stock runs on" in n for n in report.notes)
+    for got, want in zip(weights, stock_weights, strict=True):
+        np.testing.assert_array_equal(got, want)

@@ -63,7 +63,8 @@ def _dispatchable(iterator: Any) -> bool:
 
 WATCHED_CALLS = 5
 """Calls of a step the price gate ran as stock that are timed (with its first) for its price
-record (:func:`tfmx.guard.learn_price`): the next fit decides from them."""
+record (:func:`tfmx.guard.learn_price`): the gate is then asked again for the calls left of
+the fit (and at the start of each later fit), and the next fits decide from them."""
 
 
 def _price_key(embedded: list[guard.Embedded]) -> str:
@@ -73,11 +74,17 @@ def _price_key(embedded: list[guard.Embedded]) -> str:
 
 @dataclasses.dataclass
 class _Watch:
-    """A step the price gate ran as stock: its first call and its next calls, timed."""
+    """A step the price gate ran as stock: its first call and its next calls, timed; the
+    calls of the fit under way (``serial``), and the fit the gate was last asked for."""
 
     price_key: str
     first_s: float
+    ops: int = 0
+    serial: int | None = None
+    calls: int = 1
     samples: list[float] = dataclasses.field(default_factory=list)
+    asked: int | None = None
+    switch: bool = False  # the gate said tfmx: its form is traced on the next call
 
 
 @dataclasses.dataclass
@@ -96,8 +103,9 @@ class IteratorDispatch:
 
     def __init__(self, function: Any, twin: Callable[[], Any] | None = None,
                  make_guard: Callable[[Any, str, int], guard.StepGuard | None] | None = None,
-                 ) -> None:
+                 name: str = "") -> None:
         self._function = function
+        self._name = name or getattr(function, "__name__", "step")
         self._twin = twin
         self._make_guard = make_guard
         self._twins: dict[str, Any] = {}  # form -> its tf.function
@@ -114,7 +122,8 @@ class IteratorDispatch:
         slot = self._slots.get(spec)
         if slot is None:
             start = time.perf_counter()
-            with guard.collecting() as embedded:
+            switchable = self._twin is not None and self._make_guard is not None
+            with guard.collecting(switchable) as embedded:
                 outputs = self._function(iterator)  # traces (or retraces) as TensorFlow decides
             slot = _Slot({"fused": self._function.get_concrete_function(iterator)})
             if any(e.changed for e in embedded) and self._twin is not None and self._make_guard:
@@ -125,8 +134,13 @@ class IteratorDispatch:
                 if slot.guard is not None:  # what tracing it cost: a seed of the other forms'
                     slot.guard.first_call_s = time.perf_counter() - start
                     slot.guard.price_key = _price_key(embedded)
+                    guard.learn_first_call("fused", slot.guard.first_call_s, slot.guard.ops,
+                                           state.tuning_cache())
             elif embedded and all(e.gated for e in embedded):  # stock by the price gate
-                slot.watch = _Watch(_price_key(embedded), time.perf_counter() - start)
+                plan = guard.active_plan()
+                slot.watch = _Watch(_price_key(embedded), time.perf_counter() - start,
+                                    sum(sum(e.ops.values()) for e in embedded),
+                                    plan.serial if plan is not None else None)
             self._slots[spec] = slot
             return outputs
         if slot.watch is not None:
@@ -147,9 +161,22 @@ class IteratorDispatch:
                                for name, concrete in slot.forms.items()})
 
     def _watched(self, slot: _Slot, iterator: Any) -> Any:
-        """A call of a step the price gate ran as stock, timed until :data:`WATCHED_CALLS`
-        are, then its price learnt (the next fit's gate decides from it)."""
+        """A call of a step the price gate ran as stock: timed until :data:`WATCHED_CALLS`
+        are, then its price learnt and the gate asked again for the calls left of the fit
+        (at the start of each later fit too); where it says tfmx, tfmx's form is traced on
+        the next call (:meth:`_switch`)."""
         watch = slot.watch
+        plan = guard.active_plan()
+        serial = plan.serial if plan is not None else None
+        if serial != watch.serial:  # a new fit: its calls counted afresh
+            watch.serial, watch.calls = serial, 0
+        watch.calls += 1
+        if watch.switch:
+            return self._switch(slot, iterator)
+        if len(watch.samples) >= WATCHED_CALLS:
+            if watch.asked != serial:
+                self._ask(watch, plan)
+            return slot.forms["fused"](iterator)
         start = time.perf_counter()
         outputs = slot.forms["fused"](iterator)
         guard._sync(outputs)
@@ -157,11 +184,69 @@ class IteratorDispatch:
         if len(watch.samples) >= WATCHED_CALLS:
             cache = state.tuning_cache()
             guard.learn_price(watch.price_key, cache, stock_first_s=watch.first_s,
-                              stock_ms=statistics.median(watch.samples) * 1e3)
+                              stock_ms=statistics.median(watch.samples) * 1e3,
+                              ops=watch.ops or None)
             ops = int(guard.price_figures(watch.price_key, cache).get("ops", 0))
             if ops:  # the stock first call per op, as the guard learns it
                 guard.learn_first_call("stock", watch.first_s, ops, cache)
-            slot.watch = None
+            self._ask(watch, plan)
+        return outputs
+
+    def _ask(self, watch: _Watch, plan: Any) -> None:
+        """Ask the price gate again, stock's form traced and timed, whether tfmx's form pays
+        for itself over the calls left of the fit (``plan``); said in the report."""
+        watch.asked = plan.serial if plan is not None else None
+        if plan is None or not plan.calls or self._twin is None or self._make_guard is None:
+            return
+        left = plan.calls - watch.calls
+        if left <= 0:
+            return
+        cache = state.tuning_cache()
+        verdict = guard.price_gate(guard.price_figures(watch.price_key, cache), left,
+                                   guard.budget_share(), cache, traced=True)
+        state.report().note(f"price gate, after {watch.calls} call(s) as stock: "
+                            f"{verdict.describe(self._name)[len('price gate: '):]} "
+                            f"(the {left} calls left)")
+        watch.switch = verdict.run == "tfmx"
+
+    def _switch(self, slot: _Slot, iterator: Any) -> Any:
+        """Trace Keras's loop with tfmx's step in its form, run it on this call, and let the
+        guard's trial compare it with the stock form already running (its first call paid).
+        Anything that fails leaves stock running (the report says why)."""
+        slot.watch = None
+        stock = slot.forms["fused"]
+        start = time.perf_counter()
+        try:
+            concrete, embedded = self._traced_twin("fused", iterator)
+        except Exception as exc:  # noqa: BLE001 - stock runs on
+            state.report().note(f"{self._name}: tfmx's form could not be traced mid-fit "
+                                f"({type(exc).__name__}: {exc}); stock runs on")
+            return stock(iterator)
+        if not any(e.changed for e in embedded):
+            state.report().note(f"{self._name}: tfmx changed nothing in the step; stock runs "
+                                "on")
+            return stock(iterator)
+        made = self._make_guard(sum((collections.Counter(e.ops) for e in embedded),
+                                    collections.Counter()),
+                                "+".join(e.signature for e in embedded),
+                                max(e.replicas for e in embedded))
+        try:
+            outputs = concrete(iterator)
+            guard._sync(outputs)
+        except Exception as exc:  # noqa: BLE001 - a form that fails is not kept
+            if made is not None:
+                made.failed("fused", f"{type(exc).__name__}: {exc}")
+            state.report().note(f"{self._name}: tfmx's form failed on its first call mid-fit "
+                                f"({type(exc).__name__}: {exc}); stock runs on (one batch may "
+                                "have been skipped)")
+            return stock(iterator)
+        slot.forms = {"fused": concrete, "stock": stock}
+        slot.guard = made
+        if made is not None:
+            made.warmed("stock")  # it ran first: the trial pays for no first call of it
+            made.first_call_s = time.perf_counter() - start
+            made.price_key = _price_key(embedded)
+            guard.learn_first_call("fused", made.first_call_s, made.ops, state.tuning_cache())
         return outputs
 
     def _followed(self, slot: _Slot, iterator: Any) -> Any:
@@ -181,6 +266,14 @@ class IteratorDispatch:
                               fused_ms=statistics.median(timed + slot.followed) * 1e3)
             slot.followed = None
         return outputs
+
+    def _traced_twin(self, form: str, iterator: Any) -> tuple[Any, list[guard.Embedded]]:
+        """The loop traced (not run) with tfmx's steps in ``form``, and what they embedded."""
+        if form not in self._twins:
+            self._twins[form] = self._twin()
+        with guard.forcing(form), guard.collecting() as embedded:
+            concrete = self._twins[form].get_concrete_function(iterator)
+        return concrete, embedded
 
     def _trace_form(self, slot: _Slot, form: str, iterator: Any) -> Any:
         """Trace and run the loop with tfmx's steps in ``form`` (the guard's first, untimed,

@@ -105,6 +105,7 @@ class _Entry:
     guard: guard.StepGuard | None = None  # eager calls: fused vs reference on the first steps
     price_key: str = ""  # the step's price record (tfmx.guard.price_gate), "" where none
     gated: bool = False  # the price gate runs it as stock: no stage, no rewrite
+    gated_ops: dict[str, int] = dataclasses.field(default_factory=dict)  # its ops, if gated
     replicas: int | None = None  # the devices its graph places nodes on (see _replicas)
 
     @property
@@ -120,7 +121,8 @@ class _Entry:
     @property
     def stock_ops(self) -> dict[str, int]:
         """The ops of the traced step before the rewrite: op type -> count."""
-        return dict(self.record.ops_before) if self.record is not None else {}
+        return (dict(self.record.ops_before) if self.record is not None
+                else dict(self.gated_ops))
 
     @property
     def changed(self) -> bool:
@@ -204,12 +206,15 @@ class FusedFunction:
                 staging.commit(self._taped.get_concrete_function(*args, **kwargs).graph)
                 return self._taped(*args, **kwargs)
             return self._stock(*args, **kwargs)
-        key = None if self._fast is None else call_key(args, kwargs)
+        # forced "fused": the loop's dispatcher traces tfmx's form after the step ran as stock
+        # (the price gate's first verdict): the gate has been asked again, do not ask it here
+        ungated = forced == "fused"
+        key = None if self._fast is None or ungated else call_key(args, kwargs)
         if key is not None:
             key = (state.generation(), *key)
         entry = self._fast.get(key) if key is not None else None
         if entry is None:
-            entry = self._entry(opts, args, kwargs)
+            entry = self._entry(opts, args, kwargs, ungated=ungated)
             if key is not None:
                 if len(self._fast) >= _FAST_CACHE_SIZE:
                     self._fast.clear()
@@ -295,7 +300,8 @@ class FusedFunction:
         return self._stock.get_concrete_function(*args, **kwargs)
 
     # -- internals ---------------------------------------------------------------------------
-    def _entry(self, opts: state.Options, args: tuple, kwargs: dict) -> _Entry:
+    def _entry(self, opts: state.Options, args: tuple, kwargs: dict,
+               ungated: bool = False) -> _Entry:
         if self._prepare is not None:  # once, before the first trace
             prepare, self._prepare = self._prepare, None
             try:
@@ -304,7 +310,7 @@ class FusedFunction:
                 state.report().note(f"{self.name}: not prepared before its first trace "
                                     f"({type(exc).__name__}: {exc}); it builds what it needs "
                                     "while traced, as Keras does")
-        price_key, verdict = self._gate(opts, args, kwargs)
+        price_key, verdict = self._gate(opts, args, kwargs, ungated)
         if verdict is not None and verdict.run == "stock":
             return self._gated_entry(opts, price_key, args, kwargs)
         tuner = state.tuner() if opts.backend.available else None
@@ -332,10 +338,11 @@ class FusedFunction:
             self._entries[key] = entry
         return entry
 
-    def _gate(self, opts: state.Options, args: tuple, kwargs: dict
+    def _gate(self, opts: state.Options, args: tuple, kwargs: dict, ungated: bool = False
               ) -> tuple[str, guard.GateDecision | None]:
         """A fit's train step under the guard: its price key and the price gate's verdict
-        (:func:`tfmx.guard.price_gate`), said in the report; ("", None) elsewhere."""
+        (:func:`tfmx.guard.price_gate`), said in the report; ("", None) elsewhere, and where
+        the gate was asked already (``ungated``: the loop traces tfmx's form mid-fit)."""
         if self._price_key is None or not opts.guard or not opts.backend.available:
             return "", None
         plan = guard.active_plan()
@@ -344,13 +351,16 @@ class FusedFunction:
         key = self._price_key(args, kwargs)
         cache = state.tuning_cache()
         figures = guard.price_figures(key, cache)
-        verdict = guard.price_gate(figures, plan.calls, guard.budget_share(), cache)
-        state.report().note(verdict.describe(self.name))
         known = [figures[k] / 1e3 for k in ("fused_ms", "stock_ms") if figures.get(k)]
         tuner = state.tuner()
         if tuner is not None and known and plan.steps:  # the tuner's share sizes on it
             step = min(known) * plan.calls / plan.steps
             tuner.step_hint = lambda: step
+        if ungated:
+            return key, None
+        verdict = guard.price_gate(figures, plan.calls, guard.budget_share(), cache,
+                                   switchable=guard.switchable())
+        state.report().note(verdict.describe(self.name))
         return key, verdict
 
     def _gated_entry(self, opts: state.Options, price_key: str, args: tuple,
@@ -363,7 +373,8 @@ class FusedFunction:
         if entry is None or entry.stock is not concrete:
             state.report().add_trace(TraceRecord(function=self.name, backend=opts.backend.name,
                                                  status="stock: price gate"))
-            entry = _Entry(stock=concrete, fused=concrete, price_key=price_key, gated=True)
+            entry = _Entry(stock=concrete, fused=concrete, price_key=price_key, gated=True,
+                           gated_ops=op_histogram(concrete.graph.as_graph_def()))
             self._entries[key] = entry
         return entry
 

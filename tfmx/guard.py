@@ -79,7 +79,7 @@ from tfmx.fit_plan import (
 )
 from tfmx.guard_record import GuardRecord
 from tfmx.notice import announce, fit_key
-from tfmx.outer_trace import Embedded, collecting, embedded, forced_form, forcing
+from tfmx.outer_trace import Embedded, collecting, embedded, forced_form, forcing, switchable
 from tfmx.step_price import (
     GateDecision,
     expected_first_call,
@@ -265,6 +265,18 @@ class StepGuard:
         self._pause_serial = plan.serial if plan is not None else None
         self._resume_at = self._when_affordable(self._next)
         return True
+
+    def warmed(self, form: str) -> None:
+        """``form``'s first call was paid before the trial (the fit ran it first): the trial
+        times it from its next call, and counts no first call of it in its cost.
+
+        >>> g = StepGuard("demo", budget=0.02)
+        >>> g.warmed("stock")
+        >>> g.record(g.next_form(), 0.010)  # fused: timed, paired at once
+        >>> g.next_form(), g._cost()
+        ('stock', 0.0)
+        """
+        self._warm.setdefault(form, 0.0)
 
     def lift_budget(self) -> None:
         """Let the trial run to its end whatever it costs (a benchmark of the steady state):
@@ -597,5 +609,5 @@ __all__ = ["ENV_XLA", "Embedded", "FitPlan", "GateDecision", "GuardRecord", "Ste
            "active_plan", "adopting", "budget_share", "closing_fit", "collecting", "current_plan",
            "embedded", "enabled_by_env", "ending_callbacks", "expected_first_call", "fitting",
            "forced_form", "forcing", "forget", "learn_first_call", "learn_price", "plan_fit",
-           "planning_callbacks", "price_figures", "price_gate", "set_test_delay", "t_test",
-           "xla_pruned"]
+           "planning_callbacks", "price_figures", "price_gate", "set_test_delay", "switchable",
+           "t_test", "xla_pruned"]

@@ -140,7 +140,7 @@ class _TfWithFusedFunction:
                 "(tfmx.dispatch)")
             return IteratorDispatch(self._tf.function(fn, **kwargs),
                                     twin=lambda: self._tf.function(fn, **kwargs),
-                                    make_guard=self._make_guard)
+                                    make_guard=self._make_guard, name=self._name)
         if fn is None or getattr(fn, "__name__", "") not in _STEP_FUNCTIONS:
             return self._tf.function(fn, **kwargs) if fn is not None else self._tf.function(
                 **kwargs)

@@ -53,17 +53,33 @@ def forced_form() -> str | None:
 
 
 @contextlib.contextmanager
-def collecting() -> Iterator[list[Any]]:
+def collecting(switchable: bool = False) -> Iterator[list[Any]]:
     """Collect what tfmx's step functions embed while an outer function traces (see
     :func:`embedded`): the caller learns whether tfmx changed anything inside.
+    ``switchable``: the caller can trace the outer function again in tfmx's form later in the
+    same fit (:func:`switchable`), so a step may start as stock.
 
     >>> with collecting() as seen:
     ...     embedded(False)
     >>> [e.changed for e in seen]
     [False]
     """
-    with swapped(_local, "collected", []) as collected:
+    with swapped(_local, "collected", []) as collected, \
+            swapped(_local, "switchable", switchable):
         yield collected
+
+
+def switchable() -> bool:
+    """Whether the outer function being traced can be traced again in tfmx's form later in
+    the same fit (see :func:`collecting`).
+
+    >>> with collecting(switchable=True):
+    ...     switchable()
+    True
+    >>> switchable()
+    False
+    """
+    return bool(getattr(_local, "switchable", False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,4 +106,4 @@ def embedded(changed: bool, ops: Mapping[str, int] | None = None, signature: str
                                   replicas))
 
 
-__all__ = ["Embedded", "collecting", "embedded", "forced_form", "forcing"]
+__all__ = ["Embedded", "collecting", "embedded", "forced_form", "forcing", "switchable"]

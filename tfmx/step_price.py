@@ -11,9 +11,12 @@ rewriting it can pay within this fit: from the fit's plan and what this machine 
 the same step before (its price record, :func:`price_figures`, keyed by what the step is
 before it is traced: the fused and stock first calls, each form's median), it runs the step as
 stock, with no stage and no rewrite, where the rewrite's extra first call is more than the
-fused step saves over the planned calls, or, where stock's step was never measured, more than
-the trial's budget; the report says so with the figures. A step so run is timed on its first
-calls, so the next fit decides from both forms. With nothing measured yet, tfmx runs and the
+fused step saves over the planned calls, or, where one form's step was never measured, more
+than the trial's budget; the report says so with the figures. With nothing measured of the
+step yet, stock runs first where the fit's loop can change form mid-fit
+(``tfmx.dispatch``): its first calls are timed, and the gate asks again for the calls left
+(``traced=True``: stock's first call is then paid), so tfmx's form is traced within the same
+fit only if the rest of the fit can pay for it. Elsewhere (no such loop), tfmx runs and the
 guard's trial records the figures (:func:`learn_price`).
 
 What is learnt is kept for the process and, given the machine's tuning cache
@@ -38,6 +41,10 @@ from tfmx.tuning_cache import Decision
 XLA_SEED = 2.0
 """Before any XLA first call was measured on this machine, its compile is expected to cost
 this many times stock's first call (a seed: the first measurement replaces it)."""
+FUSED_SEED = 1.5
+"""Before any fused first call was measured on this machine, tracing a step with tfmx's stages
+and rewriting it is expected to cost this many times stock's first call (a seed, as
+:data:`XLA_SEED`)."""
 SEED_S_PER_OP = 1e-3
 """Before any first call was measured here and with no fused first call to go by, stock's is
 expected to cost this many seconds per op of its step (a seed, as :data:`XLA_SEED`)."""
@@ -74,24 +81,33 @@ def learn_first_call(form: str, seconds: float, ops: int, cache: Any = None) -> 
                            {"ms_per_op": math.exp(most) * 1e3, "n": n + 1}, "measured"))
 
 
-def expected_first_call(form: str, ops: int, fused_first_s: float = 0.0, cache: Any = None
-                        ) -> tuple[float, str]:
+def expected_first_call(form: str, ops: int, fused_first_s: float = 0.0, cache: Any = None,
+                        stock_first_s: float = 0.0) -> tuple[float, str]:
     """Seconds ``form``'s first call is expected to take for a step of ``ops`` ops, and how
     that was estimated: from the first calls measured on this machine (per op), else seeded by
     the fused step's own first call (tracing and rewriting the same step: more than stock's)
-    or :data:`SEED_S_PER_OP`, XLA's at :data:`XLA_SEED` times stock's.
+    or :data:`SEED_S_PER_OP`, XLA's at :data:`XLA_SEED` times stock's; the fused form's, with
+    none measured, at :data:`FUSED_SEED` times stock's (``stock_first_s`` where it was timed).
 
     >>> expected_first_call("nothing measured", 100, fused_first_s=3.0)[1]
     'seed: the fused first call'
+    >>> expected_first_call("fused", 100, stock_first_s=2.0)[0]
+    3.0
     """
+    if form == "stock" and stock_first_s > 0:
+        return stock_first_s, "measured"
     known = _learnt(form, cache)
     if known is not None and ops > 0:
         rate = math.exp(known[0])
         return rate * ops, (f"{rate * 1e3:.2f} ms per op, the most of {known[1]} first "
                             "call(s) measured here")
     if form == "xla":
-        stock, how = expected_first_call("stock", ops, fused_first_s, cache)
+        stock, how = expected_first_call("stock", ops, fused_first_s, cache, stock_first_s)
         return XLA_SEED * stock, f"seed: {XLA_SEED:g} x stock's first call ({how})"
+    if form == "fused" and not fused_first_s:
+        stock, how = ((stock_first_s, "measured") if stock_first_s > 0
+                      else expected_first_call("stock", ops, 0.0, cache))
+        return FUSED_SEED * stock, f"seed: {FUSED_SEED:g} x stock's first call ({how})"
     if fused_first_s > 0:
         return fused_first_s, "seed: the fused first call"
     return SEED_S_PER_OP * max(ops, 1), f"seed: {SEED_S_PER_OP * 1e3:g} ms per op"
@@ -151,17 +167,23 @@ class GateDecision:
 
 
 def price_gate(figures: Mapping[str, float], calls: int | None,
-               share: float | None = BUDGET_SHARE, cache: Any = None) -> GateDecision:
+               share: float | None = BUDGET_SHARE, cache: Any = None, *,
+               switchable: bool = False, traced: bool = False) -> GateDecision:
     """Whether rewriting a step pays within a fit of ``calls`` calls of it, from what this
     machine measured of it (``figures``, :func:`price_figures`):
 
     - both forms' step times known: tfmx runs if what the fused step saves over the fit
       (``calls`` x (stock - fused)) is more than its first call costs beyond stock's;
-    - only the fused step's known (the trial never ran stock): tfmx runs if its first call
-      beyond stock's expected one (:func:`expected_first_call`, learnt here, else nothing) is
-      within the trial's budget, ``share`` of the planned run (the guard's budget logic);
-      else stock runs, and its figures are measured for the next fit;
-    - nothing known, or no plan: tfmx runs (and learns).
+    - one form's step time known: tfmx runs if its first call beyond stock's (measured, or
+      expected: :func:`expected_first_call`) is within the trial's budget, ``share`` of the
+      planned run at the known step time (the guard's budget logic); else stock runs, and its
+      figures are measured;
+    - nothing known: with ``switchable`` (the fit's loop can trace tfmx's form mid-fit) stock
+      runs first and is timed, else tfmx runs (and learns);
+    - no plan, or no budget (``share`` None): tfmx runs (the trial decides).
+
+    ``traced``: stock's form of the step is already traced and running (the gate asks again
+    after its first calls, for the calls left): tfmx's whole first call is then the extra.
 
     >>> fig = {"fused_first_s": 9.0, "stock_first_s": 3.0, "fused_ms": 40.0, "stock_ms": 60.0}
     >>> price_gate(fig, 48).run, price_gate(fig, 1000).run
@@ -169,40 +191,55 @@ def price_gate(figures: Mapping[str, float], calls: int | None,
     >>> price_gate(fig, 48).why  # doctest: +NORMALIZE_WHITESPACE
     "its first call costs 6.00 s more than stock's (9.00 s, 3.00 s), more than it saves over
     the fit's 48 calls (0.96 s: fused 40.00 ms, stock 60.00 ms a call)"
+    >>> price_gate({}, 48, switchable=True).run, price_gate({}, 48).run
+    ('stock', 'tfmx')
     """
     if not calls:
         return GateDecision("tfmx", "no plan of the fit's length")
     fused_first = figures.get("fused_first_s")
-    fused_ms = figures.get("fused_ms")
-    if not fused_first or not fused_ms:
-        return GateDecision("tfmx", "nothing measured of this step's price here yet: tfmx runs "
+    fused_ms, stock_ms = figures.get("fused_ms"), figures.get("stock_ms")
+    stock_first = figures.get("stock_first_s") or 0.0
+    ops = int(figures.get("ops", 0))
+    if not (fused_first and fused_ms) and not stock_ms:
+        if switchable and share is not None:
+            return GateDecision("stock", "nothing measured of this step here yet: stock runs "
+                                         "first and its first calls are timed; tfmx's form is "
+                                         "traced in this fit if the rest of it can pay for it")
+        return GateDecision("tfmx", "nothing measured of this step here yet: tfmx runs "
                                     "and measures it")
-    stock_first = figures.get("stock_first_s")
-    how = f"{stock_first:.2f} s" if stock_first else ""
-    if not stock_first:
-        ops = int(figures.get("ops", 0))
-        known = _learnt("stock", cache)
-        stock_first = math.exp(known[0]) * ops if known is not None and ops > 0 else 0.0
-        how = (f"~{stock_first:.2f} s expected, learnt here per op" if stock_first
-               else "not measured")
-    extra = max(0.0, fused_first - stock_first)
-    first = (f"its first call costs {extra:.2f} s more than stock's ({fused_first:.2f} s, "
-             f"{how})")
-    stock_ms = figures.get("stock_ms")
-    if stock_ms:
+    if fused_first and fused_ms:
+        fused_how = f"{fused_first:.2f} s"
+    else:
+        fused_first, fused_how = expected_first_call("fused", ops, 0.0, cache, stock_first)
+        fused_how = f"~{fused_first:.2f} s expected, {fused_how}"
+    if traced:
+        extra, how = fused_first, "stock's is paid"
+    else:
+        if not stock_first:
+            known = _learnt("stock", cache)
+            stock_first = math.exp(known[0]) * ops if known is not None and ops > 0 else 0.0
+            how = (f"~{stock_first:.2f} s expected, learnt here per op" if stock_first
+                   else "not measured")
+        else:
+            how = f"{stock_first:.2f} s"
+        extra = max(0.0, fused_first - stock_first)
+    first = f"its first call costs {extra:.2f} s more than stock's ({fused_how}, {how})"
+    if stock_ms and fused_ms:
         saved = calls * (stock_ms - fused_ms) / 1e3
         steps = (f"the fit's {calls} calls ({saved:.2f} s: fused {fused_ms:.2f} ms, stock "
                  f"{stock_ms:.2f} ms a call)")
         if saved > extra:
             return GateDecision("tfmx", f"{first}, less than it saves over {steps}")
         return GateDecision("stock", f"{first}, more than it saves over {steps}")
-    run_s = calls * fused_ms / 1e3
+    known_ms = fused_ms or stock_ms
+    whose = "stock's step not measured" if fused_ms else "the fused step not measured yet"
+    run_s = calls * known_ms / 1e3
     if share is None or extra <= share * run_s:
         return GateDecision("tfmx", f"{first}, within the trial's budget ({share or 0:.0%} of "
-                                    f"the planned ~{run_s:.1f} s); stock's step not measured")
+                                    f"the planned ~{run_s:.1f} s); {whose}")
     return GateDecision("stock", f"{first}, more than the trial's budget ({share:.0%} of the "
-                                 f"planned ~{run_s:.1f} s), and stock's step was never measured "
-                                 "to show a gain: stock runs and is measured for the next fit")
+                                 f"planned ~{run_s:.1f} s), and {whose} to show a gain: stock "
+                                 "runs and is measured")
 
 
 def forget_prices() -> None:
@@ -218,5 +255,6 @@ def forget_prices() -> None:
     _prices.clear()
 
 
-__all__ = ["PRICE_FAMILY", "SEED_S_PER_OP", "XLA_SEED", "GateDecision", "expected_first_call",
-           "forget_prices", "learn_first_call", "learn_price", "price_figures", "price_gate"]
+__all__ = ["FUSED_SEED", "PRICE_FAMILY", "SEED_S_PER_OP", "XLA_SEED", "GateDecision",
+           "expected_first_call", "forget_prices", "learn_first_call", "learn_price",
+           "price_figures", "price_gate"]
