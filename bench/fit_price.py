@@ -21,33 +21,60 @@ once per machine and shape; the timed tfmx fits run ``tune="cached"``, or ``--tu
 With ``--cold`` there is no such fit: every tfmx fit starts from an empty cache of its own
 (``tune="auto"``, as a first fit on a new machine), so it pays the tuner's measurements too.
 
-Run it with ``python -m bench.fit_price [--model M ...] [--epochs 3] [--samples 512] [--cold]``.
+``--model`` takes workload names and group names (``zoo``: :data:`bench.workloads.GROUPS`);
+each workload gets its own inputs (:func:`bench.workloads.random_dataset`: int32 token ids
+below the vocabulary for the zoo's language models, standard normal features otherwise).
+
+Run it with ``python -m bench.fit_price [--model M ...] [--epochs 3] [--samples 512] [--cold]
+[--record [DIR]]``. ``--record`` keeps one JSON record per workload and cold/warm under
+``bench/results/fit_price/`` (:data:`RESULTS_DIR`; a subfolder, so
+:func:`bench.records.load_records` never reads them): the machine, the command that reproduces
+it, each mode's median and every fit (with the tfmx fits' guard line and price-gate notes). A
+new record of the same workload and cold/warm replaces its file. :func:`load_fit_prices` reads
+them back and :func:`format_fit_price_section` renders them for BENCHMARKS.md.
 
 Example:
-    >>> from bench.fit_price import format_fit_prices, run_fit_prices
+    >>> from bench.fit_price import (format_fit_price_section, format_fit_prices,
+    ...                              load_fit_prices, run_fit_prices, write_fit_prices)
     >>> rows = run_fit_prices(["mlp"], rounds=1)  # doctest: +SKIP
     >>> print(format_fit_prices(rows))  # doctest: +SKIP
+    >>> write_fit_prices(rows, "python -m bench.fit_price --model mlp --record")  # doctest: +SKIP
+    >>> print(format_fit_price_section(load_fit_prices()))  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import re
+import shlex
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from bench.environment import environment
-from bench.tables import format_environment
-from bench.workloads import WORKLOADS, build_model
+from bench.onednn import onednn_state
+from bench.records import RESULTS_DIR as RECORDS_DIR
+from bench.records import narrow_command
+from bench.tables import format_environment, format_onednn
+from bench.workloads import GROUPS, WORKLOADS, Workload, build_model, expand_models, random_dataset
 
 MODES = ("stock", "tfmx", "guard off", "no budget", "decided")
+
+RESULTS_DIR = RECORDS_DIR / "fit_price"
+"""Where ``--record`` writes and :func:`load_fit_prices` reads: a subfolder of
+:data:`bench.records.RESULTS_DIR`, out of :func:`bench.records.load_records`'s sight."""
+
+SCHEMA = 1
+"""The records' layout, kept as ``fit_price_schema`` (not ``schema``: no step record reader
+takes a fit-price record for one of its own); a record of another layout is not read."""
 
 
 @contextlib.contextmanager
@@ -114,24 +141,43 @@ def _timed_fit(workload: Any, mode: str, weights: list, x: Any, y: Any, epochs: 
     return out
 
 
-def run_fit_prices(models: Sequence[str], epochs: int = 3, samples: int = 512,
+def fit_data(workload: Workload, samples: int, seed: int = 0) -> tuple[Any, Any]:
+    """``samples`` random inputs and int32 labels for ``workload`` as numpy arrays, as
+    ``tfmx bench`` makes them (:func:`bench.workloads.random_dataset`): int32 token ids below
+    its vocabulary, else standard normal float32 features; the same ``seed``, the same data.
+
+    >>> x, y = fit_data(WORKLOADS["zoo_llama"], 6)
+    >>> x.shape, x.dtype.name, bool(0 <= x.min() and x.max() < 1000), y.dtype.name
+    ((6, 64), 'int32', True, 'int32')
+    >>> fit_data(WORKLOADS["mlp"], 6)[0].dtype.name
+    'float32'
+    """
+    x, y = next(iter(random_dataset(workload, samples, seed, batches=1)))
+    return x.numpy(), y.numpy()
+
+
+def run_fit_prices(models: Sequence[str | Workload], epochs: int = 3, samples: int = 512,
                    batch_size: int = 32, rounds: int = 2,
                    modes: Sequence[str] = MODES, tune: str = "cached",
-                   cold: bool = False) -> list[dict[str, Any]]:
+                   cold: bool = False,
+                   on_row: Callable[[dict[str, Any]], Any] | None = None,
+                   ) -> list[dict[str, Any]]:
     """Time whole fits of each of ``models`` in ``modes`` (see module doc), ``rounds`` times
     interleaved; one row per workload with each mode's median seconds and its fits.
-    ``tune``: the timed tfmx fits' tuner mode after the cache-filling fit; ``cold``: no such
-    fit, every tfmx fit from an empty cache of its own."""
+    ``models``: workload names, group names (``"zoo"``) or :class:`bench.workloads.Workload`
+    objects. ``tune``: the timed tfmx fits' tuner mode after the cache-filling fit; ``cold``:
+    no such fit, every tfmx fit from an empty cache of its own. ``on_row`` is called with each
+    workload's row as soon as it is measured (``--record`` writes it there)."""
     import keras
 
     import tfmx
 
     rows = []
-    for name in models:
-        workload = WORKLOADS[name]
-        rng = np.random.default_rng(0)
-        x = rng.standard_normal((samples, *workload.input_shape)).astype(np.float32)
-        y = rng.integers(0, workload.num_classes, size=samples).astype(np.int32)
+    workloads = [w for m in models for w in ([m] if isinstance(m, Workload) else
+                                             [WORKLOADS[n] for n in expand_models([m])])]
+    for workload in workloads:
+        name = workload.name
+        x, y = fit_data(workload, samples)
         keras.utils.set_random_seed(0)
         weights = build_model(workload, "stock", 0, None).get_weights()
         if not cold:
@@ -147,9 +193,13 @@ def run_fit_prices(models: Sequence[str], epochs: int = 3, samples: int = 512,
                 print(f"{name} round {r + 1} {mode}: {fits[mode][-1]['seconds']:.2f} s",
                       file=sys.stderr, flush=True)
         medians = {m: statistics.median(f["seconds"] for f in fits[m]) for m in modes}
-        rows.append({"workload": name, "epochs": epochs, "samples": samples, "cold": cold,
-                     "batch_size": batch_size, "steps": epochs * -(-samples // batch_size),
-                     "median_s": medians, "fits": fits})
+        row = {"workload": name, "description": workload.description, "epochs": epochs,
+               "samples": samples, "cold": cold, "batch_size": batch_size,
+               "steps": epochs * -(-samples // batch_size), "rounds": rounds,
+               "tune": "auto" if cold else tune, "median_s": medians, "fits": fits}
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
     return rows
 
 
@@ -192,12 +242,177 @@ def format_fit_prices(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m bench.fit_price``: print the table (and the machine it ran on)."""
+def record_name(row: Mapping[str, Any]) -> str:
+    """The file name of ``row``'s record: its workload and whether its fits were cold.
 
-    parser = argparse.ArgumentParser(prog="python -m bench.fit_price", description=__doc__)
+    >>> record_name({"workload": "zoo_llama", "cold": True}), record_name({"workload": "mlp"})
+    ('zoo_llama-cold.json', 'mlp-warm.json')
+    """
+    stem = f"{row['workload']}-{'cold' if row.get('cold') else 'warm'}"
+    return re.sub(r"[^\w.-]+", "_", stem) + ".json"
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def make_fit_price_record(row: Mapping[str, Any], command: str,
+                          env: Mapping[str, Any]) -> dict[str, Any]:
+    """``row`` (one workload of :func:`run_fit_prices`) as a record: the machine ``env``
+    (:func:`bench.environment.environment`), ``command`` and, as ``reproduce``, the same
+    command for this workload alone, the fit's sizes, cold or warm, each mode's median seconds,
+    ``tfmx/stock`` and every mode's ratio to stock, and every fit as measured (a tfmx fit's
+    ``guard`` line, ``price`` notes, rewrite and tuning seconds among them).
+
+    >>> row = {"workload": "mlp", "epochs": 1, "samples": 64, "batch_size": 32, "steps": 2,
+    ...        "cold": False, "median_s": {"stock": 2.0, "tfmx": 3.0},
+    ...        "fits": {"stock": [{"mode": "stock", "seconds": 2.0}],
+    ...                 "tfmx": [{"mode": "tfmx", "seconds": 3.0, "price": []}]}}
+    >>> rec = make_fit_price_record(row, "python -m bench.fit_price --model mlp lstm",
+    ...                             {"cpu": "cpu", "onednn": True})
+    >>> rec["tfmx/stock"], rec["reproduce"], rec["cold"]
+    (1.5, 'python -m bench.fit_price --model mlp', False)
+    """
+    median = dict(row["median_s"])
+    return {
+        "fit_price_schema": SCHEMA,
+        "command": command,
+        "reproduce": narrow_command(command, row["workload"]) if command else "",
+        "env": dict(env),
+        "workload": row["workload"],
+        "description": row.get("description", ""),
+        **{k: row.get(k) for k in ("epochs", "samples", "steps", "batch_size", "rounds",
+                                   "tune")},
+        "cold": bool(row.get("cold")),
+        "median_s": median,
+        "tfmx/stock": _ratio(median.get("tfmx"), median.get("stock")),
+        "ratios": {f"{m}/stock": _ratio(s, median.get("stock"))
+                   for m, s in median.items() if m != "stock"},
+        "fits": row["fits"],
+    }
+
+
+def write_fit_prices(rows: Iterable[Mapping[str, Any]], command: str,
+                     directory: str | Path | None = None,
+                     env: Mapping[str, Any] | None = None) -> list[Path]:
+    """Write one record per row (:func:`make_fit_price_record`, :func:`record_name`) into
+    ``directory`` (default :data:`RESULTS_DIR`, created if missing), replacing the file of the
+    same workload and cold/warm; ``env`` defaults to this machine's. The paths written.
+
+    >>> import tempfile
+    >>> row = {"workload": "mlp", "cold": True, "median_s": {"stock": 1.0}, "fits": {}}
+    >>> [p.name for p in write_fit_prices([row], "", tempfile.mkdtemp(), env={"cpu": "c"})]
+    ['mlp-cold.json']
+    """
+    folder = Path(directory) if directory is not None else RESULTS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    env = environment() if env is None else env
+    written = []
+    for row in rows:
+        path = folder / record_name(row)
+        record = make_fit_price_record(row, command, env)
+        path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+        written.append(path)
+    return written
+
+
+def load_fit_prices(directory: str | Path | None = None) -> list[dict[str, Any]]:
+    """Every fit-price record in ``directory`` (default :data:`RESULTS_DIR`), by file name;
+    files of another layout (:data:`SCHEMA`) or not JSON are left out. [] if there is no
+    folder.
+
+    >>> load_fit_prices("/no/such/folder")
+    []
+    """
+    folder = Path(directory) if directory is not None else RESULTS_DIR
+    found = [_json(p) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
+    return [r for r in found if isinstance(r, dict) and r.get("fit_price_schema") == SCHEMA]
+
+
+def _json(path: Path) -> Any:
+    """``path``'s JSON, or None where it cannot be read or parsed."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+SECTION_INTRO = textwrap.fill(
+    "Wall time of whole `model.fit` calls of a few epochs on random data, from the call to its "
+    "return: tracing, tfmx's rewrite, the tuner's measurements and the whole-step guard's "
+    "trial included; each fit a new model from the same weights, stock and tfmx interleaved, "
+    "the median of the rounds. Warm: the tuning cache already holds the workload's shapes "
+    "(any fit after the first on a machine); cold: every tfmx fit starts from an empty tuning "
+    "cache, as a first fit on a new machine does.", width=100)
+
+
+def _order(record: Mapping[str, Any]) -> tuple[int, str, bool]:
+    names = list(WORKLOADS)
+    name = record.get("workload", "")
+    return (names.index(name) if name in names else len(names), name, bool(record.get("cold")))
+
+
+def format_fit_price_section(records: Sequence[Mapping[str, Any]]) -> str:
+    """BENCHMARKS.md's section on whole short fits from ``records`` (:func:`load_fit_prices`):
+    a heading, what is timed, the commands, then per machine (processor, oneDNN state) one row
+    per record. "" without records.
+
+    >>> env = {"cpu": "AMD EPYC", "cpu_count": 2, "cpu_flags": ["avx2"], "onednn": True,
+    ...        "onednn_env": None, "tensorflow": "2.21.0", "keras": "3.15.1", "python": "3.11"}
+    >>> rec = {"fit_price_schema": 1, "workload": "mlp", "epochs": 3, "samples": 512,
+    ...        "steps": 48, "batch_size": 32, "cold": True, "env": env,
+    ...        "median_s": {"stock": 2.0, "tfmx": 3.0}, "tfmx/stock": 1.5,
+    ...        "command": "python -m bench.fit_price --model mlp --cold --record"}
+    >>> text = format_fit_price_section([rec])
+    >>> print(text.splitlines()[0])
+    ## The price of a short fit
+    >>> print(text.splitlines()[-1])
+    | mlp | 3 x 512 (48 steps of 32) | 2.00 | 3.00 | 1.500 | cold |
+    >>> format_fit_price_section([])
+    ''
+    """
+    if not records:
+        return ""
+    records = sorted(records, key=_order)
+    commands = list(dict.fromkeys(r.get("command") for r in records if r.get("command")))
+    lines = ["## The price of a short fit", "", SECTION_INTRO, ""]
+    if commands:
+        lines += ["Measured with (`--record` writes a record per workload and cold/warm "
+                  "under `bench/results/fit_price/`):", "", "```", *commands, "```", ""]
+    from bench.publish import machine  # (bench.publish renders this section)
+
+    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((machine(r.get("env") or {}), onednn_state(r)), []).append(r)
+    for (title, _), group in groups.items():
+        onednn = format_onednn(group)
+        lines += [f"Machine: {title}." + (f" {onednn}" if onednn else ""), "",
+                  "| workload | fit | stock s | tfmx s | tfmx / stock | cold / warm |",
+                  "|---|---|---:|---:|---:|---|"]
+        for r in group:
+            median = r.get("median_s") or {}
+            cells = [r.get("workload", "?"),
+                     f"{r.get('epochs')} x {r.get('samples')} ({r.get('steps')} steps of "
+                     f"{r.get('batch_size')})",
+                     *(f"{median[m]:.2f}" if m in median else "-" for m in ("stock", "tfmx")),
+                     "-" if r.get("tfmx/stock") is None else f"{r['tfmx/stock']:.3f}",
+                     "cold" if r.get("cold") else "warm"]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        lines.append("")
+    return "\n".join(lines).rstrip("\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m bench.fit_price``: print the table (and the machine it ran on); with
+    ``--record [DIR]`` keep each workload's record (:func:`write_fit_prices`) as it finishes.
+    """
+
+    parser = argparse.ArgumentParser(prog="python -m bench.fit_price", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", nargs="+", default=["mlp", "small_cnn", "transformer"],
-                        choices=sorted(WORKLOADS))
+                        choices=sorted(WORKLOADS) + sorted(GROUPS), metavar="M",
+                        help="workloads, or a group of them: "
+                             f"{', '.join(GROUPS)} (default mlp small_cnn transformer)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -207,16 +422,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the timed tfmx fits' tuner mode (after a fit fills the cache)")
     parser.add_argument("--cold", action="store_true",
                         help="no cache-filling fit: each tfmx fit from an empty cache")
+    parser.add_argument("--record", nargs="?", const=str(RESULTS_DIR), default=None,
+                        metavar="DIR",
+                        help="keep one JSON record per workload and cold/warm, with this "
+                             "command (default folder bench/results/fit_price/)")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    rows = run_fit_prices(args.model, args.epochs, args.samples, args.batch_size, args.rounds,
-                          [m for m in MODES if m in args.modes], args.tune, args.cold)
-    print(format_environment(environment()))
+    command = shlex.join(["python", "-m", "bench.fit_price", *argv])
+    env = environment()
+
+    def record(row: dict[str, Any]) -> None:
+        for path in write_fit_prices([row], command, args.record, env):
+            print(f"recorded {path}", file=sys.stderr, flush=True)
+
+    rows = run_fit_prices(expand_models(args.model), args.epochs, args.samples,
+                          args.batch_size, args.rounds, [m for m in MODES if m in args.modes],
+                          args.tune, args.cold, on_row=record if args.record else None)
+    print(format_environment(env))
     print()
     print(format_fit_prices(rows))
     return 0
 
 
-__all__ = ["MODES", "format_fit_prices", "run_fit_prices"]
+__all__ = ["MODES", "RESULTS_DIR", "SCHEMA", "fit_data", "format_fit_price_section",
+           "format_fit_prices", "load_fit_prices", "make_fit_price_record", "record_name",
+           "run_fit_prices", "write_fit_prices"]
 
 
 if __name__ == "__main__":
