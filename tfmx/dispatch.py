@@ -49,7 +49,7 @@ import tensorflow as tf
 from tensorflow.python.data.ops import iterator_ops
 from tensorflow.python.distribute import input_lib
 
-from tfmx import guard, state
+from tfmx import guard, state, xla_support
 
 
 def _dispatchable(iterator: Any) -> bool:
@@ -277,8 +277,10 @@ class IteratorDispatch:
 
     def _trace_form(self, slot: _Slot, form: str, iterator: Any) -> Any:
         """Trace and run the loop with tfmx's steps in ``form`` (the guard's first, untimed,
-        call of it). A form other than stock that fails loses its duel; if it failed after the
-        loop took its batch, that one batch is skipped (the report says so)."""
+        call of it). A form other than stock that fails loses its duel. XLA's form is checked
+        while traced (:mod:`tfmx.xla_support`: every op has an XLA kernel), before the loop
+        takes a batch; one that fails when it runs, after the loop took its batch, skips that
+        one batch (the report says so)."""
         start = time.perf_counter()
         if form not in self._twins:
             self._twins[form] = self._twin()
@@ -286,6 +288,9 @@ class IteratorDispatch:
             with guard.forcing(form):
                 outputs = self._twins[form](iterator)
                 slot.forms[form] = self._twins[form].get_concrete_function(iterator)
+        except xla_support.XlaUnsupportedError as exc:  # found while tracing: no batch taken
+            slot.guard.failed(form, f"{exc} (found while tracing, before any batch ran)")
+            return self(iterator)
         except Exception as exc:  # noqa: BLE001 - e.g. XLA cannot compile this step
             if form == "stock":
                 raise

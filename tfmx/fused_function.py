@@ -41,7 +41,7 @@ from tensorflow.python.util import tf_decorator
 
 from fusion.graph import op_histogram
 from fusion.transaction import abandoned, without_abandoned
-from tfmx import guard, staging, state
+from tfmx import guard, staging, state, xla_support
 from tfmx.errors import BackendUnavailableError
 from tfmx.rebuild import rebuild
 from tfmx.reporting import TraceRecord
@@ -190,7 +190,12 @@ class FusedFunction:
         opts = state.options()
         forced = guard.forced_form()  # a whole-step guard traces Keras's loop in another form
         if forced == "xla":
-            return self._xla()(*args, **kwargs)
+            xla = self._xla()
+            if opts is not None and not tf.executing_eagerly():  # traced into Keras's loop:
+                # ops XLA cannot take fail here, before the loop has taken a batch
+                xla_support.check_compilable(xla.get_concrete_function(*args, **kwargs),
+                                             opts.backend.name)
+            return xla(*args, **kwargs)
         if forced == "stock":
             if opts is None or self._jit:
                 return self._stock(*args, **kwargs)
