@@ -739,13 +739,15 @@ def format_composite(records: Iterable[Mapping[str, Any]]) -> str:
     states = {(r.get("env") or {}).get("onednn") for r in records}
     commands = sorted({r.get("command") or reproduce_command(r) for r in records})
     steps = sorted({int(r["steps"]) for r in records})
+    tfmx_too = any("tfmx" in r.get("modes", {}) for r in records)
+    how = "stock and with tfmx, its guard off: the rewritten step" if tfmx_too else "stock"
     lines = [
         "## What tfmx leaves composite in the zoo models",
         "",
         "Each zoo model's training step profiled by TensorFlow's own profiler "
-        f"({'/'.join(str(s) for s in steps)} steps after warm-up, stock and with tfmx, its "
-        "guard off: the rewritten step), each op's time attributed to the pattern its node "
-        "name and op type belong to (forward and gradient ops); "
+        f"({'/'.join(str(s) for s in steps)} steps after warm-up, {how}), each op's time "
+        "attributed to the pattern its node name and op type belong to (forward and gradient "
+        "ops); "
         f"{SHARE_MEASURE}. Written by `{'`, `'.join(commands)}` (bench/composite.py).",
         "",
     ]

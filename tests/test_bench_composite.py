@@ -43,7 +43,8 @@ def _check_patterns(record: dict, modes: tuple[str, ...]) -> None:
         assert sum(shares) < 1.0, (mode, shares)
 
 
-def test_every_composite_pattern_has_a_matcher():
+def test_every_composite_pattern_has_a_matcher_and_every_model_a_test():
+    assert {n for n, _ in OTHERS} | {"mobilenet_v3_small", "llama"} == set(zoo.MODELS)
     for spec in zoo.MODELS.values():
         assert spec.composite, spec.name
         assert set(spec.composite) <= set(composite.MATCHERS), spec.name
@@ -63,6 +64,23 @@ def test_llama_patterns_match_and_silu_gradient_joins_swiglu():
     _check_patterns(record, ("stock",))
     # tf.nn.silu's custom gradient puts its ops at the step's root scope
     assert record["modes"]["stock"]["patterns"]["SwiGLU"]["root_ops"] > 0
+
+
+# the other zoo models, stock: (model, a pattern whose gradient has ops at the root scope)
+OTHERS = [("efficientnet_b0", "swish"),  # tf.nn.silu's custom gradient
+          ("convnext_tiny", "depthwise convolution"),  # Keras's XLA-compiled grouped conv
+          ("densenet121", None), ("bert", None), ("gpt2", None)]
+
+
+@pytest.mark.parametrize("name, rooted", [
+    pytest.param(n, r, marks=[HUB] if zoo.MODELS[n].needs_keras_hub else [])
+    for n, r in OTHERS])
+def test_other_zoo_patterns_match_forward_and_gradient_ops(name, rooted):
+    record = composite.measure(f"zoo_{name}", steps=1, size="tiny", warmup=0, batch_size=4,
+                               modes=("stock",))
+    _check_patterns(record, ("stock",))
+    if rooted:
+        assert record["modes"]["stock"]["patterns"][rooted]["root_ops"] > 0
 
 
 def test_record_round_trips_and_stays_out_of_the_results_reader(mobilenet, tmp_path):
