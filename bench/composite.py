@@ -10,9 +10,9 @@ measures how much of a training step those ops take, from TensorFlow's own profi
    random data from :func:`bench.workloads.random_dataset`), once per mode: ``stock`` (tfmx
    off) and ``tfmx`` (``tfmx.enable(guard=False)``: the step tfmx's rewrite makes, not the
    guard's pick between it and stock, which could be stock or XLA itself).
-2. The first call traces the step with TensorFlow's graph collection on: the graphs the
-   runtime executes (after Grappler), node names, op types and inputs. Then ``warmup`` more
-   calls, then ``steps`` calls under ``tf.profiler.experimental``; the XSpace it writes holds
+2. The first call (it traces) and ``warmup`` more run with TensorFlow's graph collection on:
+   the graphs the runtime executes (after Grappler), node names, op types and inputs. Then
+   ``steps`` calls under ``tf.profiler.experimental``; the XSpace it writes holds
    one event per op kernel executed on the host threads (node name with its name scopes, op
    type, start, duration; asynchronous kernels such as an XLA-compiled call as their
    ``ExecutorState::ProcessAsync::Start`` event).
