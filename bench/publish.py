@@ -7,7 +7,10 @@ record under ``bench/results/`` (:func:`bench.records.load_records`, written by
 - BENCHMARKS.md (:func:`format_benchmarks`): how to reproduce a row, how to read the tables,
   then per machine (processor, cores, flags, TensorFlow and Keras) one row per workload and
   oneDNN state: each mode's median ms/step with its p25-p75 spread, tfmx / stock, the best
-  alternative and tfmx / best alternative; then the command that measured each row.
+  alternative and tfmx / best alternative; then the command that measured each row; then the
+  sections of the records kept in subfolders (:func:`extra_sections`): the price of a short
+  fit (``python -m bench.fit_price --record``) and what tfmx leaves composite in the zoo models
+  (``python -m bench.composite --record``).
 - The README's small table (:func:`format_readme_table`), between the lines
   ``<!-- bench-table:start -->`` and ``<!-- bench-table:end -->``, only where both exist
   (:func:`replace_between_markers`); nothing else of the README is touched.
@@ -158,8 +161,9 @@ def format_machine(title: str, records: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines + commands)
 
 
-def format_benchmarks(records: Sequence[Mapping[str, Any]]) -> str:
-    """BENCHMARKS.md's text from ``records`` (:func:`bench.records.load_records`).
+def format_benchmarks(records: Sequence[Mapping[str, Any]], extras: Sequence[str] = ()) -> str:
+    """BENCHMARKS.md's text from ``records`` (:func:`bench.records.load_records`), then the
+    ``extras`` sections (:func:`extra_sections`) that are not empty.
 
     >>> text = format_benchmarks([])
     >>> text.splitlines()[0], "No benchmark recorded yet" in text
@@ -168,7 +172,24 @@ def format_benchmarks(records: Sequence[Mapping[str, Any]]) -> str:
     if not records:
         return f"{HEADER}\n\nNo benchmark recorded yet: `{EXAMPLE}`.\n"
     sections = [format_machine(title, group) for title, group in by_machine(records).items()]
+    sections += [extra.strip() for extra in extras if extra and extra.strip()]
     return HEADER + "\n\n" + "\n\n".join(sections) + "\n"
+
+
+def extra_sections(results: str | Path | None = None) -> list[str]:
+    """BENCHMARKS.md's sections from the records kept beside the step records, in subfolders
+    of ``results`` (default :data:`bench.records.RESULTS_DIR`): the price of a short fit
+    (``fit_price/``, :mod:`bench.fit_price`) and what tfmx leaves composite in the zoo
+    models (``composite/``, :mod:`bench.composite`); "" where none is recorded.
+
+    >>> extra_sections("/no/such/folder")
+    ['', '']
+    """
+    from bench import composite, fit_price
+
+    folder = Path(results) if results is not None else RESULTS_DIR
+    return [fit_price.format_fit_price_section(fit_price.load_fit_prices(folder / "fit_price")),
+            composite.format_composite(composite.load_composite(folder / "composite"))]
 
 
 def format_readme_table(records: Sequence[Mapping[str, Any]]) -> str:
@@ -248,13 +269,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     records = load_records(args.results)
     if not args.markdown:
-        print(format_benchmarks(records), end="")
+        print(format_benchmarks(records, extra_sections(args.results)), end="")
         return 0
     if not records:
         print(f"bench.tables: no record in {args.results}; make some with `{EXAMPLE}`; "
               f"nothing written", file=sys.stderr)
         return 1
-    Path(args.benchmarks).write_text(format_benchmarks(records))
+    Path(args.benchmarks).write_text(format_benchmarks(records, extra_sections(args.results)))
     print(f"wrote {args.benchmarks} from {len(records)} record(s)", file=sys.stderr)
     readme = Path(args.readme)
     text = readme.read_text() if readme.is_file() else ""
