@@ -343,7 +343,10 @@ SECTION_INTRO = textwrap.fill(
     "trial included; each fit a new model from the same weights, stock and tfmx interleaved, "
     "the median of the rounds. Warm: the tuning cache already holds the workload's shapes "
     "(any fit after the first on a machine); cold: every tfmx fit starts from an empty tuning "
-    "cache, as a first fit on a new machine does.", width=100)
+    "cache, as a first fit on a new machine does. \"tfmx ran\" says which step tfmx ran: where "
+    "it is the stock step (the price gate: tracing tfmx's form could not pay for itself in so "
+    "few steps), tfmx's gain is in how Keras's loop runs it: the step built before its first "
+    "trace, so traced once, and called without `tf.function`'s per-call lookup.", width=100)
 
 
 def _order(record: Mapping[str, Any]) -> tuple[int, str, bool]:
@@ -367,7 +370,7 @@ def format_fit_price_section(records: Sequence[Mapping[str, Any]]) -> str:
     >>> print(text.splitlines()[0])
     ## The price of a short fit
     >>> print(text.splitlines()[-1])
-    | mlp | 3 x 512 (48 steps of 32) | 2.00 | 3.00 | 1.500 | cold |
+    | mlp | 3 x 512 (48 steps of 32) | 2.00 | 3.00 | 1.500 | cold | - |
     >>> format_fit_price_section([])
     ''
     """
@@ -387,8 +390,8 @@ def format_fit_price_section(records: Sequence[Mapping[str, Any]]) -> str:
     for (title, _), group in groups.items():
         onednn = format_onednn(group)
         lines += [f"Machine: {title}." + (f" {onednn}" if onednn else ""), "",
-                  "| workload | fit | stock s | tfmx s | tfmx / stock | cold / warm |",
-                  "|---|---|---:|---:|---:|---|"]
+                  "| workload | fit | stock s | tfmx s | tfmx / stock | cold / warm | tfmx ran |",
+                  "|---|---|---:|---:|---:|---|---|"]
         for r in group:
             median = r.get("median_s") or {}
             cells = [r.get("workload", "?"),
@@ -396,10 +399,36 @@ def format_fit_price_section(records: Sequence[Mapping[str, Any]]) -> str:
                      f"{r.get('batch_size')})",
                      *(f"{median[m]:.2f}" if m in median else "-" for m in ("stock", "tfmx")),
                      "-" if r.get("tfmx/stock") is None else f"{r['tfmx/stock']:.3f}",
-                     "cold" if r.get("cold") else "warm"]
+                     "cold" if r.get("cold") else "warm", what_ran(r)]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         lines.append("")
     return "\n".join(lines).rstrip("\n")
+
+
+def what_ran(record: Mapping[str, Any]) -> str:
+    """What the last tfmx fit of ``record`` ran: the stock step by the price gate's verdict
+    (every call, or its first calls before tfmx's form was traced), or the form its guard kept.
+
+    >>> what_ran({"fits": {"tfmx": [{"price": ["price gate: f ran as stock: why"]}]}})
+    'the stock step (price gate)'
+    >>> what_ran({"fits": {"tfmx": [{"kept": "fused", "final": True}]}})
+    'fused (guard)'
+    """
+    fits = (record.get("fits") or {}).get("tfmx") or []
+    if not fits:
+        return "-"
+    last = fits[-1]
+    price = last.get("price") or []
+    if isinstance(price, str):
+        price = [price]
+    kept = last.get("kept")
+    if kept:
+        switched = any(" after " in n and "ran as tfmx" in n for n in price)
+        when = "; traced mid-fit" if switched else ""
+        return f"{kept} ({'guard' if last.get('final', True) else 'guard, trial paused'}{when})"
+    if any("ran as stock" in n for n in price):
+        return "the stock step (price gate)"
+    return "-"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -89,10 +89,10 @@ def test_section_renders_from_records() -> None:
     assert "tracing" in text and "empty tuning cache" in text
     assert "python -m bench.fit_price --model zoo --cold" in text
     assert "Test CPU, 2 cores" in text and "oneDNN off: TF_ENABLE_ONEDNN_OPTS=0" in text
-    head = "| workload | fit | stock s | tfmx s | tfmx / stock | cold / warm |"
+    head = "| workload | fit | stock s | tfmx s | tfmx / stock | cold / warm | tfmx ran |"
     assert lines[lines.index(head) + 2:] == [  # tfmx's own workloads first, then the zoo's
-        "| mlp | 3 x 512 (48 steps of 32) | 2.00 | 3.00 | 1.500 | warm |",
-        "| zoo_llama | 3 x 512 (48 steps of 32) | 10.00 | 12.50 | 1.250 | cold |"]
+        "| mlp | 3 x 512 (48 steps of 32) | 2.00 | 3.00 | 1.500 | warm | - |",
+        "| zoo_llama | 3 x 512 (48 steps of 32) | 10.00 | 12.50 | 1.250 | cold | - |"]
 
 
 def test_section_has_a_table_per_machine_and_onednn_state() -> None:
