@@ -355,3 +355,28 @@ def test_a_form_that_fails_mid_fit_leaves_stock_running(monkeypatch):
                "failure); stock runs on" in n for n in report.notes)
     for got, want in zip(weights, stock_weights, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_later_fit_asks_the_gate_again_for_its_own_calls(monkeypatch):
+    seen = []
+
+    def gate(figures, calls, share=None, cache=None, switchable=False, traced=False):
+        seen.append((calls, traced))
+        return GateDecision("tfmx" if traced and len(seen) > 2 else "stock", "injected")
+
+    monkeypatch.setattr(guard, "price_gate", gate)
+    x = np.random.default_rng(0).normal(size=(256, 16)).astype("float32")
+    y = np.zeros(256, "int32")
+    tfmx.enable(backend="cpu", guard=True, tune="off", xla=False)
+    try:
+        model = _model()
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)  # 8 calls: stock throughout
+        assert [t.status for t in tfmx.report().traces] == ["stock: price gate"]
+        model.fit(x, y, batch_size=32, epochs=3, verbose=0)  # 24 calls: asked at its first
+        # before the first trace (8 calls), after 6 calls as stock (2 left), then the second
+        # fit's first call (23 left): tfmx's form traced on its next call
+        assert seen == [(8, False), (2, True), (23, True)]
+        assert [t.status for t in tfmx.report().traces] == ["stock: price gate", "rewritten"]
+        assert tfmx.report().python_traces[("Sequential.train_step", "stages")] == 1
+    finally:
+        tfmx.disable()
