@@ -752,8 +752,8 @@ def format_composite(records: Iterable[Mapping[str, Any]]) -> str:
         "",
     ]
     envs = []
-    for r in records:
-        line = format_environment(r["env"])
+    for r in records:  # one line per machine (its date aside)
+        line = format_environment({**r["env"], "date": str(r["env"].get("date", ""))[:10]})
         if line not in envs:
             envs.append(line)
     lines += envs + [""]
