@@ -731,7 +731,7 @@ def format_composite(records: Iterable[Mapping[str, Any]]) -> str:
     | zoo_llama | the step: ms with an op running | 8.00 | 6.00 |
     ...
     """
-    from bench.tables import format_environment
+    from bench.environment import format_environment
 
     records = list(records)
     if not records:

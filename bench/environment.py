@@ -1,8 +1,8 @@
 """The machine a benchmark ran on: date, versions, processor, oneDNN state.
 
 :func:`environment` is recorded with every result (``tfmx bench``, the whole-fit prices, the
-recipes' ``metrics.json``) and printed above every table
-(:func:`bench.tables.format_environment`).
+recipes' ``metrics.json``) and printed above every table (:func:`format_environment`, with
+:func:`format_onednn` for the oneDNN state; :func:`machine` as a heading).
 
 Example:
     >>> from bench.environment import environment
@@ -16,9 +16,10 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from bench.onednn import ONEDNN_ENV
+from bench.onednn import ONEDNN_ENV, onednn_state
 
 
 def environment() -> dict[str, Any]:
@@ -56,3 +57,69 @@ def environment() -> dict[str, Any]:
         "onednn_env": os.environ.get(ONEDNN_ENV),
         "gpus": len(tf.config.list_physical_devices("GPU")),
     }
+
+
+def format_environment(env: Mapping[str, Any]) -> str:
+    """One markdown line: when, which processor (and its flags), versions.
+
+    The oneDNN state is per result: :func:`format_onednn`.
+
+    >>> print(format_environment({"date": "2026-01-02 10:00", "tensorflow": "2.21.0",
+    ...     "keras": "3.15.1", "python": "3.12.1", "platform": "Linux-6.8", "cpu": "AMD EPYC",
+    ...     "cpu_vendor": "AuthenticAMD", "cpu_family": "25", "cpu_model": "17",
+    ...     "cpu_flags": ["avx2", "avx512f"], "cpu_count": 2, "gpus": 0}))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    _2026-01-02 10:00; AMD EPYC (AuthenticAMD, family 25, model 17), 2 cores,
+    flags: avx2 avx512f; TensorFlow 2.21.0, Keras 3.15.1, Python 3.12.1; Linux-6.8; GPUs: 0_
+    """
+    ids = [env.get("cpu_vendor")]
+    ids += [f"{name} {env[key]}" for name, key in (("family", "cpu_family"),
+                                                  ("model", "cpu_model")) if env.get(key)]
+    ids_s = ", ".join(i for i in ids if i)
+    cpu = f"{env['cpu']} ({ids_s})" if ids_s else env["cpu"]
+    flags = " ".join(env.get("cpu_flags") or []) or "none of " + " ".join(_relevant_flags())
+    return (f"_{env['date']}; {cpu}, {env['cpu_count']} cores, flags: {flags}; "
+            f"TensorFlow {env['tensorflow']}, Keras {env['keras']}, Python {env['python']}; "
+            f"{env['platform']}; GPUs: {env['gpus']}_")
+
+
+def _relevant_flags() -> tuple[str, ...]:
+    from tfmx.machine import RELEVANT_FLAGS
+
+    return RELEVANT_FLAGS
+
+
+def format_onednn(results: Iterable[Mapping[str, Any]]) -> str:
+    """One markdown line: each oneDNN state measured, and how the process got it.
+
+    >>> print(format_onednn([
+    ...     {"env": {"onednn": True, "onednn_env": "1"}, "isolated": True},
+    ...     {"env": {"onednn": False, "onednn_env": None}}]))  # doctest: +NORMALIZE_WHITESPACE
+    _oneDNN on: TF_ENABLE_ONEDNN_OPTS=1, a process of its own; oneDNN off:
+    TF_ENABLE_ONEDNN_OPTS unset (TensorFlow's default), the calling process_
+    """
+    seen: dict[str, str] = {}
+    for r in results:
+        state = onednn_state(r)
+        if state == "?" or state in seen:
+            continue
+        value = r["env"].get("onednn_env")
+        how = (f"{ONEDNN_ENV}={value}" if value is not None
+               else f"{ONEDNN_ENV} unset (TensorFlow's default)")
+        where = "a process of its own" if r.get("isolated") else "the calling process"
+        seen[state] = f"oneDNN {state}: {how}, {where}"
+    return f"_{'; '.join(seen.values())}_" if seen else ""
+
+
+def machine(env: Mapping[str, Any]) -> str:
+    """The machine a record ran on, as a heading: processor, cores, flags, versions.
+
+    >>> machine({"cpu": "AMD EPYC", "cpu_count": 2, "cpu_flags": ["avx2"],
+    ...          "tensorflow": "2.21.0", "keras": "3.15.1", "python": "3.11.7"})
+    'AMD EPYC, 2 cores (flags: avx2); TensorFlow 2.21.0, Keras 3.15.1, Python 3.11.7'
+    """
+    flags = " ".join(env.get("cpu_flags") or []) or "none of interest"
+    gpus = f", {env['gpus']} GPU(s)" if env.get("gpus") else ""
+    return (f"{env.get('cpu') or 'unknown processor'}, {env.get('cpu_count')} cores "
+            f"(flags: {flags}){gpus}; TensorFlow {env.get('tensorflow')}, Keras "
+            f"{env.get('keras')}, Python {env.get('python')}")

@@ -59,11 +59,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.environment import environment
+from bench.environment import environment, format_environment, format_onednn, machine
 from bench.onednn import onednn_state
 from bench.records import RESULTS_DIR as RECORDS_DIR
 from bench.records import narrow_command
-from bench.tables import format_environment, format_onednn
 from bench.workloads import GROUPS, WORKLOADS, Workload, build_model, expand_models, random_dataset
 
 MODES = ("stock", "tfmx", "guard off", "no budget", "decided")
@@ -382,7 +381,6 @@ def format_fit_price_section(records: Sequence[Mapping[str, Any]]) -> str:
     if commands:
         lines += ["Measured with (`--record` writes a record per workload and cold/warm "
                   "under `bench/results/fit_price/`):", "", "```", *commands, "```", ""]
-    from bench.publish import machine  # (bench.publish renders this section)
 
     groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     for r in records:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare import compare
+from bench.environment import machine
 from bench.records import RESULTS_DIR, load_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,20 +86,6 @@ def _suffix(state: str) -> str:
 
 def _state(state: str) -> str:
     return "-" if state in ("?", None) else state
-
-
-def machine(env: Mapping[str, Any]) -> str:
-    """The machine a record ran on, as a heading: processor, cores, flags, versions.
-
-    >>> machine({"cpu": "AMD EPYC", "cpu_count": 2, "cpu_flags": ["avx2"],
-    ...          "tensorflow": "2.21.0", "keras": "3.15.1", "python": "3.11.7"})
-    'AMD EPYC, 2 cores (flags: avx2); TensorFlow 2.21.0, Keras 3.15.1, Python 3.11.7'
-    """
-    flags = " ".join(env.get("cpu_flags") or []) or "none of interest"
-    gpus = f", {env['gpus']} GPU(s)" if env.get("gpus") else ""
-    return (f"{env.get('cpu') or 'unknown processor'}, {env.get('cpu_count')} cores "
-            f"(flags: {flags}){gpus}; TensorFlow {env.get('tensorflow')}, Keras "
-            f"{env.get('keras')}, Python {env.get('python')}")
 
 
 def by_machine(records: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:

@@ -52,7 +52,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from bench.compare import by_workload, compare
-from bench.onednn import ONEDNN_ENV, onednn_state
+from bench.environment import format_environment, format_onednn
+from bench.onednn import onednn_state
 from bench.replicas import REPLICA_TOLERANCE, compare_replicas, several_replicas
 from bench.timing import NOISY_SPREAD, noisy_modes, paired_ratios
 
@@ -69,58 +70,6 @@ def _ratio(value: float | None) -> str:
 
 def _state_suffix(state: str) -> str:
     return "" if state == "?" else f" ({state})"
-
-
-def format_environment(env: Mapping[str, Any]) -> str:
-    """One markdown line: when, which processor (and its flags), versions.
-
-    The oneDNN state is per result: :func:`format_onednn`.
-
-    >>> print(format_environment({"date": "2026-01-02 10:00", "tensorflow": "2.21.0",
-    ...     "keras": "3.15.1", "python": "3.12.1", "platform": "Linux-6.8", "cpu": "AMD EPYC",
-    ...     "cpu_vendor": "AuthenticAMD", "cpu_family": "25", "cpu_model": "17",
-    ...     "cpu_flags": ["avx2", "avx512f"], "cpu_count": 2, "gpus": 0}))
-    ... # doctest: +NORMALIZE_WHITESPACE
-    _2026-01-02 10:00; AMD EPYC (AuthenticAMD, family 25, model 17), 2 cores,
-    flags: avx2 avx512f; TensorFlow 2.21.0, Keras 3.15.1, Python 3.12.1; Linux-6.8; GPUs: 0_
-    """
-    ids = [env.get("cpu_vendor")]
-    ids += [f"{name} {env[key]}" for name, key in (("family", "cpu_family"),
-                                                  ("model", "cpu_model")) if env.get(key)]
-    ids_s = ", ".join(i for i in ids if i)
-    cpu = f"{env['cpu']} ({ids_s})" if ids_s else env["cpu"]
-    flags = " ".join(env.get("cpu_flags") or []) or "none of " + " ".join(_relevant_flags())
-    return (f"_{env['date']}; {cpu}, {env['cpu_count']} cores, flags: {flags}; "
-            f"TensorFlow {env['tensorflow']}, Keras {env['keras']}, Python {env['python']}; "
-            f"{env['platform']}; GPUs: {env['gpus']}_")
-
-
-def _relevant_flags() -> tuple[str, ...]:
-    from tfmx.machine import RELEVANT_FLAGS
-
-    return RELEVANT_FLAGS
-
-
-def format_onednn(results: Iterable[Mapping[str, Any]]) -> str:
-    """One markdown line: each oneDNN state measured, and how the process got it.
-
-    >>> print(format_onednn([
-    ...     {"env": {"onednn": True, "onednn_env": "1"}, "isolated": True},
-    ...     {"env": {"onednn": False, "onednn_env": None}}]))  # doctest: +NORMALIZE_WHITESPACE
-    _oneDNN on: TF_ENABLE_ONEDNN_OPTS=1, a process of its own; oneDNN off:
-    TF_ENABLE_ONEDNN_OPTS unset (TensorFlow's default), the calling process_
-    """
-    seen: dict[str, str] = {}
-    for r in results:
-        state = onednn_state(r)
-        if state == "?" or state in seen:
-            continue
-        value = r["env"].get("onednn_env")
-        how = (f"{ONEDNN_ENV}={value}" if value is not None
-               else f"{ONEDNN_ENV} unset (TensorFlow's default)")
-        where = "a process of its own" if r.get("isolated") else "the calling process"
-        seen[state] = f"oneDNN {state}: {how}, {where}"
-    return f"_{'; '.join(seen.values())}_" if seen else ""
 
 
 def format_comparison(results: Iterable[Mapping[str, Any]]) -> str:
