@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import zoo
-from bench.records import RESULTS_DIR
+from bench.records import RESULTS_DIR, read_json_records
 
 COMPOSITE_DIR = RESULTS_DIR / "composite"
 """Where ``python -m bench.composite --record`` writes and :func:`load_composite` reads."""
@@ -582,8 +582,7 @@ def measure(workload: str, steps: int = 10, size: str = "bench",
     """
     import tfmx
     from bench.environment import environment
-    from bench.workloads import build_model, random_dataset
-    from tfmx import state
+    from bench.workloads import build_model, random_dataset, tfmx_restored
 
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
@@ -592,10 +591,9 @@ def measure(workload: str, steps: int = 10, size: str = "bench",
     spec = workload_at(workload, size)
     batch = batch_size or spec.batch_size
     patterns = list(zoo.MODELS[name].composite)
-    previous = state.options()
     results = {}
     weights = None
-    try:
+    with tfmx_restored():
         for mode in modes:
             if mode == "stock":
                 tfmx.disable()
@@ -607,12 +605,6 @@ def measure(workload: str, steps: int = 10, size: str = "bench",
             iterator = iter(random_dataset(spec, batch, seed))
             profile = profile_step(model.train_function, iterator, steps, warmup)
             results[mode] = summarize(profile, patterns, steps)
-    finally:
-        if previous is None:
-            tfmx.disable()
-        else:
-            tfmx.enable(backend=previous.backend.name, patterns=previous.patterns,
-                        verify=previous.verify)
     return {
         "schema": SCHEMA,
         "model": workload,
@@ -690,15 +682,8 @@ def load_composite(directory: str | Path | None = None) -> list[dict[str, Any]]:
     >>> load_composite("/no/such/folder")
     []
     """
-    folder = Path(directory) if directory is not None else COMPOSITE_DIR
-    records = []
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(record, dict) and record.get("schema") == SCHEMA and "modes" in record:
-            records.append(record)
+    records = read_json_records(directory if directory is not None else COMPOSITE_DIR,
+                                lambda r: r.get("schema") == SCHEMA and "modes" in r)
     rank = {w: i for i, w in enumerate(zoo_workloads())}
     return sorted(records, key=lambda r: (rank.get(r.get("model"), len(rank)),
                                           not (r.get("env") or {}).get("onednn")))

@@ -62,7 +62,7 @@ from typing import Any
 from bench.environment import environment, format_environment, format_onednn, machine
 from bench.onednn import onednn_state
 from bench.records import RESULTS_DIR as RECORDS_DIR
-from bench.records import narrow_command
+from bench.records import narrow_command, read_json_records
 from bench.workloads import GROUPS, WORKLOADS, Workload, build_model, expand_models, random_dataset
 
 MODES = ("stock", "tfmx", "guard off", "no budget", "decided")
@@ -323,17 +323,8 @@ def load_fit_prices(directory: str | Path | None = None) -> list[dict[str, Any]]
     >>> load_fit_prices("/no/such/folder")
     []
     """
-    folder = Path(directory) if directory is not None else RESULTS_DIR
-    found = [_json(p) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
-    return [r for r in found if isinstance(r, dict) and r.get("fit_price_schema") == SCHEMA]
-
-
-def _json(path: Path) -> Any:
-    """``path``'s JSON, or None where it cannot be read or parsed."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    return read_json_records(directory if directory is not None else RESULTS_DIR,
+                             lambda record: record.get("fit_price_schema") == SCHEMA)
 
 
 SECTION_INTRO = textwrap.fill(

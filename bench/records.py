@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -160,13 +160,26 @@ def load_records(directory: str | Path | None = None) -> list[dict[str, Any]]:
     >>> load_records("/no/such/folder")
     []
     """
-    folder = Path(directory) if directory is not None else RESULTS_DIR
+    return read_json_records(directory if directory is not None else RESULTS_DIR,
+                             lambda record: record.get("schema") == SCHEMA)
+
+
+def read_json_records(directory: str | Path,
+                      accept: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
+    """The JSON objects of ``directory``'s ``*.json`` files, by file name, that ``accept``
+    takes; files that cannot be read or parsed, or hold no object, are left out. [] if there
+    is no folder.
+
+    >>> read_json_records("/no/such/folder", lambda record: True)
+    []
+    """
+    folder = Path(directory)
     records = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(record, dict) and record.get("schema") == SCHEMA:
+        if isinstance(record, dict) and accept(record):
             records.append(record)
     return records

@@ -59,6 +59,7 @@ from bench.workloads import (
     build_model,
     expand_models,
     random_dataset,
+    tfmx_restored,
 )
 from tfmx.timing import sync
 
@@ -122,7 +123,6 @@ def _measure(model_name: str, counts: Sequence[int], rounds: int | None = None,
     timed interleaved with the others in one :func:`time_step_functions`: one result per
     count. ``modes`` None: :func:`replica_modes` of the largest count."""
     import tfmx
-    from tfmx import state
 
     if model_name not in WORKLOADS:
         raise ValueError(f"unknown model {model_name!r}; choose one of {tuple(WORKLOADS)}")
@@ -137,7 +137,6 @@ def _measure(model_name: str, counts: Sequence[int], rounds: int | None = None,
     rounds = rounds or workload.rounds
     steps = steps or workload.steps
     strategies = {n: mirrored_strategy(n) for n in counts}  # first: the CPU split before any op
-    previous = state.options()
     # stock first (built and traced with tfmx off), then tfmx and xla with tfmx on.
     ordered = [m for m in MODES if m in modes]
     dataset = random_dataset(workload, batch_size, seed)
@@ -149,7 +148,7 @@ def _measure(model_name: str, counts: Sequence[int], rounds: int | None = None,
         import policies
 
         choice = policies.resolve(policy)
-    try:
+    with tfmx_restored():
         fns, first_trace, layer_policies, spans = _step_functions(
             workload, ordered, strategies, feeds, dataset, seed, backend, policy, optimizer)
         if "tfmx" in ordered or "xla" in ordered:
@@ -157,12 +156,6 @@ def _measure(model_name: str, counts: Sequence[int], rounds: int | None = None,
         report = tfmx.report() if "tfmx" in ordered else None
         timing = time_step_functions(fns, lambda key: iter(feeds[key[1]]), rounds, steps,
                                      warmup)
-    finally:
-        if previous is None:
-            tfmx.disable()
-        else:
-            tfmx.enable(backend=previous.backend.name, patterns=previous.patterns,
-                        verify=previous.verify)
     env = environment()
     results = []
     for n in counts:

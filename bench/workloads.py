@@ -19,9 +19,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -356,3 +357,28 @@ def build_model(workload: Workload, mode: str, seed: int, weights: list | None,
             # replicas' trace (where creating a mirrored variable fails).
             model._maybe_symbolic_build(data_batch=next(iter(dataset)))
     return model
+
+
+@contextlib.contextmanager
+def tfmx_restored() -> Iterator[None]:
+    """Inside, a benchmark switches tfmx on and off as it measures; after, tfmx is as it was
+    before (off, or enabled with the same backend, patterns and verify).
+
+    >>> import tfmx
+    >>> with tfmx_restored():
+    ...     tfmx.enable(backend="cpu")
+    >>> tfmx.enabled()
+    False
+    """
+    import tfmx
+    from tfmx import state
+
+    previous = state.options()
+    try:
+        yield
+    finally:
+        if previous is None:
+            tfmx.disable()
+        else:
+            tfmx.enable(backend=previous.backend.name, patterns=previous.patterns,
+                        verify=previous.verify)
