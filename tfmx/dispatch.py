@@ -204,9 +204,8 @@ class IteratorDispatch:
         cache = state.tuning_cache()
         verdict = guard.price_gate(guard.price_figures(watch.price_key, cache), left,
                                    guard.budget_share(), cache, traced=True)
-        state.report().note(f"price gate, after {watch.calls} call(s) as stock: "
-                            f"{verdict.describe(self._name)[len('price gate: '):]} "
-                            f"(the {left} calls left)")
+        state.report().note(f"price gate, after {watch.calls} call(s) as stock: {self._name} "
+                            f"ran as {verdict.run}: {verdict.why} (the {left} calls left)")
         watch.switch = verdict.run == "tfmx"
 
     def _switch(self, slot: _Slot, iterator: Any) -> Any:
