@@ -5,6 +5,8 @@ Every test here decides from injected figures, timings and plans, never from a t
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -215,6 +217,18 @@ def _model():
     return model
 
 
+@contextlib.contextmanager
+def _gated(monkeypatch, gate):
+    """tfmx on with the guard and ``gate`` as the price gate: a new model, its data."""
+    monkeypatch.setattr(guard, "price_gate", gate)
+    x = np.random.default_rng(0).normal(size=(256, 16)).astype("float32")
+    tfmx.enable(backend="cpu", guard=True, tune="off", xla=False)
+    try:
+        yield _model(), x, np.zeros(256, "int32")
+    finally:
+        tfmx.disable()
+
+
 def test_a_gated_fit_runs_stock_untraced_by_tfmx_and_learns_stocks_price(monkeypatch):
     seen = []
 
@@ -222,12 +236,7 @@ def test_a_gated_fit_runs_stock_untraced_by_tfmx_and_learns_stocks_price(monkeyp
         seen.append((calls, switchable, traced))
         return GateDecision("stock", "injected")
 
-    monkeypatch.setattr(guard, "price_gate", gate)
-    x = np.random.default_rng(0).normal(size=(256, 16)).astype("float32")
-    y = np.zeros(256, "int32")
-    tfmx.enable(backend="cpu", guard=True, tune="off", xla=False)
-    try:
-        model = _model()
+    with _gated(monkeypatch, gate) as (model, x, y):
         model.fit(x, y, batch_size=32, epochs=2, verbose=0)
         report = tfmx.report()
         # asked before the first trace, then after 1 + WATCHED_CALLS calls for the 10 left
@@ -240,8 +249,6 @@ def test_a_gated_fit_runs_stock_untraced_by_tfmx_and_learns_stocks_price(monkeyp
         assert key.startswith("Sequential.train_step ")
         assert set(guard._prices[key]) == {"stock_first_s", "stock_ms", "ops"}
         assert guard.active_plan() is None  # the fit ended
-    finally:
-        tfmx.disable()
 
 
 def test_a_fit_without_the_guard_is_not_gated(monkeypatch):
@@ -364,12 +371,7 @@ def test_a_later_fit_asks_the_gate_again_for_its_own_calls(monkeypatch):
         seen.append((calls, traced))
         return GateDecision("tfmx" if traced and len(seen) > 2 else "stock", "injected")
 
-    monkeypatch.setattr(guard, "price_gate", gate)
-    x = np.random.default_rng(0).normal(size=(256, 16)).astype("float32")
-    y = np.zeros(256, "int32")
-    tfmx.enable(backend="cpu", guard=True, tune="off", xla=False)
-    try:
-        model = _model()
+    with _gated(monkeypatch, gate) as (model, x, y):
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)  # 8 calls: stock throughout
         assert [t.status for t in tfmx.report().traces] == ["stock: price gate"]
         model.fit(x, y, batch_size=32, epochs=3, verbose=0)  # 24 calls: asked at its first
@@ -378,5 +380,3 @@ def test_a_later_fit_asks_the_gate_again_for_its_own_calls(monkeypatch):
         assert seen == [(8, False), (2, True), (23, True)]
         assert [t.status for t in tfmx.report().traces] == ["stock: price gate", "rewritten"]
         assert tfmx.report().python_traces[("Sequential.train_step", "stages")] == 1
-    finally:
-        tfmx.disable()
