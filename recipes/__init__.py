@@ -1,9 +1,10 @@
 """Runnable training recipes: ``python -m recipes.<name>`` or ``tfmx recipe <name>``.
 
 Each recipe is a module with ``main(argv=None) -> dict`` whose docstring's first line says what
-it shows (``tfmx recipe --list``). The training recipes share one runner (``recipes._common``:
+it shows (``tfmx recipe --list``). The training recipes share one runner (``recipes._runner``:
 flags, stock / tfmx / stock' runs from the same weights, step times, ``metrics.json``, a PNG,
-TensorBoard logs) and one set of data loaders (``recipes._data``); ``recipes.tour`` runs the
+TensorBoard logs; its parts in ``recipes._flags``, ``recipes._train``, ``recipes._compare`` and
+``recipes._plot``) and one set of data loaders (``recipes._data``); ``recipes.tour`` runs the
 ones where tfmx shows its worth and summarises them in one table and one picture.
 
 Example:

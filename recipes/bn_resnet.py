@@ -28,7 +28,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from recipes import _data
-from recipes._common import Recipe, run
+from recipes._recipe import Recipe
+from recipes._runner import run
 
 
 def load(args: argparse.Namespace) -> _data.Dataset:

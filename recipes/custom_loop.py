@@ -31,16 +31,10 @@ from typing import Any
 import numpy as np
 
 from recipes import _data
-from recipes._common import (
-    TFMX,
-    Recipe,
-    RunRecord,
-    positive_int,
-    progress_verbosity,
-    run,
-    schedule,
-    tensorboard_callback,
-)
+from recipes._flags import positive_int
+from recipes._recipe import TFMX, Recipe, RunRecord
+from recipes._runner import run
+from recipes._train import progress_verbosity, schedule, tensorboard_callback
 
 
 def _extra(p: argparse.ArgumentParser) -> None:

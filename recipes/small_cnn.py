@@ -15,7 +15,7 @@ Run it::
     tfmx recipe small_cnn --epochs 2 --out /tmp/small_cnn
 
 It trains stock, with tfmx and the stock' chaos baseline from the same weights (the shared
-runner, ``recipes._common``), prints Keras progress bars, ``tfmx.report()``, the final
+runner, ``recipes._runner``), prints Keras progress bars, ``tfmx.report()``, the final
 accuracies beside stock's own rounding noise and the step times (in fit, and interleaved with
 :func:`bench.timing.time_step_functions`), and writes ``metrics.json``, ``small_cnn.png`` and
 TensorBoard logs into ``--out``.
@@ -35,7 +35,6 @@ from typing import Any
 
 import numpy as np
 
-from recipes._common import Recipe, run
 from recipes._data import (  # noqa: F401 - make_data: the recipe's data, named here too
     STRIPE_CLASSES,
     STRIPE_SHAPE,
@@ -43,6 +42,8 @@ from recipes._data import (  # noqa: F401 - make_data: the recipe's data, named 
     make_data,
     synthetic_images,
 )
+from recipes._recipe import Recipe
+from recipes._runner import run
 
 NUM_CLASSES = STRIPE_CLASSES
 IMAGE_SHAPE = STRIPE_SHAPE
@@ -113,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     float32), so the accuracies compare mixed precision with float32; an unknown name raises
     ValueError before training.
 
-    Returns what ``metrics.json`` holds (``recipes._common.METRICS_KEYS``) and, flat:
+    Returns what ``metrics.json`` holds (``recipes._runner.METRICS_KEYS``) and, flat:
     ``policy``, ``epochs``, ``batch_size``, ``samples``, ``stock_accuracy``,
     ``tfmx_accuracy`` (held-out), ``stock_ms``, ``tfmx_ms`` (interleaved medians),
     ``step_time_ratio`` (tfmx/stock), ``fused`` (chains fused) and ``seconds``.

@@ -46,7 +46,7 @@ TOUR: list[tuple[str, list[str], list[str]]] = [
 
 
 def _parser() -> argparse.ArgumentParser:
-    from recipes._common import positive_int
+    from recipes._flags import positive_int
 
     p = argparse.ArgumentParser(prog="python -m recipes.tour", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",

@@ -29,7 +29,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from recipes import _data
-from recipes._common import Recipe, positive_int, run
+from recipes._flags import positive_int
+from recipes._recipe import Recipe
+from recipes._runner import run
 
 
 def _extra(p: argparse.ArgumentParser) -> None:

@@ -55,7 +55,8 @@ def _workload(name: str, policy: str = "float32"):
 
 
 def _recipe(name: str, monkeypatch):
-    from recipes._common import default_compile, parse
+    from recipes._flags import parse
+    from recipes._train import default_compile
 
     monkeypatch.setenv("TFMX_RECIPES_OFFLINE", "1")
     recipe = importlib.import_module(f"recipes.{name}").RECIPE

@@ -97,7 +97,7 @@ def test_wheel_installs_in_a_fresh_venv_and_runs_a_recipe(tmp_path):
     names = zipfile.ZipFile(wheels[0]).namelist()
     for package in PACKAGES:
         assert f"{package}/__init__.py" in names
-    assert "recipes/small_cnn.py" in names and "recipes/_common.py" in names
+    assert "recipes/small_cnn.py" in names and "recipes/_runner.py" in names
     assert "tfmx/data/tensorflow-metal-plugin-0.4.1.json" in names
     assert any(n.endswith("licenses/LICENSE") for n in names)
     meta = zipfile.ZipFile(wheels[0]).read("tfmx_keras-0.2.0.dist-info/METADATA").decode()

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import recipes
-from recipes import _common, _data
+from recipes import _compare, _data, _runner
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -71,7 +71,7 @@ def test_recipe_quick_run_writes_metrics_png_and_tensorboard(name, tmp_path, res
     printed = capsys.readouterr().out
 
     metrics = json.loads((out / "metrics.json").read_text())
-    assert tuple(sorted(metrics)) == tuple(sorted(_common.METRICS_KEYS))
+    assert tuple(sorted(metrics)) == tuple(sorted(_runner.METRICS_KEYS))
     assert metrics["recipe"] == name and metrics["summary"]
     assert set(metrics["runs"]) == {"stock", "tfmx", "stock'"}
     for run in metrics["runs"].values():
@@ -214,9 +214,9 @@ def test_recipe_extras_are_validated(capsys, tmp_path):
 
 
 def test_within_noise():
-    assert _common.within_noise(0.90, 0.91, 0.905) == (True, 0.01, 0.005)
-    assert _common.within_noise(0.90, 0.95, 0.905)[0] is False
-    assert _common.within_noise(0.90, 0.901, 0.90, floor=0.002)[0] is True
+    assert _compare.within_noise(0.90, 0.91, 0.905) == (True, 0.01, 0.005)
+    assert _compare.within_noise(0.90, 0.95, 0.905)[0] is False
+    assert _compare.within_noise(0.90, 0.901, 0.90, floor=0.002)[0] is True
 
 
 # -- tfmx recipe --list ----------------------------------------------------------------------
@@ -341,8 +341,9 @@ def test_digits_when_scikit_learn_is_installed():
 
 
 # -- docstring examples of the recipes package -----------------------------------------------
-@pytest.mark.parametrize("name", ["recipes", "recipes._data", "recipes._common",
-                                  "recipes._workers",
+@pytest.mark.parametrize("name", ["recipes", "recipes._data", "recipes._recipe", "recipes._flags",
+                                  "recipes._train", "recipes._compare", "recipes._plot",
+                                  "recipes._runner", "recipes._workers",
                                   *(f"recipes.{n}" for n in recipes.available())])
 def test_recipes_docstring_examples_run(name):
     module = importlib.import_module(name)
@@ -352,7 +353,7 @@ def test_recipes_docstring_examples_run(name):
 
 def test_runs_folder_is_ignored_by_git():
     assert "/runs/" in (ROOT / ".gitignore").read_text().split()
-    assert os.path.basename(_common.__file__).startswith("_")  # not listed as a recipe
+    assert os.path.basename(_runner.__file__).startswith("_")  # not listed as a recipe
 
 
 def test_tfmx_recipe_name_passes_its_arguments_to_the_recipe():

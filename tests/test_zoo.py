@@ -2,7 +2,7 @@
 
 For each zoo model at its tiny size, from the same weights and data: a few ``fit`` steps stock,
 with tfmx, and as stock' (stock again from the weights times ``1 + 1e-7 * N(0, 1)``, the
-chaos baseline of recipes/_common.py: how far float32 rounding alone moves a run). tfmx's
+chaos baseline of recipes/_train.py: how far float32 rounding alone moves a run). tfmx's
 losses and weights must stay within the baseline's distance from stock (times
 :data:`NOISE_FACTOR`, one stock' run being a rough estimate of the noise); the families the
 model has must be fused; what tfmx declined must read as reasons.
@@ -23,7 +23,7 @@ from helpers import weight_scales
 
 import tfmx
 from bench import zoo
-from recipes._common import perturbed
+from recipes._train import perturbed
 
 pytestmark = pytest.mark.usefixtures("every_rewrite")
 
