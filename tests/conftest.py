@@ -1,6 +1,7 @@
 """Shared fixtures: backends, tracing a tiny tf.function, rewriting it, running the result."""
 
 import atexit
+import functools
 import os
 import shutil
 import tempfile
@@ -31,6 +32,7 @@ from helpers import (  # noqa: E402
     exact_patterns,
     graph_roundings,
     onednn_state,
+    slow_trial_forms,
 )
 
 import fusion  # noqa: E402
@@ -77,6 +79,14 @@ def every_rewrite(monkeypatch):
     from tfmx import state
 
     monkeypatch.setattr(state, "tuner", RewriteAlways)
+
+
+@pytest.fixture
+def slow_forms(monkeypatch):
+    """``slow_forms(fused=s, stock=s, xla=s)``: the steps of each form a whole-step guard
+    times in its trial take so many seconds more, until the test ends
+    (helpers.slow_trial_forms); called again, its delays replace the old ones."""
+    return functools.partial(slow_trial_forms, monkeypatch.setattr)
 
 
 @pytest.fixture(scope="session")

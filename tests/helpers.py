@@ -314,3 +314,34 @@ def assert_no_further_from_float32(reference, stock, fused, initial, terms: int,
     assert excess[worst] <= terms, (
         f"{worst}: tfmx's 16-bit fit is {excess[worst]:.2f} roundings of {dtype} (x the "
         f"weight's scale) further from float32 than stock's, above the {terms} allowed")
+
+
+def slow_trial_forms(patch, **delays: float) -> None:
+    """Every step of a form that a whole-step guard times in its trial takes ``delays[form]``
+    seconds more (a sleep within the timed call: ``StepGuard.run`` wrapped), so that the trial
+    decides. ``patch(StepGuard, "run", new)`` sets it: ``monkeypatch.setattr`` in a test (undone
+    after it), ``setattr`` in a script. The delays of a new call replace the old ones."""
+    import functools
+    import time
+
+    from tfmx.guard import StepGuard
+
+    run = getattr(StepGuard.run, "__wrapped__", StepGuard.run)
+
+    @functools.wraps(run)
+    def slowed(guard, forms):
+        def slower(form, call):
+            if not delays.get(form) or getattr(call, "slowed", False):
+                return call
+
+            def call_slowly():
+                if guard.kept is None:  # the trial times this call
+                    time.sleep(delays[form])
+                return call()
+
+            call_slowly.slowed = True  # a run after a challenger failed passes it on
+            return call_slowly
+
+        return run(guard, {form: slower(form, call) for form, call in forms.items()})
+
+    patch(StepGuard, "run", slowed if any(delays.values()) else run)

@@ -19,7 +19,6 @@ def _clean(monkeypatch):
     monkeypatch.setenv("TFMX_GUARD_BUDGET", "none")
     guard.forget()  # each test's trials start afresh in this process
     yield
-    guard.set_test_delay()
     guard.forget()
 
 
@@ -54,7 +53,7 @@ def _model(seed=0):
     return model
 
 
-def _fit(enable, delay=None, steps_per_execution=1, epochs=2, xla=False, tune="off"):
+def _fit(enable, steps_per_execution=1, epochs=2, xla=False, tune="off"):
     model = _model()
     model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -64,8 +63,6 @@ def _fit(enable, delay=None, steps_per_execution=1, epochs=2, xla=False, tune="o
     y = rng.integers(0, 4, 640)
     if enable:
         tfmx.enable(backend="cpu", guard=True, tune=tune, xla=xla)
-        if delay:
-            guard.set_test_delay(**delay)
     model.fit(x, y, batch_size=16, epochs=epochs, verbose=0, shuffle=False,
               validation_data=(x[:64], y[:64]))
     model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)  # a second fit
@@ -74,9 +71,11 @@ def _fit(enable, delay=None, steps_per_execution=1, epochs=2, xla=False, tune="o
 
 @pytest.mark.parametrize("slow,kept", [("fused", "stock"), ("stock", "fused")])
 @pytest.mark.parametrize("steps_per_execution", [1, 4])
-def test_fit_keeps_the_faster_step_and_trains_like_stock(slow, kept, steps_per_execution):
+def test_fit_keeps_the_faster_step_and_trains_like_stock(slow, kept, steps_per_execution,
+                                                         slow_forms):
     stock = _fit(False, steps_per_execution=steps_per_execution)
-    fused = _fit(True, {slow: 0.004}, steps_per_execution)
+    slow_forms(**{slow: 0.004})
+    fused = _fit(True, steps_per_execution)
     report = tfmx.report()
     train = [g.summary() for g in report.guards if g.function.endswith("train_step")]
     assert [g.kept for g in train] == [kept], [g.describe() for g in train]
@@ -90,12 +89,13 @@ def test_fit_keeps_the_faster_step_and_trains_like_stock(slow, kept, steps_per_e
 
 
 @pytest.mark.parametrize("slow,kept", [(("fused", "stock"), "xla"), (("xla",), "fused")])
-def test_fit_keeps_the_xla_step_only_where_it_is_faster(slow, kept):
+def test_fit_keeps_the_xla_step_only_where_it_is_faster(slow, kept, slow_forms):
     stock = _fit(False, epochs=3)
     delays = {form: 0.004 for form in slow}
     if kept == "fused":
         delays["stock"] = 0.004  # fused beats stock first, then meets a slowed XLA
-    fused = _fit(True, delays, xla=True, epochs=3)
+    slow_forms(**delays)
+    fused = _fit(True, xla=True, epochs=3)
     train = [g.summary() for g in tfmx.report().guards if g.function.endswith("train_step")]
     assert [g.kept for g in train] == [kept], [g.describe() for g in train]
     assert not np.isnan(train[0].xla_ms)
@@ -118,14 +118,15 @@ def test_a_step_xla_cannot_compile_loses_its_duel():
     assert g.kept in ("fused", "stock") and "xla could not run" in g.summary().reason
 
 
-def test_a_second_run_keeps_what_the_first_trial_kept(tmp_path, monkeypatch):
+def test_a_second_run_keeps_what_the_first_trial_kept(tmp_path, monkeypatch, slow_forms):
     """The guard's outcome is cached per machine with the tuner's decisions (tune="auto")."""
     monkeypatch.setenv("TFMX_CACHE_DIR", str(tmp_path))
-    _fit(True, {"fused": 0.004}, tune="auto")
+    slow_forms(fused=0.004)
+    _fit(True, tune="auto")
     (first,) = [g.summary() for g in tfmx.report().guards if g.function.endswith("train_step")]
     assert first.kept == "stock" and first.pairs >= 2
     tfmx.disable()
-    guard.set_test_delay()
+    slow_forms()
     _fit(True, tune="auto")  # a new model, the same step: no trial, and no rewrite to pay for
     report = tfmx.report()
     assert not [g for g in report.guards if g.function.endswith("train_step")]
@@ -144,7 +145,7 @@ def test_guard_off_runs_fused_and_never_traces_stock():
     assert tfmx.report().guards == []
 
 
-def test_a_tfmx_function_loop_is_guarded_too():
+def test_a_tfmx_function_loop_is_guarded_too(slow_forms):
     w = tf.Variable(tf.random.normal([16, 16], seed=3))
     b = tf.Variable(tf.zeros([16]))
 
@@ -155,7 +156,7 @@ def test_a_tfmx_function_loop_is_guarded_too():
         return tf.reduce_sum(y)
 
     tfmx.enable(backend="cpu", guard=True, tune="off", xla=False)
-    guard.set_test_delay(fused=0.004)
+    slow_forms(fused=0.004)
     x = tf.random.normal([8, 16], seed=4)
     for _ in range(2 * guard.MAX_PAIRS + 4):
         step(x)

@@ -22,7 +22,6 @@ def _clean(monkeypatch):
     monkeypatch.delenv("TFMX_GUARD_BUDGET", raising=False)
     guard.forget()
     yield
-    guard.set_test_delay()
     guard.forget()
 
 
@@ -48,7 +47,7 @@ def _run(g: StepGuard, times: dict, clock: Clock | None = None, limit: int = 200
         if g.decided:
             return steps
         t = times[form]
-        if first and form in first and form not in g._warm:
+        if first and form in first and form not in g.trial.warm:
             t = first[form]
         elif isinstance(t, list):
             t = t[seen.get(form, 0) % len(t)]
@@ -67,7 +66,7 @@ def test_a_plain_loser_is_dropped_after_two_pairs():
     # XLA 5x slower than the fused step that beat stock: dropped at its second pair
     g = StepGuard("t", ("fused", "xla"))
     steps = _run(g, {"fused": 0.002, "stock": 0.004, "xla": [0.0101, 0.0099]})
-    assert g.kept == "fused" and len(g._all["xla"]) == 2, g.summary().describe()
+    assert g.kept == "fused" and len(g.trial.timed["xla"]) == 2, g.summary().describe()
     assert steps <= 2 + 2 * 2 + 1 + 2 * 2
 
 
@@ -87,7 +86,7 @@ def test_stock_is_not_traced_when_its_trace_would_cost_more_than_the_budget():
     _run(g, {"fused": 0.010, "stock": 0.008}, clock)
     s = g.summary()
     assert g.kept == "fused" and not s.final and s.cost_s == 0.0, s.describe()
-    assert "stock" not in g._warm and "paused" in s.reason and "stock's first call" in s.reason
+    assert "stock" not in g.trial.warm and "paused" in s.reason and "stock's first call" in s.reason
     assert s.budget_s == pytest.approx(0.02 * s.run_s)
 
 
@@ -121,7 +120,7 @@ def test_a_first_call_beyond_its_expected_cost_leaves_the_fused_step_running():
     plan_fit(1, 4000)  # ~40 s: a 0.8 s budget covers the 0.5 s expected
     _run(g, {"fused": 0.010, "stock": 0.009}, clock, first={"stock": 1.0})
     s = g.summary()
-    assert "stock" in g._warm and s.pairs <= 1 and g.kept == "fused" and not s.final, \
+    assert "stock" in g.trial.warm and s.pairs <= 1 and g.kept == "fused" and not s.final, \
         s.describe()
     assert s.cost_s == pytest.approx(1.0 + 0.001 * s.pairs)
 
@@ -142,7 +141,7 @@ def test_xla_compile_time_is_measured_and_counted():
     g = StepGuard("t", ("fused", "xla"))
     g.record("fused", 0.002)
     _run(g, {"fused": 0.002, "stock": 0.004, "xla": 0.003}, limit=3)  # stock's first call
-    while "xla" not in g._warm:
+    while "xla" not in g.trial.warm:
         form = g.next_form()
         g.record(form, 3.0 if form == "xla" else {"fused": 0.002, "stock": 0.004}[form])
     _run(g, {"fused": 0.002, "stock": 0.004, "xla": 0.003})
@@ -160,7 +159,7 @@ def test_xla_is_not_compiled_when_its_expected_compile_exceeds_the_budget():
     s = g.summary()
     # stock's first call (50 ms) was measured: XLA's seed is twice that per op, 0.1 s, which
     # fits; a second fit teaches the guard that XLA's first calls take 1 ms per op: 1 s
-    assert "xla" in g._warm or not s.final, s.describe()
+    assert "xla" in g.trial.warm or not s.final, s.describe()
     guard.forget()
     guard.learn_first_call("xla", 1.0, 1000)
     g = StepGuard("t", ("fused", "xla"), budget=0.02, planned=True, first_call_s=0.1,
@@ -168,7 +167,7 @@ def test_xla_is_not_compiled_when_its_expected_compile_exceeds_the_budget():
     plan_fit(1, 4000)
     _run(g, {"fused": 0.002, "stock": 0.004, "xla": 0.001}, clock, first={"stock": 0.05})
     s = g.summary()
-    assert "xla" not in g._warm and g.kept == "fused" and not s.final, s.describe()
+    assert "xla" not in g.trial.warm and g.kept == "fused" and not s.final, s.describe()
     assert "XLA not tried: its compile, ~1.00 s expected" in s.reason
 
 
@@ -272,12 +271,12 @@ def test_a_fit_that_raises_leaves_no_plan_under_way():
     assert guard.current_plan().calls == 2 and guard.active_plan() is None
 
 
-def test_a_second_fit_and_a_second_model_reuse_the_decision(monkeypatch):
+def test_a_second_fit_and_a_second_model_reuse_the_decision(monkeypatch, slow_forms):
     monkeypatch.setenv("TFMX_GUARD_BUDGET", "none")  # the first trial runs to its end
     x = np.random.default_rng(0).normal(size=(640, 16)).astype("float32")
     y = np.zeros(640, "int32")
     tfmx.enable(backend="cpu", guard=True, tune="off", xla=False)
-    guard.set_test_delay(fused=0.004)
+    slow_forms(fused=0.004)
     model = _model()
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     (first,) = _train_guards()

@@ -331,7 +331,7 @@ def test_a_fit_that_ran_stock_first_traces_tfmx_mid_fit_where_the_rest_pays(monk
                             "as tfmx: injected: pays (the 10 calls left)") for n in report.notes)
     (g,) = [g for g in report.guards if g.function.endswith("train_step")]
     assert g.summary().pairs >= 1
-    assert g._cost() < 0.5  # stock's first call was the fit's, not the trial's
+    assert g.trial.cost() < 0.5  # stock's first call was the fit's, not the trial's
     for got, want in zip(weights, stock_weights, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 

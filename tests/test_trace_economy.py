@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import tfmx
-from tfmx import guard
 
 
 def _fit_counting(on: bool, metrics: tuple[str, ...] = (), **enable) -> int:
@@ -46,7 +45,6 @@ def test_a_stage_that_rewrites_and_the_guards_stock_form_stay_within_stock(monke
     """A stage rewrites the Dense (every rewrite taken) and the guard runs a whole trial (no
     budget), so the stock form is traced too: still no more traces than stock."""
     monkeypatch.setenv("TFMX_GUARD_BUDGET", "none")
-    guard.set_test_delay(fused=0.0)
     traced = _fit_counting(True, patterns=["bias_row"], guard=True, xla=False)
     report = tfmx.report()
     assert report.patterns["bias_row"].fused == 1

@@ -72,12 +72,11 @@ def _guarded(monkeypatch):
     monkeypatch.setenv("TFMX_GUARD_BUDGET", "none")
     guard.forget()
     yield
-    guard.set_test_delay()
     guard.forget()
     tfmx.disable()
 
 
-def test_a_real_fit_opens_its_report_with_the_verdict(_guarded):
+def test_a_real_fit_opens_its_report_with_the_verdict(_guarded, slow_forms):
     keras.utils.set_random_seed(0)
     inp = keras.Input((8,))
     model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.Dense(16, "relu")(inp)))
@@ -85,7 +84,7 @@ def test_a_real_fit_opens_its_report_with_the_verdict(_guarded):
     rng = np.random.default_rng(1)
     x, y = rng.normal(size=(512, 8)).astype("float32"), rng.integers(0, 3, 512)
     tfmx.enable(backend="cpu", guard=True, tune="off", xla=False, verbose=0)
-    guard.set_test_delay(fused=0.003)  # the fused step plainly slower: stock is kept
+    slow_forms(fused=0.003)  # the fused step plainly slower: stock is kept
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     first = str(tfmx.report()).splitlines()[0]
     assert first.startswith("tfmx: Functional.train_step runs the stock step, "), first

@@ -18,7 +18,6 @@ def _clean(monkeypatch):
     monkeypatch.setenv("TFMX_GUARD_BUDGET", "none")  # the trial runs to XLA's duel
     guard.forget()
     yield
-    guard.set_test_delay()
     guard.forget()
     tfmx.disable()
 
@@ -59,13 +58,13 @@ def _fit(enable):
     y = rng.integers(0, 4, 640)
     if enable:
         tfmx.enable(backend="cpu", guard=True, tune="off", xla=True)
-        guard.set_test_delay(stock=0.004)  # fused wins its duel at once; XLA's comes next
     model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
     return model
 
 
-def test_a_step_xla_cannot_take_loses_its_duel_before_any_batch_is_taken():
+def test_a_step_xla_cannot_take_loses_its_duel_before_any_batch_is_taken(slow_forms):
     stock = _fit(False)
+    slow_forms(stock=0.004)  # fused wins its duel at once; XLA's comes next
     fused = _fit(True)
     (g,) = [g.summary() for g in tfmx.report().guards if g.function.endswith("train_step")]
     assert "xla could not run (XLA has no XLA_CPU_JIT kernel for AsString" in g.reason

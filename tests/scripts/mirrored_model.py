@@ -10,12 +10,13 @@ TensorFlow initialises its devices). ``python mirrored_model.py [plain|tuned]``:
 has every match rewritten (tests/conftest.py every_rewrite) and the whole-step guard off;
 ``tuned`` builds its BatchNormalization with ``synchronized=True`` and lets the tuner measure
 (in the caller's TFMX_CACHE_DIR) and the whole-step guard run, as a user's script would, its
-trials seeing a fused step made slower (tfmx.guard.set_test_delay) so that they decide.
+trials seeing a fused step made slower (tests/helpers.py slow_trial_forms) so that they decide.
 """
 
 import json
 import os
 import sys
+from pathlib import Path
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "plain"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -29,10 +30,13 @@ tf.config.set_logical_device_configuration(
 import numpy as np  # noqa: E402
 from dist_common import BATCH, build, data, keras_ops, names_of, run_custom, state_of  # noqa: E402
 
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests/: helpers
+from helpers import slow_trial_forms  # noqa: E402
+
 import fusion  # noqa: E402
 import tfmx  # noqa: E402
 from fusion.pattern import RewriteAlways  # noqa: E402
-from tfmx import guard, state  # noqa: E402
+from tfmx import state  # noqa: E402
 
 # helpers.exact_patterns
 PATTERNS = [p for p in fusion.available_patterns() if p not in ("onednn", "bias_row")]
@@ -75,5 +79,5 @@ def run(fused: bool) -> dict:
 if MODE == "plain":
     state.tuner = RewriteAlways  # every match rewritten (tests/conftest.py every_rewrite)
 else:  # the guard's trials see a fused step 50 ms slower: they keep stock after 3 pairs
-    guard.set_test_delay(fused=0.05)
+    slow_trial_forms(setattr, fused=0.05)
 print(json.dumps({"stock": run(False), "fused": run(True)}))
