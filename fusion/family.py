@@ -34,6 +34,7 @@ from typing import Any
 
 from fusion.graph import GraphView
 from fusion.pattern import PassFn, RewriteContext
+from fusion.platform import Platform
 
 BUILT_IN = ("fusion.graphs", "fusion.calls")
 """The packages whose modules declare the built-in families (imported on first need)."""
@@ -107,7 +108,9 @@ class Family:
     observed and reported, the conservative one), the families its graph part
     runs after (``"*"``: every family not after it) and why, and the ops a match of its
     graph pass starts from (``anchors``: where those sit in a function XLA must compile, it
-    says it left them to XLA)."""
+    says it left them to XLA), and what a backend runs for it (``capability``: a
+    :class:`~fusion.platform.Platform` -> the family's own dataclass, which its passes and
+    stages read back with ``target.capability(ThatClass)``, or None where it runs nothing)."""
 
     name: str
     description: str
@@ -117,6 +120,7 @@ class Family:
     after: tuple[str, ...] = ()
     order: str = ""
     anchors: frozenset[str] = frozenset()
+    capability: Callable[[Platform], Any | None] | None = None
 
     @property
     def run(self) -> PassFn | None:

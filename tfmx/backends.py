@@ -13,6 +13,11 @@
   where none is installed (Linux); or the open tensorflow-metal-plugin, from the table
   :mod:`tfmx.metal_plugins` read from its source (:func:`metal_backend`).
 
+What a backend runs for each family is declared in that family's module, per target
+(``fusion.family.Family.capability`` of a :class:`fusion.platform.Platform`: the name, oneDNN's
+state, the Metal plugin's table and the TensorFlow planned for, the kernel list); this module
+builds each target's :class:`~fusion.platform.Platform` and asks every family.
+
 A backend that is not present on this machine (``metal`` on Linux) still rewrites: the result is
 a plan to inspect, and running it raises :class:`tfmx.errors.BackendUnavailableError`.
 
@@ -39,33 +44,27 @@ import functools
 import os
 import platform
 import types
-from collections.abc import Iterable
 from importlib import resources
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tfmx import metal_plugins
+
+if TYPE_CHECKING:
+    from fusion.platform import Platform
 
 C = TypeVar("C")
 
 BACKEND_NAMES = ("cpu", "cuda", "metal")
 
 
-def _chains(*chains: Iterable[str]) -> frozenset[tuple[str, ...]]:
-    return frozenset(tuple(c) for c in chains)
-
-
-def _with_acts(prefix: tuple[str, ...], acts: Iterable[str]) -> list[tuple[str, ...]]:
-    return [prefix] + [(*prefix, a) for a in acts]
-
-
-
-
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """One rewrite target (a ``fusion.pattern.Target``): its name, kernel list and, per family,
-    that family's own dataclass (``capabilities``; :meth:`capability` looks one up). Instances
-    are data; see :func:`get_backend`. (Importing this module loads no TensorFlow: the
-    families' dataclasses are imported when a backend is made.)
+    that family's own dataclass as the family declares it for this target
+    (``capabilities``: ``fusion.family.Family.capability`` of the backend's
+    :class:`fusion.platform.Platform`; :meth:`capability` looks one up). Instances are data;
+    see :func:`get_backend`. (Importing this module loads no TensorFlow: the families are
+    loaded when a backend is made.)
 
     >>> from fusion.graphs.contraction import ContractionKernels
     >>> get_backend("metal").capability(ContractionKernels).runs("MatMul", "float16", ("BiasAdd",))
@@ -129,69 +128,51 @@ class Backend:
         return self.name in _present_backends()
 
     def describe(self) -> dict:
-        """A plain dict of what this backend fuses, for reports and ``tfmx backends``."""
-        from fusion.graphs.batch_norm_kernels import BatchNormKernels
-        from fusion.graphs.contraction import ContractionKernels
+        """A plain dict of what this backend fuses, for reports and ``tfmx backends``: its
+        sections are what its capabilities with a ``describe()`` print.
 
-        contraction = self.capability(ContractionKernels)
-        batch_norm = self.capability(BatchNormKernels)
+        >>> shown = get_backend("cuda").describe()
+        >>> shown["contractions"]["Conv2D"]["float16"][:2], shown["batch_norm"]["data_formats"]
+        (['BiasAdd', 'BiasAdd+Elu'], ['NCDHW', 'NCHW', 'NDHWC', 'NHWC'])
+        """
+        # every description has these sections; a backend declaring nothing for one shows this
+        sections: dict[str, Any] = {"contractions": {}, "batch_norm": None}
+        for capability in self.capabilities:
+            described = getattr(capability, "describe", None)
+            if described is not None:
+                sections.update(described())
         return {
             "name": self.name,
             "description": self.description,
             "available_here": self.available,
             "plugin": None if self.plugin is None else " ".join(self.plugin),
-            "contractions": {} if contraction is None else contraction.describe(),
-            "batch_norm": None if batch_norm is None else {
-                "FusedBatchNormV3": sorted(batch_norm.dtypes),
-                "data_formats": sorted(batch_norm.data_formats),
-                "_FusedBatchNormEx": {
-                    "inference": sorted(batch_norm.ex_inference_dtypes),
-                    "training": sorted(batch_norm.ex_training_dtypes),
-                },
-            },
+            **sections,
             "host_only": sorted(self.host_only),
             "notes": list(self.notes),
         }
 
 
-_ACTS_BASIC = ("Relu", "Relu6", "Elu", "LeakyRelu")
+def _capabilities(platform: Platform) -> dict[str, Any]:
+    """Family name -> what the family declares for ``platform`` (``Family.capability``), for
+    every family that declares something there, in pipeline order.
 
+    >>> from fusion.platform import Platform
+    >>> sorted(_capabilities(Platform("cuda")))
+    ['batch_norm', 'contraction', 'rnn']
+    """
+    from fusion.family import families
 
+    found = {}
+    for family in families():
+        capability = None if family.capability is None else family.capability(platform)
+        if capability is not None:
+            found[family.name] = capability
+    return found
 
 
 def _cpu(onednn: bool) -> Backend:
-    from fusion.calls.rnn import RnnKernels
-    from fusion.graphs.batch_norm_kernels import BatchNormKernels
-    from fusion.graphs.contraction import ContractionKernels
-    from fusion.graphs.onednn import OneDnnKernels, kernels_registered
+    from fusion.platform import Platform
 
-    # Read off the kernels (TF 2.21, x86-64) by running every fused_ops list in every dtype
-    # against the composite ops; tests/test_backends.py runs each entry again.
-    conv = _chains(
-        *_with_acts(("BiasAdd",), _ACTS_BASIC), *_with_acts(("FusedBatchNorm",), _ACTS_BASIC)
-    )
-    matmul = _chains(*_with_acts(("BiasAdd",), (*_ACTS_BASIC, "Tanh", "Sigmoid")))
-    contractions = {
-        "Conv2D": {"float32": conv},
-        # 16-bit chains are tuner decisions (fusion.graphs.contraction): the bfloat16
-        # _FusedMatMul can run many times slower than MatMul + BiasAdd + Relu.
-        "MatMul": {"float32": matmul, "float16": matmul, "bfloat16": matmul},
-    }
-    if onednn:
-        contractions["Conv2D"]["float32"] = conv | _chains(
-            *_with_acts(("BiasAdd", "Add"), _ACTS_BASIC)
-        )
-        contractions["MatMul"]["float32"] = matmul | _chains(
-            ("BiasAdd", "GeluExact"), ("BiasAdd", "GeluApproximate"), ("BiasAdd", "Add")
-        )
-        # _FusedDepthwiseConv2dNative has a CPU kernel only through oneDNN.
-        contractions["DepthwiseConv2dNative"] = {
-            "float32": _chains(*_with_acts(("BiasAdd",), ("Relu", "Relu6", "Elu")))
-        }
-    kernels = ContractionKernels(contractions, {"Conv2D": frozenset({"NHWC"}),
-                                                "DepthwiseConv2dNative": frozenset({"NHWC"})})
-    # With oneDNN on, TensorFlow's own pass retargets them.
-    retargets = (OneDnnKernels(),) if not onednn and kernels_registered() else ()
     return Backend(
         name="cpu",
         description=f"TensorFlow CPU kernels, oneDNN {'on' if onednn else 'off'}",
@@ -204,57 +185,20 @@ def _cpu(onednn: bool) -> Backend:
         )) + ("_FusedBatchNormEx has no working CPU kernel (probed, oneDNN on and off)",
                "16-bit _FusedMatMul only where the tuner measures it faster than MatMul + "
                "BiasAdd here (it ran 25x slower in bfloat16 on one CPU)"),
-        capabilities=(
-            kernels, *retargets, RnnKernels("hoisted"),
-            # Probed (TF 2.21, x86-64): FusedBatchNormV3 and its gradient run in float32,
-            # bfloat16 and float16, NHWC and NCHW. _FusedBatchNormEx is registered on CPU but
-            # its kernel produces no output ("Missing 0-th output"), oneDNN on or off.
-            BatchNormKernels(
-                dtypes=frozenset({"float32", "bfloat16", "float16"}),
-                data_formats=frozenset({"NHWC", "NCHW", "NDHWC", "NCDHW"}),
-                ex_reason="registered on CPU but its kernel produces no output in TF 2.21",
-            ),
-        ),
+        capabilities=tuple(_capabilities(Platform("cpu", onednn=onednn)).values()),
     )
 
 
 def _cuda() -> Backend:
-    from fusion.calls.rnn import RnnKernels
-    from fusion.graphs.batch_norm_kernels import BatchNormKernels
-    from fusion.graphs.contraction import ContractionKernels
+    from fusion.platform import Platform
 
-    conv = _chains(*_with_acts(("BiasAdd",), _ACTS_BASIC))
-    matmul32 = _chains(*_with_acts(("BiasAdd",), ("Relu",)))
-    matmul16 = _chains(*_with_acts(("BiasAdd",), ("Relu", "Tanh", "Sigmoid",
-                                                  "GeluApproximate", "GeluExact")))
     return Backend(
         name="cuda",
         description="TensorFlow CUDA kernels (cuDNN / cuBLASLt)",
         device_type="GPU",
         notes=("_FusedDepthwiseConv2dNative has no GPU kernel",
                "Tanh/Sigmoid/GELU after MatMul are cuBLASLt epilogues in 16-bit only"),
-        capabilities=(ContractionKernels({
-            "Conv2D": {"float32": conv, "float16": conv},
-            "MatMul": {"float32": matmul32, "float16": matmul16, "bfloat16": matmul16},
-        }, {"Conv2D": frozenset({"NHWC", "NCHW"})}),
-            RnnKernels("cudnn", gru_gates_rzh=True),
-            # tensorflow/core/kernels/fused_batch_norm_op.cc and Grappler's remapper.cc:
-            # inference _FusedBatchNormEx is a custom CUDA kernel (float, half; NHWC/NCHW);
-            # training goes through cuDNN (half, NHWC, channels % 4) and needs the backward as
-            # _FusedBatchNormGradEx, which tfmx does not emit yet.
-            BatchNormKernels(
-            dtypes=frozenset({"float32", "float16"}),
-            data_formats=frozenset({"NHWC", "NCHW", "NDHWC", "NCDHW"}),
-            ex_inference_dtypes=frozenset({"float32", "float16"}),
-            ex_data_formats=frozenset({"NHWC", "NCHW"}),
-            # The kernel's own checks (fused_batch_norm_op.cc): with an activation or a side
-            # input in training, half only, NHWC only, cuDNN's persistent mode on; the remapper
-            # adds channels % 4.
-            ex_training_dtypes=frozenset({"float16"}),
-            ex_training_channel_multiple=4,
-            ex_training_env="TF_USE_CUDNN_BATCHNORM_SPATIAL_PERSISTENT",
-            min_epsilon=1.001e-5,
-        )),
+        capabilities=tuple(_capabilities(Platform("cuda")).values()),
     )
 
 
@@ -266,20 +210,17 @@ def metal_kernels() -> frozenset[str]:
 
 def _metal(notes: tuple[str, ...] = ()) -> Backend:
     """Apple's tensorflow-metal 1.2.0 (the only release of it tfmx has a table of)."""
-    from fusion.calls.rnn import RnnKernels
-    from fusion.graphs.batch_norm_kernels import BatchNormKernels
-    from fusion.graphs.contraction import ContractionKernels
+    from fusion.platform import Platform
 
-    chains = _chains(*_with_acts(("BiasAdd",), _ACTS_BASIC))
-    by_dtype = {dt: chains for dt in ("float32", "float16", "bfloat16")}
     table = metal_plugins.plugin_table(metal_plugins.APPLE, "1.2.0")
+    kernels = metal_kernels()
     low, high = table.tensorflow
     return Backend(
         name="metal",
         description=(f"Apple {table.name} {table.version} (PluggableDevice GPU), built for "
                      f"TensorFlow {low}-{high}"),
         device_type="GPU",
-        kernels=metal_kernels(),
+        kernels=kernels,
         plugin=(table.name, table.version),
         notes=(
             "conv fused computations per the plugin: biasAdd, biasAddWith{Relu,Relu6,Elu,"
@@ -288,78 +229,21 @@ def _metal(notes: tuple[str, ...] = ()) -> Backend:
             "cannot be confirmed without a Mac: not emitted",
             *notes,
         ),
-        capabilities=(ContractionKernels({"Conv2D": by_dtype, "MatMul": dict(by_dtype)},
-                                         {"Conv2D": frozenset({"NHWC", "NCHW"})}),
-                      RnnKernels("cudnn"),
-        # The plugin registers FusedBatchNorm{,V2,V3}, their grads and _FusedBatchNormEx; its
-        # messages say the side-input + activation form wants half, NHWC and channels % 4.
-                      BatchNormKernels(
-            dtypes=frozenset({"float32", "float16", "bfloat16"}),
-            data_formats=frozenset({"NHWC", "NCHW"}),
-            ex_inference_dtypes=frozenset({"float16"}),
-            ex_data_formats=frozenset({"NHWC"}),
-            ex_channel_multiple=4,
-            ex_reason="training needs the backward as _FusedBatchNormGradEx, which the plugin "
-                      "does not register",
-        )),
+        capabilities=tuple(_capabilities(Platform("metal", table=table,
+                                                  kernels=kernels)).values()),
     )
-
-
-_METAL_FLOATS = frozenset({"float32", "float16"})
-# Read from tensorflow-metal-plugin 0.4.1's source: its convolutions (fused ones included) take
-# data_format NHWC or NCHW and SAME/VALID padding, never EXPLICIT, as their unfused forms do
-# (metal_kernel_util.mm, ReadSpatialParams); its batch norms, _FusedBatchNormEx and
-# _FusedBatchNormGradEx among them, rank-4 NHWC or NCHW with any channel count, activation
-# Identity or Relu (metal_batch_norm_ops.mm; the Ex gradient undoes the Relu from y, its 8th
-# input, as tfmx's batch_norm_ex wires it).
-_OPEN_FORMATS = frozenset({"NHWC", "NCHW"})
-
-
-def _dtypes(table: metal_plugins.PluginTable, kernels: frozenset[str], *ops: str
-            ) -> frozenset[str]:
-    """The float32/float16 dtypes every one of ``ops`` has a kernel in (empty if one has none
-    here); an op registered with its value type unconstrained takes both."""
-    found = set(_METAL_FLOATS)
-    for op in ops:
-        if op not in kernels:
-            return frozenset()
-        found &= table.ops[op] or _METAL_FLOATS
-    return frozenset(found)
 
 
 def _open_metal(table: metal_plugins.PluginTable, tensorflow: str,
                 notes: tuple[str, ...] = ()) -> Backend:
     """The open tensorflow-metal-plugin's backend under TensorFlow ``tensorflow``, every
     capability derived from its table (ops registered, dtypes, fused_ops lists)."""
-    from fusion.calls.rnn import RnnKernels
-    from fusion.graphs.batch_norm_kernels import BatchNormKernels
-    from fusion.graphs.contraction import ContractionKernels
+    from fusion.platform import Platform
 
     host = table.host_only(tensorflow)
     kernels = frozenset(table.ops) - host
-    contractions = {}
-    for op in ("Conv2D", "MatMul", "DepthwiseConv2dNative"):
-        chains = table.fused_ops.get(f"_Fused{op}", frozenset())
-        dtypes = _dtypes(table, kernels, op, f"_Fused{op}")
-        if chains and dtypes:
-            contractions[op] = {dt: chains for dt in sorted(dtypes)}
-    capabilities: list[Any] = [ContractionKernels(
-        contractions, {op: _OPEN_FORMATS for op in contractions if op != "MatMul"})]
-    bn = _dtypes(table, kernels, "FusedBatchNormV3", "FusedBatchNormGradV3")
-    if bn:
-        ex = _dtypes(table, kernels, "_FusedBatchNormEx") & bn
-        ex_training = ex & _dtypes(table, kernels, "_FusedBatchNormGradEx")
-        capabilities.append(BatchNormKernels(
-            dtypes=bn, data_formats=_OPEN_FORMATS,
-            ex_inference_dtypes=ex, ex_data_formats=_OPEN_FORMATS,
-            ex_training_dtypes=ex_training, ex_training_data_formats=_OPEN_FORMATS,
-            ex_reason=("" if ex_training else
-                       f"{table.name} {table.version} has no _FusedBatchNormEx / "
-                       "_FusedBatchNormGradEx kernel"),
-        ))
-    rnn = {"CudnnRNNV3", "CudnnRNNBackpropV3"} <= kernels
-    if rnn:
-        capabilities.append(RnnKernels("cudnn"))
+    capabilities = _capabilities(Platform("metal", table=table, tensorflow=tensorflow,
+                                          kernels=kernels))
     low, high = table.tensorflow
     built = low if low == high else f"{low}-{high}"
     said = [f"table read from the {table.name} {table.version} sdist's source (SHA-256 "
@@ -369,7 +253,7 @@ def _open_metal(table: metal_plugins.PluginTable, tensorflow: str,
         said.append("no bfloat16 kernel for its fused ops: bfloat16 chains stay unfused")
     if "_FusedDepthwiseConv2dNative" not in kernels:
         said.append("no _FusedDepthwiseConv2dNative kernel")
-    if not rnn:
+    if "rnn" not in capabilities:
         said.append("no CudnnRNN kernels: Keras's LSTM / GRU keep their own loop")
     if not table.loads_into(tensorflow):
         said.append(f"{table.version} is built for TensorFlow {built} and declines to load into "
@@ -388,7 +272,7 @@ def _open_metal(table: metal_plugins.PluginTable, tensorflow: str,
                      f"TensorFlow {built}, planned for TensorFlow {tensorflow}"),
         device_type="GPU",
         kernels=kernels,
-        capabilities=tuple(capabilities),
+        capabilities=tuple(capabilities.values()),
         plugin=(table.name, table.version),
         host_only=host,
         host_only_why=why,

@@ -40,6 +40,7 @@ from typing import Any
 from fusion import trace_state
 from fusion.family import Family, Forms, declare
 from fusion.pattern import PatternStats, Target
+from fusion.platform import Platform
 from fusion.stage import Emitted, Hook, StageContext, rewrite_call, timed_form
 
 # -- match: the Keras calls it hooks, and what it finds in them -----------------------------------
@@ -58,6 +59,19 @@ class RnnKernels:
 
     form: str
     gru_gates_rzh: bool = False
+
+
+def rnn_kernels(platform: Platform) -> RnnKernels | None:
+    """What ``platform`` runs (the family's ``capability``): the hoisted loop on cpu; one
+    ``CudnnRNNV3`` on cuda, and on a Metal plugin with it and its backward (else None).
+
+    >>> rnn_kernels(Platform("cuda")), rnn_kernels(Platform("metal", kernels=frozenset()))
+    (RnnKernels(form='cudnn', gru_gates_rzh=True), None)
+    """
+    if platform.name in ("cpu", "cuda"):
+        return RnnKernels("hoisted") if platform.name == "cpu" else RnnKernels("cudnn", True)
+    cudnn = platform.runs_op("CudnnRNNV3") and platform.runs_op("CudnnRNNBackpropV3")
+    return RnnKernels("cudnn") if cudnn else None
 
 
 @dataclasses.dataclass
@@ -578,4 +592,5 @@ DECLARED = declare(Family(
     # no scope from the flow: each form names its own (tfmx_rnn_<kind>[_<form>], Keras's loop
     # tfmx_rnn_declined_<code>), which the family's graph pass reads
     forms=Forms("", {}, {}, conservative=CONSERVATIVE, kept="Keras's own loop"),
+    capability=rnn_kernels,
 ))

@@ -24,7 +24,9 @@ Two rules (:mod:`fusion.rule`), one after the other (as in Grappler's remapper):
   (cuda: half, NHWC, channels % 4, ``TF_USE_CUDNN_BATCHNORM_SPATIAL_PERSISTENT=1``) with its
   backward: ``ReluGrad`` + ``FusedBatchNormGradV3`` -> ``_FusedBatchNormGradEx``.
 
-What each backend runs of these kernels is :mod:`fusion.graphs.batch_norm_kernels`.
+What each backend runs of these kernels, a
+:class:`~fusion.graphs.batch_norm_kernels.BatchNormKernels`, is declared per platform by
+:func:`batch_norm_kernels` (the family's ``capability``).
 
 A training composite whose intermediates the backward pass reads is declined here: training batch
 norm is fused *before* differentiation, by the stage ``fusion.calls.batch_norm`` (which runs
@@ -54,12 +56,13 @@ import numpy as np
 import tensorflow as tf
 
 from fusion.expr import Any, Const, Match, OneOf, Op, Pattern, Where, match
-from fusion.family import register
+from fusion.family import Family, declare, register
 from fusion.graph import GraphView, NodeDef, output_shape, parse_input, tensor_ref
 from fusion.graphs.batch_norm_ex import RULE as EX_RULE
-from fusion.graphs.batch_norm_kernels import LOW_PRECISION, kernel_blocker
+from fusion.graphs.batch_norm_kernels import LOW_PRECISION, BatchNormKernels, kernel_blocker
 from fusion.match import blocker, const_node, const_value, dtype_name, new_node
 from fusion.pattern import RewriteContext, Target
+from fusion.platform import Platform
 from fusion.rule import Rule, RuleContext, graph_pass
 
 
@@ -492,3 +495,77 @@ def find_batch_norm(view: GraphView, target: Target) -> tuple[list[BatchNormMatc
 def batch_norm_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Fuse every composite batch norm, then every batch norm + residual Add + Relu."""
     _BOTH(view, ctx)
+
+
+# Read from tensorflow-metal-plugin 0.4.1's source: its batch norms, _FusedBatchNormEx and
+# _FusedBatchNormGradEx among them, rank-4 NHWC or NCHW with any channel count, activation
+# Identity or Relu (metal_batch_norm_ops.mm; the Ex gradient undoes the Relu from y, its 8th
+# input, as tfmx's batch_norm_ex wires it).
+_OPEN_FORMATS = frozenset({"NHWC", "NCHW"})
+
+
+def batch_norm_kernels(platform: Platform) -> BatchNormKernels | None:
+    """What ``platform`` runs of the batch-norm kernels (the family's ``capability``); None
+    where it has no ``FusedBatchNormV3`` with its gradient.
+
+    >>> batch_norm_kernels(Platform("cuda")).blocker("_FusedBatchNormEx", "float16", "NCHW")
+    '_FusedBatchNormEx in training takes NHWC'
+    >>> print(batch_norm_kernels(Platform("cpu")).blocker("FusedBatchNormV3", "float16", "NCHW"))
+    None
+    """
+    if platform.name == "cpu":
+        # Probed (TF 2.21, x86-64): FusedBatchNormV3 and its gradient run in float32,
+        # bfloat16 and float16, NHWC and NCHW. _FusedBatchNormEx is registered on CPU but
+        # its kernel produces no output ("Missing 0-th output"), oneDNN on or off.
+        return BatchNormKernels(
+            dtypes=frozenset({"float32", "bfloat16", "float16"}),
+            data_formats=frozenset({"NHWC", "NCHW", "NDHWC", "NCDHW"}),
+            ex_reason="registered on CPU but its kernel produces no output in TF 2.21",
+        )
+    if platform.name == "cuda":
+        # tensorflow/core/kernels/fused_batch_norm_op.cc and Grappler's remapper.cc:
+        # inference _FusedBatchNormEx is a custom CUDA kernel (float, half; NHWC/NCHW);
+        # training goes through cuDNN (half, NHWC, channels % 4) and needs the backward as
+        # _FusedBatchNormGradEx, which tfmx does not emit yet.
+        return BatchNormKernels(
+            dtypes=frozenset({"float32", "float16"}),
+            data_formats=frozenset({"NHWC", "NCHW", "NDHWC", "NCDHW"}),
+            ex_inference_dtypes=frozenset({"float32", "float16"}),
+            ex_data_formats=frozenset({"NHWC", "NCHW"}),
+            # The kernel's own checks (fused_batch_norm_op.cc): with an activation or a side
+            # input in training, half only, NHWC only, cuDNN's persistent mode on; the remapper
+            # adds channels % 4.
+            ex_training_dtypes=frozenset({"float16"}),
+            ex_training_channel_multiple=4,
+            ex_training_env="TF_USE_CUDNN_BATCHNORM_SPATIAL_PERSISTENT",
+            min_epsilon=1.001e-5,
+        )
+    if platform.apple_metal:
+        # The plugin registers FusedBatchNorm{,V2,V3}, their grads and _FusedBatchNormEx; its
+        # messages say the side-input + activation form wants half, NHWC and channels % 4.
+        return BatchNormKernels(
+            dtypes=frozenset({"float32", "float16", "bfloat16"}),
+            data_formats=frozenset({"NHWC", "NCHW"}),
+            ex_inference_dtypes=frozenset({"float16"}),
+            ex_data_formats=frozenset({"NHWC"}),
+            ex_channel_multiple=4,
+            ex_reason="training needs the backward as _FusedBatchNormGradEx, which the plugin "
+                      "does not register",
+        )
+    bn = platform.dtypes("FusedBatchNormV3", "FusedBatchNormGradV3")
+    if not bn:
+        return None
+    ex = platform.dtypes("_FusedBatchNormEx") & bn
+    ex_training = ex & platform.dtypes("_FusedBatchNormGradEx")
+    assert platform.table is not None
+    return BatchNormKernels(
+        dtypes=bn, data_formats=_OPEN_FORMATS,
+        ex_inference_dtypes=ex, ex_data_formats=_OPEN_FORMATS,
+        ex_training_dtypes=ex_training, ex_training_data_formats=_OPEN_FORMATS,
+        ex_reason=("" if ex_training else
+                   f"{platform.table.name} {platform.table.version} has no _FusedBatchNormEx / "
+                   "_FusedBatchNormGradEx kernel"),
+    )
+
+
+declare(Family("batch_norm", "", capability=batch_norm_kernels))

@@ -1,6 +1,7 @@
 """What a backend runs of the batch-norm kernels: ``FusedBatchNormV3`` (and its gradient) and
 ``_FusedBatchNormEx``, as the batch_norm family and the stages that emit those kernels read it
-(``target.capability(BatchNormKernels)``, filled per backend in ``tfmx/backends.py``).
+(``target.capability(BatchNormKernels)``, declared per platform by the family:
+:func:`fusion.graphs.batch_norm.batch_norm_kernels`).
 
 Example:
     >>> from fusion.graphs.batch_norm_kernels import kernel_blocker
@@ -39,6 +40,22 @@ class BatchNormKernels:
     ex_training_data_formats: frozenset[str] = frozenset({"NHWC"})
     ex_training_channel_multiple: int = 1
     ex_training_env: str = ""
+
+    def describe(self) -> dict:
+        """What a backend's description prints of it.
+
+        >>> shown = BatchNormKernels(frozenset({"float32"}), frozenset({"NHWC"})).describe()
+        >>> shown["batch_norm"]["FusedBatchNormV3"], shown["batch_norm"]["_FusedBatchNormEx"]
+        (['float32'], {'inference': [], 'training': []})
+        """
+        return {"batch_norm": {
+            "FusedBatchNormV3": sorted(self.dtypes),
+            "data_formats": sorted(self.data_formats),
+            "_FusedBatchNormEx": {
+                "inference": sorted(self.ex_inference_dtypes),
+                "training": sorted(self.ex_training_dtypes),
+            },
+        }}
 
     def blocker(self, op: str, dtype: str, data_format: str, is_training: bool = True,
                 channels: int | None = None, epsilon: float | None = None) -> str | None:

@@ -39,12 +39,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import tensorflow as tf
 
 from fusion.expr import Any, Match, Near, Op, Pattern, Skip, match
-from fusion.family import register
+from fusion.family import Family, declare, register
 from fusion.fragment import input_shapes
 from fusion.graph import GraphView, NodeDef, output_shape, parse_input
 from fusion.match import (
@@ -57,6 +57,7 @@ from fusion.match import (
     sole_consumer,
 )
 from fusion.pattern import Chooser, RewriteContext, Target
+from fusion.platform import Platform
 from fusion.rule import Rule, RuleContext
 
 FUSED_OP = {
@@ -126,8 +127,14 @@ class ContractionKernels:
         return data_format in self.data_formats.get(op, frozenset())
 
     def describe(self) -> dict:
-        return {op: {dt: sorted("+".join(c) for c in chains) for dt, chains in by_dtype.items()}
-                for op, by_dtype in self.chains.items()}
+        """What a backend's description prints of it: op -> dtype -> its chains, spelled.
+
+        >>> ContractionKernels({"MatMul": {"float32": _chains(("BiasAdd", "Relu"))}}).describe()
+        {'contractions': {'MatMul': {'float32': ['BiasAdd+Relu']}}}
+        """
+        return {"contractions": {
+            op: {dt: sorted("+".join(c) for c in chains) for dt, chains in by_dtype.items()}
+            for op, by_dtype in self.chains.items()}}
 
 
 def supports(target: Target, op: str, dtype: str, fused_ops: tuple[str, ...]) -> bool:
@@ -390,3 +397,106 @@ def find_contractions(
 def contraction_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Find every contraction chain in ``view`` and fuse it for ``ctx.target``."""
     RULE.apply(view, ctx)
+
+
+def _chains(*chains: Iterable[str]) -> frozenset[tuple[str, ...]]:
+    return frozenset(tuple(c) for c in chains)
+
+
+def _with_acts(prefix: tuple[str, ...], acts: Iterable[str]) -> list[tuple[str, ...]]:
+    return [prefix] + [(*prefix, a) for a in acts]
+
+
+_ACTS_BASIC = ("Relu", "Relu6", "Elu", "LeakyRelu")
+# Read from tensorflow-metal-plugin 0.4.1's source: its convolutions (fused ones included) take
+# data_format NHWC or NCHW and SAME/VALID padding, never EXPLICIT, as their unfused forms do
+# (metal_kernel_util.mm, ReadSpatialParams).
+_OPEN_FORMATS = frozenset({"NHWC", "NCHW"})
+
+
+def contraction_kernels(platform: Platform) -> ContractionKernels:
+    """The fused contractions ``platform`` runs (the family's ``capability``).
+
+    >>> cuda = contraction_kernels(Platform("cuda"))
+    >>> cuda.runs("MatMul", "float16", ("BiasAdd", "GeluExact")), cuda.runs_format("Conv2D", "NCHW")
+    (True, True)
+    >>> contraction_kernels(Platform("cpu", onednn=False)).runs(
+    ...     "DepthwiseConv2dNative", "float32", ("BiasAdd",))
+    False
+    """
+    if platform.name == "cpu":
+        return _cpu(platform.onednn)
+    if platform.name == "cuda":
+        return _cuda()
+    if platform.apple_metal:
+        return _apple_metal()
+    return _open_metal(platform)
+
+
+def _cpu(onednn: bool) -> ContractionKernels:
+    # Read off the kernels (TF 2.21, x86-64) by running every fused_ops list in every dtype
+    # against the composite ops; tests/test_backends.py runs each entry again.
+    conv = _chains(
+        *_with_acts(("BiasAdd",), _ACTS_BASIC), *_with_acts(("FusedBatchNorm",), _ACTS_BASIC)
+    )
+    matmul = _chains(*_with_acts(("BiasAdd",), (*_ACTS_BASIC, "Tanh", "Sigmoid")))
+    contractions = {
+        "Conv2D": {"float32": conv},
+        # 16-bit chains are tuner decisions (the rule's check): the bfloat16
+        # _FusedMatMul can run many times slower than MatMul + BiasAdd + Relu.
+        "MatMul": {"float32": matmul, "float16": matmul, "bfloat16": matmul},
+    }
+    if onednn:
+        contractions["Conv2D"]["float32"] = conv | _chains(
+            *_with_acts(("BiasAdd", "Add"), _ACTS_BASIC)
+        )
+        contractions["MatMul"]["float32"] = matmul | _chains(
+            ("BiasAdd", "GeluExact"), ("BiasAdd", "GeluApproximate"), ("BiasAdd", "Add")
+        )
+        # _FusedDepthwiseConv2dNative has a CPU kernel only through oneDNN.
+        contractions["DepthwiseConv2dNative"] = {
+            "float32": _chains(*_with_acts(("BiasAdd",), ("Relu", "Relu6", "Elu")))
+        }
+    return ContractionKernels(contractions, {"Conv2D": frozenset({"NHWC"}),
+                                             "DepthwiseConv2dNative": frozenset({"NHWC"})})
+
+
+def _cuda() -> ContractionKernels:
+    # tensorflow/core/kernels/conv_ops_fused_impl.h, matmul_op_fused.cc: no
+    # _FusedDepthwiseConv2dNative GPU kernel; Tanh/Sigmoid/GELU after MatMul are cuBLASLt
+    # epilogues in 16-bit only.
+    conv = _chains(*_with_acts(("BiasAdd",), _ACTS_BASIC))
+    matmul32 = _chains(*_with_acts(("BiasAdd",), ("Relu",)))
+    matmul16 = _chains(*_with_acts(("BiasAdd",), ("Relu", "Tanh", "Sigmoid",
+                                                  "GeluApproximate", "GeluExact")))
+    return ContractionKernels({
+        "Conv2D": {"float32": conv, "float16": conv},
+        "MatMul": {"float32": matmul32, "float16": matmul16, "bfloat16": matmul16},
+    }, {"Conv2D": frozenset({"NHWC", "NCHW"})})
+
+
+def _apple_metal() -> ContractionKernels:
+    # The conv fused computations Apple's tensorflow-metal 1.2.0 names in its error text
+    # (biasAdd, biasAddWith{Relu,Relu6,Elu,LeakyRelu}; no residual Add, no
+    # _FusedDepthwiseConv2dNative kernel), assumed the same for _FusedMatMul.
+    chains = _chains(*_with_acts(("BiasAdd",), _ACTS_BASIC))
+    by_dtype = {dt: chains for dt in ("float32", "float16", "bfloat16")}
+    return ContractionKernels({"Conv2D": by_dtype, "MatMul": dict(by_dtype)},
+                              {"Conv2D": frozenset({"NHWC", "NCHW"})})
+
+
+def _open_metal(platform: Platform) -> ContractionKernels:
+    # From the plugin's table: the fused_ops lists of each _Fused<op> it registers, in the
+    # dtypes both the op and its fused form take.
+    assert platform.table is not None
+    contractions = {}
+    for op in ("Conv2D", "MatMul", "DepthwiseConv2dNative"):
+        chains = platform.table.fused_ops.get(f"_Fused{op}", frozenset())
+        dtypes = platform.dtypes(op, f"_Fused{op}")
+        if chains and dtypes:
+            contractions[op] = {dt: chains for dt in sorted(dtypes)}
+    return ContractionKernels(
+        contractions, {op: _OPEN_FORMATS for op in contractions if op != "MatMul"})
+
+
+declare(Family("contraction", "", capability=contraction_kernels))

@@ -60,11 +60,12 @@ import functools
 import platform
 from collections.abc import Mapping
 
-from fusion.family import register
+from fusion.family import Family, declare, register
 from fusion.fragment import input_shapes
 from fusion.graph import GraphView, NodeDef, parse_input
 from fusion.match import const_value, dtype_name
 from fusion.pattern import Chooser, RewriteContext, Target
+from fusion.platform import Platform
 from fusion.rule import Rule, RuleContext
 
 KERNEL_LABEL = "MklNameChangeOp"
@@ -408,3 +409,21 @@ def find_onednn(view: GraphView, target: Target, tuner: Chooser | None = None,
 def onednn_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Retarget every convolution, MatMul and batch norm ``ctx.target`` runs on oneDNN."""
     RULE.apply(view, ctx)
+
+
+def onednn_kernels(target_platform: Platform) -> OneDnnKernels | None:
+    """What the family may retarget on ``target_platform`` (its ``capability``): the cpu with
+    oneDNN's kernels registered and its pass off; None elsewhere.
+
+    >>> onednn_kernels(Platform("cpu", onednn=True)) is None  # TensorFlow's pass retargets
+    True
+    >>> onednn_kernels(Platform("cuda")) is None
+    True
+    """
+    # With oneDNN on, TensorFlow's own pass retargets them.
+    if target_platform.name != "cpu" or target_platform.onednn or not kernels_registered():
+        return None
+    return OneDnnKernels()
+
+
+declare(Family("onednn", "", capability=onednn_kernels))
