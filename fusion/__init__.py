@@ -6,7 +6,9 @@ The package reads in the order a training step meets it:
   differentiation (each module one family's stage, run through :mod:`fusion.stage`);
 - :mod:`fusion.graphs`: passes over the traced step's GraphDef, after differentiation (each
   module one family's pass; a pass is a function from a graph to a graph, :func:`fusion.rewrite`
-  runs them as transactions, :mod:`fusion.pipeline`).
+  runs them as transactions, :mod:`fusion.pipeline`);
+- :mod:`fusion.kernels`: the fused forms' kernels both of them use (neither imports the
+  other).
 
 Every family, whichever of the two it has, is declared once in one registry,
 :mod:`fusion.family`; ``tfmx`` rebuilds the step from the rewritten graph, guards it and

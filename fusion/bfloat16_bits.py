@@ -89,7 +89,7 @@ def integer_edges(on: bool = True) -> Iterator[None]:
     """While a region's function is traced: :func:`widened` widens bfloat16 by integer
     operations in the graph being traced (``on``), or by ``Cast`` (XLA's convert). What
     :func:`fusion.forms.xla_region` sets around the function it compiles."""
-    with trace_state.scoped(tf.compat.v1.get_default_graph(), "integer_edges", on):
+    with trace_state.scoped_slot(tf.compat.v1.get_default_graph(), FAMILY, on):
         yield
 
 
@@ -109,8 +109,7 @@ def widened(x: Any) -> tf.Tensor:
     ([0.5, -3.0], [0.5, -3.0])
     """
     x = tf.convert_to_tensor(x)
-    held = trace_state.of(tf.compat.v1.get_default_graph())
-    if x.dtype == tf.bfloat16 and held is not None and held.integer_edges:
+    if x.dtype == tf.bfloat16 and trace_state.held(tf.compat.v1.get_default_graph(), FAMILY):
         return widen_bits(x)
     return tf.cast(x, tf.float32)
 

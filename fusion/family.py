@@ -47,58 +47,135 @@ OBSERVED_ORDER = ("it observes the stage's units with their kernels as the contr
 """Where an observed stage family's observer runs, and why."""
 
 
-def emitted_units(view: Any, scope: str, marks: Mapping[str, frozenset[str]]
-                  ) -> list[tuple[str, str]]:
-    """(scope, form) of every unit a stage emitted under ``<scope>_<form>`` in ``view`` (a
-    ``fusion.graph.GraphView``) that holds one of its form's ``marks`` ops (its kernel); the
-    gradient's copies are not units. Forms are spelled with ``_`` for spaces in scopes.
+@dataclasses.dataclass(frozen=True)
+class Form:
+    """One form a stage family emits in place of Keras's call, or Keras's call itself (the
+    ``conservative`` form): its ``name`` (unique in the family: the tuner's and the tuning
+    cache's name for it), its ``label`` (the report counts a call rewritten to it under it;
+    for the conservative form, the words the report uses when a call keeps it), the ``marks``
+    (ops, one of which is its kernel: how its units show in a traced graph; none: the
+    family's own graph pass finds them), the ``emits`` (the ops it emits in the call's compute
+    dtype, ``"Op:float32"`` for one in a fixed dtype, that a backend's kernel table decides:
+    a target without one of them never gets the form) and ``build`` (what the family calls to
+    emit it, where it is one function; its arguments are the family's).
 
-    >>> from tensorflow.core.framework.node_def_pb2 import NodeDef
-    >>> view = GraphView([NodeDef(name="tfmx_x_fast/m", op="MatMul"),
-    ...                   NodeDef(name="gradients/tfmx_x_fast/m", op="MatMul")])
-    >>> emitted_units(view, "tfmx_x", {"fast": frozenset({"MatMul"})})
-    [('tfmx_x_fast/', 'fast')]
+    >>> fast = Form("fast path", "x: the fast form", marks=frozenset({"MatMul"}))
+    >>> fast.scope_name("tfmx_x")
+    'tfmx_x_fast_path'
+    >>> fast.extended(" row", "x: the fast form, one row more", frozenset({"ConcatV2"})).name
+    'fast path row'
     """
-    unit = re.compile(r"(?:^|/)" + re.escape(scope) + r"_(?P<form>[a-z0-9_]+?)(?:_\d+)?/")
-    units: dict[str, str] = {}
-    for node in view.nodes():
-        found = None if node.name.startswith(GRADIENT_SCOPES) else unit.search(node.name)
-        form = found.group("form").replace("_", " ") if found else None
-        if form in marks and node.op in marks[form]:
-            units[node.name[: found.end()]] = form
-    return sorted(units.items())
+
+    name: str
+    label: str
+    marks: frozenset[str] = frozenset()
+    emits: frozenset[str] = frozenset()
+    build: Callable[..., Any] | None = dataclasses.field(default=None, compare=False)
+    conservative: bool = False
+
+    def scope_name(self, family_scope: str) -> str:
+        """The name scope a unit of this form is emitted under in the family's
+        ``family_scope``."""
+        return f"{family_scope}_{self.name.replace(' ', '_')}"
+
+    def extended(self, suffix: str, label: str, emits: frozenset[str] = frozenset(),
+                 build: Callable[..., Any] | None = None) -> Form:
+        """This form with one more step (a contributed product, ``fusion.forms.AffineForm``):
+        named ``name + suffix``, reported under ``label``, its marks this form's, emitting this
+        form's ops and ``emits``."""
+        return Form(self.name + suffix, label, self.marks, self.emits | emits, build)
+
+
+def conservative(name: str, kept: str) -> Form:
+    """The form that is Keras's own call: the tuner keeps it unless another measures faster,
+    the report says ``"<call>: <kept> kept: measured faster"``.
+
+    >>> conservative("composite", "Keras's composite").conservative
+    True
+    """
+    return Form(name, kept, conservative=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class Forms:
-    """The forms a stage family emits: the name ``scope`` each is emitted under
-    (``<scope>_<form>``), per form the ``marks`` (ops, one of which is the form's kernel: how
-    its units show in a traced graph; none: the family's own graph pass finds them) and the
-    ``labels`` the report counts them under, and the ``conservative`` form (what Keras runs,
-    what the tuner keeps unless another measures faster) with the words the report uses when
-    it is ``kept``.
+    """The forms of a stage family: the name ``scope`` each is emitted under (a form's
+    :meth:`Form.scope_name`; empty: the family's own graph pass names its units), the family's
+    own ``declared`` forms (one of them conservative: what Keras runs), and where another
+    module contributes forms to the family's (``fusion.forms.AffineForm``), the contributed
+    ones as they are when read (``contributed(forms)``, given the declared forms).
 
     >>> from tensorflow.core.framework.node_def_pb2 import NodeDef
-    >>> forms = Forms("tfmx_x", {"fast": frozenset({"MatMul"})}, {"fast": "x: fast"},
-    ...               conservative="composite", kept="Keras's composite")
-    >>> forms.units(GraphView([NodeDef(name="a/tfmx_x_fast/m", op="MatMul")]))
+    >>> forms = Forms("tfmx_x", (conservative("composite", "Keras's composite"),
+    ...                          Form("fast", "x: fast", marks=frozenset({"MatMul"}))))
+    >>> forms.conservative.name, forms["fast"].label
+    ('composite', 'x: fast')
+    >>> [(unit, form.name) for unit, form in forms.units(GraphView([
+    ...     NodeDef(name="a/tfmx_x_fast/m", op="MatMul"),
+    ...     NodeDef(name="gradients/tfmx_x_fast/m", op="MatMul")]))]
     [('a/tfmx_x_fast/', 'fast')]
     """
 
     scope: str
-    marks: Mapping[str, frozenset[str]]
-    labels: Mapping[str, str]
-    conservative: str = ""
-    kept: str = ""
+    declared: tuple[Form, ...]
+    contributed: Callable[[tuple[Form, ...]], tuple[Form, ...]] | None = dataclasses.field(
+        default=None, compare=False)
 
-    def units(self, view: GraphView) -> list[tuple[str, str]]:
-        """(scope, form) of every unit of the family in ``view`` (:func:`emitted_units`)."""
-        return emitted_units(view, self.scope, self.marks)
+    def __post_init__(self) -> None:
+        names = [form.name for form in self.declared]
+        if len(set(names)) != len(names):
+            raise ValueError(f"forms {names}: a name given twice")
+        if sum(form.conservative for form in self.declared) < 1:
+            raise ValueError(f"forms {names}: none is conservative (Keras's own call)")
+
+    def all(self) -> tuple[Form, ...]:
+        """Every form: the declared ones, then the contributed ones."""
+        extra = self.contributed(self.declared) if self.contributed is not None else ()
+        return self.declared + tuple(extra)
+
+    def __getitem__(self, name: str) -> Form:
+        for form in self.all():
+            if form.name == name:
+                return form
+        raise KeyError(name)
+
+    def __contains__(self, name: object) -> bool:
+        return any(form.name == name for form in self.all())
+
+    @property
+    def conservative(self) -> Form:
+        """The family's conservative form (the first declared one): what Keras runs."""
+        return next(form for form in self.declared if form.conservative)
+
+    def scope_of(self, form: Form) -> str | None:
+        """The name scope ``form`` is emitted under, None where the family has no scope."""
+        return form.scope_name(self.scope) if self.scope else None
+
+    def units(self, view: GraphView) -> list[tuple[str, Form]]:
+        """(scope, form) of every unit the stage emitted in ``view``: a node under one of its
+        forms' scopes (or that scope uniquified, ``_<n>``) whose op is one of that form's
+        marks; the gradient's copies are not units."""
+        marked = {form.scope_name(self.scope): form for form in self.all() if form.marks}
+        if not self.scope or not marked:
+            return []
+        names = "|".join(re.escape(name) for name in sorted(marked, key=len, reverse=True))
+        unit = re.compile(r"(?:^|/)(?P<scope>" + names + r")(?:_\d+)?/")
+        units: dict[str, Form] = {}
+        for node in view.nodes():
+            found = None if node.name.startswith(GRADIENT_SCOPES) else unit.search(node.name)
+            form = marked[found.group("scope")] if found else None
+            if form is not None and node.op in form.marks:
+                units[node.name[: found.end()]] = form
+        return sorted(units.items(), key=lambda item: item[0])
 
     def observe(self, view: GraphView, ctx: RewriteContext) -> None:
         """The graph pass of an observed family: each unit counted as observed."""
         for _, form in self.units(view):
-            ctx.stats.observe(self.labels[form])
+            ctx.stats.observe(form.label)
+
+    @property
+    def observed(self) -> bool:
+        """Whether the family's units are found by :meth:`observe` (a scope, and marks)."""
+        return bool(self.scope) and any(form.marks for form in self.declared)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +204,7 @@ class Family:
         """What runs on the traced graph: the graph pass, else the observer, else None."""
         if self.graph_pass is not None:
             return self.graph_pass
-        return self.forms.observe if self.forms is not None and self.forms.marks else None
+        return self.forms.observe if self.forms is not None and self.forms.observed else None
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -300,5 +377,5 @@ def _unknown(name: str, known: list[str]) -> str:
 
 
 __all__ = ["BUILT_IN", "GRADIENT_SCOPES", "OBSERVED_AFTER", "OBSERVED_ORDER", "Family",
-           "Forms", "declare", "emitted_units", "families", "forget", "get", "passes",
+           "Form", "Forms", "conservative", "declare", "families", "forget", "get", "passes",
            "register", "resolve"]

@@ -202,13 +202,13 @@ def custom_gradient(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def with_xla(ctx: StageContext, candidates: dict, region: Callable[..., Any], shapes: list,
-             dtype: Any, variables: Any = ()) -> dict:
+             dtype: Any, variables: Any = (), name: str = XLA) -> dict:
     """``candidates`` plus, where ``ctx`` allows XLA, the form ``region`` (a computation
     compiled by XLA: :func:`xla_region`, or a form that calls such regions), timed as the
-    others (:func:`timed_form`)."""
+    others (:func:`timed_form`), under the form's ``name``."""
     if not ctx.xla:
         return candidates
-    return {**candidates, XLA: timed_form(region, shapes, dtype, variables)}
+    return {**candidates, name: timed_form(region, shapes, dtype, variables)}
 
 
 def integer_rounding(ctx: Any, what: str, region: Callable[..., Any], shapes: list,
@@ -262,15 +262,16 @@ def integer_rounding(ctx: Any, what: str, region: Callable[..., Any], shapes: li
 class AffineForm:
     """Another way to compute ``rows @ kernel + bias`` (``rows`` ``[n, k]``, ``kernel``
     ``[k, m]``, ``bias`` ``[m]``: its ``product``) for the stages whose forms end in such a
-    product: each such host form ``f`` gains the form ``f + suffix``, reported under
-    ``labels[host family][f + suffix]``. ``family``: the contributor's own family, whose forms
-    sum in another order than Keras's (what exact-parity tests leave out)."""
+    product: each such host form gains one more (:func:`contributed_forms`: the host form
+    :meth:`~fusion.family.Form.extended` by ``suffix``, built by ``product``), reported under
+    ``labels[host family][host form's name]``. ``family``: the contributor's own family, whose
+    forms sum in another order than Keras's (what exact-parity tests leave out)."""
 
     family: str
     suffix: str
     product: Callable[[Any, Any, Any], Any]
     labels: Mapping[str, Mapping[str, str]]
-    # the ops ``product`` emits in its inputs' dtype (:func:`form_ops` adds them to the host's)
+    # the ops ``product`` emits in its inputs' dtype (added to the host form's)
     emits: frozenset[str] = frozenset()
 
 
@@ -301,7 +302,7 @@ def contribute(form: AffineForm | RegionEdges) -> AffineForm | RegionEdges:
     family again replaces the earlier one.
 
     >>> demo = contribute(AffineForm("demo", " demo", lambda x, k, b: x @ k + b,
-    ...                              {"host": {"matmul demo": "host: the demo product"}}))
+    ...                              {"host": {"matmul": "host: the demo product"}}))
     >>> [f.suffix for f in affine_forms("host")]
     [' demo']
     >>> withdraw(demo); affine_forms("host")
@@ -362,54 +363,44 @@ def rounds_otherwise() -> list[str]:
     return sorted({form.family for form in _AFFINE.values()})
 
 
-def affine(rows: Any, kernel: Any, bias: Any, suffix: str = "") -> Any:
-    """``rows @ kernel + bias`` by the contributed product of ``suffix`` (``""``: ``MatMul``
-    then ``BiasAdd``).
+def affine(rows: Any, kernel: Any, bias: Any,
+           product: Callable[[Any, Any, Any], Any] | None = None) -> Any:
+    """``rows @ kernel + bias`` by a contributed ``product`` (None: ``MatMul`` then
+    ``BiasAdd``).
 
     >>> affine(tf.ones([1, 2]), tf.ones([2, 1]), tf.constant([0.5])).numpy().tolist()
     [[2.5]]
     """
-    if suffix:
-        return _AFFINE[suffix].product(rows, kernel, bias)
+    if product is not None:
+        return product(rows, kernel, bias)
     return tf.nn.bias_add(tf.matmul(rows, kernel), bias)
 
 
-class HostForms(Mapping):
-    """The forms (name -> value) a family ``host`` declares and, as they are when read, the
-    ones contributed to it (:class:`AffineForm`): a contributed form's label its
-    contributor's, its marks those of the host form it extends (``kind`` "labels" or
-    "marks"). What a host's :class:`fusion.family.Forms` holds, so the observer and the
-    report see contributed forms that register after the host is declared.
+def contributed_forms(host: str) -> Callable[[tuple], tuple]:
+    """What the family ``host``'s :class:`fusion.family.Forms` reads as its contributed forms:
+    given its declared forms, each one a contributed :class:`AffineForm` has a label for,
+    extended by that product (its name ``<form><suffix>``, its label the contributor's, its
+    marks the host form's, its ops the host form's and the product's, built by the product),
+    as they are when read, so the observer and the report see contributions that register
+    after the host is declared.
 
+    >>> from fusion.family import Form
     >>> demo = contribute(AffineForm("demo", " demo", lambda x, k, b: x @ k + b,
-    ...                              {"host": {"matmul demo": "host: the demo product"}}))
-    >>> dict(HostForms("host", {"matmul": "host: MatMul"}, "labels"))
-    {'matmul': 'host: MatMul', 'matmul demo': 'host: the demo product'}
+    ...                              {"host": {"matmul": "host: the demo product"}},
+    ...                              emits=frozenset({"ConcatV2"})))
+    >>> [(f.name, f.label, sorted(f.emits)) for f in contributed_forms("host")(
+    ...     (Form("matmul", "host: MatMul", emits=frozenset({"MatMul"})),))]
+    [('matmul demo', 'host: the demo product', ['ConcatV2', 'MatMul'])]
     >>> withdraw(demo)
     """
 
-    def __init__(self, host: str, base: Mapping[str, Any], kind: str) -> None:
-        self.host, self.base, self.kind = host, dict(base), kind
+    def extend(declared: tuple) -> tuple:
+        return tuple(form.extended(affine.suffix, affine.labels[host][form.name],
+                                   affine.emits, affine.product)
+                     for affine in affine_forms(host) for form in declared
+                     if form.name in affine.labels[host])
 
-    def _all(self) -> dict[str, Any]:
-        out = dict(self.base)
-        for form in affine_forms(self.host):
-            for name, label in form.labels[self.host].items():
-                out[name] = label if self.kind == "labels" else \
-                    self.base[name.removesuffix(form.suffix)]
-        return out
-
-    def __getitem__(self, name: str) -> Any:
-        return self.base[name] if name in self.base else self._all()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._all())
-
-    def __len__(self) -> int:
-        return len(self._all())
-
-    def __repr__(self) -> str:
-        return f"HostForms({self.host!r}, {self._all()!r})"
+    return extend
 
 
 def region_edges() -> RegionEdges | None:
@@ -436,39 +427,9 @@ def widened(x: Any) -> tf.Tensor:
 
 
 # -- the kernels a form needs --------------------------------------------------------------------
-# Each family declares, beside its forms, the ops every form emits in the call's compute dtype
-# (``EMITS``: form -> op names). Ops TensorFlow itself runs on every device (Reshape, Identity,
+# Each family declares, with each form, the ops it emits in the call's compute dtype
+# (``fusion.family.Form.emits``). Ops TensorFlow itself runs on every device (Reshape, Identity,
 # Const, Shape, ...) are not declared: they never move a call to the host.
-def form_ops(emits: Mapping[str, frozenset[str]], form: str) -> frozenset[str]:
-    """The ops ``form`` emits in its compute dtype: ``emits[form]``, or for a host form with a
-    contributed product (``<host form><suffix>``, :class:`AffineForm`) the host form's ops and
-    the product's. A form ``emits`` does not name emits none that matter (an XLA region).
-
-    >>> sorted(form_ops({"matmul": frozenset({"MatMul", "BiasAdd"})}, "matmul"))
-    ['BiasAdd', 'MatMul']
-    >>> demo = contribute(AffineForm("demo", " demo", lambda x, k, b: x @ k + b,
-    ...                              {"host": {"matmul demo": "host: the demo product"}},
-    ...                              emits=frozenset({"ConcatV2"})))
-    >>> sorted(form_ops({"matmul": frozenset({"MatMul"})}, "matmul demo"))
-    ['ConcatV2', 'MatMul']
-    >>> withdraw(demo)
-    """
-    if form in emits:
-        return frozenset(emits[form])
-    for host, ops in emits.items():
-        suffix = form[len(host):]
-        if form.startswith(host) and suffix:
-            contributed = _affine_by_suffix(suffix)
-            if contributed is not None:
-                return frozenset(ops) | contributed.emits
-    return frozenset()
-
-
-def _affine_by_suffix(suffix: str) -> AffineForm | None:
-    _load()
-    return _AFFINE.get(suffix)
-
-
 def _runs(target: Any, op: str, dtype: str) -> bool:
     try:
         return bool(target.runs_op(op, dtype))
@@ -507,24 +468,25 @@ def kernel_missing(target: Any, form: str, ops: Iterable[str], dtype: Any) -> st
     return None
 
 
-def runnable_forms(target: Any, emits: Mapping[str, frozenset[str]], forms: Iterable[str],
-                   dtype: Any, keeps: str | None = None) -> tuple[list[str], str | None]:
-    """``forms`` (in order) whose every op (:func:`form_ops` of ``emits``) ``target`` runs in
-    ``dtype``, and the reason of the first one it cannot run (None: it runs them all). The
-    conservative form ``keeps`` (Keras's) is always kept.
+def runnable_forms(target: Any, forms: Iterable[Any], dtype: Any) -> tuple[list[Any], str | None]:
+    """``forms`` (``fusion.family.Form`` records, in order) whose every op (``Form.emits``)
+    ``target`` runs in ``dtype``, and the reason of the first one it cannot run (None: it runs
+    them all). A conservative form (Keras's call) is always kept.
 
+    >>> from fusion.family import Form
     >>> from fusion.pattern import PlainTarget
-    >>> emits = {"fast": frozenset({"ConcatV2"}), "plain": frozenset({"MatMul"})}
+    >>> fast, plain = (Form("fast", "", emits=frozenset({"ConcatV2"})),
+    ...                Form("plain", "", emits=frozenset({"MatMul"})))
     >>> target = PlainTarget("toy", kernels=frozenset({"MatMul"}))
-    >>> kept, why = runnable_forms(target, emits, ["fast", "plain"], "float32")
-    >>> kept, why.split(": ")[1]
+    >>> kept, why = runnable_forms(target, [fast, plain], "float32")
+    >>> [f.name for f in kept], why.split(": ")[1]
     (['plain'], 'the target has no ConcatV2 kernel in float32 under toy')
     """
-    kept: list[str] = []
+    kept: list[Any] = []
     why = None
     for form in forms:
-        reason = None if form == keeps else \
-            kernel_missing(target, form, form_ops(emits, form), dtype)
+        reason = None if form.conservative else \
+            kernel_missing(target, form.name, form.emits, dtype)
         if reason is None:
             kept.append(form)
         elif why is None:

@@ -18,10 +18,12 @@ forms a stage emits and times :mod:`fusion.forms`; both are re-exported here):
   wherever it traces a step (fit, evaluate, predict, ``tfmx.function``, the outer-tape path).
   Outside it Keras runs untouched.
 - A handler returns what the method returns: the fused form, or the original's result after
-  recording why it declined. It records what it rewrote through ``ctx.record`` ("rewritten");
-  the family's graph pass, or the generic observer of its forms
-  (:class:`fusion.family.Forms`), later finds the emitted nodes in the traced graph and
-  reports them as "observed".
+  recording why it declined. What it found at the call travels in one record,
+  :class:`CallSite`, through the flow every stage shares, :func:`rewrite_call` (the reason it
+  declines, the tuner's pick among its forms, the form emitted under its scope and recorded
+  under its label: "rewritten"); the family's graph pass, or the generic observer of its
+  forms (:class:`fusion.family.Forms`, each a :class:`fusion.family.Form` record), later finds
+  the emitted nodes in the traced graph and reports them as "observed".
 
 Example:
     >>> from fusion import stage
@@ -37,18 +39,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fusion import patches
-from fusion.family import Family, families
+from fusion.family import Family, Form, families
 from fusion.forms import (
     XLA,
     XLA_CALLS,
     autocast,
     autocast_dtype,
     custom_gradient,
-    form_ops,
     integer_rounding,
     layer_value,
     runnable_forms,
@@ -134,53 +135,87 @@ class Emitted:
     kept: bool = False
 
 
-def rewrite_call(ctx: StageContext, family: Family, *, what: str, why: str | None,
-                 allowed: list[str], signature: Callable[[], str],
-                 candidates: Callable[[], dict] | None, keras: Callable[[], Any],
-                 emit: Callable[[str], Any], prefix: str = "", keeps: str | None = None,
-                 conservative: str | None = None, kept: str | None = None,
-                 then: Callable[[Any], Any] | None = None,
-                 emits: Mapping[str, frozenset[str]] | None = None, dtype: Any = None) -> Any:
-    """The flow every stage hook shares, for one call of the method ``family`` routes: without
-    a tuner (or ``candidates``) the first of ``allowed``; with one, the tuner's pick among
-    ``candidates()`` (factories by form name, timed under ``signature()``; its default the
-    ``conservative`` form, the family's unless given); Keras's own form (``keeps``, the
-    family's conservative unless given) picked: ``keras()`` with the reason that it measured
-    faster (``kept``, the family's words unless given). Else the form emitted by
-    ``emit(form)`` under ``<scope>_<prefix><form>`` (no scope where the family's is empty) and
-    recorded as fused with its label (the family's :class:`~fusion.family.Forms`), or with
-    the statistics ``emit`` returns (:class:`Emitted`), then passed to ``then`` outside that
-    scope. ``allowed`` is empty, or ``why`` given, where the call cannot be rewritten:
-    ``keras()`` with the reason recorded (after ``what: ``, where ``what`` names the call).
-    With ``emits`` (the family's declared ops per form, by name with or without ``prefix``)
-    and ``dtype`` (the call's compute dtype), a form whose ops the target has no kernel for
-    in that dtype is neither emitted nor timed (:func:`fusion.forms.runnable_forms`); where
-    none is left, the reason names the op.
+@dataclasses.dataclass(frozen=True)
+class CallSite:
+    """What a stage found at one Keras call and what rewriting it needs, in one record (the
+    stage-side counterpart of a graph rule's match, ``fusion.rule``): the ``family``, the
+    ``forms`` that may replace Keras's call here (the one taken without a tuner first),
+    ``keras`` (Keras's own call), ``emit`` (emits a form: its output, or :class:`Emitted`
+    where the form reports itself), ``what`` (names the call in the report's reasons),
+    ``why`` (why the call keeps Keras's form: None where it need not). For the tuner:
+    ``signature`` (its key for the call) and ``candidates`` (factories of the timed forms by
+    form name, Keras's among them), ``keeps`` (the form that is Keras's call here: the
+    family's conservative one unless given) and ``default`` (the form the tuner takes where it
+    cannot measure: ``keeps`` unless given). ``dtype``: the call's compute dtype, where the
+    forms' ops (``Form.emits``) are checked against the target's kernels in it. ``then``:
+    applied to the emitted form's output, outside its scope.
 
-    >>> from fusion.family import Forms
+    >>> from fusion.family import Form, Forms, conservative
+    >>> demo = Family("demo", "", forms=Forms("tfmx_demo", (
+    ...     conservative("slow", "the slow form"), Form("fast", "demo: the fast form"))))
+    >>> site = CallSite(demo, (demo.forms["fast"],), keras=lambda: "slow",
+    ...                 emit=lambda form: form.name, what="demo")
+    >>> site.keeps_form.name
+    'slow'
+    """
+
+    family: Family
+    forms: Sequence[Form]
+    keras: Callable[[], Any]
+    emit: Callable[[Form], Any]
+    what: str = ""
+    why: str | None = None
+    signature: Callable[[], str] | None = None
+    candidates: Callable[[], Mapping[str, Any]] | None = None
+    keeps: Form | None = None
+    default: Form | None = None
+    dtype: Any = None
+    then: Callable[[Any], Any] | None = None
+
+    @property
+    def keeps_form(self) -> Form:
+        """The form that is Keras's call here."""
+        return self.keeps if self.keeps is not None else self.family.forms.conservative
+
+
+def rewrite_call(ctx: StageContext, site: CallSite) -> Any:
+    """The flow every stage hook shares, for one call (``site``): without a tuner (or
+    ``site.candidates``) the first of ``site.forms``; with one, the tuner's pick among
+    ``site.candidates()`` (timed under ``site.signature()``; its default ``site.default``);
+    Keras's own form (``site.keeps_form``) picked: ``site.keras()`` with the reason that it
+    measured faster. Else the form emitted by ``site.emit(form)`` under its scope
+    (:meth:`fusion.family.Forms.scope_of`; none where the family has no scope) and recorded
+    as fused with its label, or with the statistics the emit returns (:class:`Emitted`), then
+    passed to ``site.then`` outside that scope. No forms, or ``site.why`` given: the call
+    cannot be rewritten, ``site.keras()`` with the reason recorded (after ``what: ``). With
+    ``site.dtype``, a form whose ops the target has no kernel for in that dtype is neither
+    emitted nor timed (:func:`fusion.forms.runnable_forms`); where none is left, the reason
+    names the op.
+
+    >>> from fusion.family import Form, Forms, conservative
     >>> from fusion.pattern import PlainTarget, RewriteAlways
-    >>> demo = Family("demo", "", forms=Forms("tfmx_demo", {}, {"fast": "demo: the fast form"},
-    ...                                     conservative="slow", kept="the slow form"))
+    >>> demo = Family("demo", "", forms=Forms("tfmx_demo", (
+    ...     conservative("slow", "the slow form"), Form("fast", "demo: the fast form"))))
     >>> seen = []
     >>> ctx = StageContext(PlainTarget("cpu"), RewriteAlways(),
     ...                    record=lambda family, stats: seen.append(dict(stats.fused_kinds)))
-    >>> rewrite_call(ctx, demo, what="demo", why=None, allowed=["fast"],
-    ...              signature=lambda: "demo x", candidates=lambda: {"slow": None, "fast": None},
-    ...              keras=lambda: "slow", emit=lambda form: form)
+    >>> rewrite_call(ctx, CallSite(
+    ...     demo, (demo.forms["fast"],), keras=lambda: "slow", emit=lambda form: form.name,
+    ...     what="demo", signature=lambda: "demo x",
+    ...     candidates=lambda: {"slow": None, "fast": None}))
     'fast'
     >>> seen
     [{'demo: the fast form': 1}]
     """
     import tensorflow as tf
 
-    forms = family.forms
-    keeps = forms.conservative if keeps is None else keeps
+    forms = site.family.forms
+    keeps = site.keeps_form
     stats = PatternStats(matched=1)
-    if emits is not None and dtype is not None and why is None and allowed:
-        declared = {f: form_ops(emits, prefix + f if prefix + f in emits else f)
-                    for f in allowed}
-        runnable, why = runnable_forms(ctx.target, declared, allowed, dtype)
-        refused = set(allowed) - set(runnable)
+    allowed, why, candidates = list(site.forms), site.why, site.candidates
+    if site.dtype is not None and why is None and allowed:
+        runnable, why = runnable_forms(ctx.target, allowed, site.dtype)
+        refused = {f.name for f in allowed} - {f.name for f in runnable}
         allowed, why = runnable, None if runnable else why
         if candidates is not None and refused:
             every = candidates
@@ -189,28 +224,31 @@ def rewrite_call(ctx: StageContext, family: Family, *, what: str, why: str | Non
                 return {f: make for f, make in every().items() if f not in refused}
     form = allowed[0] if allowed and why is None else None
     if form is not None and ctx.chooser is not None and candidates is not None:
-        chosen = signature()
-        form = ctx.chooser.choose(family.name, chosen, candidates(),
-                                  keeps if conservative is None else conservative).choice
-        if form == keeps:
+        signature = site.signature() if site.signature is not None else site.what
+        default = site.default if site.default is not None else keeps
+        choice = ctx.chooser.choose(site.family.name, signature, candidates(),
+                                    default.name).choice
+        if choice == keeps.name:
             form = None
-            why = f"{chosen}: {forms.kept if kept is None else kept} kept: measured faster"
+            why = f"{signature}: {keeps.label} kept: measured faster"
+        else:
+            form = next((f for f in allowed if f.name == choice), None) or forms[choice]
     if form is None:
-        stats.decline(f"{what}: {why}" if what else why)
-        ctx.record(family.name, stats)
-        return keras()
-    scope = f"{forms.scope}_{(prefix + form).replace(' ', '_')}" if forms.scope else None
+        stats.decline(f"{site.what}: {why}" if site.what else why)
+        ctx.record(site.family.name, stats)
+        return site.keras()
+    scope = forms.scope_of(form)
     with tf.name_scope(scope) if scope else contextlib.nullcontext():
-        out = emit(form)
+        out = site.emit(form)
     if isinstance(out, Emitted):
-        ctx.record(family.name, out.stats)
+        ctx.record(site.family.name, out.stats)
         if out.kept:
-            return keras()
+            return site.keras()
         out = out.value
     else:
-        stats.fuse(forms.labels[prefix + form])
-        ctx.record(family.name, stats)
-    return out if then is None else then(out)
+        stats.fuse(form.label)
+        ctx.record(site.family.name, stats)
+    return out if site.then is None else site.then(out)
 
 
 def _routed(chain: list[tuple[Family, Hook]]) -> Callable[[Any], Any]:
@@ -260,47 +298,6 @@ def uninstall() -> None:
 
 
 # -- transactions ------------------------------------------------------------------------------
-FAULT_POINTS = ("handler", "tuner", "emit")
-_faults: dict[str, str] = {}  # family -> where a test makes its stage fail
-
-
-@contextlib.contextmanager
-def failing(family: str, where: str = "handler") -> Iterator[None]:
-    """Test hook: inside the block, ``family``'s stage raises at ``where``: as its handler
-    starts (``"handler"``), when it asks the tuner (``"tuner"``), or after it emitted its
-    form (``"emit"``: the form is in the graph and must not run).
-
-    >>> with failing("layer_norm", "emit"):
-    ...     _faults["layer_norm"]
-    'emit'
-    """
-    if where not in FAULT_POINTS:
-        raise ValueError(f"where must be one of {FAULT_POINTS}, got {where!r}")
-    previous = _faults.get(family)
-    _faults[family] = where
-    try:
-        yield
-    finally:
-        if previous is None:
-            _faults.pop(family, None)
-        else:
-            _faults[family] = previous
-
-
-class InjectedFault(RuntimeError):
-    """The failure :func:`failing` injects."""
-
-
-class _FailingChooser:
-    def choose(self, family: str, *args: Any, **kwargs: Any) -> Any:
-        raise InjectedFault(f"{family}: injected failure in the tuner")
-
-
-def _inject(family: str, where: str) -> None:
-    if _faults.get(family) == where:
-        raise InjectedFault(f"{family}: injected failure at {where}")
-
-
 def transaction(ctx: StageContext, family: str, handler: Callable[..., Any],
                 following: Callable[..., Any], instance: Any, args: tuple,
                 kwargs: dict) -> Any:
@@ -334,15 +331,11 @@ def transaction(ctx: StageContext, family: str, handler: Callable[..., Any],
         ctx.record(family, stats)
         return following(instance, *args, **kwargs)
     recorded: list[tuple[str, PatternStats]] = []
-    chooser = _FailingChooser() if _faults.get(family) == "tuner" else ctx.chooser
-    attempt_ctx = dataclasses.replace(ctx, chooser=chooser,
-                                      record=lambda f, stats: recorded.append((f, stats)))
+    attempt_ctx = dataclasses.replace(ctx, record=lambda f, stats: recorded.append((f, stats)))
     attempt = Attempt()
     try:
         with tracing(attempt_ctx), attempt:
-            _inject(family, "handler")
             out = handler(attempt_ctx, following, instance, *args, **kwargs)
-            _inject(family, "emit")
     except Exception as exc:
         if ctx.strict:
             raise
@@ -408,8 +401,8 @@ def unsupported_inputs(args: tuple, kwargs: dict) -> str | None:
 
 
 __all__ = [  # the stage API: hooks and their flow here, the context and the forms re-exported
-    "FAULT_POINTS", "GROUP", "XLA", "XLA_CALLS", "Emitted", "Hook", "InjectedFault",
-    "StageContext", "active", "autocast", "autocast_dtype", "custom_gradient", "failing",
+    "GROUP", "XLA", "XLA_CALLS", "CallSite", "Emitted", "Hook", "StageContext", "active",
+    "autocast", "autocast_dtype", "custom_gradient",
     "functional_neighbours", "install", "integer_rounding", "layer_value", "rewrite_call",
     "stages", "timed_form", "tracing", "transaction", "uninstall", "unsupported_inputs",
     "widened", "with_xla", "xla_region",

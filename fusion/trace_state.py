@@ -3,10 +3,10 @@
 tfmx's stages and its tracing (``fusion.stage``, ``tfmx.staging``) keep state that belongs to
 the graph being traced, one :class:`TraceState` per graph: the stage context a
 ``fusion.stage.tracing`` block set on it, the statistics its stages recorded for the report
-and whether they reached it, the feed-forward stage's first ``Dense`` calls waiting for their
-second, the names of the ops abandoned stage attempts made (read when the traced function is
-rewritten) and whether bfloat16 is widened by integer operations in it. The states live in a
-registry keyed weakly by the graph: nothing is set on TensorFlow's objects, and a graph's
+and whether they reached it, the names of the ops abandoned stage attempts made (read when the
+traced function is rewritten), and one slot per family (or contributing module) that keeps
+something of its own about the graph (:func:`slot`, :func:`scoped_slot`). The states live in
+a registry keyed weakly by the graph: nothing is set on TensorFlow's objects, and a graph's
 state goes when the graph is garbage collected.
 
 Example:
@@ -18,6 +18,9 @@ Example:
     >>> trace_state.of(graph, create=True).abandoned.add("dead")
     >>> trace_state.of(graph).abandoned
     {'dead'}
+    >>> trace_state.slot(graph, "demo")["seen"] = 1  # a family's own slot
+    >>> trace_state.slot(graph, "demo")
+    {'seen': 1}
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import contextlib
 import dataclasses
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -57,17 +60,11 @@ class TraceState:
     """(family, ``fusion.pattern.PatternStats``) of each stage that ran while it was traced."""
     committed: bool = False
     """Whether :attr:`stage_stats` reached the report (``tfmx.staging.commit``)."""
-    feed_forward_inputs: dict[Any, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
-    """The feed-forward stage's first ``Dense`` calls: their output's ``ref()`` -> (layer,
-    input)."""
     abandoned: set[str] = dataclasses.field(default_factory=set)
     """The names of the ops that failed stage attempts made in the graph."""
-    rnn_below: dict[Any, Any] = dataclasses.field(default_factory=dict)
-    """The rnn stage's layer calls another may read as its lower half of a wavefront:
-    their outputs' ``ref()`` -> what the upper call needs of them."""
-    integer_edges: bool | None = None
-    """Whether a region traced in the graph widens bfloat16 by integer operations (the
-    contributed ``fusion.forms.RegionEdges``); None: not said."""
+    slots: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What a family (or a contributing module) keeps about the graph, by its owner's name
+    (:func:`slot`): only that owner reads or writes its slot."""
 
 
 _STATES: weakref.WeakKeyDictionary[Any, TraceState] = weakref.WeakKeyDictionary()
@@ -126,12 +123,12 @@ def scoped(graph: Any, field: str, value: Any) -> Iterator[TraceState | None]:
 
     >>> import tensorflow as tf
     >>> graph = tf.Graph()
-    >>> with scoped(graph, "integer_edges", True) as state:
-    ...     with scoped(graph, "integer_edges", False):
-    ...         inner = of(graph).integer_edges
-    ...     outer = state.integer_edges
-    >>> inner, outer, of(graph).integer_edges
-    (False, True, None)
+    >>> with scoped(graph, "committed", True) as state:
+    ...     with scoped(graph, "committed", False):
+    ...         inner = of(graph).committed
+    ...     outer = state.committed
+    >>> inner, outer, of(graph).committed
+    (False, True, False)
     """
     if field not in _FIELDS:
         raise AttributeError(f"TraceState has no field {field!r}")
@@ -147,4 +144,55 @@ def scoped(graph: Any, field: str, value: Any) -> Iterator[TraceState | None]:
         setattr(state, field, before)
 
 
-__all__ = ["UNSET", "TraceState", "enclosing", "of", "scoped"]
+def slot(graph: Any, owner: str, factory: Callable[[], Any] = dict) -> Any:
+    """The slot ``owner`` keeps in ``graph``'s state: made by ``factory`` on first use.
+
+    >>> import tensorflow as tf
+    >>> graph = tf.Graph()
+    >>> slot(graph, "demo", list).append("x")
+    >>> slot(graph, "demo"), held(graph, "other")
+    (['x'], None)
+    """
+    state = of(graph, create=True)
+    with _LOCK:
+        if owner not in state.slots:
+            state.slots[owner] = factory()
+        return state.slots[owner]
+
+
+def held(graph: Any, owner: str) -> Any:
+    """The slot ``owner`` keeps in ``graph``'s state, or None where it has none (nothing
+    made)."""
+    state = _STATES.get(graph)
+    return None if state is None else state.slots.get(owner)
+
+
+@contextlib.contextmanager
+def scoped_slot(graph: Any, owner: str, value: Any) -> Iterator[None]:
+    """Inside this block ``owner``'s slot in ``graph``'s state is ``value``, and what it was
+    after (absent: absent again); nothing where ``graph`` is None.
+
+    >>> import tensorflow as tf
+    >>> graph = tf.Graph()
+    >>> with scoped_slot(graph, "demo", True):
+    ...     inside = held(graph, "demo")
+    >>> inside, held(graph, "demo")
+    (True, None)
+    """
+    if graph is None:
+        yield
+        return
+    state = of(graph, create=True)
+    missing = object()
+    before = state.slots.get(owner, missing)
+    state.slots[owner] = value
+    try:
+        yield
+    finally:
+        if before is missing:
+            state.slots.pop(owner, None)
+        else:
+            state.slots[owner] = before
+
+
+__all__ = ["UNSET", "TraceState", "enclosing", "held", "of", "scoped", "scoped_slot", "slot"]

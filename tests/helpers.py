@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
 
 def traced_graphs(fn) -> list:
     """The GraphDef (with its function library) of every graph Keras's step function traced."""
@@ -345,3 +349,62 @@ def slow_trial_forms(patch, **delays: float) -> None:
         return run(guard, {form: slower(form, call) for form, call in forms.items()})
 
     patch(StepGuard, "run", slowed if any(delays.values()) else run)
+
+
+# -- stages made to fail, and each stage family's example (tests/test_stage_safety.py) --------
+FAULT_POINTS = ("handler", "tuner", "emit")
+"""Where :func:`failing` makes a stage fail."""
+
+
+class InjectedFault(RuntimeError):
+    """The failure :func:`failing` injects."""
+
+
+class _FailingChooser:
+    def choose(self, family, *args, **kwargs):
+        raise InjectedFault(f"{family}: injected failure in the tuner")
+
+
+def failing(patch, family: str, where: str = "handler") -> None:
+    """From now on (``patch``: ``monkeypatch.setattr``, undone after the test), ``family``'s
+    stage raises at ``where``: as its handler starts (``"handler"``), when it asks the tuner
+    (``"tuner"``), or after it emitted its form (``"emit"``: the form is in the graph and must
+    not run). The failure is raised inside the stage's transaction
+    (``fusion.stage.transaction``), as a bug of the stage would be."""
+    import dataclasses
+
+    from fusion import stage
+
+    if where not in FAULT_POINTS:
+        raise ValueError(f"where must be one of {FAULT_POINTS}, got {where!r}")
+    real = stage.transaction
+
+    def transaction(ctx, name, handler, following, instance, args, kwargs):
+        if name != family:
+            return real(ctx, name, handler, following, instance, args, kwargs)
+
+        def faulty(attempt_ctx, *rest, **named):
+            if where == "handler":
+                raise InjectedFault(f"{family}: injected failure at handler")
+            if where == "tuner":
+                attempt_ctx = dataclasses.replace(attempt_ctx, chooser=_FailingChooser())
+            out = handler(attempt_ctx, *rest, **named)
+            if where == "emit":
+                raise InjectedFault(f"{family}: injected failure at emit")
+            return out
+
+        return real(ctx, name, faulty, following, instance, args, kwargs)
+
+    patch(stage, "transaction", transaction)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageExample:
+    """What tests/test_stage_safety.py needs of a stage family, declared in the family's own
+    test file (``tests/test_<family>.py``, as ``STAGE_EXAMPLE``): a small model where the family
+    applies (a function building it: float32 inputs, 4 outputs, trained on MSE), and an op every
+    form the family takes on it emits in float32, so that a backend without a kernel for it keeps
+    Keras's call (None: its forms emit no op a kernel table decides, as an XLA region)."""
+
+    model: Callable[[], Any]
+    lacking: str | None

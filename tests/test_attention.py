@@ -9,6 +9,7 @@ import tensorflow as tf
 from helpers import (
     TRANSCENDENTAL,
     PickForm,
+    StageExample,
     assert_no_further_from_float32,
     assert_within_rounding,
     fit_float32_reference,
@@ -22,6 +23,16 @@ from helpers import (
 
 import tfmx
 from fusion.calls import attention as stage
+
+
+def _stage_example() -> keras.Model:
+    inp = keras.Input((6, 8))
+    x = keras.layers.MultiHeadAttention(2, 4)(inp, inp)
+    return keras.Model(inp, keras.layers.Dense(4)(keras.layers.GlobalAveragePooling1D()(x)))
+
+
+STAGE_EXAMPLE = StageExample(_stage_example, lacking="BatchMatMulV2")
+"""This family's model in the stage-safety tests (tests/test_stage_safety.py)."""
 
 T, D, HEADS, KEY_DIM = 6, 8, 2, 4
 
@@ -101,7 +112,7 @@ def test_fit_matches_stock_with_batched_matmuls_in_the_graph_that_ran(monkeypatc
         model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
         models[on] = model
     assert _fused_bmm_ran(models[True].train_function, form)
-    _assert_fused_once_as(stage.LABELS[form])
+    _assert_fused_once_as(stage.FORMS[form].label)
     _assert_weights_within(models, FIT)
 
 
@@ -203,7 +214,7 @@ def test_mixed_bfloat16_fit_with_the_folded_form_in_the_graph_that_ran(monkeypat
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert "BatchMatMulV2" in ops_that_ran(models[True].train_function)
-    _assert_fused_once_as(stage.LABELS["bmm folded"])
+    _assert_fused_once_as(stage.FORMS["bmm folded"].label)
     # 6 steps; the folded form rounds the scaled query once more
     reference = fit_float32_reference(lambda: _model(causal=True, key_dim=6), x, y)
     assert_no_further_from_float32(reference, models[False], models[True], initial,
@@ -272,7 +283,7 @@ def test_mixed_bfloat16_fit_with_the_bfloat16_softmax_in_the_graph_that_ran(monk
     _needs_exact_bfloat16_softmax()
     from tfmx import state
 
-    monkeypatch.setattr(state, "tuner", lambda: PickForm(stage.SOFTMAX_16, "attention",
+    monkeypatch.setattr(state, "tuner", lambda: PickForm(stage.SOFTMAX_16.name, "attention",
                                                           strict=True))
     x, y = _data()
     build = lambda: _model(key_dim=6)  # noqa: E731 - no mask: the form's domain
@@ -285,10 +296,10 @@ def test_mixed_bfloat16_fit_with_the_bfloat16_softmax_in_the_graph_that_ran(monk
         models[False].fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    scope = f"{stage.SCOPE}_{stage.SOFTMAX_16.replace(' ', '_')}/"
+    scope = f"{stage.FORMS.scope_of(stage.SOFTMAX_16)}/"
     assert any(scope in name and "Softmax" in kernel for name, kernel in ran), sorted(ran)
     stats = tfmx.report().patterns["attention"]  # one call per trace (fit traced twice)
-    label = stage.LABELS[stage.SOFTMAX_16]
+    label = stage.SOFTMAX_16.label
     assert stats.fused >= 1 and set(stats.fused_kinds) == {label}, tfmx.report()
     assert stats.observed[label] >= 1
     # 9 steps (3 epochs of 3 batches); the folded query's rounding and the probabilities'
@@ -348,7 +359,7 @@ def test_cross_attention_fit_matches_stock_with_batched_matmuls_in_the_graph_tha
     x, y = _cross_data()
     models, _ = fit_stock_and_tfmx(lambda: _cross_model(dropout, causal), x, y, ["attention"])
     assert _fused_bmm_ran(models[True].train_function, form)
-    _assert_fused_once_as(stage.LABELS[form])
+    _assert_fused_once_as(stage.FORMS[form].label)
     _assert_weights_within(models, CROSS_FIT)
 
 
@@ -406,7 +417,7 @@ def test_ops_dot_product_attention_matches_stock(monkeypatch, form, causal):
     from tests.test_keras import ops_that_ran
     from tfmx import state
 
-    monkeypatch.setattr(state, "tuner", lambda: PickForm(form, "attention"))
+    monkeypatch.setattr(state, "tuner", lambda: PickForm(f"sdpa {form}", "attention"))
     x, y = _data()
     models = {}
     for on in (False, True):
@@ -424,7 +435,7 @@ def test_ops_dot_product_attention_matches_stock(monkeypatch, form, causal):
         models[on] = model
     assert "BatchMatMulV2" in ops_that_ran(models[True].train_function)
     assert "Einsum" not in ops_that_ran(models[True].train_function)
-    label = stage.LABELS[f"sdpa {form}"]
+    label = stage.FORMS[f"sdpa {form}"].label
     _assert_fused_once_as(label)
     _assert_weights_within(models, FIT)
 

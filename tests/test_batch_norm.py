@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 from helpers import (
     TRANSCENDENTAL,
+    StageExample,
     assert_within_rounding,
     exact_patterns,
     float_tolerance,
@@ -35,6 +36,16 @@ from tfmx.rebuild import protected_names
 
 # Every match rewritten, whatever the tuner would measure here (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("every_rewrite")
+
+
+def _stage_example() -> keras.Model:
+    inp = keras.Input((6, 6, 3))
+    x = keras.layers.ReLU()(keras.layers.BatchNormalization()(keras.layers.Conv2D(4, 3)(inp)))
+    return keras.Model(inp, keras.layers.Dense(4)(keras.layers.GlobalAveragePooling2D()(x)))
+
+
+STAGE_EXAMPLE = StageExample(_stage_example, lacking="FusedBatchNormV3")
+"""This family's model in the stage-safety tests (tests/test_stage_safety.py)."""
 
 COMPOSITE = ("SquaredDifference", "StopGradient", "Rsqrt")
 

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 from helpers import (
     TRANSCENDENTAL,
+    StageExample,
     assert_models_within_rounding,
     assert_no_further_from_float32,
     assert_within_rounding,
@@ -26,6 +27,15 @@ from fusion.stage import autocast
 
 # Every match rewritten, whatever the tuner would measure here (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("every_rewrite")
+
+
+def _stage_example() -> keras.Model:
+    inp = keras.Input((8,))
+    return keras.Model(inp, keras.layers.Dense(4)(keras.layers.Dense(16, activation="relu")(inp)))
+
+
+STAGE_EXAMPLE = StageExample(_stage_example, lacking="ConcatV2")
+"""This family's model in the stage-safety tests (tests/test_stage_safety.py)."""
 
 CASES = {  # name: (units, activation, input shape)
     "tokens": (12, None, (3, 5, 8)),
@@ -144,7 +154,7 @@ def test_fit_matches_stock_with_the_widened_matmuls_in_the_graph_that_ran():
     models, initial = fit_stock_and_tfmx(_model, x, y, ["bias_row"])
     stats = tfmx.report().patterns["bias_row"]
     assert stats.fused == 2 and not stats.declined, stats  # the two Dense with a bias
-    assert stats.observed[stage.LABEL] >= 2
+    assert stats.observed[stage.BIAS_ROW.label] >= 2
     emitted = _emitted(tfmx.report())
     assert len(emitted) == 2
     # 6 steps: the Dense (8 + 2 terms), the second (24), pooling (6), the head (8 + 2), the
@@ -243,7 +253,7 @@ def test_bias_row_forms_fit_like_stock_with_one_matmul_per_unit(monkeypatch, for
         models[on] = _model()
         models[on].fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
     stats = tfmx.report().patterns["einsum_dense"]
-    label = einsum_dense.LABELS[form]
+    label = einsum_dense.FORMS[form].label
     assert stats.fused_kinds[label] >= 1 and stats.observed[label]
     (trace,) = [t for t in tfmx.report().traces if t.graph_after is not None][:1]
     scope = "tfmx_einsum_dense_" + form.replace(" ", "_")

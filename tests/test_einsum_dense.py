@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 from helpers import (
     TRANSCENDENTAL,
+    StageExample,
     assert_models_within_rounding,
     assert_no_further_from_float32,
     assert_within_rounding,
@@ -21,6 +22,16 @@ from fusion.calls import einsum_dense as stage
 
 # Every match rewritten, whatever the tuner would measure here (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("every_rewrite")
+
+
+def _stage_example() -> keras.Model:
+    inp = keras.Input((6, 8))
+    x = keras.layers.EinsumDense("abc,cd->abd", (None, 16), bias_axes="d")(inp)
+    return keras.Model(inp, keras.layers.Dense(4)(keras.layers.GlobalAveragePooling1D()(x)))
+
+
+STAGE_EXAMPLE = StageExample(_stage_example, lacking="MatMul")
+"""This family's model in the stage-safety tests (tests/test_stage_safety.py)."""
 
 
 @pytest.mark.parametrize("equation,split", [
@@ -178,8 +189,8 @@ def test_fit_matches_stock_with_fused_matmuls_in_the_graph_that_ran():
     stats = tfmx.report().patterns["einsum_dense"]
     # the self-attention's Q/K/V as one MatMul, its output projection, the EinsumDense
     assert stats.fused == 3 and not stats.declined, stats
-    assert stats.fused_kinds == {stage.SHARED_LABEL: 1, stage.LABEL: 2}
-    assert stats.observed[stage.LABEL] >= 2 and stats.observed[stage.SHARED_LABEL] >= 1
+    assert stats.fused_kinds == {stage.SHARED.label: 1, stage.MATMUL.label: 2}
+    assert stats.observed[stage.MATMUL.label] >= 2 and stats.observed[stage.SHARED.label] >= 1
     shared = [n for n in trace.graph_after.node if "tfmx_einsum_dense_shared" in n.name
               and n.op in ("MatMul", "_FusedMatMul") and not n.name.startswith("gradient")]
     assert len(shared) == 1

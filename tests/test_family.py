@@ -20,11 +20,21 @@ import tensorflow as tf
 import fusion
 import tfmx
 from fusion.expr import Any, Match, Op
-from fusion.family import Family, Forms, declare, families, forget, register
+from fusion.family import (
+    Family,
+    Form,
+    Forms,
+    conservative,
+    declare,
+    families,
+    forget,
+    get,
+    register,
+)
 from fusion.graph import GraphView, NodeDef
 from fusion.pattern import PatternStats, PlainTarget, RewriteContext
 from fusion.rule import Rule, RuleContext
-from fusion.stage import Hook, StageContext
+from fusion.stage import CallSite, Hook, StageContext, rewrite_call
 
 # -- a graph pass, in one module-sized definition ------------------------------------------
 # match: Neg(Neg(x)), from the outer Neg
@@ -69,22 +79,17 @@ class Halve(keras.layers.Layer):
         return x * 0.5
 
 
-SCOPE = "tfmx_halved"
+FORMS = Forms("tfmx_halved", (conservative("multiply", "Keras's x * 0.5"),
+                              Form("divide", "Halve: x / 2", marks=frozenset({"RealDiv"}))))
 
 
 def halved_call(ctx: StageContext, original, layer, x, *args, **kwargs):
     """Emit ``x / 2`` under ``tfmx_halved_divide`` and record it; Keras's call where the input
     is not a float tensor."""
-    stats = PatternStats(matched=1)
-    if not tf.is_tensor(x) or not x.dtype.is_floating:
-        stats.decline("Halve: not a float tensor")
-        ctx.record("halved", stats)
-        return original(layer, x, *args, **kwargs)
-    with tf.name_scope(f"{SCOPE}_divide"):
-        out = tf.math.divide(x, tf.constant(2.0, x.dtype))
-    stats.fuse("Halve: x / 2")
-    ctx.record("halved", stats)
-    return out
+    why = None if tf.is_tensor(x) and x.dtype.is_floating else "not a float tensor"
+    return rewrite_call(ctx, CallSite(
+        get("halved"), (FORMS["divide"],), keras=lambda: original(layer, x, *args, **kwargs),
+        emit=lambda form: tf.math.divide(x, tf.constant(2.0, x.dtype)), what="Halve", why=why))
 
 
 @pytest.fixture
@@ -94,8 +99,7 @@ def new_families():
              order="a test family placed after contraction")(_double_negation_pass)
     declare(Family("halved", "Halve's x * 0.5 -> x / 2, before differentiation",
                    hooks=(Hook(f"{__name__}:Halve", "call", halved_call),),
-                   forms=Forms(SCOPE, {"divide": frozenset({"RealDiv"})},
-                               {"divide": "Halve: x / 2"})))
+                   forms=FORMS))
     yield
     tfmx.disable()
     forget("double_negation")

@@ -9,6 +9,7 @@ import tensorflow as tf
 from helpers import (
     TRANSCENDENTAL,
     PickForm,
+    StageExample,
     assert_models_within_rounding,
     assert_no_further_from_float32,
     assert_within_rounding,
@@ -25,6 +26,15 @@ from fusion.stage import XLA, XLA_CALLS
 
 # Every match rewritten, whatever the tuner would measure here (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("every_rewrite")
+
+
+def _stage_example() -> keras.Model:
+    inp = keras.Input((8,))
+    return keras.Model(inp, keras.layers.Dense(4)(keras.layers.Dense(16, activation="gelu")(inp)))
+
+
+STAGE_EXAMPLE = StageExample(_stage_example, lacking="Exp")
+"""This family's model in the stage-safety tests (tests/test_stage_safety.py)."""
 
 # Roundings of one GELU and its derivative (erf or tanh, exp, some ten multiplies and adds);
 # either side's, so twice.
@@ -53,19 +63,23 @@ def test_value_and_derivative_match_tensorflow(form, dtype):
         np.testing.assert_array_equal(got[0], want[0])
 
 
+def _names(forms) -> list[str]:
+    return [form.name for form in forms]
+
+
 def test_a_backend_without_erf_gets_the_erfc_form():
     from fusion.pattern import PlainTarget
     from fusion.stage import StageContext
     from tfmx.backends import get_backend
 
     no_erf = PlainTarget("toy", kernels=frozenset({"Erfc", "Tanh", "Exp", "Mul", "AddV2"}))
-    assert list(stage._forms(StageContext(get_backend("cpu")), False)) == \
+    assert _names(stage._forms(StageContext(get_backend("cpu")), False)) == \
         ["custom", "custom erfc"]
-    assert list(stage._forms(StageContext(no_erf), False)) == ["custom erfc"]
-    assert list(stage._forms(StageContext(no_erf), True)) == ["custom"]
+    assert _names(stage._forms(StageContext(no_erf), False)) == ["custom erfc"]
+    assert _names(stage._forms(StageContext(no_erf), True)) == ["custom"]
 
 
-UPCAST_FORMS = ["custom upcast", stage.SLOPE_KEPT]
+UPCAST_FORMS = ["custom upcast", stage.SLOPE_KEPT.name]
 
 
 @pytest.mark.parametrize("backend", ["cpu", "metal"])
@@ -75,19 +89,19 @@ def test_a_16_bit_input_also_gets_the_float32_forms_last(backend, approximate):
     from tfmx.backends import get_backend
 
     ctx = StageContext(get_backend(backend))
-    plain = list(stage._forms(ctx, approximate))
+    plain = _names(stage._forms(ctx, approximate))
     for dtype in (tf.bfloat16, tf.float16):
-        assert list(stage._forms(ctx, approximate, dtype)) == [*plain, *UPCAST_FORMS]
-    assert list(stage._forms(ctx, approximate, tf.float32)) == plain
+        assert _names(stage._forms(ctx, approximate, dtype)) == [*plain, *UPCAST_FORMS]
+    assert _names(stage._forms(ctx, approximate, tf.float32)) == plain
 
 
 # Roundings of each float32 form's gradient to the 16-bit dtype: dy (the loss's, float32)
 # rounded on the way in and the product on the way out; the kept slope once more (the XLA
 # region keeps it too).
-GRADIENT_ROUNDINGS = {"custom upcast": 2, stage.SLOPE_KEPT: 3, XLA: 3}
+GRADIENT_ROUNDINGS = {"custom upcast": 2, stage.SLOPE_KEPT.name: 3, XLA: 3}
 # Each form computed in float32 for a 16-bit input, called as fn(x, approximate, erfc)
 # (the XLA region computes the CDF with XLA's own Erf whatever the backend's kernels).
-WIDE_FORMS = {"custom upcast": stage.gelu_upcast, stage.SLOPE_KEPT: stage.gelu_slope_kept,
+WIDE_FORMS = {"custom upcast": stage.gelu_upcast, stage.SLOPE_KEPT.name: stage.gelu_slope_kept,
               XLA: lambda x, approximate=False, erfc=False: stage.gelu_xla_slope(x, approximate)}
 
 
@@ -114,7 +128,7 @@ def test_the_float32_forms_of_a_16_bit_input_round_once_or_twice(name, form, dty
 
 
 @pytest.mark.parametrize("name,dtype", [
-    (stage.SLOPE_KEPT, "bfloat16"), (stage.SLOPE_KEPT, "float16"),
+    (stage.SLOPE_KEPT.name, "bfloat16"), (stage.SLOPE_KEPT.name, "float16"),
     (XLA, "bfloat16"), (XLA, "float16"), (XLA, "float32")])
 def test_the_kept_slope_forms_multiply_once_in_the_backward(name, dtype):
     """What makes the kept-slope forms faster: the gradient adds one Mul in the input's dtype
@@ -189,8 +203,8 @@ def test_fit_matches_stock_with_the_closed_form_in_the_graph_that_ran():
         ops_that_ran(models[False].train_function)
     assert {"Erf", "Tanh"} <= ran and "Erf" not in stock  # stock's exact GELU runs Erfc
     stats = tfmx.report().patterns["gelu"]
-    assert stats.fused == 3 and set(stats.fused_kinds) == {stage.LABELS["custom"]}, stats
-    assert stats.observed[stage.LABELS["custom"]] >= 3
+    assert stats.fused == 3 and set(stats.fused_kinds) == {stage.FORMS["custom"].label}, stats
+    assert stats.observed[stage.FORMS["custom"].label] >= 3
     # the closed-form derivative's ops are named under the gradient tape and the form's scope,
     # as TensorFlow names a registered gradient's (a profile can say whose backward they are)
     backward = {n.op for n in nodes_that_ran(models[True].train_function)
@@ -218,7 +232,7 @@ def test_mixed_bfloat16_fit_matches_stock_with_the_float32_form_in_the_graph_tha
     ran = ops_that_ran(models[True].train_function)
     assert {"Erf", "Tanh"} <= ran
     stats = tfmx.report().patterns["gelu"]
-    label = stage.LABELS[form]
+    label = stage.FORMS[form].label
     assert stats.fused == 3 and set(stats.fused_kinds) == {label}, stats
     assert stats.observed[label] >= 3
     # 2 steps; the kept-slope forms round the derivative once more than the float32 one
@@ -236,8 +250,8 @@ def test_the_float32_forms_on_metal_run_on_ops_the_plugin_has(approximate, form)
     from fusion.stage import StageContext
     from tfmx.backends import get_backend, metal_kernels
 
-    form = stage._forms(StageContext(get_backend("metal")), approximate,
-                        tf.float16)[form]
+    form = {f.name: fn for f, fn in stage._forms(StageContext(get_backend("metal")),
+                                                  approximate, tf.float16).items()}[form]
 
     @tf.function(autograph=False)
     def step(x):

@@ -9,6 +9,7 @@ import tensorflow as tf
 from helpers import (
     TRANSCENDENTAL,
     PickForm,
+    StageExample,
     assert_no_further_from_float32,
     assert_within_rounding,
     fit_float32_reference,
@@ -19,11 +20,21 @@ from helpers import (
 
 import tfmx
 from fusion.calls import layer_norm as stage
-from fusion.calls import layer_norm_kernels as kernels
+from fusion.kernels import layer_norm as kernels
 from tfmx.backends import get_backend
 
 # Every match rewritten, whatever the tuner would measure here (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("every_rewrite")
+
+
+def _stage_example() -> keras.Model:
+    inp = keras.Input((6, 8))
+    x = keras.layers.LayerNormalization()(keras.layers.Dense(8)(inp))
+    return keras.Model(inp, keras.layers.Dense(4)(keras.layers.GlobalAveragePooling1D()(x)))
+
+
+STAGE_EXAMPLE = StageExample(_stage_example, lacking="Mul")
+"""This family's model in the stage-safety tests (tests/test_stage_safety.py)."""
 
 
 def _terms(cols: int) -> int:
@@ -70,12 +81,12 @@ def _assert_outputs_within_rounding(run, shape, first) -> None:
         assert_within_rounding(got.numpy(), expected.numpy(), terms, what=f"output {i}")
 
 
-@pytest.mark.parametrize("form", sorted(stage.FORMS))
+@pytest.mark.parametrize("form", sorted(f.name for f in stage.LAYER_FORMS))
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_each_form_and_its_gradient_match_keras(name, form):
     shape, kwargs = CASES[name]
     layer = keras.layers.LayerNormalization(**kwargs)
-    run, first = _against_keras(layer, shape, lambda x, first: stage.FORMS[form][0](
+    run, first = _against_keras(layer, shape, lambda x, first: stage.FORMS[form].build(
         x, stage._value(layer.gamma), stage._value(layer.beta), first, layer.epsilon))
     onednn = form.startswith("onednn")  # the 16-bit ones are the others on float32
     if onednn and first != len(shape) - 1:  # the kernel normalizes one axis
@@ -109,9 +120,9 @@ def test_the_16_bit_kernel_form_is_offered_where_the_kernel_runs_that_dtype(monk
     layer.build((2, 3, 4))
     names = {dtype: stage.layer_norm_forms(layer, tf.zeros([2, 3, 4], dtype), cpu, 2)
              for dtype in (tf.float32, tf.bfloat16)}
-    assert stage.ONEDNN_16 not in names[tf.float32]
-    assert (stage.ONEDNN_16 in names[tf.bfloat16]) == stage.onednn_layer_norm_runs("bfloat16")
-    assert stage.ONEDNN_16 not in stage.layer_norm_forms(
+    assert stage.ONEDNN_16_BIT not in names[tf.float32]
+    assert (stage.ONEDNN_16_BIT in names[tf.bfloat16]) == stage.onednn_layer_norm_runs("bfloat16")
+    assert stage.ONEDNN_16_BIT not in stage.layer_norm_forms(
         layer, tf.zeros([2, 3, 4], tf.bfloat16), get_backend("metal"), 2)
 
     def refused(*args, **kwargs):
@@ -121,7 +132,7 @@ def test_the_16_bit_kernel_form_is_offered_where_the_kernel_runs_that_dtype(monk
     monkeypatch.setattr(kernels, "mkl_layer_norm", refused)
     try:
         assert not stage.onednn_layer_norm_runs("bfloat16")
-        assert stage.ONEDNN_16 not in stage.layer_norm_forms(
+        assert stage.ONEDNN_16_BIT not in stage.layer_norm_forms(
             layer, tf.zeros([2, 3, 4], tf.bfloat16), cpu, 2)
     finally:
         stage.onednn_layer_norm_runs.cache_clear()
@@ -199,7 +210,7 @@ def _assert_fused_twice_and_within_rounding(models: dict, label: str) -> None:
 
 
 @pytest.mark.parametrize("form", sorted(
-    set(stage.FORMS) - {stage.ONEDNN_16, stage.ONEDNN_16 + stage.XLA_GRADIENT}))
+    {f.name for f in stage.LAYER_FORMS} - {stage.ONEDNN_16, stage.ONEDNN_16 + stage.XLA_GRADIENT}))
 def test_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, form):
     from tfmx import state
 
@@ -214,7 +225,7 @@ def test_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, form
         assert stage.ONEDNN_OP in ran and stage.ONEDNN_OP not in stock
     # the gradient compiled by XLA: one region per layer, in the step that ran
     _assert_gradient_regions(models, form)
-    _assert_fused_twice_and_within_rounding(models, stage.FORMS[form][1])
+    _assert_fused_twice_and_within_rounding(models, stage.FORMS[form].label)
 
 
 def _needs_the_bfloat16_kernel() -> None:
@@ -280,7 +291,7 @@ def test_mixed_bfloat16_fit_matches_stock_with_the_16_bit_kernel_in_the_graph_th
     assert stage.ONEDNN_OP not in stock
     _assert_gradient_regions(models, form)
     stats = tfmx.report().patterns["layer_norm"]
-    label = stage.FORMS[form][1]
+    label = stage.FORMS[form].label
     assert stats.fused == 2 and set(stats.fused_kinds) == {label} and not stats.declined
     assert stats.observed[label] >= 2
     rng = np.random.default_rng(1)
@@ -298,12 +309,12 @@ RMS_CASES = {  # name: (input shape, layer kwargs)
 }
 
 
-@pytest.mark.parametrize("form", sorted(stage.RMS_FORMS))
+@pytest.mark.parametrize("form", sorted(f.name for f in stage.RMS_FORMS))
 @pytest.mark.parametrize("name", sorted(RMS_CASES))
 def test_rms_form_and_its_gradient_match_keras(name, form):
     shape, kwargs = RMS_CASES[name]
     layer = keras.layers.RMSNormalization(**kwargs)
-    run, first = _against_keras(layer, shape, lambda x, first: stage.RMS_FORMS[form][0](
+    run, first = _against_keras(layer, shape, lambda x, first: stage.FORMS[form].build(
         x, stage._value(layer.scale), first, layer.epsilon))
     stock_ops = {n.op for n in run.get_concrete_function(False).graph.as_graph_def().node}
     fused_ops = {n.op for n in run.get_concrete_function(True).graph.as_graph_def().node}
@@ -333,7 +344,7 @@ def _rms_decoder(seed: int = 0) -> keras.Model:
     return model
 
 
-@pytest.mark.parametrize("form", ["custom", "custom" + stage.XLA_GRADIENT])
+@pytest.mark.parametrize("form", ["rms custom", "rms custom" + stage.XLA_GRADIENT])
 def test_rms_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, form):
     from tfmx import state
 
@@ -341,4 +352,4 @@ def test_rms_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, 
     models, ran, stock = _fit_stock_and_fused(_rms_decoder)
     assert "RsqrtGrad" in stock and "RsqrtGrad" not in ran
     _assert_gradient_regions(models, form)
-    _assert_fused_twice_and_within_rounding(models, stage.RMS_FORMS[f"rms {form}"][1])
+    _assert_fused_twice_and_within_rounding(models, stage.FORMS[form].label)

@@ -13,11 +13,11 @@ import pytest
 import tensorflow as tf
 
 import tfmx
-from fusion.calls.rnn import RnnKernels
 from fusion.graph import GraphView
-from fusion.graphs.batch_norm_kernels import BatchNormKernels, kernel_blocker
 from fusion.graphs.contraction import ContractionKernels
 from fusion.graphs.optimizer_update import find_updates
+from fusion.kernels.batch_norm import BatchNormKernels, kernel_blocker
+from fusion.kernels.rnn import RnnKernels
 from tfmx import metal_plugins
 from tfmx.backends import get_backend, metal_backend, metal_kernels
 from tfmx.metal_plugins import APPLE, OPEN, InstalledPlugin, plugin_table

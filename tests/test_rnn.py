@@ -9,17 +9,27 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import TRANSCENDENTAL, PickForm, assert_within_rounding, needs_onednn
+from helpers import TRANSCENDENTAL, PickForm, StageExample, assert_within_rounding, needs_onednn
 
 import tfmx
 from fusion import stage
-from fusion.calls import rnn, rnn_kernels
+from fusion.calls import rnn
 from fusion.graph import op_histogram
 from fusion.graphs import rnn as rnn_units
+from fusion.kernels import rnn as rnn_kernels
 from tfmx.backends import get_backend, metal_kernels
 
 # Every match rewritten, whatever the tuner would measure here (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("every_rewrite")
+
+
+def _stage_example() -> keras.Model:
+    inp = keras.Input((5, 3))
+    return keras.Model(inp, keras.layers.Dense(4)(keras.layers.LSTM(8)(inp)))
+
+
+STAGE_EXAMPLE = StageExample(_stage_example, lacking="MatMul")
+"""This family's model in the stage-safety tests (tests/test_stage_safety.py)."""
 
 B, T, F_IN, H = 4, 7, 3, 5
 
@@ -370,7 +380,7 @@ def test_metal_plan_uses_the_plugins_cudnn_kernels_node_by_node():
     assert list(stats.declined) == [rnn.DECLINE_REASONS["reset_before_gpu"]]
     # node by node: every op the family emitted, forward and gradient, has a Metal kernel;
     # three-letter names (Sum, Mul) cannot appear in the strings-based list
-    emitted = {n.op for n in graph.node if re.search(r"tfmx_rnn_(lstm|gru)/", n.name)}
+    emitted = {n.op for n in graph.node if re.search(r"tfmx_rnn_(lstm|gru)_cudnn/", n.name)}
     assert {"CudnnRNNV3", "CudnnRNNBackpropV3", "TopKV2", "OneHot", "BatchMatMulV2"} <= emitted
     unlisted = {op for op in emitted if op not in metal_kernels() and len(op) > 3}
     assert unlisted <= rnn_units.RUNTIME_OPS, unlisted
@@ -383,8 +393,8 @@ def test_metal_plan_uses_the_plugins_cudnn_kernels_node_by_node():
 def test_cuda_plan_is_cudnn_with_cuda_gate_order():
     graph, stats = _plan("cuda", lambda x: G(H)(L(H, return_sequences=True)(x)))
     assert op_histogram(graph)["CudnnRNNV3"] == 2
-    assert stats.fused == 2 and set(stats.fused_kinds) == {rnn.KIND_LABELS[("lstm", "cudnn")],
-                                                           rnn.KIND_LABELS[("gru", "cudnn")]}
+    assert stats.fused == 2 and set(stats.fused_kinds) == {rnn.KIND_FORMS[("lstm", "cudnn")].label,
+                                                           rnn.KIND_FORMS[("gru", "cudnn")].label}
     match, _ = rnn.find_rnn_layer(G(H), get_backend("cuda"))
     assert match.swap_zr and not rnn.find_rnn_layer(G(H), get_backend("metal"))[0].swap_zr
 

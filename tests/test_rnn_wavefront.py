@@ -103,8 +103,8 @@ def test_stacked_layers_fit_as_one_wavefront(kind):
                                   epochs=1)
     assert_parity(_weights(stock), _weights(fused), 2 * fit_terms(epochs=1))
     stats = tfmx.report().patterns["rnn"]
-    assert stats.fused_kinds[rnn.KIND_LABELS[(kind, rnn.WAVEFRONT)]] == 1, stats.fused_kinds
-    assert stats.observed[rnn.KIND_LABELS[(kind, rnn.WAVEFRONT)]] == 1, stats.observed
+    assert stats.fused_kinds[rnn.KIND_FORMS[(kind, rnn.WAVEFRONT)].label] == 1, stats.fused_kinds
+    assert stats.observed[rnn.KIND_FORMS[(kind, rnn.WAVEFRONT)].label] == 1, stats.observed
     ran = _wavefronts(fused)
     # every timestep of both layers is its own MatMul (plain, fused or oneDNN's): no loop
     assert sum(n for op, n in ran.items() if "MatMul" in op) >= 2 * T, ran
@@ -158,7 +158,7 @@ def test_input_dropout_on_both_layers_fits_like_stock_in_the_wavefront():
     stock, fused, _, _ = fit_both(layers_fn, epochs=1)
     assert_parity(_weights(stock), _weights(fused), 2 * fit_terms(epochs=1))
     stats = tfmx.report().patterns["rnn"]
-    assert stats.fused_kinds[rnn.KIND_LABELS[("gru", rnn.WAVEFRONT)]] == 1, stats.fused_kinds
+    assert stats.fused_kinds[rnn.KIND_FORMS[("gru", rnn.WAVEFRONT)].label] == 1, stats.fused_kinds
 
 
 @needs_onednn("either")
@@ -172,7 +172,7 @@ def test_a_lower_output_read_twice_and_three_layers_deep_train_like_stock():
     stock, fused, _, _ = fit_both(layers_fn, epochs=1)
     assert_parity(_weights(stock), _weights(fused), 3 * fit_terms(epochs=1))
     stats = tfmx.report().patterns["rnn"]
-    assert stats.fused_kinds[rnn.KIND_LABELS[("lstm", rnn.WAVEFRONT)]] == 3, stats.fused_kinds
+    assert stats.fused_kinds[rnn.KIND_FORMS[("lstm", rnn.WAVEFRONT)].label] == 3, stats.fused_kinds
 
 
 def test_the_pair_form_needs_a_static_length():

@@ -12,83 +12,45 @@ policies, ``training=None/False/True``, symbolic calls, ``run_eagerly``, ``jit_c
 
 from __future__ import annotations
 
+import importlib
 import warnings
-from collections.abc import Callable
 
 import keras
 import numpy as np
 import pytest
-from helpers import nodes_that_ran
+from helpers import FAULT_POINTS, StageExample, failing, nodes_that_ran
 
 import tfmx
 from fusion import stage
+from fusion.family import get
 from tfmx import state
 from tfmx.errors import TfmxWarning
 
 pytestmark = pytest.mark.usefixtures("every_rewrite")
 
-L = keras.layers
+def _examples() -> dict[str, StageExample | None]:
+    """Each declared stage family's example, from its own test file (``tests/test_<family>.py``,
+    ``STAGE_EXAMPLE``); None where that file or its example is missing."""
+    found = {}
+    for family in sorted(s.name for s in stage.stages()):
+        try:
+            module = importlib.import_module(f"test_{family}")
+        except ModuleNotFoundError:
+            module = None
+        found[family] = getattr(module, "STAGE_EXAMPLE", None)
+    return found
 
 
-def _tokens(inp: keras.KerasTensor, x: keras.KerasTensor) -> keras.Model:
-    return keras.Model(inp, L.Dense(4)(L.GlobalAveragePooling1D()(x)))
+EXAMPLES = _examples()
+STAGES = sorted(family for family, example in EXAMPLES.items() if example is not None)
+"""The declared stage families with an example (a family's module removed, its test file
+goes with it)."""
 
 
-def _bias_row() -> keras.Model:
-    inp = keras.Input((8,))
-    return keras.Model(inp, L.Dense(4)(L.Dense(16, activation="relu")(inp)))
-
-
-def _gelu() -> keras.Model:
-    inp = keras.Input((8,))
-    return keras.Model(inp, L.Dense(4)(L.Dense(16, activation="gelu")(inp)))
-
-
-def _feed_forward() -> keras.Model:
-    inp = keras.Input((6, 8))
-    return _tokens(inp, L.Dense(8)(L.Dense(16, activation="gelu")(inp)))
-
-
-def _layer_norm() -> keras.Model:
-    inp = keras.Input((6, 8))
-    return _tokens(inp, L.LayerNormalization()(L.Dense(8)(inp)))
-
-
-def _attention() -> keras.Model:
-    inp = keras.Input((6, 8))
-    return _tokens(inp, L.MultiHeadAttention(2, 4)(inp, inp))
-
-
-def _einsum_dense() -> keras.Model:
-    inp = keras.Input((6, 8))
-    return _tokens(inp, L.EinsumDense("abc,cd->abd", (None, 16), bias_axes="d")(inp))
-
-
-def _batch_norm() -> keras.Model:
-    inp = keras.Input((6, 6, 3))
-    x = L.ReLU()(L.BatchNormalization()(L.Conv2D(4, 3)(inp)))
-    return keras.Model(inp, L.Dense(4)(L.GlobalAveragePooling2D()(x)))
-
-
-def _rnn() -> keras.Model:
-    inp = keras.Input((5, 3))
-    return keras.Model(inp, L.Dense(4)(L.LSTM(8)(inp)))
-
-
-MODELS: dict[str, Callable[[], keras.Model]] = {
-    "attention": _attention, "batch_norm": _batch_norm, "bias_row": _bias_row,
-    "einsum_dense": _einsum_dense, "feed_forward": _feed_forward, "gelu": _gelu,
-    "layer_norm": _layer_norm, "rnn": _rnn,
-}
-
-
-STAGES = sorted(family for family in MODELS if family in {s.name for s in stage.stages()})
-"""The families with a model here that are declared (a family's module removed, its model
-is left unused)."""
-
-
-def test_every_stage_family_has_a_model_here():
-    assert {s.name for s in stage.stages()} <= set(MODELS)
+def test_every_stage_family_declares_its_example_in_its_test_file():
+    missing = sorted(family for family, example in EXAMPLES.items() if example is None)
+    assert not missing, (f"stage families without STAGE_EXAMPLE (a helpers.StageExample) in "
+                         f"tests/test_<family>.py: {missing}")
 
 
 def _data(model: keras.Model, n: int = 16) -> tuple[np.ndarray, np.ndarray]:
@@ -106,7 +68,7 @@ def _fit(family: str, **enable) -> tuple[keras.Model, list[np.ndarray]]:
     else:
         tfmx.enable(backend="cpu", patterns=[family], guard=False, **enable)
     keras.utils.set_random_seed(0)
-    model = MODELS[family]()
+    model = EXAMPLES[family].model()
     model.compile(keras.optimizers.SGD(0.01), "mse")
     initial = [w.numpy() for w in model.weights]
     x, y = _data(model)
@@ -144,11 +106,13 @@ def test_each_stage_emits_its_form_on_its_model(family):
     assert _emitted(fused)
 
 
-@pytest.mark.parametrize("where", stage.FAULT_POINTS)
+@pytest.mark.parametrize("where", FAULT_POINTS)
 @pytest.mark.parametrize("family", STAGES)
-def test_a_failing_stage_leaves_keras_call_and_trains_as_stock(family, where, fresh_warnings):
+def test_a_failing_stage_leaves_keras_call_and_trains_as_stock(family, where, fresh_warnings,
+                                                              monkeypatch):
     stock = _stock_weights(family)
-    with stage.failing(family, where), warnings.catch_warnings(record=True) as seen:
+    failing(monkeypatch.setattr, family, where)
+    with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         failed, _ = _fit(family, strict=False)
     stats = tfmx.report().patterns[family]
@@ -164,8 +128,9 @@ def test_a_failing_stage_leaves_keras_call_and_trains_as_stock(family, where, fr
 
 
 @pytest.mark.parametrize("family", STAGES)
-def test_strict_raises_what_the_stage_raised(family):
-    with stage.failing(family, "handler"), pytest.raises(Exception, match="injected failure"):
+def test_strict_raises_what_the_stage_raised(family, monkeypatch):
+    failing(monkeypatch.setattr, family, "handler")
+    with pytest.raises(Exception, match="injected failure"):
         _fit(family, strict=True)
 
 
@@ -206,33 +171,31 @@ def test_every_stage_module_reads_in_one_order(family):
         assert place > at[section] and (section == 3 or place < at[section + 1]), (name, family)
     declared = module.DECLARED
     assert [f"{h.owner}.{h.attribute}" for h in declared.hooks] == list(module.MATCHES)
-    assert declared.forms.conservative == module.CONSERVATIVE
+    assert declared.forms is module.FORMS and declared.forms.conservative == module.CONSERVATIVE
     assert all(isinstance(h, Hook) for h in declared.hooks)
 
 
 # -- forms whose ops the target has no kernel for --------------------------------------------------
-LACKING = {"attention": "BatchMatMulV2", "batch_norm": "FusedBatchNormV3",
-           "bias_row": "ConcatV2", "einsum_dense": "MatMul", "gelu": "Exp",
-           "layer_norm": "Mul", "rnn": "MatMul"}
-"""Per family, an op every form its model here can take emits (in float32: the models train in
-float32). feed_forward is not here: its one form is an XLA region, with no op a kernel table
-decides (its EMITS says so)."""
+LACKING = {family: EXAMPLES[family].lacking for family in STAGES if EXAMPLES[family].lacking}
+"""Per family, an op every form its example can take emits (in float32: the examples train in
+float32), as its test file declares it."""
 
 
-def _families_emits() -> dict[str, dict]:
-    import importlib
-
-    return {family: importlib.import_module(f"fusion.calls.{family}").EMITS
+def _families_emits() -> dict[str, dict[str, frozenset[str]]]:
+    """Per stage family, the ops each of its forms emits (its declared and contributed
+    forms)."""
+    return {family: {form.name: form.emits for form in get(family).forms.all()}
             for family in STAGES}
 
 
 def test_every_lacking_op_is_declared_by_its_family():
-    for family, op in LACKING.items():
+    for family in STAGES:
         declared = {o.partition(":")[0] for ops in _families_emits()[family].values()
                     for o in ops}
-        assert op in declared, (family, sorted(declared))
-    assert set(LACKING) | {"feed_forward"} >= set(STAGES)
-    assert not any(_families_emits().get("feed_forward", {}).values())
+        if family in LACKING:
+            assert LACKING[family] in declared, (family, sorted(declared))
+        else:  # an example whose forms emit nothing a kernel table decides
+            assert not declared, (family, sorted(declared))
 
 
 @pytest.mark.parametrize("family", sorted(LACKING))
@@ -276,14 +239,14 @@ def test_cpu_and_cuda_run_every_op_every_form_declares(name):
 
 
 def test_the_open_plugin_declines_bfloat16_forms_naming_op_and_plugin():
-    from fusion.calls import attention, bias_row, einsum_dense
     from fusion.forms import runnable_forms
     from tfmx.backends import get_backend
 
     metal = get_backend("metal", plugin="tensorflow-metal-plugin", tensorflow="2.21.0")
-    for emits in (attention.EMITS, bias_row.EMITS, einsum_dense.EMITS):
-        kept, why = runnable_forms(metal, emits, list(emits), "bfloat16")
+    for family in ("attention", "bias_row", "einsum_dense"):
+        forms = [form for form in get(family).forms.all() if form.emits]
+        kept, why = runnable_forms(metal, forms, "bfloat16")
         assert kept == [], kept
         assert why.endswith("kernel in bfloat16 under tensorflow-metal-plugin 0.4.1: the call "
                             "would run on the host"), why
-        assert runnable_forms(metal, emits, list(emits), "float16")[0] == list(emits)
+        assert runnable_forms(metal, forms, "float16")[0] == forms

@@ -67,9 +67,9 @@ def _model(kind: str, dropout: float = 0.0) -> keras.Model:
     return model
 
 
-LABELS = {"layer_norm": layer_norm.LABELS["xla"], "rms_norm": layer_norm.LABELS["rms xla"],
-          "gelu": gelu.LABELS[XLA], "attention": attention.LABELS["xla"],
-          "feed_forward": feed_forward.LABELS[XLA]}
+LABELS = {"layer_norm": layer_norm.FORMS["xla"].label,
+          "rms_norm": layer_norm.FORMS["rms xla"].label, "gelu": gelu.FORMS[XLA].label,
+          "attention": attention.FORMS["xla"].label, "feed_forward": feed_forward.FORMS[XLA].label}
 FAMILIES = {"layer_norm": "layer_norm", "rms_norm": "layer_norm", "gelu": "gelu",
             "attention": "attention", "feed_forward": "feed_forward"}
 
@@ -78,7 +78,7 @@ FAMILIES = {"layer_norm": "layer_norm", "rms_norm": "layer_norm", "gelu": "gelu"
 def test_fit_with_an_xla_region_matches_stock(monkeypatch, kind):
     from tfmx import state
 
-    chooser = _PickXla()
+    chooser = _PickXla(layer_norm.RMS_REGIONS.xla.name if kind == "rms_norm" else XLA)
     monkeypatch.setattr(state, "tuner", lambda: chooser)
     rng = np.random.default_rng(1)
     x = rng.standard_normal((24, T, D)).astype("float32")
@@ -153,7 +153,8 @@ def test_a_norm_and_its_residual_add_as_one_xla_region_match_stock(monkeypatch, 
     (the sum's gradient, the region's two input gradients, inside it too)."""
     from tfmx import state
 
-    chooser = _PickXla(layer_norm.RESIDUAL)
+    regions = layer_norm.RMS_REGIONS if norm == "rms_norm" else layer_norm.LAYER_REGIONS
+    chooser = _PickXla(regions.residual.name)
     monkeypatch.setattr(state, "tuner", lambda: chooser)
     rng = np.random.default_rng(2)
     x = rng.standard_normal((24, T, D)).astype("float32")
@@ -173,8 +174,7 @@ def test_a_norm_and_its_residual_add_as_one_xla_region_match_stock(monkeypatch, 
     assert len(functions) >= 2
     # the sum inside the region: an AddV2 feeding the norm's statistics in XLA's function
     assert any(n.op == "AddV2" for f in functions for n in f.node_def)
-    prefix = "rms " if norm == "rms_norm" else ""
-    label = layer_norm.LABELS[f"{prefix}{layer_norm.RESIDUAL}"]
+    label = regions.residual.label
     stats = tfmx.report().patterns["layer_norm"]
     assert stats.fused == 1 and set(stats.fused_kinds) == {label}, tfmx.report()
     assert stats.observed[label] >= 1
@@ -199,8 +199,9 @@ def test_no_residual_region_where_the_sum_has_another_reader_or_no_add(monkeypat
     x, y = np.zeros((8, T, D), "float32"), np.zeros(8, "int32")
     tfmx.enable(backend="cpu", patterns=["layer_norm"], guard=False)
     _model(kind).fit(x, y, batch_size=8, epochs=1, verbose=0)
-    assert offered and all(XLA in o and layer_norm.RESIDUAL not in o for o in offered)
-    assert tfmx.report().patterns["layer_norm"].fused_kinds == {layer_norm.LABELS[XLA]: 1}
+    assert offered and all(XLA in o and layer_norm.LAYER_REGIONS.residual.name not in o
+                               for o in offered)
+    assert tfmx.report().patterns["layer_norm"].fused_kinds == {layer_norm.FORMS[XLA].label: 1}
 
 
 def test_a_feed_forward_block_kept_as_two_layers(monkeypatch):
@@ -235,24 +236,3 @@ def test_a_feed_forward_block_kept_as_two_layers(monkeypatch):
     stats = tfmx.report().patterns
     assert stats["feed_forward"].fused == 0 and stats["gelu"].fused == 1, tfmx.report()
 
-
-def test_feed_forward_blocks_found_in_a_functional_graph_only():
-    """A Dense read by two layers, called twice, or without an activation starts no block;
-    neither does a Dense whose reader is not a Dense."""
-    inp = keras.Input((T, D))
-    shared, up, plain = (keras.layers.Dense(D, activation="relu"),
-                         keras.layers.Dense(D, activation="gelu"), keras.layers.Dense(D))
-    h = shared(shared(inp))  # called twice
-    read_twice = keras.layers.Add()([keras.layers.Dense(D)(up(h)), up.output])
-    keras.Model(inp, [plain(read_twice), keras.layers.ReLU()(keras.layers.Dense(
-        D, activation="relu")(inp))])
-    assert feed_forward.find_feed_forward(shared)[0] is False
-    assert feed_forward.find_feed_forward(up)[0] is False
-    assert feed_forward.find_feed_forward(plain) == (
-        False, "no activation between the two Dense layers")
-    into_relu = keras.layers.Dense(D, activation="relu")
-    keras.Model(inp, keras.layers.ReLU()(into_relu(inp)))
-    assert feed_forward.find_feed_forward(into_relu)[0] is False
-    alone = keras.layers.Dense(D, activation="gelu")
-    alone(tf.zeros([2, T, D]))  # eager, no functional graph
-    assert feed_forward.find_feed_forward(alone)[0] is False

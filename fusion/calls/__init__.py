@@ -6,10 +6,12 @@ the traced graph, how (``fusion.family.Forms``).
 Every stage module reads in one order, under the same four headings: ``match`` (``MATCHES``,
 the Keras calls it hooks as ``"module:Class.method"``, and what it finds in them), ``check``
 (``check``: the reason a call keeps Keras's own form, or None), ``forms`` (``CONSERVATIVE``,
-the form Keras runs, then the forms it emits with their report labels and marks, and the
-hook's flow through ``fusion.stage.rewrite_call``), ``declaration`` (``DECLARED``). Helpers
-too large for one module live beside it (``layer_norm_kernels``, ``rnn_kernels``,
-``rnn_wavefront``) and declare nothing.
+the form Keras runs, then the forms it emits, each a ``fusion.family.Form`` record with its
+report label, marks and ops, held in ``FORMS``, and the hook's flow: a
+``fusion.stage.CallSite`` through ``fusion.stage.rewrite_call``), ``declaration``
+(``DECLARED``). The kernels a family emits live in ``fusion.kernels`` (imported by stages and
+graph passes alike); a stage's helper too large for its module lives beside it
+(``rnn_wavefront``) and declares nothing.
 
 >>> from fusion.stage import stages
 >>> names = {s.name for s in stages()}  # each module's family, with its hooks

@@ -56,10 +56,11 @@ from typing import Any
 
 import tensorflow as tf
 
-from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Forms, declare
+from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Form, Forms, conservative, declare
 from fusion.stage import (
     XLA,
     XLA_CALLS,
+    CallSite,
     Hook,
     StageContext,
     rewrite_call,
@@ -113,33 +114,37 @@ def check_dot_product(query: Any) -> str | None:
 
 
 # -- forms: what it emits (CONSERVATIVE: the form Keras runs), and the hook's flow ----------------
-CONSERVATIVE = "einsum"  # Keras's Einsums
-SOFTMAX_16 = "bmm folded bf16 softmax"  # the folded form, softmax read and written in bfloat16
-LABELS = {
-    "bmm": "MultiHeadAttention: Transpose + BatchMatMulV2 in place of Einsum",
-    "bmm folded": "MultiHeadAttention: Transpose + BatchMatMulV2, scale folded into the query",
-    SOFTMAX_16: "MultiHeadAttention: Transpose + BatchMatMulV2, scale folded into the query, "
-                "softmax on the bfloat16 scores (float32 sums: Keras's bits), its gradient one "
-                "XLA-compiled region",
-    "bmm dropout": "MultiHeadAttention (dropout): Transpose + BatchMatMulV2 in place of Einsum, "
-                   "Keras's masked softmax and dropout layer",
-    "xla": "MultiHeadAttention: Keras's attention as one XLA-compiled region (forward and "
-           "gradient)",
-    "sdpa bmm": "dot_product_attention: Transpose + BatchMatMulV2 in place of Einsum",
-    "sdpa bmm folded": "dot_product_attention: Transpose + BatchMatMulV2, scale folded into the "
-                       "query",
-    "sdpa xla": "dot_product_attention: one XLA-compiled region (forward and gradient)",
-}
-MARKS = {**dict.fromkeys(LABELS, frozenset({"BatchMatMulV2", "BatchMatMulV3"})),
-         XLA: XLA_CALLS, "sdpa xla": XLA_CALLS}
-"""Per form, the ops that show its kernel in a traced graph: its batched MatMuls, or the call
-of its XLA region."""
+CONSERVATIVE = conservative("einsum", "Keras's Einsums")
+_BMMS = frozenset({"BatchMatMulV2", "BatchMatMulV3"})
 _BMM = frozenset({"BatchMatMulV2", "Transpose"})
-EMITS = {"bmm": _BMM, "bmm folded": _BMM | {"Mul"}, SOFTMAX_16: _BMM | {"Mul", "Softmax"},
-         "bmm dropout": _BMM | {"Mul", "SelectV2", "Softmax"}}
-"""The ops each batched-MatMul form emits in the call's dtype (``dot_product_attention``'s
-forms are these under their prefix; an XLA region emits none a plugin's table names): a
-backend without one of them in that dtype keeps Keras's Einsums."""
+BMM = Form("bmm", "MultiHeadAttention: Transpose + BatchMatMulV2 in place of Einsum",
+           marks=_BMMS, emits=_BMM)
+BMM_FOLDED = Form("bmm folded", "MultiHeadAttention: Transpose + BatchMatMulV2, scale folded "
+                                "into the query", marks=_BMMS, emits=_BMM | {"Mul"})
+SOFTMAX_16 = Form(
+    "bmm folded bf16 softmax", "MultiHeadAttention: Transpose + BatchMatMulV2, scale folded into "
+                               "the query, softmax on the bfloat16 scores (float32 sums: Keras's "
+                               "bits), its gradient one XLA-compiled region",
+    marks=_BMMS, emits=_BMM | {"Mul", "Softmax"})
+"""The folded form, the softmax read and written in bfloat16."""
+BMM_DROPOUT = Form("bmm dropout", "MultiHeadAttention (dropout): Transpose + BatchMatMulV2 in "
+                                  "place of Einsum, Keras's masked softmax and dropout layer",
+                   marks=_BMMS, emits=_BMM | {"Mul", "SelectV2", "Softmax"})
+REGION = Form(XLA, "MultiHeadAttention: Keras's attention as one XLA-compiled region (forward "
+                   "and gradient)", marks=XLA_CALLS)
+SDPA_BMM = Form("sdpa bmm", "dot_product_attention: Transpose + BatchMatMulV2 in place of "
+                            "Einsum", marks=_BMMS, emits=BMM.emits)
+SDPA_FOLDED = Form("sdpa bmm folded", "dot_product_attention: Transpose + BatchMatMulV2, scale "
+                                      "folded into the query",
+                   marks=_BMMS, emits=BMM_FOLDED.emits)
+SDPA_REGION = Form("sdpa xla", "dot_product_attention: one XLA-compiled region (forward and "
+                               "gradient)", marks=XLA_CALLS)
+FORMS = Forms(SCOPE, (CONSERVATIVE, BMM, BMM_FOLDED, SOFTMAX_16, BMM_DROPOUT, REGION, SDPA_BMM,
+                      SDPA_FOLDED, SDPA_REGION))
+"""Every form, emitted under ``tfmx_attention_<form>``: the ops that show its kernel in a
+traced graph (its batched MatMuls, or the call of its XLA region) and the ops a batched-MatMul
+form emits in the call's dtype (an XLA region emits none a plugin's table names): a backend
+without one of them in that dtype keeps Keras's Einsums."""
 
 
 def _heads_first(x: tf.Tensor) -> tf.Tensor:
@@ -298,41 +303,41 @@ def _masked_softmax(layer: Any, scores: tf.Tensor, mask: Any, causal_only: bool)
     return probs if causal_only else tf.where(keep, probs, tf.zeros([], probs.dtype))
 
 
-def _forms(ctx: StageContext, layer: Any, query: Any, unmasked: bool) -> list[str]:
+def _forms(ctx: StageContext, layer: Any, query: Any, unmasked: bool) -> list[Form]:
     """The forms of this call: with dropout, Keras's path with MatMuls; else the batched
     MatMuls, scale folded or not, and, for unmasked bfloat16 on a cpu whose bfloat16 softmax
     gives Keras's bits and where XLA may run (its gradient's region), the folded form with the
     softmax in bfloat16 (:data:`SOFTMAX_16`)."""
     if layer._dropout > 0.0:  # noqa: SLF001
-        return ["bmm dropout"]
+        return [BMM_DROPOUT]
     narrow = unmasked and query.dtype == tf.bfloat16 and ctx.xla and \
         ctx.target.name == "cpu" and bfloat16_softmax_exact()
-    return ["bmm", "bmm folded", *([SOFTMAX_16] if narrow else [])]
+    return [BMM, BMM_FOLDED, *([SOFTMAX_16] if narrow else [])]
 
 
-def _emit(form: str, layer: Any, query: Any, key: Any, value: Any, mask: Any, training: Any,
+def _emit(form: Form, layer: Any, query: Any, key: Any, value: Any, mask: Any, training: Any,
           causal: bool) -> tf.Tensor:
-    if form == "bmm dropout":
+    if form == BMM_DROPOUT:
         return _with_dropout(layer, query, key, value, mask, training, causal)
     return attention(query, key, value, _expanded_mask(layer, mask), causal,
                      layer._inverse_sqrt_key_dim,  # noqa: SLF001
-                     folded=form in ("bmm folded", SOFTMAX_16), narrow_softmax=form == SOFTMAX_16)
+                     folded=form in (BMM_FOLDED, SOFTMAX_16), narrow_softmax=form == SOFTMAX_16)
 
 
 def _candidates(ctx: StageContext, layer: Any, original: Callable, shapes: list,
-                dtype: tf.DType, causal: bool, forms: list[str]) -> dict:
+                dtype: tf.DType, causal: bool, forms: list[Form]) -> dict:
     """Keras's attention and ``forms``, forward + backward at the call's shapes (no mask);
     without dropout (whose random stream XLA would not reproduce), Keras's attention compiled
     by XLA as one region where XLA may run."""
 
-    def forward(form: str | None) -> Callable[..., Any]:
+    def forward(form: Form | None) -> Callable[..., Any]:
         if form is None:
             return lambda q, k, v: original(layer, q, k, v, None, True, False, causal)[0]
         return lambda q, k, v: _emit(form, layer, q, k, v, None, True, causal)
 
     timed = {name: timed_form(forward(form), shapes, dtype)
-             for name, form in ((CONSERVATIVE, None), *((f, f) for f in forms))}
-    if "bmm dropout" in forms:
+             for name, form in ((CONSERVATIVE.name, None), *((f.name, f) for f in forms))}
+    if BMM_DROPOUT in forms:
         return timed
     return with_xla(ctx, timed, xla_region(forward(None)), shapes, dtype)
 
@@ -346,18 +351,6 @@ def _xla(layer: Any, original: Callable, query: Any, key: Any, value: Any, mask:
 
     masks = () if mask is None else (mask,)
     return xla_region(region)(query, key, value, *masks)
-
-
-def _rewrite(ctx: StageContext, what: str, why: str | None, forms: list[str],
-             signature: Callable[[], str], candidates: Callable[[], dict],
-             keras: Callable[[], Any], emit: Callable[[str], Any], prefix: str = "",
-             dtype: Any = None) -> Any:
-    """Both hooks' flow (:func:`fusion.stage.rewrite_call`) against Keras's Einsums, emitted
-    under ``tfmx_attention_<prefix><form>``; the forms whose ops (:data:`EMITS`) the target
-    has no kernel for in ``dtype`` declined."""
-    return rewrite_call(ctx, DECLARED, what=what, why=why, allowed=forms, signature=signature,
-                        candidates=candidates, keras=keras, emit=emit, prefix=prefix,
-                        emits=EMITS, dtype=dtype)
 
 
 def fused_attention(ctx: StageContext, original: Callable, layer: Any, query: Any, key: Any,
@@ -381,16 +374,18 @@ def fused_attention(ctx: StageContext, original: Callable, layer: Any, query: An
                 f"{query.dtype.name} causal={causal} "
                 f"dropout={layer._dropout > 0.0}")  # noqa: SLF001
 
-    def emit(form: str) -> Any:
-        if form == XLA:
+    def emit(form: Form) -> Any:
+        if form == REGION:
             return _xla(layer, original, query, key, value, attention_mask, training,
                         causal), None
         return _emit(form, layer, query, key, value, attention_mask, training, causal), None
 
     forms = [] if why else _forms(ctx, layer, query, attention_mask is None and not causal)
-    return _rewrite(ctx, "MultiHeadAttention", why, forms, signature, lambda: _candidates(
-        ctx, layer, original, [t.shape for t in (query, key, value)], query.dtype, causal,
-        forms), keras, emit, dtype=query.dtype)
+    return rewrite_call(ctx, CallSite(
+        DECLARED, tuple(forms), keras=keras, emit=emit, what="MultiHeadAttention", why=why,
+        dtype=query.dtype, signature=signature, candidates=lambda: _candidates(
+            ctx, layer, original, [t.shape for t in (query, key, value)], query.dtype, causal,
+            forms)))
 
 
 def fused_dot_product_attention(ctx: StageContext, original: Callable, query: Any, key: Any,
@@ -408,13 +403,13 @@ def fused_dot_product_attention(ctx: StageContext, original: Callable, query: An
     if not tf.inside_function():
         return keras()
     why = check_dot_product(query)
-    forms = [] if why else ["bmm", "bmm folded"]
+    forms = () if why else (SDPA_BMM, SDPA_FOLDED)
 
-    def form_of(form: str) -> Callable[..., Any]:
-        if form == XLA:
+    def form_of(form: Form) -> Callable[..., Any]:
+        if form == SDPA_REGION:
             return xla_region(keras)
         return lambda q, k, v: attention(q, k, v, mask, bool(is_causal), scale,
-                                         folded=form == "bmm folded", bias=bias)
+                                         folded=form == SDPA_FOLDED, bias=bias)
 
     def signature() -> str:
         from fusion.fragment import shape_text
@@ -425,13 +420,15 @@ def fused_dot_product_attention(ctx: StageContext, original: Callable, query: An
 
     def candidates() -> dict:
         shapes = [t.shape for t in (query, key, value)]
-        timed = {CONSERVATIVE: timed_form(keras, shapes, query.dtype),
-                 **{f: timed_form(form_of(f), shapes, query.dtype) for f in forms}}
-        return with_xla(ctx, timed, xla_region(keras), shapes, query.dtype)
+        timed = {CONSERVATIVE.name: timed_form(keras, shapes, query.dtype),
+                 **{f.name: timed_form(form_of(f), shapes, query.dtype) for f in forms}}
+        return with_xla(ctx, timed, xla_region(keras), shapes, query.dtype,
+                        name=SDPA_REGION.name)
 
-    return _rewrite(ctx, "dot_product_attention", why, forms, signature, candidates, keras,
-                    lambda form: form_of(form)(query, key, value), prefix="sdpa ",
-                    dtype=query.dtype)
+    return rewrite_call(ctx, CallSite(
+        DECLARED, forms, keras=keras, emit=lambda form: form_of(form)(query, key, value),
+        what="dot_product_attention", why=why, dtype=query.dtype, signature=signature,
+        candidates=candidates))
 
 
 # -- declaration ----------------------------------------------------------------------------------
@@ -442,6 +439,6 @@ DECLARED = declare(Family(
     "Keras's masks, softmax and dropout stream unchanged",
     hooks=(Hook.on(MATCHES[0], fused_attention),
            Hook.on(MATCHES[1], fused_dot_product_attention)),
-    forms=Forms(SCOPE, MARKS, LABELS, conservative=CONSERVATIVE, kept="Keras's Einsums"),
+    forms=FORMS,
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))

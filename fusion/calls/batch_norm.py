@@ -40,9 +40,10 @@ from tensorflow.python.eager import execute
 from tensorflow.python.framework import importer, ops
 from tensorflow.python.ops import resource_variable_ops
 
-from fusion.family import Family, Forms, declare
+from fusion.family import Family, Form, Forms, conservative, declare
+from fusion.kernels.batch_norm import kernel_blocker
 from fusion.pattern import PatternStats
-from fusion.stage import Emitted, Hook, StageContext, rewrite_call
+from fusion.stage import CallSite, Emitted, Hook, StageContext, rewrite_call
 
 # -- match: the Keras calls it hooks, and what it finds in them -----------------------------------
 PATTERN = "batch_norm"
@@ -67,8 +68,6 @@ def _layer_decline(layer: Any, mask: Any) -> str | None:
 
 def _replica_decline(layer: Any, inputs: Any, ctx: StageContext) -> str | None:
     """Why a layer inside a ``tf.distribute`` strategy cannot take :func:`_replica_call`."""
-    from fusion.graphs.batch_norm_kernels import kernel_blocker
-
     rank = inputs.shape.rank
     if rank is None or rank < 2 or layer.axis % rank != rank - 1:
         return ("inside a tf.distribute strategy, channels on an axis other than the last "
@@ -99,13 +98,18 @@ def check(layer: Any, inputs: Any, mask: Any, training: bool,
 
 
 # -- forms: what it emits (CONSERVATIVE: the form Keras runs), and the hook's flow ----------------
-CONSERVATIVE = "composite"  # Keras's composite, differentiated by autodiff
-REPLICA = "replica"  # FusedBatchNormV3 emitted in a tf.distribute replica's graph
-SPLICED = "spliced"  # the layer's forward rewritten on a scratch graph, spliced into the step
+CONSERVATIVE = conservative("composite", "Keras's composite")
+"""Keras's composite, differentiated by autodiff."""
 _FUSED = frozenset({"Cast", "FusedBatchNormV3:float32", "FusedBatchNormGradV3:float32"})
-EMITS = {REPLICA: _FUSED, SPLICED: _FUSED}
-"""The ops each form emits: the input's cast (Keras computes batch norm in float32), the
-kernel and its gradient in float32."""
+REPLICA = Form("replica", "FusedBatchNormV3 emitted in a tf.distribute replica's graph",
+               emits=_FUSED)
+SPLICED = Form("spliced", "the layer's forward rewritten on a scratch graph, spliced into the "
+                          "step", emits=_FUSED)
+FORMS = Forms("", (CONSERVATIVE, REPLICA, SPLICED))
+"""Every form: each emits the input's cast (Keras computes batch norm in float32), the kernel
+and its gradient in float32, and reports what it fused itself (no scope of its own: the
+spliced nodes keep the names of the layer's forward, and the family's graph pass finds
+them)."""
 # Ops that may sit in a rewritten forward graph without a registered gradient.
 _NO_GRADIENT_NEEDED = frozenset({"Const", "NoOp", "Placeholder", "AssignVariableOp",
                                  "AssignAddVariableOp", "AssignSubVariableOp"})
@@ -287,15 +291,14 @@ def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: 
         inputs = tf.convert_to_tensor(inputs)
     why = check(layer, inputs, mask, is_training, ctx)
 
-    def emit(form: str) -> Emitted:
-        if form == REPLICA:
+    def emit(form: Form) -> Emitted:
+        if form is REPLICA:
             return _replica_emit(layer, inputs)
         return _spliced_emit(ctx, layer, original, inputs, training)
 
-    return rewrite_call(ctx, DECLARED, what="BatchNorm", why=why,
-                        allowed=[REPLICA if replica else SPLICED], signature=lambda: "",
-                        candidates=None, keras=stock, emit=emit, emits=EMITS,
-                        dtype=getattr(inputs, "dtype", None))
+    return rewrite_call(ctx, CallSite(
+        DECLARED, (REPLICA if replica else SPLICED,), keras=stock, emit=emit, what="BatchNorm",
+        why=why, dtype=getattr(inputs, "dtype", None)))
 
 
 # -- declaration ----------------------------------------------------------------------------------
@@ -304,7 +307,5 @@ DECLARED = declare(Family(
     "Keras BatchNormalization in training -> FusedBatchNormV3 (its registered gradient: "
     "FusedBatchNormGradV3), emitted before differentiation",
     hooks=(Hook.on(MATCHES[0], fused_layer_call),),
-    # no scope of its own: the spliced nodes keep the names of the layer's forward (its graph
-    # pass finds them); each form reports what the batch_norm pattern fused
-    forms=Forms("", {}, {}, conservative=CONSERVATIVE, kept="Keras's composite"),
+    forms=FORMS,
 ))

@@ -41,8 +41,9 @@ from typing import Any
 import tensorflow as tf
 
 from fusion import forms
-from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Forms, declare
+from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Form, Forms, conservative, declare
 from fusion.stage import (
+    CallSite,
     Hook,
     StageContext,
     custom_gradient,
@@ -84,14 +85,17 @@ def check(layer: Any, inputs: Any) -> str | None:
 
 
 # -- forms: what it emits (CONSERVATIVE: the form Keras runs), and the hook's flow ----------------
-FORM = "bias row"
-CONSERVATIVE = "keras"
-LABEL = "Dense: the bias as a row of the kernel (one MatMul forward, one for both gradients)"
-MARKS = {FORM: frozenset({"MatMul", "_FusedMatMul"})}
-"""The op that shows the form in a traced graph: its MatMul (plain, or fused by contraction)."""
-EMITS = {FORM: frozenset({"ConcatV2", "MatMul", "OnesLike", "StridedSlice", "ZerosLike"})}
-"""The ops the form emits in the call's dtype (its widened input and kernel, the product and
-its gradient's rows): a backend without one of them in that dtype keeps Keras's form."""
+CONSERVATIVE = conservative("keras", "Keras's MatMul and bias")
+BIAS_ROW = Form(
+    "bias row", "Dense: the bias as a row of the kernel (one MatMul forward, one for both "
+                "gradients)",
+    marks=frozenset({"MatMul", "_FusedMatMul"}),
+    emits=frozenset({"ConcatV2", "MatMul", "OnesLike", "StridedSlice", "ZerosLike"}))
+"""The form, emitted under ``tfmx_dense_bias_row``: its MatMul (plain, or fused by
+contraction) shows it in a traced graph; it emits its widened input and kernel, the product
+and its gradient's rows in the call's dtype (a backend without one of them in that dtype keeps
+Keras's form)."""
+FORMS = Forms(SCOPE, (CONSERVATIVE, BIAS_ROW))
 
 
 def bias_row_product(x: tf.Tensor, kernel: tf.Tensor, bias: tf.Tensor) -> tf.Tensor:
@@ -158,16 +162,16 @@ def fused_dense_call(ctx: StageContext, original: Callable, layer: Any, inputs: 
 
     def candidates() -> dict:  # the layer without its activation, the same in both forms
         variables = layer.trainable_variables
-        return {CONSERVATIVE: timed_form(lambda x: _keras_affine(layer, x), [inputs.shape],
-                                         inputs.dtype, variables),
-                FORM: timed_form(lambda x: dense_with_bias_row(layer, x, activation=False),
+        return {CONSERVATIVE.name: timed_form(lambda x: _keras_affine(layer, x),
+                                              [inputs.shape], inputs.dtype, variables),
+                BIAS_ROW.name: timed_form(lambda x: dense_with_bias_row(layer, x, activation=False),
                                  [inputs.shape], inputs.dtype, variables)}
 
-    return rewrite_call(ctx, DECLARED, what="Dense", why=check(layer, inputs),
-                        allowed=[FORM], signature=signature, candidates=candidates,
-                        keras=lambda: original(layer, inputs, training=training),
-                        emit=lambda form: dense_with_bias_row(layer, inputs),
-                        emits=EMITS, dtype=inputs.dtype)
+    return rewrite_call(ctx, CallSite(
+        DECLARED, (BIAS_ROW,), keras=lambda: original(layer, inputs, training=training),
+        emit=lambda form: dense_with_bias_row(layer, inputs), what="Dense",
+        why=check(layer, inputs), dtype=inputs.dtype, signature=signature,
+        candidates=candidates))
 
 
 # -- declaration ----------------------------------------------------------------------------------
@@ -177,18 +181,18 @@ DECLARED = declare(Family(
     "kernel by the bias as a row (its gradient one MatMul for kernel and bias), where measured "
     "faster than MatMul + BiasAdd",
     hooks=(Hook.on(MATCHES[0], fused_dense_call),),
-    forms=Forms(SCOPE, MARKS, {FORM: LABEL}, conservative=CONSERVATIVE,
-                kept="Keras's MatMul and bias"),
+    forms=FORMS,
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))
 AFFINE = forms.contribute(forms.AffineForm(
-    FAMILY, " " + FORM, bias_row_product,
+    FAMILY, " " + BIAS_ROW.name, bias_row_product,
     {"einsum_dense": {
-        "matmul bias row": "EinsumDense: Reshape + one MatMul, the bias a row of the kernel, "
-                           "in place of Einsum",
-        "shared bias row": "MultiHeadAttention: query, key and value projections as one "
-                           "MatMul, the biases a row of the kernels"}},
-    emits=EMITS[FORM]))
+        "matmul": "EinsumDense: Reshape + one MatMul, the bias a row of the kernel, in place of "
+                  "Einsum",
+        "shared": "MultiHeadAttention: query, key and value projections as one MatMul, the "
+                  "biases a row of the kernels"}},
+    emits=BIAS_ROW.emits))
 """The product offered to the stages whose forms end in ``x @ kernel + bias``
 (``fusion.forms.AffineForm``: ``einsum_dense``'s ``matmul`` and ``shared`` forms each gain a
-``... bias row`` form); they ask ``fusion.forms``, never this module."""
+``... bias row`` form, with the label given here); they ask ``fusion.forms``, never this
+module."""

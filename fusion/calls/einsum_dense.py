@@ -34,15 +34,15 @@ Example:
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
 
-from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Forms, declare
-from fusion.forms import HostForms, affine, affine_forms
-from fusion.stage import Hook, StageContext, layer_value, rewrite_call, timed_form
+from fusion import trace_state
+from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Form, Forms, conservative, declare
+from fusion.forms import affine, contributed_forms
+from fusion.stage import CallSite, Hook, StageContext, layer_value, rewrite_call, timed_form
 
 # -- match: the Keras calls it hooks, and what it finds in them -----------------------------------
 FAMILY = "einsum_dense"
@@ -179,30 +179,35 @@ def check_projections(layer: Any, query: Any, value: Any, key: Any) -> str | Non
 
 
 # -- forms: what it emits (CONSERVATIVE: the form Keras runs), and the hook's flow ----------------
-CONSERVATIVE = "einsum"  # Keras's Einsum (a backend without that kernel: the MatMul form)
-LABEL = "EinsumDense: Reshape + MatMul (+ BiasAdd) in place of Einsum"
-SHARED_LABEL = "MultiHeadAttention: query, key and value projections as one MatMul"
-LABELS = HostForms(FAMILY, {"matmul": LABEL, "shared": SHARED_LABEL}, "labels")
-"""Each form's report label, by its name (its scope: ``tfmx_einsum_dense_<form>``): the two
-MatMul forms and each with a contributed product in place of its MatMul and bias
-(``fusion.forms.AffineForm``: ``matmul<suffix>``, ``shared<suffix>``)."""
-MARKS = HostForms(FAMILY, dict.fromkeys(("matmul", "shared"),
-                                         frozenset({"MatMul", "_FusedMatMul"})), "marks")
-"""Per form, the op that shows it in a traced graph: its MatMul (plain, or fused with its bias
-by contraction)."""
-EMITS = {"matmul": frozenset({"BiasAdd", "MatMul", "Transpose"}),
-         "shared": frozenset({"BiasAdd", "ConcatV2", "MatMul", "Slice", "SplitV", "Transpose"})}
-"""The ops each MatMul form emits in the call's dtype (a contributed product's forms add the
-product's own, ``fusion.forms.form_ops``): a backend without one of them in that dtype keeps
-Keras's Einsum."""
-_pending = threading.local()  # .outputs: id(EinsumDense) -> its output, computed in advance
+CONSERVATIVE = conservative("einsum", "Keras's Einsum")
+"""Keras's Einsum (a backend without that kernel: the tuner's default is the MatMul form)."""
+SEPARATE = conservative("separate", "three MatMuls")
+"""A ``MultiHeadAttention``'s three projections as Keras runs them."""
+_MATMULS = frozenset({"MatMul", "_FusedMatMul"})
+MATMUL = Form("matmul", "EinsumDense: Reshape + MatMul (+ BiasAdd) in place of Einsum",
+              marks=_MATMULS, emits=frozenset({"BiasAdd", "MatMul", "Transpose"}))
+SHARED = Form("shared", "MultiHeadAttention: query, key and value projections as one MatMul",
+              marks=_MATMULS,
+              emits=frozenset({"BiasAdd", "ConcatV2", "MatMul", "Slice", "SplitV", "Transpose"}))
+FORMS = Forms(SCOPE, (CONSERVATIVE, SEPARATE, MATMUL, SHARED),
+              contributed=contributed_forms(FAMILY))
+"""Every form, emitted under ``tfmx_einsum_dense_<form>``: the two MatMul forms (their MatMul,
+plain or fused with its bias by contraction, shows them in a traced graph; they emit their ops
+in the call's dtype, a backend without one of them keeping Keras's Einsum) and each with a
+contributed product in place of its MatMul and bias (``fusion.forms.AffineForm``)."""
 
 
-def as_matmul(layer: Any, inputs: tf.Tensor, product: str = "") -> tf.Tensor:
+def _pending(graph: Any) -> dict:
+    """The projections a ``MultiHeadAttention`` call computed in advance in ``graph``:
+    ``id(EinsumDense)`` -> its output."""
+    return trace_state.slot(graph, FAMILY)
+
+
+def as_matmul(layer: Any, inputs: tf.Tensor, product: Callable | None = None) -> tf.Tensor:
     """``layer``'s output (an ``EinsumDense`` whose equation :func:`split_equation` accepts)
     as ``Reshape`` + ``MatMul`` (+ ``BiasAdd``) + activation + ``Reshape``; with ``product``
-    (a contributed :class:`fusion.forms.AffineForm`'s suffix) a bias over all the kept axes
-    is computed with the MatMul by that product instead."""
+    (a contributed :class:`fusion.forms.AffineForm`'s) a bias over all the kept axes is
+    computed with the MatMul by that product instead."""
     _, contracted, kept = split_equation(layer.equation)
     kernel = layer_value(layer.kernel)
     shape = kernel.shape.as_list()
@@ -229,13 +234,14 @@ def as_matmul(layer: Any, inputs: tf.Tensor, product: str = "") -> tf.Tensor:
     return y
 
 
-def shared_projection(layer: Any, x: tf.Tensor, product: str = "") -> list[tf.Tensor]:
+def shared_projection(layer: Any, x: tf.Tensor,
+                      product: Callable | None = None) -> list[tf.Tensor]:
     """The query, key and value projections of ``x`` (a ``MultiHeadAttention``'s, accepted by
     :func:`check_projections`) as one ``MatMul`` of ``x`` viewed ``[rows, features]`` with
     the three kernels concatenated (+ one ``BiasAdd``), split back into the three outputs:
     the backward is one MatMul for the input's gradient (no sum of three) and one for the
-    kernels'. With ``product`` (a contributed :class:`fusion.forms.AffineForm`'s suffix) the
-    MatMul and the biases are computed by that product.
+    kernels'. With ``product`` (a contributed :class:`fusion.forms.AffineForm`'s) the MatMul
+    and the biases are computed by that product.
 
     >>> import keras, numpy as np
     >>> mha = keras.layers.MultiHeadAttention(2, 3)
@@ -266,12 +272,10 @@ def shared_projection(layer: Any, x: tf.Tensor, product: str = "") -> list[tf.Te
     return outs
 
 
-def _matmul_forms(layer: Any) -> dict[str, str]:
-    """The MatMul forms of ``layer`` the tuner weighs, by name: the suffix of the contributed
-    product each computes its bias with (``""``: MatMul + BiasAdd); the contributed ones
-    where the bias is over all the kept axes."""
-    products = [form.suffix for form in affine_forms(FAMILY)] if has_flat_bias(layer) else []
-    return {"matmul" + suffix: suffix for suffix in ["", *products]}
+def _with_products(form: Form, flat_bias: bool) -> tuple[Form, ...]:
+    """``form`` and, where the bias is over all the kept axes (``flat_bias``), ``form``
+    with each contributed product in place of its MatMul and bias (built by that product)."""
+    return (form, *(contributed_forms(FAMILY)((form,)) if flat_bias else ()))
 
 
 def fused_einsum_dense_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
@@ -280,14 +284,14 @@ def fused_einsum_dense_call(ctx: StageContext, original: Callable, layer: Any, i
     tuner) faster, else Keras's Einsum with the reason recorded
     (:func:`fusion.stage.rewrite_call`). A projection that :func:`fused_attention_call`
     already computed (in one MatMul with its siblings) returns that output."""
-    done = getattr(_pending, "outputs", {}).pop(id(layer), None)
+    done = _pending(tf.compat.v1.get_default_graph()).pop(id(layer), None)
     if done is not None:
         return done
     if not tf.inside_function():
         return original(layer, inputs, *args, **kwargs)
     inputs = tf.convert_to_tensor(inputs)
     why = check(layer, inputs)
-    forms = _matmul_forms(layer) if why is None else {}
+    forms = _with_products(MATMUL, has_flat_bias(layer)) if why is None else ()
 
     def signature() -> str:
         from fusion.fragment import shape_text
@@ -298,18 +302,17 @@ def fused_einsum_dense_call(ctx: StageContext, original: Callable, layer: Any, i
 
     def candidates() -> dict:
         variables = layer.trainable_variables
-        return {CONSERVATIVE: timed_form(lambda x: original(layer, x), [inputs.shape],
-                                         inputs.dtype, variables),
-                **{form: timed_form(lambda x, p=product: as_matmul(layer, x, p),
-                                    [inputs.shape], inputs.dtype, variables)
-                   for form, product in forms.items()}}
+        return {CONSERVATIVE.name: timed_form(lambda x: original(layer, x), [inputs.shape],
+                                              inputs.dtype, variables),
+                **{form.name: timed_form(lambda x, p=form.build: as_matmul(layer, x, p),
+                                         [inputs.shape], inputs.dtype, variables)
+                   for form in forms}}
 
-    return rewrite_call(
-        ctx, DECLARED, what="EinsumDense", why=why, allowed=list(forms), signature=signature,
-        candidates=candidates, keras=lambda: original(layer, inputs, *args, **kwargs),
-        emit=lambda form: as_matmul(layer, inputs, forms[form]),
-        conservative=CONSERVATIVE if ctx.target.runs_op("Einsum") else "matmul",
-        emits=EMITS, dtype=inputs.dtype)
+    return rewrite_call(ctx, CallSite(
+        DECLARED, forms, keras=lambda: original(layer, inputs, *args, **kwargs),
+        emit=lambda form: as_matmul(layer, inputs, form.build), what="EinsumDense", why=why,
+        dtype=inputs.dtype, signature=signature, candidates=candidates,
+        default=CONSERVATIVE if ctx.target.runs_op("Einsum") else MATMUL))
 
 
 def fused_attention_call(ctx: StageContext, original: Callable, layer: Any, query: Any,
@@ -321,9 +324,7 @@ def fused_attention_call(ctx: StageContext, original: Callable, layer: Any, quer
         return original(layer, query, value, key, *args, **kwargs)
     why = check_projections(layer, query, value, key)
     denses = _projections(layer)
-    products = [""] + ([f.suffix for f in affine_forms(FAMILY)]
-                       if why is None and denses[0].bias is not None else [])
-    forms = {"shared" + suffix: suffix for suffix in products} if why is None else {}
+    forms = _with_products(SHARED, denses[0].bias is not None) if why is None else ()
     x = tf.convert_to_tensor(query) if why is None else query
 
     def signature() -> str:
@@ -340,29 +341,30 @@ def fused_attention_call(ctx: StageContext, original: Callable, layer: Any, quer
         def separate(v: Any) -> Any:
             return tf.stack([tf.reduce_sum(tf.square(as_matmul(d, v))) for d in denses])
 
-        def shared(v: Any, product: str) -> Any:
+        def shared(v: Any, product: Callable | None) -> Any:
             return tf.stack([tf.reduce_sum(tf.square(o))
                              for o in shared_projection(layer, v, product)])
 
-        return {"separate": timed_form(separate, [x.shape], x.dtype, variables),
-                **{form: timed_form(lambda v, p=product: shared(v, p), [x.shape], x.dtype,
-                                    variables)
-                   for form, product in forms.items()}}
+        return {SEPARATE.name: timed_form(separate, [x.shape], x.dtype, variables),
+                **{form.name: timed_form(lambda v, p=form.build: shared(v, p), [x.shape],
+                                         x.dtype, variables)
+                   for form in forms}}
 
     def rest(outs: list) -> Any:  # Keras's call, its projections returning ``outs``
-        before = getattr(_pending, "outputs", {})
-        _pending.outputs = {**before, **{id(d): out for d, out in zip(denses, outs)}}
+        pending = _pending(tf.compat.v1.get_default_graph())
+        before = dict(pending)
+        pending.update({id(d): out for d, out in zip(denses, outs)})
         try:
             return original(layer, query, value, key, **kwargs)
         finally:
-            _pending.outputs = before
+            pending.clear()
+            pending.update(before)
 
-    return rewrite_call(
-        ctx, DECLARED, what="MultiHeadAttention projections", why=why, allowed=list(forms),
-        signature=signature, candidates=candidates,
-        keras=lambda: original(layer, query, value, key, **kwargs),
-        emit=lambda form: shared_projection(layer, x, forms[form]), then=rest,
-        keeps="separate", kept="three MatMuls", emits=EMITS, dtype=getattr(x, "dtype", None))
+    return rewrite_call(ctx, CallSite(
+        DECLARED, forms, keras=lambda: original(layer, query, value, key, **kwargs),
+        emit=lambda form: shared_projection(layer, x, form.build), what="MultiHeadAttention "
+        "projections", why=why, dtype=getattr(x, "dtype", None), signature=signature,
+        candidates=candidates, keeps=SEPARATE, then=rest))
 
 
 # -- declaration ----------------------------------------------------------------------------------
@@ -372,6 +374,6 @@ DECLARED = declare(Family(
     "which the contraction family fuses) where the equation is a tensordot and measured faster",
     hooks=(Hook.on(MATCHES[0], fused_einsum_dense_call),
            Hook.on(MATCHES[1], fused_attention_call)),
-    forms=Forms(SCOPE, MARKS, LABELS, conservative=CONSERVATIVE, kept="Keras's Einsum"),
+    forms=FORMS,
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))

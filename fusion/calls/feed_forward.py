@@ -38,10 +38,11 @@ import tensorflow as tf
 from tensorflow.python.eager import execute
 
 from fusion import trace_state
-from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Forms, declare
+from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Form, Forms, conservative, declare
 from fusion.stage import (
     XLA,
     XLA_CALLS,
+    CallSite,
     Hook,
     StageContext,
     functional_neighbours,
@@ -90,14 +91,14 @@ def check(layer: Any) -> str | None:
 
 
 # -- forms: what it emits (CONSERVATIVE: the form Keras runs), and the hook's flow ----------------
-CONSERVATIVE = "separate"  # the two layers as Keras runs them
-LABELS = {XLA: "Dense(activation) -> Dense: one XLA-compiled region (forward and gradient)"}
-"""The region's report label, by its name in the stage's scope (``tfmx_feed_forward_xla``)."""
-MARKS = {XLA: XLA_CALLS}
-"""The op that shows the form in a traced graph: its XLA region's call."""
-EMITS = {XLA: frozenset()}
-"""The ops the form emits that a backend's kernel table decides: none (the region is XLA's,
-offered only where the trace allows XLA)."""
+CONSERVATIVE = conservative("separate", "the two layers")
+"""The two layers as Keras runs them."""
+REGION = Form(XLA, "Dense(activation) -> Dense: one XLA-compiled region (forward and gradient)",
+              marks=XLA_CALLS)
+"""The block as one XLA region, emitted under ``tfmx_feed_forward_xla``: its region's call
+shows it in a traced graph; it emits no op a backend's kernel table decides (the region is
+XLA's, offered only where the trace allows XLA)."""
+FORMS = Forms(SCOPE, (CONSERVATIVE, REGION))
 
 
 def fused_dense_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
@@ -109,7 +110,8 @@ def fused_dense_call(ctx: StageContext, original: Callable, layer: Any, inputs: 
     if not ctx.xla or not tf.inside_function() or not execute.must_record_gradient():
         return original(layer, inputs, training=training)
     inputs = tf.convert_to_tensor(inputs)
-    pending = trace_state.of(tf.compat.v1.get_default_graph(), create=True).feed_forward_inputs
+    # the first Dense calls of blocks: their output's ``ref()`` -> (layer, input)
+    pending = trace_state.slot(tf.compat.v1.get_default_graph(), FAMILY)
     first = pending.pop(inputs.ref(), None)
     if first is None:
         out = original(layer, inputs, training=training)
@@ -137,16 +139,16 @@ def _block(ctx: StageContext, original: Callable, first: tuple[Any, tf.Tensor], 
             return both(v)
 
     def candidates() -> dict:
-        return {CONSERVATIVE: timed_form(separate, [x.shape], x.dtype, variables),
-                XLA: timed_form(xla_region(both), [x.shape], x.dtype, variables)}
+        return {CONSERVATIVE.name: timed_form(separate, [x.shape], x.dtype, variables),
+                REGION.name: timed_form(xla_region(both), [x.shape], x.dtype, variables)}
 
     activation = up.activation.__name__
     signature = (f"feed-forward input {shape_text(x.shape)} {x.dtype.name}: Dense({up.units}, "
                  f"{activation}) -> Dense({second.units}, {second.activation.__name__})")
-    return rewrite_call(ctx, DECLARED, what="feed-forward", why=None, allowed=[XLA],
-                        signature=lambda: signature, candidates=candidates,
-                        keras=lambda: original(second, hidden),
-                        emit=lambda form: xla_region(both)(x), emits=EMITS, dtype=x.dtype)
+    return rewrite_call(ctx, CallSite(
+        DECLARED, (REGION,), keras=lambda: original(second, hidden),
+        emit=lambda form: xla_region(both)(x), what="feed-forward", dtype=x.dtype,
+        signature=lambda: signature, candidates=candidates))
 
 
 # -- declaration ----------------------------------------------------------------------------------
@@ -156,6 +158,6 @@ DECLARED = declare(Family(
     "region (forward and gradient), where measured faster than the two layers",
     # outer: it sees both Dense layers of a block before a stage rewrites either one
     hooks=(Hook.on(MATCHES[0], fused_dense_call, outer=1),),
-    forms=Forms(SCOPE, MARKS, LABELS, conservative=CONSERVATIVE, kept="the two layers"),
+    forms=FORMS,
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))

@@ -52,6 +52,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -60,10 +61,11 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.eager import execute
 
-from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Forms, declare
+from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Form, Forms, conservative, declare
 from fusion.stage import (
     XLA,
     XLA_CALLS,
+    CallSite,
     Hook,
     StageContext,
     custom_gradient,
@@ -100,50 +102,58 @@ def check(x: Any) -> str | None:
 
 
 # -- forms: what it emits (CONSERVATIVE: the form Keras runs), and the hook's flow ----------------
-CONSERVATIVE = "composite"  # Keras's composite, differentiated by autodiff
-SLOPE_KEPT = "upcast slope kept"
-LABELS = {"custom": "GELU: closed-form derivative (custom gradient)",
-          "custom erfc": "GELU: closed-form derivative (custom gradient), TensorFlow's Erfc CDF",
-          "custom upcast": "GELU: closed-form derivative (custom gradient), computed in float32 "
-                           "for a 16-bit input",
-          "upcast slope kept": "GELU: computed in float32 for a 16-bit input, its derivative "
-                               "computed in the forward and kept in 16 bit (the backward one "
-                               "multiplication)",
-          XLA: "GELU: its value and derivative computed in one XLA-compiled region, the "
-               "backward one multiplication"}
-"""Every form's report label, by its name in the stage's scopes (``tfmx_gelu_<form>``)."""
-MARKS = {"custom": frozenset({"Erf", "Tanh"}), "custom erfc": frozenset({"Erfc"}),
-         "custom upcast": frozenset({"Erf", "Erfc", "Tanh"}),
-         SLOPE_KEPT: frozenset({"Erf", "Erfc", "Tanh"}), XLA: XLA_CALLS}
-"""Per form, the ops that show it in a traced graph: its Erf or Tanh, or its XLA region's
-call."""
+_EXACT = frozenset({"AddV2", "Erf", "Exp", "Mul", "Sub"})
+_ERFC = _EXACT - {"Erf"} | {"Erfc", "Neg"}
+_TANH = frozenset({"AddV2", "Mul", "Square", "Sub", "Tanh"})
+_CDF = frozenset({"Erf", "Erfc", "Tanh"})
+
+
+def _wide(ops: frozenset[str]) -> frozenset[str]:
+    """``ops`` computed in float32 whatever the input's dtype (``"Op:float32"``)."""
+    return frozenset(f"{op}:float32" for op in ops)
+
+
+CONSERVATIVE = conservative("composite", "the composite")
+"""Keras's composite, differentiated by autodiff."""
+CUSTOM = Form("custom", "GELU: closed-form derivative (custom gradient)",
+              marks=frozenset({"Erf", "Tanh"}), emits=_EXACT)
+CUSTOM_TANH = dataclasses.replace(CUSTOM, emits=_TANH)
+"""The closed form of the tanh approximation: the same form, its ops the approximation's."""
+CUSTOM_ERFC = Form("custom erfc", "GELU: closed-form derivative (custom gradient), "
+                                  "TensorFlow's Erfc CDF",
+                   marks=frozenset({"Erfc"}), emits=_ERFC)
+UPCAST = Form("custom upcast", "GELU: closed-form derivative (custom gradient), computed in "
+                               "float32 for a 16-bit input",
+              marks=_CDF, emits=frozenset({"Cast"}))
+SLOPE_KEPT = Form("upcast slope kept", "GELU: computed in float32 for a 16-bit input, its "
+                                       "derivative computed in the forward and kept in 16 bit "
+                                       "(the backward one multiplication)",
+                  marks=_CDF, emits=frozenset({"Cast", "Mul"}))
+XLA_FORM = Form(XLA, "GELU: its value and derivative computed in one XLA-compiled region, the "
+                     "backward one multiplication", marks=XLA_CALLS)
+FORMS = Forms(SCOPE, (CONSERVATIVE, CUSTOM, CUSTOM_ERFC, UPCAST, SLOPE_KEPT, XLA_FORM))
+"""Every form, emitted under ``tfmx_gelu_<form>``: its report label, the ops that show it in a
+traced graph (its Erf or Tanh, or its XLA region's call) and the ops it emits in the input's
+dtype (an upcast form's float32 ops: :func:`upcast_forms`)."""
 _SQRT_HALF = 1.0 / math.sqrt(2.0)
 _PDF = 1.0 / math.sqrt(2.0 * math.pi)  # the standard normal density at 0
 _LOG_PDF_SCALE = math.log(_PDF / _SQRT_HALF)  # ln(1 / sqrt(pi)): x * pdf(x) in terms of t
 _TANH_K = math.sqrt(2.0 / math.pi)
 _TANH_A = 0.044715
-_EXACT = frozenset({"AddV2", "Erf", "Exp", "Mul", "Sub"})
-_ERFC = _EXACT - {"Erf"} | {"Erfc", "Neg"}
-_TANH = frozenset({"AddV2", "Mul", "Square", "Sub", "Tanh"})
-EMITS = {"custom": _EXACT, "custom erfc": _ERFC,
-         "custom upcast": frozenset({"Cast"}), SLOPE_KEPT: frozenset({"Cast", "Mul"})}
-"""The ops each closed form emits in the input's dtype (an upcast form's float32 ops, and the
-tanh approximation's: :func:`emitted`)."""
 
 
-def emitted(approximate: bool, erfc: bool = False) -> dict[str, frozenset[str]]:
-    """:data:`EMITS` for the exact GELU (its upcast forms through Erfc where ``erfc``) or the
-    tanh approximation, an upcast form's float32 ops spelled ``"Op:float32"``.
+def upcast_forms(approximate: bool, erfc: bool = False) -> tuple[Form, Form]:
+    """:data:`UPCAST` and :data:`SLOPE_KEPT` with the float32 ops they emit: the exact GELU's
+    (through Erfc where ``erfc``) or the tanh approximation's.
 
-    >>> sorted(emitted(True)["custom"])
-    ['AddV2', 'Mul', 'Square', 'Sub', 'Tanh']
-    >>> "Erfc:float32" in emitted(False, erfc=True)["custom upcast"]
+    >>> "Erfc:float32" in upcast_forms(False, erfc=True)[0].emits
     True
+    >>> sorted(upcast_forms(True)[1].emits)[:3]
+    ['AddV2:float32', 'Cast', 'Mul']
     """
-    wide = frozenset(f"{op}:float32" for op in (_TANH if approximate else
-                                                 _ERFC if erfc else _EXACT))
-    return {**EMITS, "custom": _TANH if approximate else _EXACT,
-            "custom upcast": EMITS["custom upcast"] | wide, SLOPE_KEPT: EMITS[SLOPE_KEPT] | wide}
+    wide = _wide(_TANH if approximate else _ERFC if erfc else _EXACT)
+    return (dataclasses.replace(UPCAST, emits=UPCAST.emits | wide),
+            dataclasses.replace(SLOPE_KEPT, emits=SLOPE_KEPT.emits | wide))
 
 
 def _exact(x: tf.Tensor, erfc: bool) -> tuple[tf.Tensor, Callable[[], tf.Tensor]]:
@@ -278,22 +288,23 @@ def gelu_upcast(x: tf.Tensor, approximate: bool = False, erfc: bool = False) -> 
 
 
 def _forms(ctx: StageContext, approximate: bool,
-           dtype: tf.DType = tf.float32) -> dict[str, Callable[[Any], Any]]:
-    """The closed forms ``ctx``'s backend runs for inputs of ``dtype``, by name (the first is
-    the one taken without a tuner): the exact GELU's CDF through Erf and through Erfc where the
-    backend has each kernel, the tanh approximation's one form; for a 16-bit input, the first
-    of those computed in float32 too."""
+           dtype: tf.DType = tf.float32) -> dict[Form, Callable[[Any], Any]]:
+    """The closed forms ``ctx``'s backend runs for inputs of ``dtype``, each with its function
+    (the first the one taken without a tuner): the exact GELU's CDF through Erf and through
+    Erfc where the backend has each kernel, the tanh approximation's one form; for a 16-bit
+    input, the first of those computed in float32 too."""
     if approximate:
-        forms = {"custom": lambda v: gelu_custom(v, True)}
+        forms = {CUSTOM_TANH: lambda v: gelu_custom(v, True)}
     else:
         forms = {}
         if ctx.target.runs_op("Erf"):
-            forms["custom"] = lambda v: gelu_custom(v, False)
-        forms["custom erfc"] = lambda v: gelu_custom(v, False, erfc=True)
+            forms[CUSTOM] = lambda v: gelu_custom(v, False)
+        forms[CUSTOM_ERFC] = lambda v: gelu_custom(v, False, erfc=True)
     if dtype in (tf.float16, tf.bfloat16):
         erfc = not approximate and not ctx.target.runs_op("Erf")
-        forms["custom upcast"] = lambda v: gelu_upcast(v, approximate, erfc)
-        forms[SLOPE_KEPT] = lambda v: gelu_slope_kept(v, approximate, erfc)
+        upcast, slope_kept = upcast_forms(approximate, erfc)
+        forms[upcast] = lambda v: gelu_upcast(v, approximate, erfc)
+        forms[slope_kept] = lambda v: gelu_slope_kept(v, approximate, erfc)
     return forms
 
 
@@ -316,21 +327,22 @@ def fused_gelu(ctx: StageContext, original: Callable, x: Any, approximate: bool 
 
     def candidates() -> dict:
         bits = rounded()  # decided before the forms are timed, not while one is
-        timed = {CONSERVATIVE: timed_form(lambda v: original(v, approximate), [x.shape], x.dtype),
-                 **{name: timed_form(f, [x.shape], x.dtype) for name, f in forms.items()}}
+        timed = {CONSERVATIVE.name: timed_form(lambda v: original(v, approximate), [x.shape],
+                                               x.dtype),
+                 **{form.name: timed_form(f, [x.shape], x.dtype) for form, f in forms.items()}}
         return with_xla(ctx, timed, lambda v: gelu_xla_slope(v, approximate, bits),
                         [x.shape], x.dtype)
 
-    def emit(form: str) -> Any:
-        return gelu_xla_slope(x, approximate, rounded()) if form == XLA else forms[form](x)
+    def emit(form: Form) -> Any:
+        if form.name == XLA:
+            return gelu_xla_slope(x, approximate, rounded())
+        return next(f for known, f in forms.items() if known.name == form.name)(x)
 
-    return rewrite_call(
-        ctx, DECLARED, what="GELU", why=check(x), allowed=list(forms),
+    return rewrite_call(ctx, CallSite(
+        DECLARED, tuple(forms), keras=lambda: original(x, approximate), emit=emit, what="GELU",
+        why=check(x), dtype=x.dtype, candidates=candidates,
         signature=lambda: f"gelu input {shape_text(x.shape)} {x.dtype.name} "
-                          f"approximate={approximate}",
-        candidates=candidates, keras=lambda: original(x, approximate), emit=emit,
-        emits=emitted(approximate, not approximate and not ctx.target.runs_op("Erf")),
-        dtype=x.dtype)
+                          f"approximate={approximate}"))
 
 
 # -- declaration ----------------------------------------------------------------------------------
@@ -339,6 +351,6 @@ DECLARED = declare(Family(
     "Keras GELU (exact or tanh) in training -> a closed-form derivative (custom gradient) or "
     "one XLA region, where measured faster than autodiff of the composite",
     hooks=(Hook.on(MATCHES[0], fused_gelu),),
-    forms=Forms(SCOPE, MARKS, LABELS, conservative=CONSERVATIVE, kept="the composite"),
+    forms=FORMS,
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))

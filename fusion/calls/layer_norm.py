@@ -51,11 +51,13 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from fusion.calls.layer_norm_kernels import (
+from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Form, Forms, conservative, declare
+from fusion.kernels.batch_norm import kernel_blocker
+from fusion.kernels.layer_norm import (
     ONEDNN_16,
     ONEDNN_OP,
     layer_norm,
@@ -66,10 +68,10 @@ from fusion.calls.layer_norm_kernels import (
     onednn_layer_norm_registered,
     onednn_layer_norm_runs,
 )
-from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Forms, declare
 from fusion.stage import (
     XLA,
     XLA_CALLS,
+    CallSite,
     Hook,
     StageContext,
     custom_gradient,
@@ -166,10 +168,6 @@ def check(layer: Any) -> str | None:
 
 def fused_blocker(layer: Any, target: Any) -> str | None:
     """Why ``target`` cannot run the ``FusedBatchNormV3`` form of ``layer``, or None."""
-    from fusion.graphs.batch_norm_kernels import (
-        kernel_blocker,  # (the patterns import the stages)
-    )
-
     return kernel_blocker(target, "FusedBatchNormV3", "float32", "NCHW", True, None,
                           float(layer.epsilon))
 
@@ -184,31 +182,22 @@ def onednn_blocker(first: int, inputs: Any, target: Any) -> str | None:
 
 
 # -- forms: what it emits (CONSERVATIVE: the form Keras runs), and the hook's flow ----------------
-CONSERVATIVE = "composite"  # Keras's composite, differentiated by autodiff
-LABEL = "LayerNormalization: FusedBatchNormV3 on [1, rows, cols, 1] (NCHW) + gamma, beta"
-CUSTOM_LABEL = "LayerNormalization: composite forward + closed-form custom gradient"
-ONEDNN_LABEL = ("LayerNormalization: oneDNN's _MklLayerNorm forward + closed-form custom "
-                "gradient")
-RMS_LABEL = "RMSNormalization: composite forward + closed-form custom gradient"
+CONSERVATIVE = conservative("composite", "Keras's composite")
+"""Keras's composite, differentiated by autodiff."""
 XLA_GRADIENT = " xla gradient"
-"""The suffix of a form's name whose gradient is one XLA-compiled region."""
+"""What a form whose gradient is one XLA-compiled region adds to its name."""
+_CAST = frozenset({"Cast"})
 
 
-def _xla_gradient_form(form: tuple[Callable, str]) -> tuple[Callable, str]:
-    """``form`` (function, report label) with its gradient compiled by XLA."""
-    fn, label = form
-    return (functools.partial(fn, xla_gradient=True),
-            label + ", the gradient one XLA-compiled region")
+def _float32(*ops: str) -> frozenset[str]:
+    """The input's casts, and ``ops`` computed in float32 (``"Op:float32"``)."""
+    return _CAST | {f"{op}:float32" for op in ops}
 
 
-_PLAIN_FORMS = {
-    "fused": (layer_norm, LABEL), "custom": (layer_norm_custom, CUSTOM_LABEL),
-    "onednn": (layer_norm_onednn, ONEDNN_LABEL),
-    ONEDNN_16: (layer_norm_onednn_16, ONEDNN_LABEL + ", the kernel in the 16-bit input's dtype "
-                                                     "(statistics float32)")}
-FORMS = {**_PLAIN_FORMS, **{name + XLA_GRADIENT: _xla_gradient_form(_PLAIN_FORMS[name])
-                            for name in ("custom", "onednn", ONEDNN_16)}}
-"""The correct forms besides Keras's composite: name -> (function, report label)."""
+def _xla_gradient(form: Form) -> Form:
+    """``form`` with its gradient compiled by XLA: its forward's marks and ops."""
+    return form.extended(XLA_GRADIENT, form.label + ", the gradient one XLA-compiled region",
+                         build=functools.partial(form.build, xla_gradient=True))
 
 
 def rms_norm_custom(x: tf.Tensor, scale: Any, first_axis: int, epsilon: float,
@@ -254,39 +243,58 @@ def rms_norm_custom(x: tf.Tensor, scale: Any, first_axis: int, epsilon: float,
     return y if dtype == tf.float32 else tf.cast(y, dtype)
 
 
-RMS_FORMS = {"rms custom": (rms_norm_custom, RMS_LABEL),
-             "rms custom" + XLA_GRADIENT: _xla_gradient_form((rms_norm_custom, RMS_LABEL))}
-"""The correct form of ``RMSNormalization`` besides Keras's composite."""
-RESIDUAL = "residual xla"  # the layer and the residual Add before it as one XLA region
-XLA_LABELS = {"xla": "LayerNormalization: one XLA-compiled region (forward and gradient)",
-              "rms xla": "RMSNormalization: one XLA-compiled region (forward and gradient)",
-              RESIDUAL: "LayerNormalization + the residual Add before it: one XLA-compiled "
-                        "region (forward and gradient)",
-              f"rms {RESIDUAL}": "RMSNormalization + the residual Add before it: one "
-                                 "XLA-compiled region (forward and gradient)"}
-LABELS = {**{f: label for f, (_, label) in FORMS.items()},
-          **{f: label for f, (_, label) in RMS_FORMS.items()}, **XLA_LABELS}
-"""Every form's report label, by its name in the stage's scopes (``tfmx_layer_norm_<form>``)."""
-_KERNELS = {"fused": frozenset({"FusedBatchNormV3"}), "custom": frozenset({"Rsqrt"}),
-            "onednn": frozenset({"_MklLayerNorm"}), ONEDNN_16: frozenset({"_MklLayerNorm"})}
-MARKS = {**_KERNELS, **{name + XLA_GRADIENT: ops for name, ops in _KERNELS.items()},
-         "rms custom": frozenset({"Rsqrt"}), "rms custom" + XLA_GRADIENT: frozenset({"Rsqrt"}),
-         "xla": XLA_CALLS, "rms xla": XLA_CALLS,
-         "residual xla": XLA_CALLS, "rms residual xla": XLA_CALLS}
-"""Per form, the ops that show it in a traced graph: FusedBatchNormV3 for the fused form, the
-Rsqrt of the custom ones, oneDNN's layer norm, the call of an XLA region."""
-_CAST = frozenset({"Cast"})
-_PLAIN_EMITS = {
-    "fused": _CAST | {f"{op}:float32" for op in (
-        "FusedBatchNormV3", "FusedBatchNormGradV3", "Mul", "AddV2", "Sum")},
-    "custom": _CAST | {f"{op}:float32" for op in ("Rsqrt", "Mean", "Mul", "Sub", "AddV2", "Sum")},
-    "onednn": _CAST | {f"{op}:float32" for op in ("_MklLayerNorm", "Mul", "Sub", "Sum")},
-    ONEDNN_16: _CAST | {"_MklLayerNorm"} | {f"{op}:float32" for op in ("Mul", "Sub", "Sum")},
-    "rms custom": _CAST | {f"{op}:float32" for op in ("Rsqrt", "Mean", "Mul", "Sub", "Sum")}}
-EMITS = {**_PLAIN_EMITS, **{name + XLA_GRADIENT: ops for name, ops in _PLAIN_EMITS.items()
-                            if name != "fused"}}
-"""The ops each form emits: in the input's dtype its casts (the oneDNN 16-bit kernel in it),
-the rest in float32 (``"Op:float32"``); a form's XLA-compiled gradient emits the forward's."""
+_ONEDNN_LABEL = ("LayerNormalization: oneDNN's _MklLayerNorm forward + closed-form custom "
+                 "gradient")
+FUSED = Form("fused", "LayerNormalization: FusedBatchNormV3 on [1, rows, cols, 1] (NCHW) + "
+                      "gamma, beta",
+             marks=frozenset({"FusedBatchNormV3"}), build=layer_norm,
+             emits=_float32("FusedBatchNormV3", "FusedBatchNormGradV3", "Mul", "AddV2", "Sum"))
+CUSTOM = Form("custom", "LayerNormalization: composite forward + closed-form custom gradient",
+              marks=frozenset({"Rsqrt"}), build=layer_norm_custom,
+              emits=_float32("Rsqrt", "Mean", "Mul", "Sub", "AddV2", "Sum"))
+ONEDNN = Form("onednn", _ONEDNN_LABEL, marks=frozenset({"_MklLayerNorm"}),
+              build=layer_norm_onednn, emits=_float32("_MklLayerNorm", "Mul", "Sub", "Sum"))
+ONEDNN_16_BIT = Form(ONEDNN_16, _ONEDNN_LABEL + ", the kernel in the 16-bit input's dtype "
+                                                "(statistics float32)",
+                     marks=frozenset({"_MklLayerNorm"}), build=layer_norm_onednn_16,
+                     emits=_float32("Mul", "Sub", "Sum") | {"_MklLayerNorm"})
+CUSTOM_XLA_GRADIENT, ONEDNN_XLA_GRADIENT, ONEDNN_16_XLA_GRADIENT = (
+    _xla_gradient(form) for form in (CUSTOM, ONEDNN, ONEDNN_16_BIT))
+RMS_CUSTOM = Form("rms custom", "RMSNormalization: composite forward + closed-form custom "
+                                "gradient",
+                  marks=frozenset({"Rsqrt"}), build=rms_norm_custom,
+                  emits=_float32("Rsqrt", "Mean", "Mul", "Sub", "Sum"))
+RMS_CUSTOM_XLA_GRADIENT = _xla_gradient(RMS_CUSTOM)
+_REGION = "one XLA-compiled region (forward and gradient)"
+
+
+class Regions(NamedTuple):
+    """A layer's forms as XLA regions: the layer alone, and with the residual ``Add`` before
+    it (:func:`find_residual`)."""
+
+    xla: Form
+    residual: Form
+
+
+LAYER_REGIONS = Regions(
+    Form(XLA, f"LayerNormalization: {_REGION}", marks=XLA_CALLS),
+    Form("residual xla", f"LayerNormalization + the residual Add before it: {_REGION}",
+         marks=XLA_CALLS))
+RMS_REGIONS = Regions(
+    Form("rms xla", f"RMSNormalization: {_REGION}", marks=XLA_CALLS),
+    Form("rms residual xla", f"RMSNormalization + the residual Add before it: {_REGION}",
+         marks=XLA_CALLS))
+LAYER_FORMS = (FUSED, CUSTOM, ONEDNN, ONEDNN_16_BIT, CUSTOM_XLA_GRADIENT, ONEDNN_XLA_GRADIENT,
+               ONEDNN_16_XLA_GRADIENT)
+"""The forms of ``LayerNormalization`` besides Keras's composite and the XLA regions."""
+RMS_FORMS = (RMS_CUSTOM, RMS_CUSTOM_XLA_GRADIENT)
+"""The forms of ``RMSNormalization`` besides Keras's composite and the XLA regions."""
+FORMS = Forms(SCOPE, (CONSERVATIVE, *LAYER_FORMS, *RMS_FORMS, *LAYER_REGIONS, *RMS_REGIONS))
+"""Every form, emitted under ``tfmx_layer_norm_<form>``: its report label, the ops that show it
+in a traced graph (FusedBatchNormV3 for the fused form, the Rsqrt of the closed forms, oneDNN's
+layer norm, the call of an XLA region), the ops it emits (in the input's dtype its casts, the
+oneDNN 16-bit kernel in it, the rest in float32; a form whose gradient XLA compiles emits the
+forward's) and its function."""
 
 
 def _value(variable: Any) -> Any:
@@ -295,31 +303,34 @@ def _value(variable: Any) -> Any:
 
 
 def layer_norm_forms(layer: Any, inputs: Any, target: Any, first: int | None,
-                     xla: bool = False) -> list[str]:
-    """The forms of :data:`FORMS` ``target`` runs for this call, the one taken without a
-    tuner first: the fused one where the backend's batch-norm kernel takes the epsilon, the
-    closed form, and oneDNN's kernel where it normalizes the axis, in float32 and, for a
-    16-bit input, in the input's dtype where the kernel runs it
+                     xla: bool = False) -> list[Form]:
+    """The forms of ``LayerNormalization`` ``target`` runs for this call, the one taken
+    without a tuner first: the fused one where the backend's batch-norm kernel takes the
+    epsilon, the closed form, and oneDNN's kernel where it normalizes the axis, in float32
+    and, for a 16-bit input, in the input's dtype where the kernel runs it
     (:func:`onednn_layer_norm_runs`); where XLA may run (``xla``), the closed-form and oneDNN
     forms with their gradient compiled by XLA too.
 
     >>> import keras
     >>> from tfmx.backends import get_backend
     >>> layer = keras.layers.LayerNormalization()
-    >>> layer_norm_forms(layer, tf.zeros([2, 3, 4]), get_backend("metal"), 2)
+    >>> [f.name for f in layer_norm_forms(layer, tf.zeros([2, 3, 4]), get_backend("metal"), 2)]
     ['fused', 'custom']
-    >>> layer_norm_forms(layer, tf.zeros([2, 3, 4]), get_backend("cpu"), 2, xla=True)
+    >>> [f.name for f in layer_norm_forms(layer, tf.zeros([2, 3, 4]), get_backend("cpu"), 2,
+    ...                                   xla=True)]
     ['fused', 'custom', 'onednn', 'custom xla gradient', 'onednn xla gradient']
     """
-    names = ["custom"] if fused_blocker(layer, target) else ["fused", "custom"]
+    forms = [CUSTOM] if fused_blocker(layer, target) else [FUSED, CUSTOM]
     if first is not None and onednn_blocker(first, inputs, target) is None:
-        names.append("onednn")
+        forms.append(ONEDNN)
         if inputs.dtype in (tf.float16, tf.bfloat16) and onednn_layer_norm_runs(
                 inputs.dtype.name):
-            names.append(ONEDNN_16)
+            forms.append(ONEDNN_16_BIT)
     if xla:
-        names += [name + XLA_GRADIENT for name in names if name != "fused"]
-    return names
+        gradient = {CUSTOM: CUSTOM_XLA_GRADIENT, ONEDNN: ONEDNN_XLA_GRADIENT,
+                    ONEDNN_16_BIT: ONEDNN_16_XLA_GRADIENT}
+        forms += [gradient[form] for form in forms if form in gradient]
+    return forms
 
 
 def _rounded_gradient(ctx: StageContext, layer: Any, inputs: tf.Tensor) -> bool:
@@ -342,14 +353,14 @@ def _rounded_gradient(ctx: StageContext, layer: Any, inputs: tf.Tensor) -> bool:
 
 
 def _rewrite(ctx: StageContext, original: Callable, layer: Any, inputs: tf.Tensor,
-             first: int | None, why: str | None, forms: dict[str, Callable], prefix: str,
+             first: int | None, why: str | None, forms: dict[Form, Callable], regions: Regions,
              signature: str) -> Any:
-    """The one flow of both hooks: ``forms`` (name -> ``emit(x)``, the first the form taken
-    without a tuner) against Keras's composite and, where XLA may run, the composite compiled
-    as one region, and after a residual ``Add`` read by this layer alone
-    (:func:`find_residual`) the sum and the composite as one region (every form then timed
-    from the two summands); the tuner's pick emitted under ``tfmx_layer_norm_<prefix><form>``,
-    or Keras's composite with the reason recorded."""
+    """The one flow of both hooks: ``forms`` (each with its ``emit(x)``, the first the form
+    taken without a tuner) against Keras's composite and, where XLA may run, the composite
+    compiled as one region (``regions.xla``), and after a residual ``Add`` read by this layer
+    alone (:func:`find_residual`) the sum and the composite as one region
+    (``regions.residual``; every form then timed from the two summands); the tuner's pick
+    emitted under its scope, or Keras's composite with the reason recorded."""
     residual = find_residual(layer, inputs) if ctx.xla and first is not None else None
     variables = layer.trainable_variables
 
@@ -360,32 +371,31 @@ def _rewrite(ctx: StageContext, original: Callable, layer: Any, inputs: tf.Tenso
         return lambda a, b: form(a + b)
 
     def candidates() -> dict:
-        every = {CONSERVATIVE: keras_form, **forms}
+        every = {CONSERVATIVE.name: keras_form, **{f.name: emit for f, emit in forms.items()}}
         if residual is None:
             timed = {name: timed_form(f, [inputs.shape], inputs.dtype, variables)
                      for name, f in every.items()}
             return with_xla(ctx, timed, xla_region(keras_form), [inputs.shape], inputs.dtype,
-                            variables)
+                            variables, name=regions.xla.name)
         shapes = [t.shape for t in residual]
-        every[XLA] = xla_region(keras_form)
+        every[regions.xla.name] = xla_region(keras_form)
         timed = {name: timed_form(summed(f), shapes, inputs.dtype, variables)
                  for name, f in every.items()}
-        timed[RESIDUAL] = timed_form(xla_region(summed(keras_form)), shapes, inputs.dtype,
-                                     variables)
+        timed[regions.residual.name] = timed_form(xla_region(summed(keras_form)), shapes,
+                                                  inputs.dtype, variables)
         return timed
 
-    def emit(form: str) -> Any:
-        if form == RESIDUAL:
+    def emit(form: Form) -> Any:
+        if form == regions.residual:
             return xla_region(summed(keras_form))(*residual)
-        return (xla_region(keras_form) if form == XLA else forms[form])(inputs)
+        return (xla_region(keras_form) if form == regions.xla else forms[form])(inputs)
 
     if residual is not None:
         signature += " after a residual Add"
-    return rewrite_call(ctx, DECLARED, what=signature.split(" ", 1)[0], why=why,
-                        allowed=list(forms) if first is not None else [],
-                        signature=lambda: signature, candidates=candidates,
-                        keras=lambda: original(layer, inputs), emit=emit, prefix=prefix,
-                        emits=EMITS, dtype=inputs.dtype)
+    return rewrite_call(ctx, CallSite(
+        DECLARED, tuple(forms) if first is not None else (),
+        keras=lambda: original(layer, inputs), emit=emit, what=signature.split(" ", 1)[0],
+        why=why, dtype=inputs.dtype, signature=lambda: signature, candidates=candidates))
 
 
 def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
@@ -399,27 +409,26 @@ def fused_layer_call(ctx: StageContext, original: Callable, layer: Any, inputs: 
 
     inputs = tf.convert_to_tensor(inputs)
     first, why = find_layer_norm(layer, inputs, ctx.target)
-    names = layer_norm_forms(layer, inputs, ctx.target, first, ctx.xla)
-
+    forms = layer_norm_forms(layer, inputs, ctx.target, first, ctx.xla)
     # the 16-bit oneDNN form's gradient region rounds bfloat16 as the tuner measures faster,
     # decided before the forms are timed (not while one is)
-    rounded = ONEDNN_16 + XLA_GRADIENT in names and why is None and _rounded_gradient(
+    rounded = ONEDNN_16_XLA_GRADIENT in forms and why is None and _rounded_gradient(
         ctx, layer, inputs)
 
-    def emit(name: str) -> Callable[[Any], Any]:
-        extra = {"bfloat16_bits": True} if rounded and name == ONEDNN_16 + XLA_GRADIENT else {}
+    def emit(form: Form) -> Callable[[Any], Any]:
+        extra = {"bfloat16_bits": True} if rounded and form == ONEDNN_16_XLA_GRADIENT else {}
 
-        def form(x: Any) -> Any:
-            out = FORMS[name][0](x, _value(layer.gamma), _value(layer.beta), first,
-                                 layer.epsilon, **extra)
+        def run(x: Any) -> Any:
+            out = form.build(x, _value(layer.gamma), _value(layer.beta), first, layer.epsilon,
+                             **extra)
             return tf.cast(out, layer.compute_dtype)
 
-        return form
+        return run
 
     signature = (f"LayerNormalization input {shape_text(inputs.shape)} {inputs.dtype.name} "
                  f"axes {first}: center={layer.center} scale={layer.scale}")
-    return _rewrite(ctx, original, layer, inputs, first, why, {n: emit(n) for n in names}, "",
-                    signature)
+    return _rewrite(ctx, original, layer, inputs, first, why, {f: emit(f) for f in forms},
+                    LAYER_REGIONS, signature)
 
 
 def fused_rms_call(ctx: StageContext, original: Callable, layer: Any, inputs: Any,
@@ -434,18 +443,17 @@ def fused_rms_call(ctx: StageContext, original: Callable, layer: Any, inputs: An
     inputs = tf.convert_to_tensor(inputs)
     first, why = find_rms_norm(layer, inputs)
 
-    def emit(name: str) -> Callable[[Any], Any]:
-        def form(x: Any) -> Any:
-            return RMS_FORMS[f"rms {name}"][0](x, _value(layer.scale), first, layer.epsilon)
+    def emit(form: Form) -> Callable[[Any], Any]:
+        def run(x: Any) -> Any:
+            return form.build(x, _value(layer.scale), first, layer.epsilon)
 
-        return form
+        return run
 
-    names = ["custom"] + (["custom" + XLA_GRADIENT] if ctx.xla else [])
-
+    forms = [RMS_CUSTOM] + ([RMS_CUSTOM_XLA_GRADIENT] if ctx.xla else [])
     signature = f"RMSNormalization input {shape_text(inputs.shape)} {inputs.dtype.name} " \
                 f"axes {first}"
-    return _rewrite(ctx, original, layer, inputs, first, why, {n: emit(n) for n in names}, "rms ",
-                    signature)
+    return _rewrite(ctx, original, layer, inputs, first, why, {f: emit(f) for f in forms},
+                    RMS_REGIONS, signature)
 
 
 # -- declaration ----------------------------------------------------------------------------------
@@ -455,6 +463,6 @@ DECLARED = declare(Family(
     "FusedBatchNormGradV3) + gamma, beta, or a closed-form gradient; RMSNormalization -> a "
     "closed-form gradient; emitted before differentiation where measured faster",
     hooks=(Hook.on(MATCHES[0], fused_layer_call), Hook.on(MATCHES[1], fused_rms_call)),
-    forms=Forms(SCOPE, MARKS, LABELS, conservative=CONSERVATIVE, kept="Keras's composite"),
+    forms=FORMS,
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))

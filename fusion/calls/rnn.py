@@ -10,7 +10,7 @@ of ``CudnnRNNV3`` (GPU targets). Emitted nodes live under a name scope ``tfmx_rn
 declined layers run Keras's own loop under ``tfmx_rnn_declined_<why>``; the GraphDef pass
 ``fusion.graphs.rnn`` finds those scopes in the traced graph and reports what it observed.
 
-CPU forms (``fusion.calls.rnn_kernels``), chosen per layer call by the tuner
+CPU forms (``fusion.kernels.rnn``), chosen per layer call by the tuner
 (:func:`cpu_forms`): Keras's loop, or the hoisted one (the input projection of all timesteps is
 one MatMul before the loop, the loop keeps the recurrent MatMul and the gate arithmetic, the
 backward is one reverse loop with one MatMul per step and the weight gradients as single big
@@ -38,40 +38,17 @@ import warnings
 from typing import Any
 
 from fusion import trace_state
-from fusion.family import Family, Forms, declare
+from fusion.family import Family, Form, Forms, conservative, declare
+from fusion.kernels.rnn import RnnKernels, rnn_kernels
 from fusion.pattern import PatternStats, Target
-from fusion.platform import Platform
-from fusion.stage import Emitted, Hook, StageContext, rewrite_call, timed_form
+from fusion.stage import CallSite, Emitted, Hook, StageContext, rewrite_call, timed_form
 
 # -- match: the Keras calls it hooks, and what it finds in them -----------------------------------
 FAMILY = "rnn"
-SCOPE = "tfmx_rnn_"
-DECLINED = SCOPE + "declined_"
+SCOPE = "tfmx_rnn"
+DECLINED = SCOPE + "_declined_"
 MATCHES = ("keras.src.layers.rnn.lstm:LSTM.inner_loop", "keras.src.layers.rnn.gru:GRU.inner_loop")
 """The Keras calls the stage hooks: an ``LSTM`` or ``GRU`` layer's loop over the sequence."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RnnKernels:
-    """What a backend declares for this family: the form its LSTM / GRU layers take
-    ("hoisted": the hoisted loop, any TensorFlow device; "cudnn": one ``CudnnRNNV3``), and
-    whether its cuDNN GRU orders the gates r, z, h (CUDA's cuDNN) instead of Keras's z, r, h."""
-
-    form: str
-    gru_gates_rzh: bool = False
-
-
-def rnn_kernels(platform: Platform) -> RnnKernels | None:
-    """What ``platform`` runs (the family's ``capability``): the hoisted loop on cpu; one
-    ``CudnnRNNV3`` on cuda, and on a Metal plugin with it and its backward (else None).
-
-    >>> rnn_kernels(Platform("cuda")), rnn_kernels(Platform("metal", kernels=frozenset()))
-    (RnnKernels(form='cudnn', gru_gates_rzh=True), None)
-    """
-    if platform.name in ("cpu", "cuda"):
-        return RnnKernels("hoisted") if platform.name == "cpu" else RnnKernels("cudnn", True)
-    cudnn = platform.runs_op("CudnnRNNV3") and platform.runs_op("CudnnRNNBackpropV3")
-    return RnnKernels("cudnn") if cudnn else None
 
 
 @dataclasses.dataclass
@@ -82,10 +59,6 @@ class RnnMatch:
     form: str  # "hoisted" (CPU loop) or "cudnn" (CudnnRNNV3)
     layer: Any
     swap_zr: bool = False  # cuDNN on CUDA orders GRU gates r, z, h
-
-    @property
-    def label(self) -> str:
-        return KIND_LABELS[(self.kind, self.form)]
 
 
 def _is_exactly(obj: Any, module: str, name: str) -> bool:
@@ -168,29 +141,52 @@ def check(layer: Any, target: Target) -> str | None:
 
 
 # -- forms: what it emits (CONSERVATIVE: the form Keras runs), and the hook's flow ----------------
-CONSERVATIVE = "keras"  # Keras's own loop
+CONSERVATIVE = conservative("keras", "Keras's own loop")
 _KIND_NAMES = {"lstm": "LSTM", "gru": "GRU(reset_after=True)",
                "gru_reset_before": "GRU(reset_after=False)"}
-_CPU_FORMS = {
-    "hoisted": "hoisted input projection + recurrent loop, custom gradient",
-    "unrolled": "hoisted input projection + unrolled recurrence, custom gradient",
-    "keras_unrolled": "Keras's cell unrolled (measured faster than its loop)",
-}
-KIND_LABELS = {(kind, form): f"{name}: {text}"
-               for kind, name in _KIND_NAMES.items() for form, text in _CPU_FORMS.items()}
-KIND_LABELS[("lstm", "wavefront")] = ("LSTM -> LSTM: the layer below and this one unrolled "
-                                      "as one wavefront, custom gradient")
-KIND_LABELS[("gru", "wavefront")] = ("GRU -> GRU (reset_after=True): the layer below and this "
-                                     "one unrolled as one wavefront, custom gradient")
-KIND_LABELS[("lstm", "cudnn")] = "LSTM: CudnnRNNV3 (+ CudnnRNNBackpropV3 by its gradient)"
-KIND_LABELS[("gru", "cudnn")] = "GRU: CudnnRNNV3 (+ CudnnRNNBackpropV3 by its gradient)"
 _LOOP = frozenset({"AddV2", "ConcatV2", "MatMul", "Mul", "Sigmoid", "Sub", "Tanh", "Transpose"})
-EMITS = {"hoisted": _LOOP, "keras unrolled": _LOOP - {"ConcatV2", "Transpose"},
-         "wavefront": _LOOP,
-         "cudnn": frozenset({"ConcatV2", "CudnnRNNBackpropV3", "CudnnRNNV3", "Split", "Transpose",
-                             "ZerosLike"})}
-"""The ops each form emits in the sequences' dtype (a layer's own form is its match's:
-``hoisted`` or ``cudnn``): a backend without one of them in that dtype keeps Keras's loop."""
+_LOOPS = frozenset({"While", "StatelessWhile"})
+_UNROLLED = frozenset({"MatMul"})
+_CPU_FORMS = {  # form -> (words, the ops that show a unit of it, the ops it emits)
+    "hoisted": ("hoisted input projection + recurrent loop, custom gradient", _LOOPS, _LOOP),
+    "unrolled": ("hoisted input projection + unrolled recurrence, custom gradient", _UNROLLED,
+                 _LOOP),
+    "keras_unrolled": ("Keras's cell unrolled (measured faster than its loop)", _UNROLLED,
+                       _LOOP - {"ConcatV2", "Transpose"}),
+}
+_CUDNN = frozenset({"ConcatV2", "CudnnRNNBackpropV3", "CudnnRNNV3", "Split", "Transpose",
+                    "ZerosLike"})
+
+
+def _form(kind: str, form: str, label: str, marks: frozenset[str],
+          emits: frozenset[str]) -> Form:
+    """The ``form`` of a ``kind`` layer: named (and scoped, ``tfmx_rnn_<kind>[_<form>]``) after
+    the kind, then the form unless it is the hoisted loop."""
+    words = kind.replace("_", " ") + ("" if form == "hoisted" else " " + form.replace("_", " "))
+    return Form(words, label, marks=marks, emits=emits)
+
+
+KIND_FORMS = {(kind, form): _form(kind, form, f"{name}: {text}", marks, emits)
+              for kind, name in _KIND_NAMES.items()
+              for form, (text, marks, emits) in _CPU_FORMS.items()}
+KIND_FORMS[("lstm", "wavefront")] = _form(
+    "lstm", "wavefront", "LSTM -> LSTM: the layer below and this one unrolled as one wavefront, "
+                         "custom gradient", _UNROLLED, _LOOP)
+KIND_FORMS[("gru", "wavefront")] = _form(
+    "gru", "wavefront", "GRU -> GRU (reset_after=True): the layer below and this one unrolled "
+                        "as one wavefront, custom gradient", _UNROLLED, _LOOP)
+for _kind, _name in (("lstm", "LSTM"), ("gru", "GRU")):
+    KIND_FORMS[(_kind, "cudnn")] = _form(
+        _kind, "cudnn", f"{_name}: CudnnRNNV3 (+ CudnnRNNBackpropV3 by its gradient)",
+        frozenset({"CudnnRNNV3"}), _CUDNN)
+FORMS = Forms(SCOPE, (CONSERVATIVE, *KIND_FORMS.values()))
+"""Every form, by (layer kind, form) in :data:`KIND_FORMS`: emitted under its scope
+(``tfmx_rnn_<kind>`` for the hoisted loop, ``tfmx_rnn_<kind>_<form>`` otherwise; Keras's loop
+declined under ``tfmx_rnn_declined_<code>``), reported under its label (each form reports what
+it rewrote itself; the family's graph pass checks and observes its units), its marks the ops
+that show a unit of it (its loop, its first MatMul where unrolled, its ``CudnnRNNV3``), its
+emits the ops it emits in the sequences' dtype: a backend without one of them in that dtype
+keeps Keras's loop."""
 
 
 def _state_list(initial_state) -> list:
@@ -202,39 +198,37 @@ def rewrite_rnn_layer(match: RnnMatch, sequences, initial_state, mask, training=
                       chunks=None, unrolled=False):
     """Emit ``match``'s form of the layer's inner loop; Keras's ``(last, outputs, states)``.
 
-    ``chunks``: loops per sequence of the cpu form (default ``rnn_kernels.CHUNKS``);
+    ``chunks``: loops per sequence of the cpu form (default ``fusion.kernels.rnn.CHUNKS``);
     ``unrolled``: the cpu form with every timestep its own ops (a static length only)."""
-    import tensorflow as tf
 
-    from fusion.calls import rnn_kernels as k
+    from fusion.kernels import rnn as k
 
     layer, cell = match.layer, match.layer.cell
     if isinstance(mask, (list, tuple)):
         mask = mask[0]
     states = _state_list(initial_state)
-    with tf.name_scope(SCOPE + match.kind + ("_unrolled" if unrolled else "")):
-        if training and cell.dropout:  # Keras's cuDNN path: one input mask for every step
-            dp_mask = cell.get_dropout_mask(sequences[:, 0, :])
-            sequences = sequences * dp_mask[:, None, :]
-        kernel, recurrent = cell.kernel.value, cell.recurrent_kernel.value
-        bias = None if cell.bias is None else cell.bias.value
-        flags = {"go_backwards": layer.go_backwards, "return_sequences": layer.return_sequences}
-        flags["zero_output_for_mask"] = layer.zero_output_for_mask
-        if match.form == "cudnn" and match.kind == "lstm":
-            return k.cudnn_lstm(sequences, states[0], states[1], mask, kernel, recurrent, bias,
-                                **flags)
-        if match.form == "cudnn":
-            return k.cudnn_gru(sequences, states[0], mask, kernel, recurrent, bias,
-                               match.swap_zr, **flags)
-        # Inference saves nothing for a backward pass (the loop stays differentiable by
-        # TensorFlow's own While gradient); a symbolic ``training`` takes the training form.
-        flags["training"] = training if isinstance(training, bool) else training is not None
-        if match.kind == "lstm":
-            return k.lstm_sequence(sequences, states[0], states[1], mask, kernel, recurrent,
-                                   bias, chunks=chunks, unrolled=unrolled, **flags)
-        return k.gru_sequence(sequences, states[0], mask, kernel, recurrent, bias,
-                              reset_after=match.kind == "gru", chunks=chunks,
-                              unrolled=unrolled, **flags)
+    if training and cell.dropout:  # Keras's cuDNN path: one input mask for every step
+        dp_mask = cell.get_dropout_mask(sequences[:, 0, :])
+        sequences = sequences * dp_mask[:, None, :]
+    kernel, recurrent = cell.kernel.value, cell.recurrent_kernel.value
+    bias = None if cell.bias is None else cell.bias.value
+    flags = {"go_backwards": layer.go_backwards, "return_sequences": layer.return_sequences}
+    flags["zero_output_for_mask"] = layer.zero_output_for_mask
+    if match.form == "cudnn" and match.kind == "lstm":
+        return k.cudnn_lstm(sequences, states[0], states[1], mask, kernel, recurrent, bias,
+                            **flags)
+    if match.form == "cudnn":
+        return k.cudnn_gru(sequences, states[0], mask, kernel, recurrent, bias,
+                           match.swap_zr, **flags)
+    # Inference saves nothing for a backward pass (the loop stays differentiable by
+    # TensorFlow's own While gradient); a symbolic ``training`` takes the training form.
+    flags["training"] = training if isinstance(training, bool) else training is not None
+    if match.kind == "lstm":
+        return k.lstm_sequence(sequences, states[0], states[1], mask, kernel, recurrent,
+                               bias, chunks=chunks, unrolled=unrolled, **flags)
+    return k.gru_sequence(sequences, states[0], mask, kernel, recurrent, bias,
+                          reset_after=match.kind == "gru", chunks=chunks,
+                          unrolled=unrolled, **flags)
 
 
 TUNED_CHUNKS = (1, 5)
@@ -265,7 +259,7 @@ def cpu_forms(steps: int | None) -> dict[str, RnnForm]:
         >>> sorted(cpu_forms(None))
         ['hoisted x1', 'keras']
     """
-    forms = [RnnForm(CONSERVATIVE, False)]
+    forms = [RnnForm(CONSERVATIVE.name, False)]
     for chunks in TUNED_CHUNKS:
         if chunks == 1 or (steps is not None and steps >= 2 * chunks):
             forms.append(RnnForm(f"hoisted x{chunks}", True, chunks=chunks))
@@ -330,7 +324,7 @@ def _tuned_form(match: RnnMatch, original, sequences, initial_state, mask, train
                  f"sequences={match.layer.return_sequences} mask={mask is not None} "
                  f"training={bool(training)} input_gradient={input_gradient}")
     choice = tuner.choose(FAMILY, signature, _layer_candidates(
-        match, original, sequences, training, input_gradient), conservative=CONSERVATIVE)
+        match, original, sequences, training, input_gradient), conservative=CONSERVATIVE.name)
     return cpu_forms(sequences.shape[1])[choice.choice]
 
 
@@ -371,7 +365,8 @@ def _remember_below(match: RnnMatch | None, original, form: RnnForm, sequences, 
     dropout = _dropout_mask(match, sequences)
     if dropout is not None:  # the mask this call's Keras step applied (one for every step)
         sequences = sequences * dropout[:, None, :]
-    below = trace_state.of(outputs.graph, create=True).rnn_below
+    # the layer calls another may read as its lower half: their outputs' ``ref()`` -> Below
+    below = trace_state.slot(outputs.graph, FAMILY)
     below[outputs.ref()] = Below(match, original, form, sequences, tuple(states))
 
 
@@ -406,8 +401,8 @@ def _below(match: RnnMatch, sequences, mask, training: bool) -> Below | None:
     two can run as one wavefront."""
     if not hasattr(sequences, "graph") or not _pairable(match, sequences, mask, training):
         return None
-    held = trace_state.of(sequences.graph)
-    below = None if held is None else held.rnn_below.get(sequences.ref())
+    held = trace_state.held(sequences.graph, FAMILY)
+    below = None if held is None else held.get(sequences.ref())
     return below if below is not None and below.match.kind == match.kind else None
 
 
@@ -431,7 +426,6 @@ def rewrite_rnn_pair(low: RnnMatch, up: RnnMatch, sequences, low_states, up_stat
     """Emit the wavefront of ``low`` -> ``up`` over ``low``'s input ``sequences`` (its
     dropout applied): ``up``'s Keras ``inner_loop`` result (:mod:`fusion.calls.rnn_wavefront`);
     ``up_dropout``: ``up``'s input dropout mask or None."""
-    import tensorflow as tf
 
     from fusion.calls import rnn_wavefront as w
 
@@ -441,12 +435,11 @@ def rewrite_rnn_pair(low: RnnMatch, up: RnnMatch, sequences, low_states, up_stat
                 None if cell.bias is None else cell.bias.value)
 
     return_sequences = up.layer.return_sequences
-    with tf.name_scope(SCOPE + up.kind + "_" + WAVEFRONT):
-        if up.kind == "lstm":
-            return w.lstm_pair(sequences, list(low_states), weights(low), list(up_states),
-                               weights(up), return_sequences, up_dropout)
-        return w.gru_pair(sequences, low_states[0], weights(low), up_states[0], weights(up),
-                          return_sequences, up_dropout)
+    if up.kind == "lstm":
+        return w.lstm_pair(sequences, list(low_states), weights(low), list(up_states),
+                           weights(up), return_sequences, up_dropout)
+    return w.gru_pair(sequences, low_states[0], weights(low), up_states[0], weights(up),
+                      return_sequences, up_dropout)
 
 
 def _pair_candidates(below: Below, up: RnnMatch, original, form: RnnForm):
@@ -526,23 +519,22 @@ def _emit(ctx: StageContext, match: RnnMatch | None, why: str | None, form: RnnF
             return original(layer, sequences, initial_state, mask, training=training)
 
     def alone() -> Any:  # the layer call by itself
-        if match is not None and form.name == CONSERVATIVE:
+        if match is not None and form.name == CONSERVATIVE.name:
             code[0] = "tuned"
-        name = None if match is None or code[0] else (
-            "keras unrolled" if not form.hoisted and form.unrolled else "own")
-        emits = None if match is None else {**EMITS, "own": EMITS[match.form]}
-        return rewrite_call(ctx, DECLARED, what="", why=DECLINE_REASONS.get(code[0], code[0]),
-                            allowed=[name] if name else [], signature=lambda: "",
-                            candidates=None, keras=keras, emit=own_form, emits=emits,
-                            dtype=getattr(sequences, "dtype", None))
+        chosen = None if match is None or code[0] else KIND_FORMS[(
+            match.kind, "keras_unrolled" if not form.hoisted and form.unrolled else
+            "unrolled" if form.unrolled else match.form)]
+        return rewrite_call(ctx, CallSite(
+            DECLARED, (chosen,) if chosen else (), keras=keras, emit=own_form,
+            why=DECLINE_REASONS.get(code[0], code[0]), dtype=getattr(sequences, "dtype", None)))
 
-    def own_form(name: str) -> Emitted:
+    def own_form(chosen: Form) -> Emitted:
         stats = PatternStats(matched=1)
-        if name == "keras unrolled":  # Keras's cell, unrolled: measured faster than every loop
-            stats.fuse(KIND_LABELS[(match.kind, "keras_unrolled")])
-            with tf.name_scope(SCOPE + match.kind + "_keras_unrolled"):
-                return Emitted(run_keras_loop(layer, original, sequences, initial_state, mask,
-                                              training, unrolled=True), stats)
+        if chosen == KIND_FORMS[(match.kind, "keras_unrolled")]:
+            # Keras's cell, unrolled: measured faster than every loop
+            stats.fuse(chosen.label)
+            return Emitted(run_keras_loop(layer, original, sequences, initial_state, mask,
+                                          training, unrolled=True), stats)
         try:
             result = rewrite_rnn_layer(match, sequences, initial_state, mask, training,
                                        form.chunks, form.unrolled)
@@ -553,10 +545,10 @@ def _emit(ctx: StageContext, match: RnnMatch | None, why: str | None, form: RnnF
             warnings.warn(f"tfmx rnn: {layer.name}: {type(exc).__name__}: {exc}; "
                           "Keras's own loop runs", stacklevel=3)
             return Emitted(None, stats, kept=True)
-        stats.fuse(KIND_LABELS[(match.kind, "unrolled" if form.unrolled else match.form)])
+        stats.fuse(chosen.label)
         return Emitted(result, stats)
 
-    def pair(name: str) -> Emitted:
+    def pair(chosen: Form) -> Emitted:
         try:
             states = _state_list(initial_state)
             up_dropout = _dropout_mask(match, sequences) if train else None
@@ -571,15 +563,15 @@ def _emit(ctx: StageContext, match: RnnMatch | None, why: str | None, form: RnnF
                           stacklevel=3)
             return Emitted(None, failed, kept=True)
         stats = PatternStats(matched=1)
-        stats.fuse(KIND_LABELS[(match.kind, WAVEFRONT)])
+        stats.fuse(chosen.label)
         return Emitted(result, stats)
 
     below = None if match is None or match.form != "hoisted" else _below(match, sequences,
                                                                          mask, train)
     if below is not None and _pair_chosen(ctx.chooser, below, match, original, form):
-        return rewrite_call(ctx, DECLARED, what="", why=None, allowed=[WAVEFRONT],
-                            signature=lambda: "", candidates=None, keras=alone, emit=pair,
-                            emits=EMITS, dtype=getattr(sequences, "dtype", None))
+        return rewrite_call(ctx, CallSite(
+            DECLARED, (KIND_FORMS[(match.kind, WAVEFRONT)],), keras=alone, emit=pair,
+            dtype=getattr(sequences, "dtype", None)))
     return alone()
 
 
@@ -589,8 +581,6 @@ DECLARED = declare(Family(
     "Keras LSTM / GRU -> hoisted input projection + recurrent loop (or unrolled) with custom "
     "gradient (cpu), CudnnRNNV3 (cuda, metal); emitted before differentiation",
     hooks=(Hook.on(MATCHES[0], forward_stage), Hook.on(MATCHES[1], forward_stage)),
-    # no scope from the flow: each form names its own (tfmx_rnn_<kind>[_<form>], Keras's loop
-    # tfmx_rnn_declined_<code>), which the family's graph pass reads
-    forms=Forms("", {}, {}, conservative=CONSERVATIVE, kept="Keras's own loop"),
+    forms=FORMS,
     capability=rnn_kernels,
 ))

@@ -9,7 +9,7 @@ long. The backward pass is the same wavefront in reverse (the lower layer's step
 the upper layer's step ``t`` only), written out as a ``tf.custom_gradient``: per step one MatMul
 per layer for the state gradients; the weight gradients after the loop as one big MatMul each.
 
-The arithmetic is Keras's, term for term (:mod:`fusion.calls.rnn_kernels`'s cells): the lower
+The arithmetic is Keras's, term for term (:mod:`fusion.kernels.rnn_cells`): the lower
 layer's input projection is hoisted (one MatMul over every timestep); the upper layer's input and
 recurrent MatMuls are two, the recurrent one free to run while the lower layer computes the
 same step (measured 14 % faster on the pair than one MatMul of ``[h_low, h_up]``).
@@ -34,14 +34,14 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from fusion.calls.rnn_kernels import (
+from fusion.kernels.rnn import project
+from fusion.kernels.rnn_cells import (
     flat,
     gru_after_back,
     gru_after_cell,
     lstm_gates,
     lstm_gates_back,
     or_zeros,
-    project,
 )
 from fusion.stage import custom_gradient
 

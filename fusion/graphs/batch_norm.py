@@ -25,7 +25,7 @@ Two rules (:mod:`fusion.rule`), one after the other (as in Grappler's remapper):
   backward: ``ReluGrad`` + ``FusedBatchNormGradV3`` -> ``_FusedBatchNormGradEx``.
 
 What each backend runs of these kernels, a
-:class:`~fusion.graphs.batch_norm_kernels.BatchNormKernels`, is declared per platform by
+:class:`~fusion.kernels.batch_norm.BatchNormKernels`, is declared per platform by
 :func:`batch_norm_kernels` (the family's ``capability``).
 
 A training composite whose intermediates the backward pass reads is declined here: training batch
@@ -59,7 +59,7 @@ from fusion.expr import Any, Const, Match, OneOf, Op, Pattern, Where, match
 from fusion.family import Family, declare, register
 from fusion.graph import GraphView, NodeDef, output_shape, parse_input, tensor_ref
 from fusion.graphs.batch_norm_ex import RULE as EX_RULE
-from fusion.graphs.batch_norm_kernels import LOW_PRECISION, BatchNormKernels, kernel_blocker
+from fusion.kernels.batch_norm import LOW_PRECISION, BatchNormKernels, kernel_blocker
 from fusion.match import blocker, const_node, const_value, dtype_name, new_node
 from fusion.pattern import RewriteContext, Target
 from fusion.platform import Platform

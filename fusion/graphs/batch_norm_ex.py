@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from fusion.expr import Any, Op, Skip, match, norm_ref
 from fusion.graph import SHAPE_ONLY_OPS, GraphView, NodeDef, output_shape, parse_input, tensor_ref
-from fusion.graphs.batch_norm_kernels import kernel_blocker
+from fusion.kernels.batch_norm import kernel_blocker
 from fusion.match import dtype_name, new_node
 from fusion.pattern import Target
 from fusion.rule import Rule, RuleContext

@@ -19,8 +19,8 @@ Example:
     ...     with tf.name_scope("tfmx_rnn_lstm_unrolled"):
     ...         return tf.matmul(x, x)
     >>> g = f.get_concrete_function(tf.TensorSpec([2, 2])).graph.as_graph_def()
-    >>> [(u.tag, sorted(u.ops)) for u in find_rnn_units(GraphView(g.node))]
-    [('lstm_unrolled', ['MatMul'])]
+    >>> [(u.form.name, sorted(u.ops)) for u in find_rnn_units(GraphView(g.node))]
+    [('lstm unrolled', ['MatMul'])]
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from fusion.calls.rnn import KIND_LABELS, SCOPE
-from fusion.family import GRADIENT_SCOPES, register
+from fusion.family import GRADIENT_SCOPES, Form, Forms, get, register
 from fusion.graph import GraphView, parse_input
 from fusion.pattern import RewriteContext, Target
 
@@ -45,80 +44,80 @@ RUNTIME_OPS = frozenset({
     "TensorListSetItem", "TensorListLength",
     "VariableShape",  # a variable's shape, host memory output on every device
 })
-_SCOPE_RE = re.compile(r"^(?P<prefix>.*?)" + SCOPE + r"(?P<tag>[A-Za-z_]+?)(_\d+)?/")
+LOOP_OPS = ("While", "StatelessWhile")
 
 
 @dataclasses.dataclass
 class RnnUnit:
-    """The nodes of one layer call the forward stage handled, found by its name scope."""
+    """The nodes of one layer call the rnn stage emitted, found by its form's name scope."""
 
     scope: str
-    tag: str  # a kind ("lstm", "gru", "gru_reset_before") or "declined_<code>"
+    form: Form  # one of the rnn family's forms (``fusion.calls.rnn``'s, read from the registry)
     ops: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # op -> node names
     grad_ops: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # its gradient's
 
 
-def find_rnn_units(view: GraphView) -> list[RnnUnit]:
-    """Every forward-stage scope in ``view``; its gradient's nodes go to ``grad_ops``."""
+def _scopes(forms: Forms) -> re.Pattern:
+    """A name under one of ``forms``' scopes (or that scope uniquified, ``_<n>``)."""
+    names = sorted((form.scope_name(forms.scope) for form in forms.all() if form.marks),
+                   key=len, reverse=True)
+    return re.compile(r"^(?P<prefix>.*?)(?P<scope>" + "|".join(map(re.escape, names))
+                      + r")(_\d+)?/")
+
+
+def find_rnn_units(view: GraphView, forms: Forms | None = None) -> list[RnnUnit]:
+    """Every unit of the rnn family's ``forms`` (the registered family's by default) in
+    ``view``; its gradient's nodes go to ``grad_ops``."""
+    forms = get("rnn").forms if forms is None else forms
+    by_scope = {form.scope_name(forms.scope): form for form in forms.all() if form.marks}
+    scopes = _scopes(forms)
     units: dict[str, RnnUnit] = {}
     gradient_nodes = []
     for node in view.nodes():
         if node.name.startswith(GRADIENT_SCOPES):
             gradient_nodes.append(node)
             continue
-        found = _SCOPE_RE.match(node.name)
+        found = scopes.match(node.name)
         if found is None:
             continue
         scope = found.group(0)
-        unit = units.setdefault(scope, RnnUnit(scope, found.group("tag")))
+        unit = units.setdefault(scope, RnnUnit(scope, by_scope[found.group("scope")]))
         unit.ops.setdefault(node.op, []).append(node.name)
     for node in gradient_nodes:
-        found = _SCOPE_RE.match(node.name.split("/", 1)[1])
+        found = scopes.match(node.name.split("/", 1)[1])
         if found is not None and found.group(0) in units:
             units[found.group(0)].grad_ops.setdefault(node.op, []).append(node.name)
     # A loop body traced inside the scope names its nodes after it too: a unit is where the
     # layer's loop (or cuDNN call) is, or an unrolled layer, which has no loop anywhere.
     return [u for u in units.values()
-            if u.tag.endswith("unroll") or u.tag.endswith(UNROLLED_FORMS)
-            or any(op in u.ops for op in UNIT_OPS)]
-
-
-UNROLLED_FORMS = ("_keras_unrolled", "_wavefront", "_unrolled")  # scope suffixes, longest first
-
-
-def _kind_form(unit: RnnUnit) -> tuple[str, str]:
-    """(kind, form) of a fused unit from its scope's tag and ops."""
-    for suffix in UNROLLED_FORMS:
-        if unit.tag.endswith(suffix):
-            return unit.tag[: -len(suffix)], suffix[1:]
-    return unit.tag, "cudnn" if "CudnnRNNV3" in unit.ops else "hoisted"
+            if not u.form.marks & set(UNIT_OPS) or any(op in u.ops for op in UNIT_OPS)]
 
 
 def _check_unit(view: GraphView, unit: RnnUnit, target: Target) -> tuple[str | None, str | None]:
-    """(label, partial reason) for a fused unit, or (None, decline reason) if it is broken."""
-    kind, form = _kind_form(unit)
-    label = KIND_LABELS.get((kind, form))
-    if label is None:
-        return None, f"{kind}: unexpected {form} form"
-    if form in ("unrolled", "keras_unrolled", "wavefront"):
-        loops = [n for op in ("While", "StatelessWhile") for n in unit.ops.get(op, ())]
+    """(label, partial reason) for a unit, or (None, decline reason) if it is broken: an
+    unrolled form has no loop and a MatMul, a looped one its loop, a cuDNN one its kernel with
+    inputs, all of whose ops the target runs."""
+    form = unit.form
+    loops = [n for op in LOOP_OPS for n in unit.ops.get(op, ())]
+    if not form.marks & set(UNIT_OPS):
         if loops or "MatMul" not in unit.ops:
-            return None, f"{kind}: {form} form with a loop or no MatMul under {unit.scope}"
-        return label, None
-    if form == "hoisted":
-        loops = [n for op in ("While", "StatelessWhile") for n in unit.ops.get(op, ())]
+            return None, f"{form.name}: an unrolled form with a loop or no MatMul under " \
+                         f"{unit.scope}"
+        return form.label, None
+    if form.marks & set(LOOP_OPS):
         if not loops:
-            return None, f"{kind}: no recurrent loop found under {unit.scope}"
-        return label, None
-    if not any(parse_input(i)[0] in view for n in unit.ops["CudnnRNNV3"]
+            return None, f"{form.name}: no recurrent loop found under {unit.scope}"
+        return form.label, None
+    if not any(parse_input(i)[0] in view for n in unit.ops.get("CudnnRNNV3", ())
                for i in view.node(n).input):
-        return None, f"{kind}: CudnnRNNV3 without inputs"
+        return None, f"{form.name}: CudnnRNNV3 without inputs"
     missing = unlisted_ops({**unit.ops, **unit.grad_ops}, target)
     if any(op in missing for op in CUDNN_OPS):
-        return None, f"{kind}: {target.name} runs no {', '.join(missing)}"
+        return None, f"{form.name}: {target.name} runs no {', '.join(missing)}"
     if missing:
-        return label, f"ops beside the RNN kernel not in {target.name}'s list: {', '.join(missing)}"
-    return label, None
+        return form.label, (f"ops beside the RNN kernel not in {target.name}'s list: "
+                            f"{', '.join(missing)}")
+    return form.label, None
 
 
 def unlisted_ops(ops, target: Target) -> list[str]:
@@ -140,9 +139,7 @@ def unlisted_ops(ops, target: Target) -> list[str]:
 )
 def rnn_pass(view: GraphView, ctx: RewriteContext) -> None:
     """Observe the RNN units the rnn stage emitted in ``view`` (declined ones it recorded)."""
-    for unit in find_rnn_units(view):
-        if unit.tag.startswith("declined_"):
-            continue  # the stage recorded why when it traced the layer
+    for unit in find_rnn_units(view):  # (declined layers: the stage recorded why)
         label, why = _check_unit(view, unit, ctx.target)
         if label is None:
             ctx.stats.errors.append(f"rnn unit {unit.scope}: {why}")

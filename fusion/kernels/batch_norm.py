@@ -4,7 +4,7 @@
 :func:`fusion.graphs.batch_norm.batch_norm_kernels`).
 
 Example:
-    >>> from fusion.graphs.batch_norm_kernels import kernel_blocker
+    >>> from fusion.kernels.batch_norm import kernel_blocker
     >>> from tfmx.backends import get_backend
     >>> kernel_blocker(get_backend("cpu"), "FusedBatchNormV3", "float32", "NHWC") is None
     True

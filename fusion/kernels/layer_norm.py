@@ -5,7 +5,7 @@ input and weights (:mod:`fusion.calls.layer_norm` decides which a call emits).
 
 Example:
     >>> import numpy as np, tensorflow as tf
-    >>> from fusion.calls.layer_norm_kernels import layer_norm_custom
+    >>> from fusion.kernels.layer_norm import layer_norm_custom
     >>> x = tf.constant(np.arange(6, dtype="float32").reshape(2, 3))
     >>> y = layer_norm_custom(x, None, None, 1, 1e-3)
     >>> [round(float(v), 3) for v in y.numpy()[0]]
@@ -20,7 +20,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from fusion.stage import custom_gradient, widened, xla_region
+from fusion.forms import custom_gradient, widened, xla_region
 
 ONEDNN_OP = "_MklLayerNorm"
 
