@@ -280,16 +280,31 @@ def _link(stage: Family, hook: Hook, following: Callable[..., Any]) -> Callable[
     return method
 
 
-def install() -> None:
+def install() -> list[str]:
     """Patch every registered stage's hooks (idempotent; ``uninstall`` puts them back): one
-    patch per method, the hooks of several stages on it chained (:class:`Hook`'s ``outer``)."""
+    patch per method, the hooks of several stages on it chained (:class:`Hook`'s ``outer``).
+    A method the installed Keras does not have where a hook names it (another Keras version)
+    is left alone: the families hooking it run Keras's calls. Returns those, as
+    ``"family: module:Class.method"``.
+
+    >>> install()  # every built-in hook's method is in this Keras
+    []
+    >>> uninstall()
+    """
     chains: dict[tuple[str, str], list[tuple[Family, Hook]]] = {}
     for stage in stages():
         for hook in stage.hooks:
             chains.setdefault((hook.owner, hook.attribute), []).append((stage, hook))
-    for chain in chains.values():
-        hook = chain[0][1]
-        patches.install(GROUP, hook.owner_class(), hook.attribute, _routed(chain))
+    missing = []
+    for (owner, attribute), chain in chains.items():
+        try:
+            cls = chain[0][1].owner_class()
+            getattr(cls, attribute)
+        except (ImportError, AttributeError, ValueError):
+            missing += [f"{stage.name}: {owner}.{attribute}" for stage, _ in chain]
+            continue
+        patches.install(GROUP, cls, attribute, _routed(chain))
+    return missing
 
 
 def uninstall() -> None:

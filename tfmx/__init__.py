@@ -25,7 +25,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from tfmx.backends import BACKEND_NAMES
-from tfmx.errors import BackendUnavailableError, TfmxWarning, VerificationError
+from tfmx.errors import (
+    BackendUnavailableError,
+    TfmxWarning,
+    UnknownKerasError,
+    VerificationError,
+)
 
 if TYPE_CHECKING:
     from tfmx.fused_function import FusedFunction, function
@@ -141,11 +146,50 @@ def enable(
                         strict=state.strict_by_env() if strict is None else strict)
     if state.options() == new:
         return
+    if not _keras_runs_tensorflow():
+        return
     from tfmx import keras_fixes
 
-    keras_hook.install()
+    try:
+        missing = keras_hook.install()
+    except UnknownKerasError as exc:
+        disable()
+        state.warn_once("keras-version", f"tfmx: {_versions()} is not what tfmx hooks "
+                        f"({exc}); tfmx stays off and training runs as stock Keras. "
+                        "tfmx is tested with the versions its package requires.")
+        return
+    if missing:
+        state.warn_once("keras-version:" + ",".join(missing), (
+            f"tfmx: {_versions()} has no method where tfmx hooks it for "
+            f"{'; '.join(missing)}: those calls run as Keras wrote them, the rest of tfmx "
+            "is on."))
     keras_fixes.install()  # Keras's fit under several workers, a patch group of its own
     state.set_options(new)
+
+
+def _versions() -> str:
+    """The installed Keras and TensorFlow, as a warning names them."""
+    import keras
+    import tensorflow as tf
+
+    return f"Keras {keras.__version__} with TensorFlow {tf.__version__}"
+
+
+def _keras_runs_tensorflow() -> bool:
+    """Whether Keras runs on TensorFlow (tfmx rewrites nothing else); where it does not,
+    a warning naming ``KERAS_BACKEND`` says so, once."""
+    import keras
+
+    from tfmx import state
+
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        return True
+    state.warn_once("keras-backend", (
+        f"tfmx: Keras runs on {backend!r} (KERAS_BACKEND={backend}); tfmx rewrites only "
+        "Keras's TensorFlow backend, so it stays off and training runs as Keras does. Set "
+        "KERAS_BACKEND=tensorflow before Keras is imported to use tfmx."))
+    return False
 
 
 def disable() -> None:

@@ -19,3 +19,8 @@ class VerificationError(AssertionError):
 
     The variables were restored to their values before the step, so nothing was lost.
     """
+
+
+class UnknownKerasError(RuntimeError):
+    """The installed Keras does not have what tfmx hooks where tfmx hooks it (a Keras version
+    tfmx was not built for): ``tfmx.enable()`` warns and leaves Keras as it is."""

@@ -17,7 +17,8 @@ guarded) is held here, weakly, never as attributes of Keras's objects.
 
 Example:
     >>> from tfmx import keras_hook
-    >>> keras_hook.install()
+    >>> keras_hook.install()  # the stage hooks this Keras lacks: none
+    []
     >>> keras_hook.installed()
     True
     >>> keras_hook.uninstall()
@@ -36,6 +37,7 @@ from typing import Any
 from fusion import patches, stage
 from tfmx import state
 from tfmx.dispatch import IteratorDispatch
+from tfmx.errors import UnknownKerasError
 from tfmx.fused_function import FusedFunction
 from tfmx.guard import closing_fit, ending_callbacks, make_guard, planning_callbacks
 from tfmx.verify import as_verification_error
@@ -268,18 +270,31 @@ def _make_builder(kind: str, attr: str) -> Any:
     return wrap
 
 
-def install() -> None:
-    """Patch Keras's TensorFlow trainer and the stages' layer methods once (idempotent)."""
-    stage.install()
-    trainer = _trainer_class()
+def install() -> list[str]:
+    """Patch Keras's TensorFlow trainer and the stages' layer methods once (idempotent).
+
+    Returns the stage hooks this Keras has no method for (``"family: module:Class.method"``:
+    those families run Keras's calls). Where Keras's trainer itself is not where tfmx hooks it
+    (another Keras version), nothing is patched and :class:`~tfmx.errors.UnknownKerasError`
+    says what is missing."""
+    try:
+        trainer = _trainer_class()
+        from keras.src.callbacks.callback_list import CallbackList
+
+        for name in (*(f"make_{kind}_function" for kind in _KINDS), "fit"):
+            getattr(trainer, name)
+        for name in ("on_train_begin", "on_train_end"):
+            getattr(CallbackList, name)
+    except (ImportError, AttributeError) as exc:
+        raise UnknownKerasError(f"{type(exc).__name__}: {exc}") from exc
+    missing = stage.install()
     for kind, attr in _KINDS.items():
         patches.install(GROUP, trainer, f"make_{kind}_function", _make_builder(kind, attr))
-    from keras.src.callbacks.callback_list import CallbackList
-
     # a fit's epochs and steps, from its callbacks' params: the guard's budget (tfmx.guard)
     patches.install(GROUP, CallbackList, "on_train_begin", planning_callbacks)
     patches.install(GROUP, CallbackList, "on_train_end", ending_callbacks)
     patches.install(GROUP, trainer, "fit", closing_fit)
+    return missing
 
 
 def uninstall() -> None:

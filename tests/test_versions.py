@@ -1,0 +1,86 @@
+"""A Keras tfmx does not know, or a Keras on another backend: ``tfmx.enable()`` warns once,
+raises nothing, and the fit trains as stock Keras; a Keras missing only some hooked method
+leaves those families' calls to Keras and the rest of tfmx on."""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import tfmx
+from fusion import stage
+from fusion.family import Family, declare, forget
+from tfmx import keras_hook, state
+from tfmx.errors import TfmxWarning
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(state, "_warned", set())
+
+
+def _fit() -> list[np.ndarray]:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+    model.fit(x, x[:, :1], batch_size=8, epochs=2, verbose=0, shuffle=False)
+    return [w.numpy() for w in model.weights]
+
+
+def _enable(**options) -> list[warnings.WarningMessage]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tfmx.enable(backend="cpu", guard=False, **options)
+    return [w for w in seen if issubclass(w.category, TfmxWarning)]
+
+
+def test_a_keras_without_the_trainer_tfmx_hooks_warns_and_trains_as_stock(monkeypatch):
+    tfmx.disable()
+    stock = _fit()
+
+    def renamed():  # as Keras 3.16 renames TensorFlowTrainer
+        from keras.src.backend import tensorflow
+
+        return tensorflow.TensorFlowTrainerRenamedAway
+
+    monkeypatch.setattr(keras_hook, "_trainer_class", renamed)
+    seen = _enable()
+    assert len(seen) == 1 and "tfmx stays off" in str(seen[0].message), seen
+    assert f"Keras {keras.__version__}" in str(seen[0].message)
+    assert not tfmx.enabled() and not keras_hook.installed()
+    for got, want in zip(_fit(), stock):
+        np.testing.assert_array_equal(got, want)
+    assert _enable() == []  # once per process
+
+
+def test_a_keras_without_a_hooked_layer_method_leaves_that_family_to_keras():
+    from fusion.stage import Hook
+
+    declare(Family("vanished", "a family hooking a method this Keras has not",
+                   hooks=(Hook.on("keras.src.layers.core.dense:Dense.call_renamed_away",
+                                  lambda ctx, original, *a, **k: original(*a, **k)),)))
+    try:
+        seen = _enable()
+        assert tfmx.enabled() and keras_hook.installed()
+        assert len(seen) == 1, seen
+        assert "vanished: keras.src.layers.core.dense:Dense.call_renamed_away" in str(
+            seen[0].message)
+        assert "the rest of tfmx is on" in str(seen[0].message)
+        _fit()
+        assert tfmx.report().traces  # the step was traced by tfmx
+    finally:
+        tfmx.disable()
+        forget("vanished")
+        stage.uninstall()
+
+
+def test_keras_on_another_backend_says_so_and_stays_off(monkeypatch):
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    seen = _enable()
+    assert len(seen) == 1 and "KERAS_BACKEND=jax" in str(seen[0].message), seen
+    assert not tfmx.enabled() and not keras_hook.installed()
