@@ -29,7 +29,9 @@ Run it with ``python -m bench.fit_price [--model M ...] [--epochs 3] [--samples 
 [--record [DIR]]``. ``--record`` keeps one JSON record per workload and cold/warm under
 ``bench/results/fit_price/`` (:data:`RESULTS_DIR`; a subfolder, so
 :func:`bench.records.load_records` never reads them): the machine, the command that reproduces
-it, each mode's median and every fit (with the tfmx fits' guard line and price-gate notes). A
+it, each mode's median and every fit (with the tfmx fits' guard line and price-gate notes),
+and the error of the price gate's estimate of tfmx's first call (:func:`first_call_estimates`:
+where the gate ran tfmx's form on an estimate of its first call, predicted and measured). A
 new record of the same workload and cold/warm replaces its file. :func:`load_fit_prices` reads
 them back and :func:`format_fit_price_section` renders them for BENCHMARKS.md.
 
@@ -136,6 +138,7 @@ def _timed_fit(workload: Any, mode: str, weights: list, x: Any, y: Any, epochs: 
         out["rewrite_s"] = sum(t.seconds for t in report.traces)
         out["tune_s"] = sum(getattr(t, "tune_seconds", 0.0) for t in report.traces)
         out["price"] = [n for n in report.notes if n.startswith("price gate")]
+        out["first_call"] = [dict(f) for f in getattr(report, "first_calls", [])]
     tfmx.disable()
     return out
 
@@ -238,7 +241,40 @@ def format_fit_prices(rows: Sequence[dict[str, Any]]) -> str:
                     lines.append(f"- {r['workload']}, {m}: rewrite {fit['rewrite_s']:.2f} s, "
                                  f"tuner measuring {fit.get('tune_s', 0.0):.2f} s"
                                  + "".join(f"; {p}" for p in fit.get("price", [])))
+        for e in first_call_estimates(r):
+            lines.append(f"- {r['workload']}, {e['mode']} (round {e['round']}): tfmx's first "
+                         f"call predicted {e['predicted_s']:.2f} s, measured "
+                         f"{e['measured_s']:.2f} s (measured/predicted "
+                         f"{e['measured/predicted']:.3f})")
     return "\n".join(lines)
+
+
+def first_call_estimates(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The price gate's estimates of tfmx's first call in ``record``'s (or a row's) fits,
+    where one was both predicted and measured: each fit's ``mode``, ``round`` (from 1),
+    ``predicted_s``, ``measured_s`` and ``measured/predicted``; the record's own list where it
+    keeps one, [] for a record of fits that kept none.
+
+    >>> fit = {"first_call": [{"predicted_s": 2.4, "measured_s": 2.1, "how": "1.20 x"}]}
+    >>> first_call_estimates({"fits": {"stock": [{}], "tfmx": [{}, fit]}})
+    ... # doctest: +NORMALIZE_WHITESPACE
+    [{'mode': 'tfmx', 'round': 2, 'predicted_s': 2.4, 'measured_s': 2.1,
+      'measured/predicted': 0.875}]
+    >>> first_call_estimates({"fits": {"tfmx": [{"price": []}]}})
+    []
+    """
+    if "first_call_estimates" in record:
+        return [dict(e) for e in record["first_call_estimates"]]
+    out = []
+    for mode, fits in (record.get("fits") or {}).items():
+        for i, fit in enumerate(fits):
+            for e in fit.get("first_call") or []:
+                predicted, measured = e.get("predicted_s"), e.get("measured_s")
+                if predicted and measured:
+                    out.append({"mode": mode, "round": i + 1, "predicted_s": predicted,
+                                "measured_s": measured,
+                                "measured/predicted": round(measured / predicted, 6)})
+    return out
 
 
 def record_name(row: Mapping[str, Any]) -> str:
@@ -260,8 +296,9 @@ def make_fit_price_record(row: Mapping[str, Any], command: str,
     """``row`` (one workload of :func:`run_fit_prices`) as a record: the machine ``env``
     (:func:`bench.environment.environment`), ``command`` and, as ``reproduce``, the same
     command for this workload alone, the fit's sizes, cold or warm, each mode's median seconds,
-    ``tfmx/stock`` and every mode's ratio to stock, and every fit as measured (a tfmx fit's
-    ``guard`` line, ``price`` notes, rewrite and tuning seconds among them).
+    ``tfmx/stock`` and every mode's ratio to stock, every fit as measured (a tfmx fit's
+    ``guard`` line, ``price`` notes, ``first_call`` estimates, rewrite and tuning seconds among
+    them), and ``first_call_estimates`` (:func:`first_call_estimates`).
 
     >>> row = {"workload": "mlp", "epochs": 1, "samples": 64, "batch_size": 32, "steps": 2,
     ...        "cold": False, "median_s": {"stock": 2.0, "tfmx": 3.0},
@@ -288,6 +325,7 @@ def make_fit_price_record(row: Mapping[str, Any], command: str,
         "ratios": {f"{m}/stock": _ratio(s, median.get("stock"))
                    for m, s in median.items() if m != "stock"},
         "fits": row["fits"],
+        "first_call_estimates": first_call_estimates(row),
     }
 
 
@@ -391,7 +429,25 @@ def format_fit_price_section(records: Sequence[Mapping[str, Any]]) -> str:
                      "cold" if r.get("cold") else "warm", what_ran(r)]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         lines.append("")
+        lines += _estimate_table(group)
     return "\n".join(lines).rstrip("\n")
+
+
+def _estimate_table(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The price gate's estimates of tfmx's first call in ``records``' fits, predicted and
+    measured, as a table ([] where no fit kept one)."""
+    rows = [(r, e) for r in records for e in first_call_estimates(r)]
+    if not rows:
+        return []
+    lines = ["The price gate's estimate of tfmx's first call, where it ran tfmx's form on one "
+             "(predicted before the call, measured after it):", "",
+             "| workload | cold / warm | fit | predicted s | measured s | measured / predicted |",
+             "|---|---|---|---:|---:|---:|"]
+    for r, e in rows:
+        lines.append(f"| {r.get('workload', '?')} | {'cold' if r.get('cold') else 'warm'} | "
+                     f"{e['mode']}, round {e['round']} | {e['predicted_s']:.2f} | "
+                     f"{e['measured_s']:.2f} | {e['measured/predicted']:.3f} |")
+    return [*lines, ""]
 
 
 def what_ran(record: Mapping[str, Any]) -> str:
@@ -462,7 +518,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["MODES", "RESULTS_DIR", "SCHEMA", "fit_data", "format_fit_price_section",
+__all__ = ["MODES", "RESULTS_DIR", "SCHEMA", "fit_data", "first_call_estimates",
+           "format_fit_price_section",
            "format_fit_prices", "load_fit_prices", "make_fit_price_record", "record_name",
            "run_fit_prices", "write_fit_prices"]
 

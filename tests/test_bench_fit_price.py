@@ -52,6 +52,9 @@ def test_record_of_a_tiny_fit_loads_back(tmp_path) -> None:
         record["median_s"]["tfmx"] / record["median_s"]["stock"])
     tfmx_fit, = record["fits"]["tfmx"]
     assert isinstance(tfmx_fit["price"], list)  # the price gate's notes, kept
+    assert isinstance(tfmx_fit["first_call"], list)  # its estimates of tfmx's first call
+    assert record["first_call_estimates"] == fit_price.first_call_estimates(
+        {"fits": record["fits"]})
     assert "mlp | 1 x 64 (2 steps of 32)" in fit_price.format_fit_price_section([record])
 
 
@@ -93,6 +96,42 @@ def test_section_renders_from_records() -> None:
     assert lines[lines.index(head) + 2:] == [  # tfmx's own workloads first, then the zoo's
         "| mlp | 3 x 512 (48 steps of 32) | 2.00 | 3.00 | 1.500 | warm | - |",
         "| zoo_llama | 3 x 512 (48 steps of 32) | 10.00 | 12.50 | 1.250 | cold | - |"]
+
+
+ESTIMATE = {"function": "Functional.train_step", "form": "fused", "predicted_s": 2.4,
+            "measured_s": 2.1, "measured/predicted": 0.875, "how": "1.20 x stock's"}
+
+
+def test_records_keep_the_error_of_the_first_call_estimate(tmp_path) -> None:
+    row = _row("zoo_llama", True, 10.0, 12.5)
+    row["fits"]["tfmx"].append({"mode": "tfmx", "seconds": 12.0, "first_call": [ESTIMATE]})
+    fit_price.write_fit_prices([row], "python -m bench.fit_price --model zoo --cold", tmp_path,
+                               ENV)
+    (record,) = fit_price.load_fit_prices(tmp_path)
+    assert record["first_call_estimates"] == [
+        {"mode": "tfmx", "round": 2, "predicted_s": 2.4, "measured_s": 2.1,
+         "measured/predicted": 0.875}]
+    assert record["fits"]["tfmx"][1]["first_call"] == [ESTIMATE]
+    text = fit_price.format_fit_price_section([record])
+    lines = text.splitlines()
+    head = "| workload | cold / warm | fit | predicted s | measured s | measured / predicted |"
+    assert lines[lines.index(head) + 2:] == [
+        "| zoo_llama | cold | tfmx, round 2 | 2.40 | 2.10 | 0.875 |"]
+    assert ("- zoo_llama, tfmx (round 2): tfmx's first call predicted 2.40 s, measured 2.10 s "
+            "(measured/predicted 0.875)") in fit_price.format_fit_prices([row])
+
+
+def test_records_without_first_call_estimates_render_as_before() -> None:
+    new = fit_price.make_fit_price_record(_row(), "c", ENV)
+    assert new["first_call_estimates"] == []
+    bare = {k: v for k, v in new.items() if k != "first_call_estimates"}
+    for record in (new, bare):
+        text = fit_price.format_fit_price_section([record])
+        assert "predicted" not in text
+        assert text.splitlines()[-1] == (
+            "| mlp | 3 x 512 (48 steps of 32) | 2.00 | 3.00 | 1.500 | warm | - |")
+    with_fits = {**bare, "fits": {"tfmx": [{"first_call": [ESTIMATE]}]}}  # from its fits
+    assert fit_price.first_call_estimates(with_fits)[0]["measured/predicted"] == 0.875
 
 
 def test_section_has_a_table_per_machine_and_onednn_state() -> None:

@@ -171,6 +171,21 @@ def test_xla_is_not_compiled_when_its_expected_compile_exceeds_the_budget():
     assert "XLA not tried: its compile, ~1.00 s expected" in s.reason
 
 
+def test_xlas_compile_is_expected_from_the_steps_own_stock_first_call():
+    guard.learn_first_call("xla", 30.0, 1000)  # 30 ms per op, measured on a small step
+    guard.learn_price("small step", stock_first_s=1.0, xla_first_s=3.0)  # XLA: 3 x stock's
+    g = StepGuard("t", ("fused", "xla"), budget=0.02, first_call_s=5.0, ops=20000)
+    assert g.budget.expected_first_call("xla")[0] == pytest.approx(600.0)  # per op: no stock
+    g.warmed("stock", 2.0)  # the fit ran stock first: its first call took 2 s
+    seconds, how = g.budget.expected_first_call("xla")
+    assert seconds == pytest.approx(6.0) and how.startswith("3.00 x stock's first call")
+    assert g.trial.cost() == 0.0  # stock's first call was the fit's, not the trial's
+    fresh = StepGuard("t", ("fused", "xla"), budget=0.02, first_call_s=5.0, ops=20000)
+    fresh.record("fused", 0.01)
+    fresh.record("stock", 1.5)  # stock's first call, timed in the trial
+    assert fresh.budget.expected_first_call("xla")[0] == pytest.approx(4.5)
+
+
 def test_an_outcome_is_reused_by_a_fresh_guard_from_the_same_cache(tmp_path):
     path = tmp_path / "tuning.json"
     g = StepGuard("t", first_call_s=1.0)

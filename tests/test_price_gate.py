@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tfmx
-from tfmx import guard
+from tfmx import first_call, guard
 from tfmx import tuner as tuner_mod
 from tfmx.guard import GateDecision, StepGuard, fitting, learn_price, price_figures, price_gate
 from tfmx.reporting import Report, TraceRecord
@@ -97,9 +97,102 @@ def test_stock_unmeasured_the_rewrite_runs_within_the_trials_budget():
 
 
 def test_stock_unmeasured_its_first_call_is_expected_from_what_was_learnt_per_op():
-    guard.learn_first_call("stock", 4.98, 700)  # the most per op measured here
+    guard.learn_first_call("stock", 4.98, 700)  # per op, as learnt here
     verdict = price_gate({"fused_first_s": 5.0, "fused_ms": 40.0, "ops": 700.0}, 48)
     assert verdict.run == "tfmx" and "learnt here per op" in verdict.why
+
+
+# -- what tfmx's first call is expected to cost --------------------------------------------------
+def _small_models_measured(n=25, cache=None):
+    """``n`` small steps fitted here before: stock's first call and tfmx's of each, 1.2 times
+    stock's, at 12 to 15 ms per op (fixed costs dominate a small step's first call)."""
+    for i in range(n):
+        ops = 32 + i
+        learn_price(f"small {i}", cache, stock_first_s=0.4, ops=float(ops))
+        guard.learn_first_call("stock", 0.4, ops, cache)
+        learn_price(f"small {i}", cache, fused_first_s=0.48)
+        guard.learn_first_call("fused", 0.48, ops, cache)
+
+
+def test_a_large_steps_first_call_is_its_stock_first_call_times_the_learnt_ratio():
+    _small_models_measured()
+    assert first_call.learnt_ratio("fused") == (pytest.approx(1.2), 25)
+    # a large step (20,000 ops) whose stock first call took 2 s: tfmx's is expected at 2.4 s,
+    # not at the small models' seconds per op times its ops (~280 s)
+    seconds, how = guard.expected_first_call("fused", 20000, stock_first_s=2.0)
+    assert seconds == pytest.approx(2.4)
+    assert how == "1.20 x stock's first call (2.00 s, measured), the median of 25 ratio(s) " \
+                  "measured here"
+    big = {"stock_first_s": 2.0, "stock_ms": 100.0, "ops": 20000.0}
+    # asked mid-fit, stock traced: 2.4 s within 2% of the calls left x 100 ms from 1200 calls
+    verdict = price_gate(big, 1201, traced=True)
+    assert verdict.run == "tfmx" and "~2.40 s expected, 1.20 x stock's" in verdict.why
+    assert verdict.expected_s == pytest.approx(2.4) and verdict.expected_how == how
+    assert price_gate(big, 1199, traced=True).run == "stock"
+    # before the first trace: only tfmx's 0.4 s beyond stock's is the extra
+    assert price_gate(big, 201).run == "tfmx" and price_gate(big, 199).run == "stock"
+
+
+def test_the_ratio_is_robust_to_one_outlier():
+    for seconds in (1.2, 1.3, 40.0):  # one first call slowed by something else
+        first_call.learn_first_call_ratio("fused", seconds, 1.0)
+    assert first_call.learnt_ratio("fused") == (1.3, 3)
+    assert guard.expected_first_call("fused", 100, stock_first_s=2.0)[0] == pytest.approx(2.6)
+    first_call.learn_first_call_ratio("fused", 1.25, 1.0)  # four: the two middle ones
+    assert first_call.learnt_ratio("fused")[0] == pytest.approx((1.25 * 1.3) ** 0.5)
+
+
+def test_a_ratio_is_learnt_once_per_pair_of_first_calls_measured():
+    learn_price("step", stock_first_s=2.0, ops=700.0)
+    assert first_call.learnt_ratio("fused") is None  # stock's alone: no pair
+    learn_price("step", fused_first_s=3.0, fused_ms=40.0)
+    learn_price("step", fused_first_s=3.0, stock_ms=60.0)  # the same first calls again
+    learn_price("step", xla_first_s=8.0)
+    assert first_call.learnt_ratio("fused") == (1.5, 1)
+    assert first_call.learnt_ratio("xla") == (4.0, 1)
+    learn_price("step", stock_first_s=2.5)  # stock's measured again: a new pair of each
+    assert first_call.learnt_ratio("fused") == (pytest.approx((1.5 * 1.2) ** 0.5), 2)
+
+
+def test_without_stocks_first_call_the_per_op_model_takes_the_median():
+    for seconds in (1.0, 1.0, 30.0):  # 1 ms per op, and one outlier at 30 ms per op
+        guard.learn_first_call("xla", seconds, 1000)
+    seconds, how = guard.expected_first_call("xla", 2000)
+    assert seconds == pytest.approx(2.0)
+    assert how == "1.00 ms per op, the median of 3 first call(s) measured here"
+    first_call.learn_first_call_ratio("xla", 3.0, 1.0)  # a ratio: used where stock's is known
+    assert guard.expected_first_call("xla", 2000)[0] == pytest.approx(2.0)
+    assert guard.expected_first_call("xla", 2000, stock_first_s=0.5)[0] == pytest.approx(1.5)
+    for seconds in (1.0, 1.0, 30.0):  # stock's per op, for the gate where it was not measured
+        guard.learn_first_call("stock", seconds, 1000)
+    verdict = price_gate({"fused_first_s": 5.0, "fused_ms": 40.0, "ops": 1000.0}, 48)
+    assert "~1.00 s expected, learnt here per op (the median of 3)" in verdict.why
+
+
+def test_the_empty_machine_keeps_its_seeds():
+    assert guard.expected_first_call("fused", 100, stock_first_s=2.0) == (
+        2.0 * first_call.FUSED_SEED, "seed: 1.5 x stock's first call (measured)")
+    assert guard.expected_first_call("xla", 100, stock_first_s=2.0)[0] == 2.0 * first_call.XLA_SEED
+    assert guard.expected_first_call("stock", 100) == (0.1, "seed: 1 ms per op")
+
+
+def test_first_calls_learnt_round_trip_through_the_machines_cache(tmp_path):
+    path = tmp_path / "t.json"
+    cache = TuningCache(path, {"backend": "cpu"})
+    cache.put(Decision("guard-first-call", "fused", "fused", ("fused",),  # another layout
+                       {"ms_per_op": 15.65, "n": 25.0}))
+    _small_models_measured(first_call.HISTORY + 5, cache)
+    guard.forget()  # a new process: the cache file alone
+    again = TuningCache(path, {"backend": "cpu"})
+    assert first_call.learnt_ratio("fused", again) == (pytest.approx(1.2), first_call.HISTORY)
+    assert first_call.learnt_rate("fused", again)[1] == first_call.HISTORY  # the last ones
+    assert guard.expected_first_call("fused", 20000, 0.0, again, 2.0)[0] == pytest.approx(2.4)
+    guard.forget()
+    other_layout = TuningCache(tmp_path / "other.json", {"backend": "cpu"})
+    other_layout.put(Decision("guard-first-call", "fused", "fused", ("fused",),
+                          {"ms_per_op": 15.65, "n": 25.0}))
+    assert first_call.learnt_rate("fused", other_layout) is None  # ignored: the seeds stand
+    assert guard.expected_first_call("fused", 20000, 0.0, other_layout, 2.0)[0] == 3.0
 
 
 def test_the_report_line_names_the_function_the_form_and_the_figures():
@@ -334,6 +427,23 @@ def test_a_fit_that_ran_stock_first_traces_tfmx_mid_fit_where_the_rest_pays(monk
     assert g.trial.cost() < 0.5  # stock's first call was the fit's, not the trial's
     for got, want in zip(weights, stock_weights, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_gates_estimate_of_tfmxs_first_call_is_reported_beside_the_call(monkeypatch):
+    def gate(figures, calls, share=None, cache=None, switchable=False, traced=False):
+        if traced:
+            return GateDecision("tfmx", "injected: pays", 2.4, "1.20 x stock's first call")
+        return GateDecision("stock", "injected: nothing known")
+
+    report, _, _ = _fit_both(monkeypatch, gate)
+    (estimate,) = report.first_calls
+    assert estimate["function"] == "Sequential.train_step" and estimate["form"] == "fused"
+    assert estimate["predicted_s"] == 2.4 and estimate["measured_s"] > 0
+    assert estimate["measured/predicted"] == pytest.approx(estimate["measured_s"] / 2.4)
+    assert report.to_dict()["first_calls"] == [estimate]
+    assert any(n.startswith("price gate's estimate of tfmx's first call of "
+                            "Sequential.train_step: ~2.40 s (1.20 x stock's first call), "
+                            "measured ") for n in report.notes)
 
 
 def test_a_fit_that_ran_stock_first_stays_stock_where_the_rest_cannot_pay(monkeypatch):

@@ -136,6 +136,7 @@ class IteratorDispatch:
                     slot.guard.price_key = _price_key(embedded)
                     guard.learn_first_call("fused", slot.guard.first_call_s, slot.guard.ops,
                                            state.tuning_cache())
+                    self._estimated(slot.guard.price_key, slot.guard.first_call_s)
             elif embedded and all(e.gated for e in embedded):  # stock by the price gate
                 plan = guard.active_plan()
                 slot.watch = _Watch(_price_key(embedded), time.perf_counter() - start,
@@ -207,6 +208,7 @@ class IteratorDispatch:
         state.report().note(f"price gate, after {watch.calls} call(s) as stock: {self._name} "
                             f"ran as {verdict.run}: {verdict.why} (the {left} calls left)")
         watch.switch = verdict.run == "tfmx"
+        guard.expect_first_call(watch.price_key, verdict)
 
     def _switch(self, slot: _Slot, iterator: Any) -> Any:
         """Trace Keras's loop with tfmx's step in its form, run it on this call, and let the
@@ -242,11 +244,26 @@ class IteratorDispatch:
         slot.forms = {"fused": concrete, "stock": stock}
         slot.guard = made
         if made is not None:
-            made.warmed("stock")  # it ran first: the trial pays for no first call of it
+            cache = state.tuning_cache()
             made.first_call_s = time.perf_counter() - start
             made.price_key = _price_key(embedded)
-            guard.learn_first_call("fused", made.first_call_s, made.ops, state.tuning_cache())
+            stock_first = guard.price_figures(made.price_key, cache).get("stock_first_s", 0.0)
+            made.warmed("stock", stock_first)  # it ran first: the trial pays no first call
+            guard.learn_first_call("fused", made.first_call_s, made.ops, cache)
+            self._estimated(made.price_key, made.first_call_s)
         return outputs
+
+    def _estimated(self, price_key: str, seconds: float) -> None:
+        """tfmx's first call of the step took ``seconds``: where the price gate ran it on an
+        estimate (``tfmx.step_price.first_call_estimate``), the report keeps both."""
+        estimate = guard.first_call_estimate(price_key, seconds)
+        if estimate is None:
+            return
+        report = state.report()
+        report.first_calls.append({"function": self._name, "form": "fused", **estimate})
+        report.note(f"price gate's estimate of tfmx's first call of {self._name}: "
+                    f"~{estimate['predicted_s']:.2f} s ({estimate['how']}), measured "
+                    f"{seconds:.2f} s (measured/predicted {estimate['measured/predicted']:.3f})")
 
     def _followed(self, slot: _Slot, iterator: Any) -> Any:
         """A call of the fused step after its trial (ended or paused): timed until the trial's

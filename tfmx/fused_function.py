@@ -366,6 +366,7 @@ class FusedFunction:
         verdict = guard.price_gate(figures, plan.calls, guard.budget_share(), cache,
                                    switchable=guard.switchable())
         state.report().note(verdict.describe(self.name))
+        guard.expect_first_call(key, verdict)  # its error reported once the call is timed
         return key, verdict
 
     def _gated_entry(self, opts: state.Options, price_key: str, args: tuple,

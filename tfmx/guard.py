@@ -72,7 +72,9 @@ from tfmx.notice import announce, fit_key
 from tfmx.outer_trace import Embedded, collecting, embedded, forced_form, forcing, switchable
 from tfmx.step_price import (
     GateDecision,
+    expect_first_call,
     expected_first_call,
+    first_call_estimate,
     learn_first_call,
     learn_price,
     price_figures,
@@ -206,9 +208,11 @@ class StepGuard:
             return True
         return not self.budget.resumes()
 
-    def warmed(self, form: str) -> None:
-        """``form``'s first call was paid before the trial (the fit ran it first): the trial
-        times it from its next call, and counts no first call of it in its cost.
+    def warmed(self, form: str, first_call_s: float = 0.0) -> None:
+        """``form``'s first call was paid before the trial (the fit ran it first, its first
+        call taking ``first_call_s`` where timed): the trial times it from its next call, and
+        counts no first call of it in its cost; stock's first call is what the other forms'
+        are expected from (``tfmx.guard_budget.TrialBudget.expected_first_call``).
 
         >>> g = StepGuard("demo", budget=0.02)
         >>> g.warmed("stock")
@@ -217,6 +221,8 @@ class StepGuard:
         ('stock', 0.0)
         """
         self.trial.warm.setdefault(form, 0.0)
+        if form == "stock" and first_call_s > 0:
+            self.budget.stock_first_s = first_call_s
 
     def lift_budget(self) -> None:
         """Let the trial run to its end whatever it costs (a benchmark of the steady state):
@@ -309,6 +315,7 @@ class StepGuard:
 __all__ = ["ENV_XLA", "MAX_PAIRS", "MIN_PAIRS", "Embedded", "FitPlan", "GateDecision",
            "GuardRecord", "StepGuard", "active_plan", "adopting", "budget_share", "closing_fit",
            "collecting", "current_plan", "embedded", "enabled_by_env", "ending_callbacks",
-           "expected_first_call", "fitting", "forced_form", "forcing", "forget",
+           "expect_first_call", "expected_first_call", "first_call_estimate", "fitting",
+           "forced_form", "forcing", "forget",
            "learn_first_call", "learn_price", "make_guard", "plan_fit", "planning_callbacks",
            "price_figures", "price_gate", "switchable", "t_test", "xla_pruned"]

@@ -72,14 +72,26 @@ class TrialBudget:
         self.serial: int | None = None  # the fit it paused in
         self.resume_at = math.inf
         self.xla_why = ""  # why XLA was compiled, or not
+        self.stock_first_s = 0.0  # stock's first call, where the fit ran it before the trial
 
     def plan(self) -> FitPlan | None:
         """The plan of the fit under way, for a fit's train step (else None)."""
         return current_plan() if self.planned else None
 
     def expected_first_call(self, form: str) -> tuple[float, str]:
-        """Seconds ``form``'s first call is expected to take, and how that was estimated."""
-        return expected_first_call(form, self.ops, self.first_call_s, self.cache)
+        """Seconds ``form``'s first call is expected to take, and how that was estimated: from
+        this step's stock first call where it was timed (in the trial, or before it,
+        :attr:`stock_first_s`), else its fused one or its op count
+        (``tfmx.step_price.expected_first_call``).
+
+        >>> trial = Trial()
+        >>> budget = TrialBudget(trial, 0.02, first_call_s=3.0, ops=100)
+        >>> _ = trial.record("stock", 2.0)  # stock's first call, timed in the trial
+        >>> budget.expected_first_call("xla")[0]  # the seed: twice stock's
+        4.0
+        """
+        stock = self.trial.warm.get("stock") or self.stock_first_s
+        return expected_first_call(form, self.ops, self.first_call_s, self.cache, stock)
 
     def run_seconds(self) -> float:
         """The run the budget is a share of: the planned fits at the best step time measured,

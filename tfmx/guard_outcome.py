@@ -129,10 +129,11 @@ def recall(trial: Trial, key: str, cache: Any, budgeted: bool
 
 def learn_trial_price(key: str, trial: Trial, budget: TrialBudget) -> None:
     """What ``trial`` measured of the price of the step ``key``
-    (``tfmx.step_price.learn_price``): both forms' first calls and medians."""
+    (``tfmx.step_price.learn_price``): the forms' first calls and both forms' medians."""
     med = trial.medians_ms()
     learn_price(key, budget.cache, fused_first_s=budget.first_call_s,
-                stock_first_s=trial.warm.get("stock"), fused_ms=med.get("fused"),
+                stock_first_s=trial.warm.get("stock"), xla_first_s=trial.warm.get("xla"),
+                fused_ms=med.get("fused"),
                 stock_ms=med.get("stock"), ops=budget.ops)
 
 

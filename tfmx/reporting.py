@@ -78,6 +78,9 @@ class Report:
     # tfmx.tuner.Decision and tfmx.guard.StepGuard, in the order they were made
     decisions: list = dataclasses.field(default_factory=list)
     guards: list = dataclasses.field(default_factory=list)
+    # tfmx's first call of a step where the price gate ran it on an estimate: the function,
+    # the form, predicted_s, measured_s, measured/predicted, how it was estimated
+    first_calls: list[dict] = dataclasses.field(default_factory=list)
     # (function, form) -> how often TensorFlow traced the user's step function for that form
     # ("stages": the one tfmx rewrites; "stock": the guard's and verify's reference; "taped":
     # under an outer tape; "xla": the guard's XLA form)
@@ -200,6 +203,7 @@ class Report:
             },
             "decisions": [d.as_dict() for d in self.decisions],
             "guards": [dataclasses.asdict(g.summary()) for g in self.guards],
+            "first_calls": [dict(f) for f in self.first_calls],
             "python_traces": {f"{name} ({form})": n
                               for (name, form), n in self.python_traces.items()},
             "placement": self._placement_dict(),

@@ -1,10 +1,12 @@
 """What a step costs on this machine, and whether rewriting it pays within a fit.
 
-First calls: tracing, rewriting or compiling a form of a step is paid on its first call. What
-those first calls took here is learnt per op of the step (:func:`learn_first_call`), the most
-per op seen, so the whole-step guard knows what trying a form would cost before it pays
-(:func:`expected_first_call`); before anything was measured, seeds stand in
-(:data:`SEED_S_PER_OP`, :data:`XLA_SEED`).
+First calls: tracing, rewriting or compiling a form of a step is paid on its first call.
+What a form's first call is expected to cost here (``tfmx.first_call``: the ratio of its first
+calls to stock's learnt on this machine, times the step's own stock first call) is what the
+gate and the whole-step guard weigh before paying it; :func:`learn_price` teaches that ratio
+whenever a step's price record holds both first calls. Where the gate runs tfmx on such an
+estimate, :func:`expect_first_call` keeps it and :func:`first_call_estimate` pairs it with the
+first call measured, for the report (how far the estimate was off).
 
 The price gate: before a fit's train step is first traced, :func:`price_gate` asks whether
 rewriting it can pay within this fit: from the fit's plan and what this machine measured of
@@ -36,82 +38,22 @@ from collections.abc import Mapping
 from typing import Any
 
 from tfmx.env import BUDGET_SHARE
+from tfmx.first_call import (
+    FUSED_SEED,
+    SEED_S_PER_OP,
+    XLA_SEED,
+    expected_first_call,
+    forget_first_calls,
+    learn_first_call,
+    learn_first_call_ratio,
+    learnt_stock_first_call,
+)
 from tfmx.tuning_cache import Decision
 
-XLA_SEED = 2.0
-"""Before any XLA first call was measured on this machine, its compile is expected to cost
-this many times stock's first call (a seed: the first measurement replaces it)."""
-FUSED_SEED = 1.5
-"""Before any fused first call was measured on this machine, tracing a step with tfmx's stages
-and rewriting it is expected to cost this many times stock's first call (a seed, as
-:data:`XLA_SEED`)."""
-SEED_S_PER_OP = 1e-3
-"""Before any first call was measured here and with no fused first call to go by, stock's is
-expected to cost this many seconds per op of its step (a seed, as :data:`XLA_SEED`)."""
-
-_first_calls: dict[str, tuple[float, int]] = {}  # form -> (max log s/op, observations)
-
-
-def _learnt(form: str, cache: Any) -> tuple[float, int] | None:
-    known = _first_calls.get(form)
-    if known is None and cache is not None:  # another process's measurements
-        d = cache.get(f"guard-first-call|{form}")
-        if d is not None and d.times_ms.get("ms_per_op", 0) > 0:
-            known = (math.log(d.times_ms["ms_per_op"] / 1e3), int(d.times_ms.get("n", 1)))
-            _first_calls[form] = known
-    return known
-
-
-def learn_first_call(form: str, seconds: float, ops: int, cache: Any = None) -> None:
-    """Record that ``form``'s first call (tracing, compiling, one step) took ``seconds`` for a
-    step of ``ops`` ops: :func:`expected_first_call` goes by the most per op measured here (a
-    budget is a bound: the slowest first call seen, not a typical one).
-
-    >>> learn_first_call("demo", 2.0, 1000)
-    >>> round(expected_first_call("demo", 500)[0], 3)
-    1.0
-    """
-    if ops <= 0 or seconds <= 0:
-        return
-    most, n = _learnt(form, cache) or (-math.inf, 0)
-    most = max(most, math.log(seconds / ops))
-    _first_calls[form] = (most, n + 1)
-    if cache is not None:
-        cache.put(Decision("guard-first-call", form, form, (form,),
-                           {"ms_per_op": math.exp(most) * 1e3, "n": n + 1}, "measured"))
-
-
-def expected_first_call(form: str, ops: int, fused_first_s: float = 0.0, cache: Any = None,
-                        stock_first_s: float = 0.0) -> tuple[float, str]:
-    """Seconds ``form``'s first call is expected to take for a step of ``ops`` ops, and how
-    that was estimated: from the first calls measured on this machine (per op), else seeded by
-    the fused step's own first call (tracing and rewriting the same step: more than stock's)
-    or :data:`SEED_S_PER_OP`, XLA's at :data:`XLA_SEED` times stock's; the fused form's, with
-    none measured, at :data:`FUSED_SEED` times stock's (``stock_first_s`` where it was timed).
-
-    >>> expected_first_call("nothing measured", 100, fused_first_s=3.0)[1]
-    'seed: the fused first call'
-    >>> expected_first_call("fused", 100, stock_first_s=2.0)[0]
-    3.0
-    """
-    if form == "stock" and stock_first_s > 0:
-        return stock_first_s, "measured"
-    known = _learnt(form, cache)
-    if known is not None and ops > 0:
-        rate = math.exp(known[0])
-        return rate * ops, (f"{rate * 1e3:.2f} ms per op, the most of {known[1]} first "
-                            "call(s) measured here")
-    if form == "xla":
-        stock, how = expected_first_call("stock", ops, fused_first_s, cache, stock_first_s)
-        return XLA_SEED * stock, f"seed: {XLA_SEED:g} x stock's first call ({how})"
-    if form == "fused" and not fused_first_s:
-        stock, how = ((stock_first_s, "measured") if stock_first_s > 0
-                      else expected_first_call("stock", ops, 0.0, cache))
-        return FUSED_SEED * stock, f"seed: {FUSED_SEED:g} x stock's first call ({how})"
-    if fused_first_s > 0:
-        return fused_first_s, "seed: the fused first call"
-    return SEED_S_PER_OP * max(ops, 1), f"seed: {SEED_S_PER_OP * 1e3:g} ms per op"
-
+FIRST_CALL_FORMS = ("fused", "xla")
+"""The forms whose first call a price record may hold beside stock's (``<form>_first_s``):
+each pair of a form's and stock's first call teaches the form's ratio
+(``tfmx.first_call.learn_first_call_ratio``)."""
 
 PRICE_FAMILY = "price"
 """The tuner cache's family of price records: per step (before it is traced), what its first
@@ -139,18 +81,36 @@ def price_figures(key: str, cache: Any = None) -> dict[str, float]:
 
 
 def learn_price(key: str, cache: Any = None, **figures: float | None) -> None:
-    """Record ``figures`` (see :func:`price_figures`) of the step ``key`` for this process and,
-    with ``cache`` (a ``tfmx.tuning_cache.TuningCache``), for this machine."""
+    """Record ``figures`` (see :func:`price_figures`; ``xla_first_s`` too) of the step ``key``
+    for this process and, with ``cache`` (a ``tfmx.tuning_cache.TuningCache``), for this
+    machine. A first call that is new beside the other form's (a form's and stock's of the
+    same step) teaches the form's ratio to stock's (``tfmx.first_call``).
+
+    >>> from tfmx.first_call import learnt_ratio
+    >>> learn_price("demo pair", stock_first_s=2.0)
+    >>> learn_price("demo pair", fused_first_s=2.5)
+    >>> learn_price("demo pair", fused_first_s=2.5, fused_ms=4.0)  # the same first call
+    >>> learnt_ratio("fused")
+    (1.25, 1)
+    >>> forget_prices()
+    """
     if not key:
         return
     new = {k: float(v) for k, v in figures.items()
            if v is not None and math.isfinite(float(v)) and float(v) > 0}
     if not new:
         return
-    merged = {**price_figures(key, cache), **new}
+    known = price_figures(key, cache)
+    merged = {**known, **new}
     _prices[key] = merged
     if cache is not None:
         cache.put(Decision(PRICE_FAMILY, key, "figures", (), merged, "measured"))
+    fresh = {k for k, v in new.items() if k.endswith("_first_s") and known.get(k) != v}
+    stock = merged.get("stock_first_s", 0.0)
+    for form in FIRST_CALL_FORMS:
+        name = f"{form}_first_s"
+        if stock and merged.get(name) and fresh & {name, "stock_first_s"}:
+            learn_first_call_ratio(form, merged[name], stock, cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +120,8 @@ class GateDecision:
 
     run: str
     why: str
+    expected_s: float = 0.0  # tfmx's first call as estimated (0: measured, or not weighed)
+    expected_how: str = ""  # how it was estimated
 
     def describe(self, function: str) -> str:
         """The report's line: ``price gate: M.train_step ran as stock: <why>``."""
@@ -207,39 +169,73 @@ def price_gate(figures: Mapping[str, float], calls: int | None,
                                          "traced in this fit if the rest of it can pay for it")
         return GateDecision("tfmx", "nothing measured of this step here yet: tfmx runs "
                                     "and measures it")
+    expected = (0.0, "")
     if fused_first and fused_ms:
         fused_how = f"{fused_first:.2f} s"
     else:
-        fused_first, fused_how = expected_first_call("fused", ops, 0.0, cache, stock_first)
-        fused_how = f"~{fused_first:.2f} s expected, {fused_how}"
+        expected = expected_first_call("fused", ops, 0.0, cache, stock_first)
+        fused_first = expected[0]
+        fused_how = f"~{fused_first:.2f} s expected, {expected[1]}"
     if traced:
         extra, how = fused_first, "stock's is paid"
     else:
         if not stock_first:
-            known = _learnt("stock", cache)
-            stock_first = math.exp(known[0]) * ops if known is not None and ops > 0 else 0.0
-            how = (f"~{stock_first:.2f} s expected, learnt here per op" if stock_first
+            learnt = learnt_stock_first_call(ops, fused_first, cache)
+            stock_first = learnt[0] if learnt is not None else 0.0
+            how = (f"~{stock_first:.2f} s expected, {learnt[1]}" if learnt is not None
                    else "not measured")
         else:
             how = f"{stock_first:.2f} s"
         extra = max(0.0, fused_first - stock_first)
     first = f"its first call costs {extra:.2f} s more than stock's ({fused_how}, {how})"
+
+    def verdict(run: str, why: str) -> GateDecision:
+        return GateDecision(run, why, *expected)
+
     if stock_ms and fused_ms:
         saved = calls * (stock_ms - fused_ms) / 1e3
         steps = (f"the fit's {calls} calls ({saved:.2f} s: fused {fused_ms:.2f} ms, stock "
                  f"{stock_ms:.2f} ms a call)")
         if saved > extra:
-            return GateDecision("tfmx", f"{first}, less than it saves over {steps}")
-        return GateDecision("stock", f"{first}, more than it saves over {steps}")
+            return verdict("tfmx", f"{first}, less than it saves over {steps}")
+        return verdict("stock", f"{first}, more than it saves over {steps}")
     known_ms = fused_ms or stock_ms
     whose = "stock's step not measured" if fused_ms else "the fused step not measured yet"
     run_s = calls * known_ms / 1e3
     if share is None or extra <= share * run_s:
-        return GateDecision("tfmx", f"{first}, within the trial's budget ({share or 0:.0%} of "
-                                    f"the planned ~{run_s:.1f} s); {whose}")
-    return GateDecision("stock", f"{first}, more than the trial's budget ({share:.0%} of the "
-                                 f"planned ~{run_s:.1f} s), and {whose} to show a gain: stock "
-                                 "runs and is measured")
+        return verdict("tfmx", f"{first}, within the trial's budget ({share or 0:.0%} of "
+                               f"the planned ~{run_s:.1f} s); {whose}")
+    return verdict("stock", f"{first}, more than the trial's budget ({share:.0%} of the "
+                            f"planned ~{run_s:.1f} s), and {whose} to show a gain: stock "
+                            "runs and is measured")
+
+
+_expected: dict[str, tuple[float, str]] = {}  # price key -> tfmx's first call, as estimated
+
+
+def expect_first_call(key: str, verdict: GateDecision) -> None:
+    """The gate ran tfmx's form of the step ``key`` on ``verdict``: keep its estimate of the
+    form's first call (where it had one) for :func:`first_call_estimate`."""
+    if key and verdict.run == "tfmx" and verdict.expected_s > 0:
+        _expected[key] = (verdict.expected_s, verdict.expected_how)
+
+
+def first_call_estimate(key: str, seconds: float) -> dict[str, Any] | None:
+    """tfmx's first call of the step ``key`` took ``seconds``: the estimate the gate ran it on
+    (:func:`expect_first_call`) beside it, as the report keeps it (``predicted_s``,
+    ``measured_s``, ``measured/predicted``, ``how``), once; None where there was none.
+
+    >>> expect_first_call("demo step", GateDecision("tfmx", "why", 2.4, "1.20 x stock's"))
+    >>> round(first_call_estimate("demo step", 2.1)["measured/predicted"], 3)
+    0.875
+    >>> first_call_estimate("demo step", 2.1) is None
+    True
+    """
+    known = _expected.pop(key, None) if key else None
+    if known is None or seconds <= 0:
+        return None
+    return {"predicted_s": known[0], "measured_s": seconds,
+            "measured/predicted": seconds / known[0], "how": known[1]}
 
 
 def forget_prices() -> None:
@@ -251,10 +247,11 @@ def forget_prices() -> None:
     >>> price_figures("demo step")
     {}
     """
-    _first_calls.clear()
+    forget_first_calls()
     _prices.clear()
+    _expected.clear()
 
 
-__all__ = ["FUSED_SEED", "PRICE_FAMILY", "SEED_S_PER_OP", "XLA_SEED", "GateDecision",
-           "expected_first_call", "forget_prices", "learn_first_call", "learn_price",
-           "price_figures", "price_gate"]
+__all__ = ["FIRST_CALL_FORMS", "FUSED_SEED", "PRICE_FAMILY", "SEED_S_PER_OP", "XLA_SEED",
+           "GateDecision", "expect_first_call", "expected_first_call", "first_call_estimate",
+           "forget_prices", "learn_first_call", "learn_price", "price_figures", "price_gate"]
