@@ -171,7 +171,7 @@ def test_a_bad_guard_switch_names_the_variable(monkeypatch):
 
 def test_the_stock_side_of_an_rnn_step_is_keras_own_loop():
     """The rnn stage rewrites while tracing: the guard's stock step must be traced without it."""
-    from fusion.graphs.rnn import SCOPE
+    from fusion.calls.rnn import SCOPE
 
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((6, 3)), keras.layers.LSTM(4), keras.layers.Dense(1)])

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tfmx
-from fusion.graphs.rnn import SCOPE
+from fusion.calls.rnn import SCOPE
 from fusion.pattern import RewriteAlways
 from tfmx import state
 
