@@ -408,3 +408,17 @@ class StageExample:
 
     model: Callable[[], Any]
     lacking: str | None
+
+
+def value_and_gradient(fn, x) -> list:
+    """``fn(x)`` and the gradient at ``x`` of ``sum(fn(x) * sin(x))`` (a loss whose gradient
+    weighs every element differently), both as float64 arrays, for an elementwise form's
+    comparison with its reference."""
+    import numpy as np
+    import tensorflow as tf
+
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = fn(x)
+        loss = tf.reduce_sum(tf.cast(y, tf.float32) * tf.sin(tf.cast(x, tf.float32)))
+    return [y.numpy().astype(np.float64), tape.gradient(loss, x).numpy().astype(np.float64)]

@@ -18,6 +18,7 @@ from helpers import (
     no_further_terms,
     nodes_that_ran,
     ops_that_ran,
+    value_and_gradient,
 )
 
 import tfmx
@@ -41,22 +42,14 @@ STAGE_EXAMPLE = StageExample(_stage_example, lacking="Exp")
 GELU_TERMS = 2 * (2 * TRANSCENDENTAL + 12)
 
 
-def _value_and_gradient(fn, x: tf.Tensor) -> list[np.ndarray]:
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        y = fn(x)
-        loss = tf.reduce_sum(tf.cast(y, tf.float32) * tf.sin(tf.cast(x, tf.float32)))
-    return [y.numpy().astype(np.float64), tape.gradient(loss, x).numpy().astype(np.float64)]
-
-
 @pytest.mark.parametrize("form", ["exact", "exact erfc", "approximate"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_value_and_derivative_match_tensorflow(form, dtype):
     approximate = form == "approximate"
     x = tf.cast(tf.constant(np.linspace(-7.0, 7.0, 4001), tf.float32), dtype)
-    got = _value_and_gradient(
+    got = value_and_gradient(
         lambda v: stage.gelu_custom(v, approximate, erfc=form == "exact erfc"), x)
-    want = _value_and_gradient(lambda v: tf.nn.gelu(v, approximate=approximate), x)
+    want = value_and_gradient(lambda v: tf.nn.gelu(v, approximate=approximate), x)
     for i, (g, w) in enumerate(zip(got, want)):
         assert_within_rounding(g, w, GELU_TERMS, dtype=dtype, what=f"output {i}")
     if form == "exact erfc":  # TensorFlow's own forward, bit for bit
@@ -116,11 +109,11 @@ def test_the_float32_forms_of_a_16_bit_input_round_once_or_twice(name, form, dty
     approximate = form == "approximate"
     fn = WIDE_FORMS[name]
     x = tf.cast(tf.constant(np.linspace(-7.0, 7.0, 4001), tf.float32), dtype)
-    got = _value_and_gradient(lambda v: fn(v, approximate, erfc=form == "exact erfc"), x)
+    got = value_and_gradient(lambda v: fn(v, approximate, erfc=form == "exact erfc"), x)
     assert got[0].dtype == np.float64 and fn(x, approximate).dtype == x.dtype
-    wide = _value_and_gradient(lambda v: tf.nn.gelu(v, approximate=approximate),
+    wide = value_and_gradient(lambda v: tf.nn.gelu(v, approximate=approximate),
                                tf.cast(x, tf.float32))
-    want = _value_and_gradient(lambda v: tf.nn.gelu(v, approximate=approximate), x)
+    want = value_and_gradient(lambda v: tf.nn.gelu(v, approximate=approximate), x)
     for i, (g, w, s) in enumerate(zip(got, wide, want)):
         terms = 1 if i == 0 else GRADIENT_ROUNDINGS[name]
         assert_within_rounding(g, w, terms, dtype=dtype, what=f"output {i}")
@@ -162,8 +155,8 @@ def test_the_xla_region_is_the_closed_form_in_float32(approximate):
     """In float32 the region computes the closed form's arithmetic, with XLA's Erf, Exp and
     Tanh in place of TensorFlow's kernels."""
     x = tf.constant(np.linspace(-7.0, 7.0, 4001), tf.float32)
-    got = _value_and_gradient(lambda v: stage.gelu_xla_slope(v, approximate), x)
-    want = _value_and_gradient(lambda v: stage.gelu_custom(v, approximate), x)
+    got = value_and_gradient(lambda v: stage.gelu_xla_slope(v, approximate), x)
+    want = value_and_gradient(lambda v: stage.gelu_custom(v, approximate), x)
     for i, (g, w) in enumerate(zip(got, want)):
         assert_within_rounding(g, w, 2 * TRANSCENDENTAL, what=f"output {i}")
 

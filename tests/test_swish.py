@@ -21,6 +21,7 @@ from helpers import (
     no_further_terms,
     nodes_that_ran,
     ops_that_ran,
+    value_and_gradient,
 )
 from keras.src.backend.tensorflow import nn as keras_nn
 
@@ -58,14 +59,6 @@ def _keras_hard_swish(x: tf.Tensor) -> tf.Tensor:
     return keras_nn.hard_silu(x)
 
 
-def _value_and_gradient(fn, x: tf.Tensor) -> list[np.ndarray]:
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        y = fn(x)
-        loss = tf.reduce_sum(tf.cast(y, tf.float32) * tf.sin(tf.cast(x, tf.float32)))
-    return [y.numpy().astype(np.float64), tape.gradient(loss, x).numpy().astype(np.float64)]
-
-
 def _gradient(fn, x: tf.Tensor) -> np.ndarray:
     with tf.GradientTape() as tape:
         tape.watch(x)
@@ -76,8 +69,8 @@ def _gradient(fn, x: tf.Tensor) -> np.ndarray:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_swish_value_and_derivative_match_tensorflow(dtype):
     x = tf.cast(tf.constant(_X, tf.float32), dtype)
-    got = _value_and_gradient(stage.swish_custom, x)
-    want = _value_and_gradient(_keras_swish, x)
+    got = value_and_gradient(stage.swish_custom, x)
+    want = value_and_gradient(_keras_swish, x)
     for i, (g, w) in enumerate(zip(got, want)):
         assert_within_rounding(g, w, SWISH_TERMS, dtype=dtype, what=f"output {i}")
     np.testing.assert_array_equal(got[0], want[0])  # tf.nn.silu's forward, bit for bit
@@ -89,8 +82,8 @@ def test_hard_swish_value_and_derivative_match_keras_at_the_corners_too(dtype):
     (and wherever ``x + 3`` rounds to 0 or 6 in ``dtype``) autodiff's subgradient exactly:
     0 and 1."""
     x = tf.cast(tf.constant(_X, tf.float32), dtype)
-    got = _value_and_gradient(stage.hard_swish_custom, x)
-    want = _value_and_gradient(_keras_hard_swish, x)
+    got = value_and_gradient(stage.hard_swish_custom, x)
+    want = value_and_gradient(_keras_hard_swish, x)
     np.testing.assert_array_equal(got[0], want[0])
     assert_within_rounding(got[1], want[1], HARD_TERMS, dtype=dtype, what="gradient")
     slope, stock = _gradient(stage.hard_swish_custom, x), _gradient(_keras_hard_swish, x)
@@ -137,10 +130,10 @@ def test_the_float32_swish_forms_of_a_16_bit_input_round_once_or_thrice(name, dt
     16-bit values; and within the composite's roundings of Keras's 16-bit swish."""
     fn, roundings = WIDE_FORMS[name]
     x = tf.cast(tf.constant(_X, tf.float32), dtype)
-    got = _value_and_gradient(fn, x)
+    got = value_and_gradient(fn, x)
     assert fn(x).dtype == x.dtype
-    wide = _value_and_gradient(_keras_swish, tf.cast(x, tf.float32))
-    want = _value_and_gradient(_keras_swish, x)
+    wide = value_and_gradient(_keras_swish, tf.cast(x, tf.float32))
+    want = value_and_gradient(_keras_swish, x)
     for i, (g, w, s) in enumerate(zip(got, wide, want)):
         assert_within_rounding(g, w, 1 if i == 0 else roundings, dtype=dtype, what=f"output {i}")
         assert_within_rounding(g, s, SWISH_TERMS, dtype=dtype, what=f"output {i}")
@@ -154,9 +147,9 @@ def test_the_hard_swish_region_is_keras_in_float32_with_its_subgradients(dtype):
     own call in ``dtype``."""
     x = tf.cast(tf.constant(_X, tf.float32), dtype)
     region = lambda v: stage.swish_xla_slope(v, hard=True)  # noqa: E731
-    got = _value_and_gradient(region, x)
-    wide = _value_and_gradient(_keras_hard_swish, tf.cast(x, tf.float32))
-    want = _value_and_gradient(_keras_hard_swish, x)
+    got = value_and_gradient(region, x)
+    wide = value_and_gradient(_keras_hard_swish, tf.cast(x, tf.float32))
+    want = value_and_gradient(_keras_hard_swish, x)
     for i, (g, w, s) in enumerate(zip(got, wide, want)):
         assert_within_rounding(g, w, 1 if i == 0 else 3, dtype=dtype, what=f"output {i}")
         assert_within_rounding(g, s, HARD_TERMS, dtype=dtype, what=f"output {i}")
@@ -170,8 +163,8 @@ def test_the_hard_swish_region_is_keras_in_float32_with_its_subgradients(dtype):
 
 def test_the_swish_region_is_the_closed_form_in_float32():
     x = tf.constant(_X, tf.float32)
-    got = _value_and_gradient(stage.swish_xla_slope, x)
-    want = _value_and_gradient(stage.swish_custom, x)
+    got = value_and_gradient(stage.swish_xla_slope, x)
+    want = value_and_gradient(stage.swish_custom, x)
     for i, (g, w) in enumerate(zip(got, want)):
         assert_within_rounding(g, w, 2 * TRANSCENDENTAL, what=f"output {i}")
 
