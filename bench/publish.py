@@ -203,7 +203,7 @@ def format_readme_table(records: Sequence[Mapping[str, Any]]) -> str:
                          f"{_ratio(top['vs_best_alternative'])}{named} |")
     lines += ["", "Ratios of median step times (below 1: tfmx faster), oneDNN in tfmx's faster "
               "state; the best alternative is the fastest of stock and XLA in any oneDNN "
-              "state. Measured on: " + "; ".join(f"{m}." for m in by_machine(records))
+              "state. Measured on: " + "; ".join(by_machine(records)) + "."
               + " Written by `python -m bench.tables --markdown` from `bench/results/`; "
               "every figure and the command that measured it: BENCHMARKS.md."]
     return "\n".join(lines)
