@@ -103,7 +103,10 @@ def parser(recipe: Recipe) -> argparse.ArgumentParser:
                    help="also time the step compiled by XLA (jit_compile=True, built from the "
                         "same weights, not trained) interleaved with stock and tfmx: the best "
                         "alternative a user has without tfmx")
-    p.add_argument("--quick", action="store_true", help="a small run (tests, CI)")
+    p.add_argument("--quick", action="store_true",
+                   help="a small run (tests, CI); a fit this short may be too short to pay for "
+                        "tracing tfmx's form, and the report's first line then says so and "
+                        "from how many calls it runs (TFMX_FUSE=always runs it anyway)")
     p.add_argument("--rounds", type=positive_int, default=None,
                    help=f"interleaved timing rounds ({default('rounds')})")
     p.add_argument("--out", metavar="DIR", default=None,

@@ -280,3 +280,42 @@ def test_the_doc_checks_can_fail():
     done = subprocess.run([sys.executable, "-m", "tfmx", "nosuch", "--help"], cwd=ROOT,
                           capture_output=True, timeout=120)
     assert done.returncode != 0
+
+
+# -- the site: mkdocs build --strict, the API reference complete -----------------------------
+def _environment_variables() -> set[str]:
+    """Every ``TFMX_*`` variable the library reads (its source names each as a string)."""
+    found = set()
+    for package in ("tfmx", "fusion", "policies"):
+        for path in (ROOT / package).rglob("*.py"):
+            found |= set(re.findall(r"\"(TFMX_[A-Z_]+)\"", path.read_text()))
+    return found - {"TFMX_NO_SUCH_SHARE"}  # tfmx.env's doctest of an unset variable
+
+
+@pytest.mark.slow
+def test_the_site_builds_strict_with_every_public_name(tmp_path):
+    """``mkdocs build --strict`` (a broken link, a docstring mkdocstrings cannot render fails
+    it) and the API page holds every name ``tfmx`` exports, every parameter of its calls and
+    every environment variable tfmx reads."""
+    pytest.importorskip("mkdocs", reason="mkdocs is not installed (the docs and test extras)")
+    pytest.importorskip("mkdocstrings_handlers.python",
+                        reason="mkdocstrings[python] is not installed (the docs and test extras)")
+    import inspect
+
+    import tfmx
+
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d",
+                           str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    ids = set(re.findall(r'id="(tfmx\.[\w.]+)"', api))
+    missing = [n for n in tfmx.__all__ if not any(i.rsplit(".", 1)[-1] == n for i in ids)]
+    assert not missing, f"docs/api.md lacks {missing}"
+    for call in (tfmx.enable, tfmx.report, tfmx.function):
+        for param in inspect.signature(call).parameters:
+            assert re.search(rf"<code>{param}</code>|>{param}<", api), f"{call.__name__}({param}=)"
+    page = (DOCS / "api.md").read_text()
+    unlisted = sorted(v for v in _environment_variables() if f"`{v}`" not in page)
+    assert not unlisted, f"docs/api.md's table lacks {unlisted}"
+    assert {"TFMX_FUSE", "TFMX_VERBOSE", "TFMX_CACHE_DIR"} <= _environment_variables()

@@ -66,6 +66,7 @@ def enable(
     exclude: Sequence[str] | None = None,
     plugin: str | None = None,
     verbose: int | None = None,
+    fuse: str | None = None,
 ) -> None:
     """Switch the rewrite on for every Keras model's fit/evaluate/predict and tfmx.function.
 
@@ -101,6 +102,13 @@ def enable(
             GraphDef pass that fails always leaves its part of the graph as it was.)
         verbose: 0 silences the line a first run prints when tfmx starts measuring a model
             (:mod:`tfmx.notice`); None: ``$TFMX_VERBOSE`` (default 1).
+        fuse: ``"measured"``: a fused form runs only where it measures faster on this machine
+            and pays for its first call within the fit (the price gate, the guard, the
+            tuner's budget); ``"always"``: every family takes its fused form where it applies,
+            for verifying the fused step and for fits known to be long: no price gate, no
+            whole-step trial (so ``guard=True`` is refused beside it), and every tuned choice
+            takes a fused form, the fastest measured, else the first. ``tfmx.report()`` says
+            so. None: ``$TFMX_FUSE`` or ``"measured"`` (:data:`tfmx.env.FUSE_MODES`).
 
     Global and idempotent: calling it again replaces the settings; models compiled before
     rebuild their step functions on next use. Bad names raise ValueError listing the choices.
@@ -125,6 +133,7 @@ def enable(
     from fusion.family import resolve
     from tfmx import keras_hook, state
     from tfmx.backends import get_backend
+    from tfmx.env import resolve_fuse
     from tfmx.guard import ENV_XLA, enabled_by_env
     from tfmx.notice import set_verbose
     from tfmx.tuner import resolve_mode
@@ -139,11 +148,18 @@ def enable(
     for name, value in (("guard", guard), ("xla", xla), ("strict", strict)):
         if value is not None and not isinstance(value, bool):
             raise ValueError(f"{name} must be True, False or None, got {value!r}")
+    fuse = resolve_fuse(fuse)
+    if fuse == "always":
+        if guard:
+            raise ValueError("guard=True keeps stock where the fused step is not faster; "
+                             "fuse='always' runs the fused step: pass one of them")
+        guard = False
     new = state.Options(backend=target, patterns=patterns, verify=verify,
                         tune=resolve_mode(tune),
                         guard=enabled_by_env() if guard is None else guard,
                         xla=enabled_by_env(ENV_XLA) if xla is None else xla,
-                        strict=state.strict_by_env() if strict is None else strict)
+                        strict=state.strict_by_env() if strict is None else strict,
+                        fuse=fuse)
     if state.options() == new:
         return
     if not _keras_runs_tensorflow():
@@ -227,7 +243,13 @@ def disable() -> None:
 
 
 def enabled() -> bool:
-    """True between ``enable()`` and ``disable()``."""
+    """True between ``enable()`` and ``disable()``.
+
+    >>> import tfmx
+    >>> tfmx.disable()
+    >>> tfmx.enabled()
+    False
+    """
     from tfmx import state
 
     return state.options() is not None
@@ -236,7 +258,13 @@ def enabled() -> bool:
 def report(reset: bool = False) -> Report:
     """What tfmx did since ``enable()``: print it, ``.to_dict()`` it, ``.export_graphs(dir)``.
 
-    With ``reset=True`` the returned report is the one so far, and a fresh one starts.
+    Args:
+        reset: the returned report is the one so far, and a fresh one starts (the next
+            ``report()`` holds only what happens after this call).
+
+    Returns:
+        The :class:`Report` (``tfmx.reporting.Report``); its first printed line says which
+        step runs, how fast, and what measuring cost.
 
     >>> import tfmx
     >>> isinstance(tfmx.report(), tfmx.Report)

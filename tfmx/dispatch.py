@@ -207,6 +207,7 @@ class IteratorDispatch:
                                    guard.budget_share(), cache, traced=True)
         state.report().note(f"price gate, after {watch.calls} call(s) as stock: {self._name} "
                             f"ran as {verdict.run}: {verdict.why} (the {left} calls left)")
+        state.report().gates[self._name] = verdict.headline(plan.calls)
         watch.switch = verdict.run == "tfmx"
         guard.expect_first_call(watch.price_key, verdict)
 

@@ -1,10 +1,12 @@
 """Settings read from the environment: on/off switches and the shares of a run measuring may cost.
 
 Switches (:func:`enabled_by_env`): the whole-step guard (``TFMX_GUARD``) and its duel with
-XLA's form (``TFMX_XLA``). Two budgets are shares of the run they serve: the guard's trial
-(:func:`budget_share`, ``TFMX_GUARD_BUDGET``) and the tuner's measuring within a planned ``fit``
-(:func:`plan_share`, ``TFMX_TUNE_SHARE``); each is a fraction, or ``none`` for no bound
-(:func:`share_from_env`).
+XLA's form (``TFMX_XLA``). Which forms run (:func:`resolve_fuse`, ``TFMX_FUSE``): ``measured``
+(a fused form only where it measures faster and pays within the fit) or ``always`` (every
+family takes its fused form where it applies). Two budgets are shares of the run they serve:
+the guard's trial (:func:`budget_share`, ``TFMX_GUARD_BUDGET``) and the tuner's measuring within
+a planned ``fit`` (:func:`plan_share`, ``TFMX_TUNE_SHARE``); each is a fraction, or ``none`` for
+no bound (:func:`share_from_env`).
 
 Example:
     >>> from tfmx.env import budget_share, plan_share
@@ -20,6 +22,15 @@ ENV_GUARD = "TFMX_GUARD"
 ENV_XLA = "TFMX_XLA"
 ENV_GUARD_BUDGET = "TFMX_GUARD_BUDGET"
 ENV_TUNE_SHARE = "TFMX_TUNE_SHARE"
+ENV_FUSE = "TFMX_FUSE"
+
+FUSE_MODES = ("measured", "always")
+"""``tfmx.enable(fuse=...)``: ``"measured"`` (the default) keeps a fused form only where it
+measures faster on this machine and pays for its first call within the fit (the price gate, the
+whole-step guard, the tuner's budget and plan); ``"always"`` takes the fused form of every
+family wherever it applies: no price gate, no whole-step trial, and each tuned choice takes a
+fused form (the fastest measured, else the first), for verification and for fits known to be
+long."""
 
 BUDGET_SHARE = 0.02
 """The share of the run a guard's trial may cost (``TFMX_GUARD_BUDGET``: a fraction, or
@@ -71,6 +82,25 @@ def share_from_env(name: str, default: float) -> float | None:
     return value
 
 
+def resolve_fuse(fuse: str | None) -> str:
+    """``fuse``, else ``$TFMX_FUSE``, else ``"measured"``; ValueError naming the choices
+    otherwise (see :data:`FUSE_MODES`).
+
+    >>> resolve_fuse("always")
+    'always'
+    >>> resolve_fuse("yes")
+    Traceback (most recent call last):
+    ...
+    ValueError: fuse must be one of ('measured', 'always'), got 'yes'
+    """
+    value = fuse if fuse is not None else os.environ.get(ENV_FUSE, "").strip().lower()
+    value = value or "measured"
+    if value not in FUSE_MODES:
+        source = "fuse" if fuse is not None else f"${ENV_FUSE}"
+        raise ValueError(f"{source} must be one of {FUSE_MODES}, got {value!r}")
+    return value
+
+
 def budget_share() -> float | None:
     """The share of a run a guard's trial may cost: ``$TFMX_GUARD_BUDGET`` or
     :data:`BUDGET_SHARE`; None (``none``, ``off``) lets a trial run to its end whatever it
@@ -92,5 +122,6 @@ def plan_share() -> float | None:
     return share_from_env(ENV_TUNE_SHARE, PLAN_SHARE)
 
 
-__all__ = ["BUDGET_SHARE", "ENV_GUARD", "ENV_GUARD_BUDGET", "ENV_TUNE_SHARE", "ENV_XLA",
-           "PLAN_SHARE", "budget_share", "enabled_by_env", "plan_share", "share_from_env"]
+__all__ = ["BUDGET_SHARE", "ENV_FUSE", "ENV_GUARD", "ENV_GUARD_BUDGET", "ENV_TUNE_SHARE",
+           "ENV_XLA", "FUSE_MODES", "PLAN_SHARE", "budget_share", "enabled_by_env", "plan_share",
+           "resolve_fuse", "share_from_env"]

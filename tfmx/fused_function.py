@@ -366,6 +366,7 @@ class FusedFunction:
         verdict = guard.price_gate(figures, plan.calls, guard.budget_share(), cache,
                                    switchable=guard.switchable())
         state.report().note(verdict.describe(self.name))
+        state.report().gates[self.name] = verdict.headline(plan.calls)
         guard.expect_first_call(key, verdict)  # its error reported once the call is timed
         return key, verdict
 
@@ -459,6 +460,18 @@ def function(
 
     Usable bare (``@tfmx.function``) or with arguments (``@tfmx.function(reduce_retracing=True)``).
     ``jit_compile=True`` is passed to XLA untouched (tfmx does not rewrite XLA clusters).
+
+    Args:
+        func: the Python function to trace; None (called with arguments only) returns a
+            decorator.
+        input_signature: as ``tf.function``'s: the ``tf.TensorSpec`` of each argument, which
+            fixes the one trace (and so the one rewrite) every call uses.
+        autograph: as ``tf.function``'s: Python control flow on tensors becomes graph ops.
+        reduce_retracing: as ``tf.function``'s: generalize shapes to trace (and rewrite) less.
+        jit_compile: as ``tf.function``'s; True leaves the function to XLA, unrewritten.
+
+    Returns:
+        A :class:`FusedFunction`, or a decorator making one when ``func`` is None.
 
     >>> import tensorflow as tf, tfmx
     >>> @tfmx.function(reduce_retracing=True)

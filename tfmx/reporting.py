@@ -88,6 +88,10 @@ class Report:
     # The metal backend (tfmx.backends.Backend) the traces were planned for, set by
     # tfmx.state with the options: the placement section audits them for it.
     metal: Any = None
+    # tfmx.enable(fuse=...) (tfmx.env.FUSE_MODES): "always" runs every family's fused form
+    fuse: str = "measured"
+    # function -> why the price gate runs it as stock, in a few words (the first line's reason)
+    gates: dict[str, str] = dataclasses.field(default_factory=dict)
 
     # -- recording -------------------------------------------------------------------------
     def add_trace(self, record: TraceRecord, stats: dict[str, PatternStats] | None = None) -> None:

@@ -34,6 +34,7 @@ class Options:
     guard: bool = True  # the whole-step guard (tfmx.guard)
     xla: bool = True  # the guard tries the XLA-compiled step, stages XLA regions (cpu, cuda)
     strict: bool = False  # a stage that fails raises instead of falling back to Keras's call
+    fuse: str = "measured"  # "always": every family's fused form (tfmx.env.FUSE_MODES)
 
     def xla_allowed(self) -> bool:
         """XLA may compile steps and regions: asked for, and a backend Keras compiles for."""
@@ -92,6 +93,9 @@ def set_options(opts: Options | None) -> None:
 
             if ONEDNN_OFF_ADVICE in opts.backend.notes:  # the cpu backend, oneDNN's pass off
                 _report.note(ONEDNN_OFF_ADVICE)
+            _report.fuse = opts.fuse
+            if opts.fuse == "always":
+                _report.note(FUSE_ALWAYS)
 
 
 def tuner() -> Any:
@@ -108,15 +112,21 @@ def tuner() -> Any:
 
         if several:  # every worker must trace the same step: no timing may pick its form
             found = Tuner("off", None, on_decision=lambda d: _report.add_decision(d),
-                          off_reason=MULTI_WORKER)
+                          off_reason=MULTI_WORKER, fused=opts.fuse == "always")
             _report.note(f"tuner: {MULTI_WORKER}")
         else:
             cache = None if opts.tune == "off" else TuningCache.for_backend(opts.backend.name)
-            found = Tuner(opts.tune, cache, on_decision=lambda d: _report.add_decision(d))
+            found = Tuner(opts.tune, cache, on_decision=lambda d: _report.add_decision(d),
+                          fused=opts.fuse == "always")
         _tuners.clear()
         _tuners[key] = found
     return found
 
+
+FUSE_ALWAYS = ("fuse='always' (TFMX_FUSE=always): every family takes its fused form where it "
+               "applies; no price gate, no whole-step trial, and each tuned choice takes a fused "
+               "form (the fastest measured, else the first): the fused step runs, untimed "
+               "against stock")
 
 MULTI_WORKER = ("several workers: each decision takes the form stock TensorFlow runs, measured "
                 "nothing, and the whole-step guard is off (timings differ from worker to "

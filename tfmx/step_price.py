@@ -122,10 +122,32 @@ class GateDecision:
     why: str
     expected_s: float = 0.0  # tfmx's first call as estimated (0: measured, or not weighed)
     expected_how: str = ""  # how it was estimated
+    extra_s: float = 0.0  # tfmx's first call beyond stock's, as weighed (0: not weighed)
+    pays_from: int = 0  # the fit's calls from which the gate would run tfmx (0: unknown)
 
     def describe(self, function: str) -> str:
         """The report's line: ``price gate: M.train_step ran as stock: <why>``."""
         return f"price gate: {function} ran as {self.run}: {self.why}"
+
+    def headline(self, calls: int) -> str:
+        """Why a fit of ``calls`` calls runs stock, and what length would not, in a few words
+        (the report's first line).
+
+        >>> print(GateDecision("stock", "why", extra_s=0.9, pays_from=4500).headline(16))
+        ... # doctest: +NORMALIZE_WHITESPACE
+        a fit of 16 calls cannot pay for tfmx's first call (0.90 s more than stock's); from
+        ~4500 calls tfmx's form runs, or tfmx.enable(fuse='always') runs it now
+        """
+        if self.run != "stock":
+            return ""
+        now = "tfmx.enable(fuse='always') runs it now"
+        if not self.extra_s:
+            return f"nothing measured of this step yet; {now}"
+        head = (f"a fit of {calls} calls cannot pay for tfmx's first call ({self.extra_s:.2f} s "
+                "more than stock's)")
+        if self.pays_from:
+            return f"{head}; from ~{self.pays_from} calls tfmx's form runs, or {now}"
+        return f"{head}; the fused step measured no faster, {now}"
 
 
 def price_gate(figures: Mapping[str, float], calls: int | None,
@@ -189,8 +211,9 @@ def price_gate(figures: Mapping[str, float], calls: int | None,
         extra = max(0.0, fused_first - stock_first)
     first = f"its first call costs {extra:.2f} s more than stock's ({fused_how}, {how})"
 
-    def verdict(run: str, why: str) -> GateDecision:
-        return GateDecision(run, why, *expected)
+    def verdict(run: str, why: str, per_call_s: float = 0.0) -> GateDecision:
+        pays = math.floor(extra / per_call_s) + 1 if run == "stock" and per_call_s > 0 else 0
+        return GateDecision(run, why, *expected, extra_s=extra, pays_from=pays)
 
     if stock_ms and fused_ms:
         saved = calls * (stock_ms - fused_ms) / 1e3
@@ -198,7 +221,8 @@ def price_gate(figures: Mapping[str, float], calls: int | None,
                  f"{stock_ms:.2f} ms a call)")
         if saved > extra:
             return verdict("tfmx", f"{first}, less than it saves over {steps}")
-        return verdict("stock", f"{first}, more than it saves over {steps}")
+        return verdict("stock", f"{first}, more than it saves over {steps}",
+                       (stock_ms - fused_ms) / 1e3)
     known_ms = fused_ms or stock_ms
     whose = "stock's step not measured" if fused_ms else "the fused step not measured yet"
     run_s = calls * known_ms / 1e3
@@ -207,7 +231,7 @@ def price_gate(figures: Mapping[str, float], calls: int | None,
                                f"the planned ~{run_s:.1f} s); {whose}")
     return verdict("stock", f"{first}, more than the trial's budget ({share:.0%} of the "
                             f"planned ~{run_s:.1f} s), and {whose} to show a gain: stock "
-                            "runs and is measured")
+                            "runs and is measured", share * known_ms / 1e3)
 
 
 _expected: dict[str, tuple[float, str]] = {}  # price key -> tfmx's first call, as estimated

@@ -149,13 +149,16 @@ class Tuner:
         budget: seconds this tuner may spend measuring (None: :func:`budget_seconds`).
         on_decision: called with every :class:`Decision` (the report records them).
         off_reason: why mode ``"off"`` measures nothing, as decisions record it.
+        fused: every decision takes a form other than the conservative one
+            (``tfmx.enable(fuse="always")``, :func:`always_fused`).
     """
 
     def __init__(self, mode: str | None = None, cache: TuningCache | None = None,
                  timer: Timer | None = None, budget: float | None = None,
                  on_decision: Callable[[Decision], None] | None = None,
-                 off_reason: str = "tune=off") -> None:
+                 off_reason: str = "tune=off", fused: bool = False) -> None:
         self.mode = resolve_mode(mode)
+        self.fused = fused
         self.off_reason = off_reason
         self.cache = cache
         self.timer = timer or measure
@@ -189,7 +192,8 @@ class Tuner:
             decision = self._decide(family, signature, candidates, conservative)
             if conservative in decision.times_ms:  # a lower bound of the planned step's time
                 self._plan_step += decision.times_ms[conservative] / 1e3
-            decision = for_plan(decision, conservative, planned_steps())
+            decision = (always_fused(decision, conservative) if self.fused
+                        else for_plan(decision, conservative, planned_steps()))
             self._memo[key] = decision
             if self.on_decision is not None:
                 self.on_decision(decision)
@@ -348,6 +352,36 @@ def for_plan(decision: Decision, conservative: str, steps: int | None) -> Decisi
                                note="; ".join(filter(None, (decision.note, note))))
 
 
+def always_fused(decision: Decision, conservative: str) -> Decision:
+    """``decision`` under ``tfmx.enable(fuse="always")``: where it kept the ``conservative``
+    form, the fastest other form it measured takes its place, else (nothing measured) the first
+    other candidate that is not an XLA region (:func:`is_region`), else the first other one. A
+    decision with no other candidate stays as it is; its figures stay as measured (the cache
+    keeps the measured choice).
+
+    >>> d = Decision("f", "s", "stock", ("stock", "fast", "faster"),
+    ...              {"stock": 1.0, "fast": 3.0, "faster": 2.0}, "measured")
+    >>> always_fused(d, "stock").choice
+    'faster'
+    >>> off = Decision("f", "s", "stock", ("stock", "xla", "fused"), {}, "conservative (tune=off)")
+    >>> picked = always_fused(off, "stock")
+    >>> picked.choice, picked.source
+    ('fused', "fuse='always' (not measured: tune=off)")
+    """
+    others = [n for n in decision.candidates if n != conservative]
+    if decision.choice != conservative or not others:
+        return decision
+    measured = [n for n in others if n in decision.times_ms]
+    if measured:
+        choice = min(measured, key=lambda n: decision.times_ms[n])
+        note = f"fuse='always': {choice}, the fastest fused form measured, over {conservative}"
+        return dataclasses.replace(decision, choice=choice,
+                                   note="; ".join(filter(None, (decision.note, note))))
+    kernels = [n for n in others if not is_region(n)]
+    return dataclasses.replace(decision, choice=(kernels or others)[0],
+                               source=f"fuse='always' (not measured: {decision.why()})")
+
+
 def _outside_trace(timer: Timer, candidates: Mapping[str, RunFactory],
                    seconds: float) -> Mapping[str, float]:
     """Run ``timer`` on a thread of its own: a rewrite runs while TensorFlow traces a step
@@ -366,7 +400,7 @@ def _outside_trace(timer: Timer, candidates: Mapping[str, RunFactory],
 
 
 __all__ = ["CODE_PACKAGES", "DECISION_SECONDS", "Decision", "MIN_ROUNDS", "MODES", "OverBudget",
-           "SIGNIFICANCE", "Timings", "Tuner", "TuningCache", "budget_seconds", "cache_dir",
-           "code_digest", "export_cache", "fingerprint", "for_plan", "import_cache", "is_region",
-           "measure", "plan_share", "planned_steps", "resolve_mode", "share_from_env",
-           "sign_test", "sync", "within_noise"]
+           "SIGNIFICANCE", "Timings", "Tuner", "TuningCache", "always_fused", "budget_seconds",
+           "cache_dir", "code_digest", "export_cache", "fingerprint", "for_plan", "import_cache",
+           "is_region", "measure", "plan_share", "planned_steps", "resolve_mode",
+           "share_from_env", "sign_test", "sync", "within_noise"]

@@ -114,7 +114,7 @@ class Decision:
     choice: str
     candidates: tuple[str, ...]
     times_ms: dict[str, float] = dataclasses.field(default_factory=dict)
-    # "measured", "cached", or "conservative (<why>)"
+    # "measured", "cached", "conservative (<why>)", or "fuse='always' (<why not measured>)"
     source: str = "measured"
     note: str = ""  # e.g. that the fastest median was within noise of the conservative form
     # each candidate's first call (building it, its first run: tracing, graph optimization)
@@ -129,6 +129,8 @@ class Decision:
         ms)`` or the conservative form's reason."""
         if self.source.startswith("conservative"):
             return self.source[len("conservative ("):-1]
+        if self.source.startswith("fuse="):
+            return self.source
         times = ", ".join(f"{n} {self.times_ms[n]:.3f} ms" for n in self.candidates
                           if n in self.times_ms)
         when = "measured faster here" + (" (cached)" if self.source == "cached" else "")

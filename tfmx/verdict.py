@@ -77,10 +77,14 @@ def _verdict(report: Any) -> str:
         status = str(trace.status)
         if status.startswith("stock"):
             why = status.partition(":")[2].strip()
+            gate = (getattr(report, "gates", None) or {}).get(trace.function)
+            why = f"{why}: {gate}" if why == "price gate" and gate else why
             return (f"tfmx: {trace.function} runs the stock step"
                     f"{f' ({why})' if why else ''}{tail}")
         if status == "rewritten":
-            return f"tfmx: {trace.function} runs the fused step (not timed: guard off){tail}"
+            off = ("fuse='always'" if getattr(report, "fuse", "") == "always"
+                   else "guard off")
+            return f"tfmx: {trace.function} runs the fused step (not timed: {off}){tail}"
         return f"tfmx: {trace.function}: {status}{tail}"
     if guard.kept not in FORMS:
         return (f"tfmx: {guard.function}: trial under way, {guard.pairs} pairs so far "
