@@ -40,6 +40,7 @@ CORES: dict[str, tuple[tuple[int, ...], Maker]] = {
     "einsum_dense": ((6, 8), lambda c: c(L.EinsumDense)("abc,cd->abd", (None, 16),
                                                         bias_axes="d")),
     "attention": ((6, 8), lambda c: _self_attention(c(L.MultiHeadAttention)(2, 4))),
+    "grouped_attention": ((6, 8), lambda c: _self_attention(c(L.GroupQueryAttention)(4, 4, 2))),
     "batch_norm": ((6, 6, 3), lambda c: c(L.BatchNormalization)()),
     "rnn": ((5, 3), lambda c: c(L.LSTM)(8, return_sequences=True)),
 }
