@@ -25,6 +25,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from fusion import private_api
 from fusion.stage_context import StageContext, active, tracing
 
 
@@ -37,7 +38,7 @@ def autocast_dtype() -> str | None:
     True
     """
     try:
-        from keras.src.backend.common.variables import get_autocast_scope
+        get_autocast_scope = private_api.get("keras.get_autocast_scope")
     except ImportError:  # a Keras without it: variables are read as they are
         return None
     scope = get_autocast_scope()
@@ -51,7 +52,7 @@ def autocast(dtype: str | None) -> Iterator[None]:
     if dtype is None:
         yield
         return
-    from keras.src.backend.common.variables import AutocastScope
+    AutocastScope = private_api.get("keras.AutocastScope")
 
     with AutocastScope(dtype):
         yield

@@ -42,7 +42,7 @@ import importlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from fusion import patches
+from fusion import patches, private_api
 from fusion.family import Family, Form, families
 from fusion.forms import (
     XLA,
@@ -92,7 +92,9 @@ class Hook:
         return cls(owner, attribute, handler, outer)
 
     def owner_class(self) -> type:
-        module, name = self.owner.split(":")
+        """The class (or module) ``owner`` names, where the installed Keras holds it
+        (:func:`fusion.private_api.locate`)."""
+        module, name = private_api.locate(self.owner).split(":")
         return getattr(importlib.import_module(module), name)
 
 

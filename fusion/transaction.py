@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from fusion import trace_state
+from fusion import private_api, trace_state
 
 WRITES = ("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter",
           "ResourceStridedSliceAssign")
@@ -36,7 +36,7 @@ WRITES = ("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter",
 
 
 def _scope_class() -> type:
-    from keras.src.backend.common.stateless_scope import StatelessScope
+    StatelessScope = private_api.get("keras.StatelessScope")
 
     class Deferred(StatelessScope):
         """Keras's StatelessScope that holds back the writes and losses made in ``graph``

@@ -37,15 +37,13 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from fusion import patches
+from fusion import patches, private_api
 
 GROUP = "tfmx.keras_fixes"  # the fusion.patches group of the two fixes
 
 
 def _trainer_module() -> Any:
-    import keras.src.backend.tensorflow.trainer as module
-
-    return module
+    return private_api.get("keras.trainer_module")
 
 
 def _multi_worker_strategy(strategy: Any) -> bool:
@@ -55,8 +53,8 @@ def _multi_worker_strategy(strategy: Any) -> bool:
 def _first_replica(strategy: Any, batch: Any) -> Any:
     """Each DistributedValues leaf of ``batch`` as its first local replica's tensor."""
     import tensorflow as tf
-    from keras.src import tree
 
+    tree = private_api.get("keras.tree")
     return tree.map_structure(
         lambda v: (strategy.experimental_local_results(v)[0]
                    if isinstance(v, tf.distribute.DistributedValues) else v), batch)
@@ -83,8 +81,7 @@ def _reduce_wrapper(original: Any) -> Any:
     @functools.wraps(original)
     def reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
         if reduction in ("auto", "mean") and _multi_worker_strategy(strategy):
-            from keras.src import tree
-
+            tree = private_api.get("keras.tree")
             return tree.map_structure(lambda v: strategy.reduce("MEAN", v, axis=None), values)
         return original(values, strategy, reduction)
 
@@ -94,7 +91,7 @@ def _reduce_wrapper(original: Any) -> Any:
 def install() -> None:
     """Patch Keras's trainer with the two fixes (idempotent). See the module's example."""
     module = _trainer_module()
-    patches.install(GROUP, module.TensorFlowTrainer, "_maybe_symbolic_build",
+    patches.install(GROUP, private_api.get("keras.trainer"), "_maybe_symbolic_build",
                     _symbolic_build_wrapper)
     patches.install(GROUP, module, "reduce_per_replica", _reduce_wrapper)
 

@@ -34,7 +34,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from fusion import patches, stage
+from fusion import patches, private_api, stage
 from tfmx import state
 from tfmx.dispatch import IteratorDispatch
 from tfmx.errors import UnknownKerasError
@@ -49,9 +49,7 @@ _GUARDED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _trainer_class() -> type:
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    return TensorFlowTrainer
+    return private_api.get("keras.trainer")
 
 
 def installed() -> bool:
@@ -232,9 +230,7 @@ def _price_key_of(model: Any) -> Any:
 
 
 def _trainer_module() -> Any:
-    import keras.src.backend.tensorflow.trainer as module
-
-    return module
+    return private_api.get("keras.trainer_module")
 
 
 _BUILT: weakref.WeakSet = weakref.WeakSet()  # models whose step functions the hook built
@@ -279,7 +275,7 @@ def install() -> list[str]:
     says what is missing."""
     try:
         trainer = _trainer_class()
-        from keras.src.callbacks.callback_list import CallbackList
+        CallbackList = private_api.get("keras.CallbackList")
 
         for name in (*(f"make_{kind}_function" for kind in _KINDS), "fit"):
             getattr(trainer, name)

@@ -39,8 +39,9 @@ other axes than the sequence (``attention_axes``), ``flash_attention``, float64.
 
 Example:
     >>> import numpy as np, tensorflow as tf
-    >>> from keras.src.backend.tensorflow.nn import _dot_product_attention_xla
+    >>> from fusion import private_api
     >>> from fusion.calls.attention import attention
+    >>> _dot_product_attention_xla = private_api.get("keras.dot_product_attention_xla")
     >>> q, k, v = (tf.random.normal([2, 5, 3, 4], seed=s) for s in (1, 2, 3))
     >>> expected = _dot_product_attention_xla(q, k, v, None, None, True, 0.5)
     >>> got = attention(q, k, v, None, True, 0.5, folded=False)
@@ -56,6 +57,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from fusion import private_api
 from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Form, Forms, conservative, declare
 from fusion.stage import (
     XLA,
@@ -233,7 +235,8 @@ def attention(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, mask: Any, cau
     masks go through Keras's ``_apply_masks`` (a row masked entirely would get a gradient
     through an add, where Keras's select gives it none). ``narrow_softmax`` (folded bfloat16
     scores, no mask, no bias) takes :func:`bfloat16_softmax`."""
-    from keras.src.backend.tensorflow.nn import _apply_masks, _get_large_negative
+    _apply_masks = private_api.get("keras.apply_masks")
+    _get_large_negative = private_api.get("keras.get_large_negative")
 
     dtype = query.dtype
     if folded:
@@ -291,7 +294,7 @@ def _masked_softmax(layer: Any, scores: tf.Tensor, mask: Any, causal_only: bool)
     then zeroes the masked probabilities (a row masked entirely would be uniform); a causal
     mask alone masks no row entirely, and its masked probabilities are already 0, so that
     select is left out there."""
-    from keras.src.layers.activations.softmax import _large_negative_number
+    _large_negative_number = private_api.get("keras.large_negative_number")
 
     if mask is None:
         return layer._masked_softmax(scores, None)  # noqa: SLF001

@@ -45,6 +45,7 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.eager import execute
 
+from fusion import private_api
 from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Form, Forms, conservative, declare
 from fusion.stage import (
     XLA,
@@ -75,9 +76,8 @@ def _pair(value: Any) -> tuple[int, ...]:
 
 
 def _channels_last(data_format: str | None) -> bool:
-    from keras.src.backend import standardize_data_format
-
-    return standardize_data_format(data_format) == "channels_last"
+    standardize = private_api.get("keras.standardize_data_format")
+    return standardize(data_format) == "channels_last"
 
 
 # -- check: why a call keeps Keras's own form (None: it need not) ---------------------------------

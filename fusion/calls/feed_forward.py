@@ -37,7 +37,7 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.eager import execute
 
-from fusion import trace_state
+from fusion import private_api, trace_state
 from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Form, Forms, conservative, declare
 from fusion.stage import (
     XLA,
@@ -65,7 +65,7 @@ def find_feed_forward(layer: Any) -> tuple[bool, str | None]:
     once; else (False, why). Subclassed models trace their layers with no such graph: their
     blocks are not seen.
     """
-    from keras.src.layers.core.dense import Dense
+    Dense = private_api.get("keras.Dense")
 
     if getattr(layer, "activation", None) is None or layer.activation.__name__ == "linear":
         return False, "no activation between the two Dense layers"

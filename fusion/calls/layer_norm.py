@@ -55,6 +55,7 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
+from fusion import private_api
 from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Form, Forms, conservative, declare
 from fusion.kernels.batch_norm import kernel_blocker
 from fusion.kernels.layer_norm import (
@@ -136,7 +137,7 @@ def find_residual(layer: Any, inputs: Any) -> tuple[tf.Tensor, tf.Tensor] | None
     >>> find_residual(norm, tf.ones([2, 4, 8])) is None  # not an AddV2 of this graph
     True
     """
-    from keras.src.layers.merging.add import Add
+    Add = private_api.get("keras.Add")
 
     around = functional_neighbours(layer)
     if around is None or len(around[0]) != 1 or not isinstance(around[0][0], Add):

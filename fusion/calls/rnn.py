@@ -37,7 +37,7 @@ import dataclasses
 import warnings
 from typing import Any
 
-from fusion import trace_state
+from fusion import private_api, trace_state
 from fusion.family import Family, Form, Forms, conservative, declare
 from fusion.kernels.rnn import RnnKernels, rnn_kernels
 from fusion.pattern import PatternStats, Target
@@ -61,22 +61,17 @@ class RnnMatch:
     swap_zr: bool = False  # cuDNN on CUDA orders GRU gates r, z, h
 
 
-def _is_exactly(obj: Any, module: str, name: str) -> bool:
-    cls = type(obj)
-    return cls.__name__ == name and cls.__module__.startswith(module)
-
-
 def find_rnn_layer(layer: Any, target: Target) -> tuple[RnnMatch | None, str | None]:
     """Match one Keras ``LSTM`` / ``GRU`` layer for ``target``: (match, None) or (None, code).
 
     ``code`` is a key of :data:`DECLINE_REASONS`.
     """
-    from keras.src import activations, ops
+    activations, ops = private_api.get("keras.activations"), private_api.get("keras.ops")
 
     cell = getattr(layer, "cell", None)
-    if _is_exactly(cell, "keras.src.layers.rnn.lstm", "LSTMCell"):
+    if type(cell) is private_api.get("keras.LSTMCell"):
         kind = "lstm"
-    elif _is_exactly(cell, "keras.src.layers.rnn.gru", "GRUCell"):
+    elif type(cell) is private_api.get("keras.GRUCell"):
         kind = "gru" if cell.reset_after else "gru_reset_before"
     else:
         return None, "cell"
