@@ -130,3 +130,18 @@ def test_the_readme_example_prints_what_tfmx_did(tmp_path):
         r"fuse='always'", default)), default
     assert "runs the fused step (not timed: fuse='always')" in always, always
     assert "ResourceApplyAdam" in done.stdout.split(always, 1)[1]
+
+
+@pytest.mark.parametrize("figures", [
+    {"fused_first_s": 9.0, "stock_first_s": 3.0, "fused_ms": 40.0, "stock_ms": 60.0},
+    {"fused_first_s": 2.5, "stock_first_s": 1.0, "stock_ms": 0.8},  # the fused step unmeasured
+])
+def test_the_gate_says_from_how_many_calls_tfmx_runs(figures):
+    from tfmx.step_price import price_gate
+
+    short = price_gate(figures, 16)
+    assert short.run == "stock" and short.pays_from > 16
+    assert price_gate(figures, short.pays_from).run == "tfmx"
+    assert price_gate(figures, short.pays_from - 2).run == "stock"
+    line = short.headline(16)
+    assert f"from ~{short.pays_from} calls" in line and "fuse='always'" in line

@@ -56,6 +56,16 @@ def verdict(report: Any) -> str:
     ...     traces, guards = [Trace()], []
     >>> print(verdict(Unguarded()))
     tfmx: M.train_step runs the stock step (no pattern matched); 0.0 s spent measuring
+    >>> from tfmx.guard_record import GuardRecord
+    >>> class Gated:
+    ...     function, status, tune_seconds = "M.train_step", "stock: price gate", 0.0
+    >>> class TestGuard:
+    ...     def summary(self):
+    ...         return GuardRecord("M.test_step", "fused", 8.0, 10.0, 12, "faster")
+    >>> class Both:
+    ...     traces, guards, gates = [Gated()], [TestGuard()], {"M.train_step": "too short"}
+    >>> print(verdict(Both()))
+    tfmx: M.train_step runs the stock step (price gate: too short); 0.0 s spent measuring
     """
     try:
         return _verdict(report)
@@ -72,8 +82,11 @@ def _verdict(report: Any) -> str:
     spent += sum(float(s.cost_s or 0.0) for s in summaries)
     tail = f"; {spent:.1f} s spent measuring"
     guard = _main(summaries, lambda s: s.function)
+    trace = _main(traces, lambda t: t.function)
+    if guard is not None and "train" not in guard.function and "train" in str(
+            getattr(trace, "function", "")):
+        guard = None  # the train step ran unguarded (the price gate, the guard off): it first
     if guard is None:
-        trace = _main(traces, lambda t: t.function)
         status = str(trace.status)
         if status.startswith("stock"):
             why = status.partition(":")[2].strip()
