@@ -287,7 +287,8 @@ MODELS: dict[str, ZooModel] = {
                    _classic("gpt2", "GPT2Backbone"), ("layer_norm", "attention", "gelu"),
                    ("embeddings",)),
         _hub_model("llama", "LlamaBackbone, 2 layers x 128, 4 query / 2 key-value heads, "
-                   "SwiGLU 512, rotary, RMSNorm", "last token", _llama, ("einsum_dense",),
+                   "SwiGLU 512, rotary, RMSNorm", "last token", _llama,
+                   ("einsum_dense", "rms_norm"),
                    ("rotary embedding", "RMSNorm", "SwiGLU", "grouped-query attention")),
     )
 }
