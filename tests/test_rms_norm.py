@@ -304,6 +304,47 @@ def test_mixed_bfloat16_fit_is_no_further_from_float32_than_stock(monkeypatch, n
                                    no_further_terms(4, extra=2))
 
 
+HUB_NORMS = {  # keras_hub 0.32's RMS norm layers: module, class, constructor arguments
+    "llama": ("llama.llama_layernorm", "LlamaLayerNorm", {}),
+    "mistral": ("mistral.mistral_layer_norm", "MistralLayerNormalization", {}),
+    "mixtral": ("mixtral.mixtral_layer_norm", "MixtralLayerNormalization", {}),
+    "qwen": ("qwen.qwen_layernorm", "QwenLayerNorm", {}),
+    "qwen_moe": ("qwen_moe.qwen_moe_layernorm", "QwenMoeLayerNorm", {}),
+    "qwen3 per head": ("qwen3.qwen3_layernorm", "Qwen3LayerNorm", {"head_dim": 8}),
+    "phi3": ("phi3.phi3_layernorm", "Phi3LayerNorm", {}),
+    "gpt_oss": ("gpt_oss.gpt_oss_layer_norm", "GptOssLayerNormalization", {}),
+    "t5": ("t5.t5_layer_norm", "T5LayerNorm", {}),
+    "gemma": ("gemma.rms_normalization", "RMSNormalization", {}),
+    "gemma3 per head": ("gemma3.gemma3_layers", "RMSNormalization", {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HUB_NORMS))
+def test_every_keras_hub_rms_norm_is_found_and_trains_as_stock(monkeypatch, name):
+    """Each of keras_hub's own RMS norm layers, on a per-head tensor [batch, tokens, heads,
+    head dim] (the query and key norms' shape; the others normalize the last axis alike):
+    fused once with the closed form, the fit within rounding of stock's."""
+    import importlib
+
+    pytest.importorskip("keras_hub")
+    module, cls, kwargs = HUB_NORMS[name]
+    norm = getattr(importlib.import_module(f"keras_hub.src.models.{module}"), cls)
+
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((3, 2, 8))
+        x = norm(**kwargs)(keras.layers.Dense(8)(inp))
+        model = keras.Model(inp, keras.layers.Dense(4)(keras.layers.Flatten()(x)))
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+        return model
+
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((16, 3, 2, 8)).astype("float32"), rng.standard_normal((16, 4))
+    models, initial = fit_stock_and_tfmx(build, x, y, ["rms_norm"])
+    _assert_fused(models, "custom", 1)
+    assert_models_within_rounding(models[False], models[True], initial, 4 * (_terms(8) + 48))
+
+
 def test_a_failing_stage_on_llama_trains_as_stock(monkeypatch):
     """The failure raised after the form was emitted (its ops in the graph, unread): each of
     Llama's five norms keeps Keras's ops, the error reported, and the fit is stock's bit for
