@@ -388,7 +388,8 @@ def _caller(instance: Any) -> str:
 def unsupported_inputs(args: tuple, kwargs: dict) -> str | None:
     """Why no stage handles a call with these arguments (the layer, or a hooked function's
     first argument, then the rest), or None: every stage's handler reads a dense floating-point
-    tensor as the call's first tensor, and none takes a sparse or ragged one anywhere.
+    tensor as the call's first tensor (a merge layer's first input, where the call takes a flat
+    list of tensors), and none takes a sparse or ragged one anywhere.
 
     >>> import tensorflow as tf
     >>> unsupported_inputs((object(), tf.ones([2, 2])), {}) is None
@@ -399,6 +400,10 @@ def unsupported_inputs(args: tuple, kwargs: dict) -> str | None:
     'an int32 input'
     >>> unsupported_inputs((object(), {"a": tf.ones([2])}), {})
     'a dict input (nested)'
+    >>> unsupported_inputs((object(), [tf.ones([2]), tf.ones([2])]), {}) is None  # a Multiply's
+    True
+    >>> unsupported_inputs((object(), [tf.ones([2]), [tf.ones([2])]]), {})
+    'a list input (nested)'
     """
     import tensorflow as tf
 
@@ -407,6 +412,8 @@ def unsupported_inputs(args: tuple, kwargs: dict) -> str | None:
             return f"a {type(value).__name__} input"
     rest = list(args if tf.is_tensor(args[0]) else args[1:]) or list(kwargs.values())
     first = rest[0] if rest else None
+    if isinstance(first, (list, tuple)) and first and all(tf.is_tensor(v) for v in first):
+        first = first[0]  # a merge layer's inputs: a flat list of tensors
     if isinstance(first, (dict, list, tuple)):
         return f"a {type(first).__name__} input (nested)"
     if first is None or not tf.is_tensor(first):
