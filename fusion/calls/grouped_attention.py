@@ -49,7 +49,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from fusion import trace_state
+from fusion import private_api, trace_state
 from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Form, Forms, conservative, declare
 from fusion.stage import CallSite, Hook, StageContext, rewrite_call, timed_form
 
@@ -296,7 +296,7 @@ def grouped_dot_product_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Te
     of ``[B, T, kv * groups, H]`` queries against ``[B, S, kv, H]`` keys and values, its two
     einsums as :func:`grouped_contraction` s: logits in at least float32, scale, bias, Keras's
     masks, softmax in float32, cast back."""
-    from keras.src.backend.tensorflow.nn import _apply_masks
+    _apply_masks = private_api.get("keras.apply_masks")
 
     logits = grouped_contraction("btnh,bsnh->bnts", (query, key), 1, 2, groups, bmm)
     logits = tf.cast(logits, tf.float32)
