@@ -95,6 +95,8 @@ class _Slot:
     guard: guard.StepGuard | None = None
     watch: _Watch | None = None
     followed: list[float] | None = dataclasses.field(default_factory=list)  # see _followed
+    first_s: float = 0.0  # its first call (tracing it), seconds
+    steps: dict[tuple[str, int], Any] = dataclasses.field(default_factory=dict)  # tfmx.step_loop
 
 
 class IteratorDispatch:
@@ -110,6 +112,8 @@ class IteratorDispatch:
         self._make_guard = make_guard
         self._twins: dict[str, Any] = {}  # form -> its tf.function
         self._slots: dict[Any, _Slot] = {}
+        self._loop: Any = None  # a fit's tfmx.step_loop.StepLoop while it runs
+        self._loop_memory: dict[tuple[str, int], Any] = {}  # what the step loops chose
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._function, name)
@@ -118,6 +122,12 @@ class IteratorDispatch:
         if (args or kwargs or not _dispatchable(iterator)
                 or not tf.executing_eagerly() or tf.config.functions_run_eagerly()):
             return self._function(iterator, *args, **kwargs)
+        if self._loop is not None:  # several steps a call, where a fit's loop chose it
+            return self._loop.call(self, iterator)
+        return self._call(iterator)
+
+    def _call(self, iterator: Any) -> Any:
+        """One call of the loop for a dispatchable ``iterator`` (see the module doc)."""
         spec = iterator._type_spec
         slot = self._slots.get(spec)
         if slot is None:
@@ -142,6 +152,7 @@ class IteratorDispatch:
                 slot.watch = _Watch(_price_key(embedded), time.perf_counter() - start,
                                     sum(sum(e.ops.values()) for e in embedded),
                                     plan.serial if plan is not None else None)
+            slot.first_s = time.perf_counter() - start
             self._slots[spec] = slot
             return outputs
         if slot.watch is not None:

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from fusion import patches, private_api, stage
-from tfmx import state
+from tfmx import state, step_loop
 from tfmx.dispatch import IteratorDispatch
 from tfmx.errors import UnknownKerasError
 from tfmx.fused_function import FusedFunction
@@ -118,6 +118,7 @@ class _TfWithFusedFunction:
         self._name = name
         self._prepare = prepare
         self._price_key = price_key
+        self.dispatch: IteratorDispatch | None = None  # the step loop's, once made
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._tf, attr)
@@ -138,9 +139,10 @@ class _TfWithFusedFunction:
                 "Keras's step loop (multi_step_on_iterator) is called through its traced "
                 "function: tf.function's per-call lookup runs once per iterator type "
                 "(tfmx.dispatch)")
-            return IteratorDispatch(self._tf.function(fn, **kwargs),
-                                    twin=lambda: self._tf.function(fn, **kwargs),
-                                    make_guard=self._make_guard, name=self._name)
+            self.dispatch = IteratorDispatch(self._tf.function(fn, **kwargs),
+                                             twin=lambda: self._tf.function(fn, **kwargs),
+                                             make_guard=self._make_guard, name=self._name)
+            return self.dispatch
         if fn is None or getattr(fn, "__name__", "") not in _STEP_FUNCTIONS:
             return self._tf.function(fn, **kwargs) if fn is not None else self._tf.function(
                 **kwargs)
@@ -254,6 +256,8 @@ def _make_builder(kind: str, attr: str) -> Any:
                     price_key=_price_key_of(self) if kind == "train" else None)
                 with patches.temporarily(module, "tf", proxy):
                     original(self, force=True)
+                if kind == "train" and proxy.dispatch is not None:
+                    step_loop.register(self, proxy.dispatch)  # several steps a call (a fit)
             else:
                 original(self, force=True)
             setattr(self, attr, _guard(getattr(self, attr)))
@@ -287,9 +291,14 @@ def install() -> list[str]:
     for kind, attr in _KINDS.items():
         patches.install(GROUP, trainer, f"make_{kind}_function", _make_builder(kind, attr))
     # a fit's epochs and steps, from its callbacks' params: the guard's budget (tfmx.guard)
-    patches.install(GROUP, CallbackList, "on_train_begin", planning_callbacks)
+    patches.install(GROUP, CallbackList, "on_train_begin",
+                    lambda original: planning_callbacks(step_loop.looping_callbacks(original)))
     patches.install(GROUP, CallbackList, "on_train_end", ending_callbacks)
-    patches.install(GROUP, trainer, "fit", closing_fit)
+    patches.install(GROUP, trainer, "fit",
+                    lambda original: closing_fit(step_loop.looping_fit(original)))
+    module = _trainer_module()
+    if isinstance(getattr(module, "TFEpochIterator", None), type):  # a fit's training epochs
+        patches.install(GROUP, module, "TFEpochIterator", step_loop.epoch_iterator_class)
     return missing
 
 

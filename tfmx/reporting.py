@@ -81,6 +81,9 @@ class Report:
     # tfmx's first call of a step where the price gate ran it on an estimate: the function,
     # the form, predicted_s, measured_s, measured/predicted, how it was estimated
     first_calls: list[dict] = dataclasses.field(default_factory=list)
+    # a fit's step loop (tfmx.step_loop): the function, the steps a call kept, N, why, the
+    # per-step medians of one and N steps a call (ms), the N-step loop's trace (s)
+    loops: list[dict] = dataclasses.field(default_factory=list)
     # (function, form) -> how often TensorFlow traced the user's step function for that form
     # ("stages": the one tfmx rewrites; "stock": the guard's and verify's reference; "taped":
     # under an outer tape; "xla": the guard's XLA form)
@@ -208,6 +211,7 @@ class Report:
             "decisions": [d.as_dict() for d in self.decisions],
             "guards": [dataclasses.asdict(g.summary()) for g in self.guards],
             "first_calls": [dict(f) for f in self.first_calls],
+            "loops": [dict(loop) for loop in self.loops],
             "python_traces": {f"{name} ({form})": n
                               for (name, form), n in self.python_traces.items()},
             "placement": self._placement_dict(),
