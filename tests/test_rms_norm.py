@@ -394,6 +394,8 @@ def test_the_metal_plan_runs_the_closed_form_on_ops_the_plugin_has(plugin, dtype
     from tfmx.placement import FOLLOWERS
 
     metal = get_backend("metal", plugin=plugin)
+    assert metal.capability(stage.RmsNormForms).forms == ("custom",)  # the declared plan
+    assert get_backend("cpu").capability(stage.RmsNormForms).forms == ("custom", XLA)
     assert not StageContext(metal).xla
     assert runnable_forms(metal, [stage.CUSTOM], dtype) == ([stage.CUSTOM], None)
 

@@ -55,6 +55,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -62,6 +63,7 @@ import tensorflow as tf
 from tensorflow.python.eager import execute
 
 from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Form, Forms, conservative, declare
+from fusion.platform import Platform
 from fusion.stage import (
     XLA,
     XLA_CALLS,
@@ -230,6 +232,31 @@ a traced graph (the closed form's Rsqrt, the region's call) and the ops it emits
 the input's dtype, the rest in float32)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class RmsNormForms:
+    """What a backend runs of this family (its ``capability``): the forms' names."""
+
+    forms: tuple[str, ...]
+
+
+def rms_norm_forms(platform: Platform) -> RmsNormForms:
+    """The forms ``platform`` runs besides Keras's composite: on cpu and cuda the closed form
+    and the XLA region; on a Metal plugin the closed form where it places every op the form
+    emits (in float32), never an XLA region.
+
+    >>> rms_norm_forms(Platform("cpu")).forms
+    ('custom', 'xla')
+    >>> rms_norm_forms(Platform("metal", kernels=frozenset({"Rsqrt"}))).forms
+    ()
+    """
+    if platform.name in ("cpu", "cuda"):
+        return RmsNormForms((CUSTOM.name, XLA_FORM.name))
+    ops = {op.partition(":")[0] for op in CUSTOM.emits}
+    placed = all(platform.runs_op(op) for op in ops) and (
+        platform.table is None or "float32" in platform.dtypes(*ops - {"Cast"}))
+    return RmsNormForms((CUSTOM.name,) if placed else ())
+
+
 def rms_statistic(x: tf.Tensor, epsilon: float, dtype: tf.DType) -> tf.Tensor:
     """``rsqrt(mean(x^2, axis=-1, keepdims=True) + epsilon)`` computed in float32 (a 16-bit
     ``x`` cast up), in ``dtype``, with its gradient in closed form:
@@ -341,5 +368,6 @@ DECLARED = declare(Family(
     "region, where measured faster than Keras's composite",
     hooks=(Hook.on(MATCHES[0], fused_rsqrt), Hook.on(MATCHES[1], fused_reciprocal)),
     forms=FORMS,
+    capability=rms_norm_forms,
     after=OBSERVED_AFTER, order=OBSERVED_ORDER,
 ))
