@@ -282,15 +282,17 @@ def test_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, name
     assert_models_within_rounding(models[False], models[True], initial, FIT_TERMS)
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_mixed_bfloat16_fit_is_no_further_from_float32_than_stock(monkeypatch, name):
+@pytest.mark.parametrize("name,form", [*((name, "custom") for name in sorted(MODELS)),
+                                       ("user", XLA)])
+def test_mixed_bfloat16_fit_is_no_further_from_float32_than_stock(monkeypatch, name, form):
     """keras_hub casts to float32 inside its norms (the statistic float32 as in a float32
     fit); Keras's RMSNormalization under mixed_bfloat16 too; the user's layer works on the
     bfloat16 tensor, its mean summed in float32 by keras.ops.mean: the closed form computes
-    the statistic in float32 and rounds it once to bfloat16."""
+    the statistic in float32 and rounds it once to bfloat16 (the XLA region computes Keras's
+    composite, the mean in float32 as keras.ops.mean does)."""
     from tfmx import state
 
-    monkeypatch.setattr(state, "tuner", lambda: PickForm("custom", "rms_norm", strict=True))
+    monkeypatch.setattr(state, "tuner", lambda: PickForm(form, "rms_norm", strict=True))
     make, count = MODELS[name]
     build, x, y = make()
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
@@ -298,7 +300,7 @@ def test_mixed_bfloat16_fit_is_no_further_from_float32_than_stock(monkeypatch, n
         models, initial = fit_stock_and_tfmx(build, x, y, ["rms_norm"])
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    _assert_fused(models, "custom", count)
+    _assert_fused(models, form, count)
     reference = fit_float32_reference(build, x, y)
     assert_no_further_from_float32(reference, models[False], models[True], initial,
                                    no_further_terms(4, extra=2))
