@@ -2,7 +2,8 @@
 
     tfmx bench [--model M [M ...]] [--rounds N] [--steps N] [--batch-size B]
                [--modes stock tfmx xla] [--policy NAME] [--onednn on|off|both]
-               [--replicas N] [--output FILE.md] [--json [FILE.json]] [--record [DIR]]
+               [--replicas N] [--floor-steps N] [--output FILE.md] [--json [FILE.json]]
+               [--record [DIR]]
 
 ``tfmx bench ...`` runs ``python -m bench ...`` in a process of its own (:mod:`tfmx.cli`: the
 library never imports its benchmark). Parsing (and ``--help``) does not import TensorFlow.
@@ -24,6 +25,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
+from bench.floor import STEPS as FLOOR_STEPS
 from bench.onednn import ONEDNN_CHOICES
 from bench.records import RESULTS_DIR
 from bench.workloads import GROUPS, MODES, OPTIMIZERS, WORKLOADS, expand_models
@@ -80,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
                              "in a MirroredStrategy over them (global batch unchanged: batch / "
                              "N per replica); N > 1 also measures 1 replica, interleaved, and "
                              "compares tfmx / stock between them (default 1: no strategy)")
+    parser.add_argument("--floor-steps", type=int, default=FLOOR_STEPS, metavar="N",
+                        help="after the rounds, profile N calls of stock's step for its "
+                             "contraction floor: the time its MatMul/BatchMatMul/Conv2D/Einsum "
+                             f"kernels take (bench.floor); 0: none (default {FLOOR_STEPS})")
     parser.add_argument("--output", metavar="FILE.md", default=None,
                         help="also append the table to this markdown file (created if missing)")
     parser.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE.json",
@@ -111,7 +117,7 @@ def _bench(args: argparse.Namespace, command: str = "tfmx bench") -> int:
             args.model, onednn=args.onednn, rounds=args.rounds, steps=args.steps,
             modes=modes, batch_size=args.batch_size, warmup=args.warmup,
             backend=args.backend, optimizer=args.optimizer, policy=args.policy,
-            replicas=args.replicas,
+            replicas=args.replicas, floor_steps=args.floor_steps,
         )
     except RuntimeError as err:  # a oneDNN state's process failed (it printed why), or the
         # CPU could not be split into logical devices

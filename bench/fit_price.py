@@ -26,7 +26,9 @@ each workload gets its own inputs (:func:`bench.workloads.random_dataset`: int32
 below the vocabulary for the zoo's language models, standard normal features otherwise).
 
 Run it with ``python -m bench.fit_price [--model M ...] [--epochs 3] [--samples 512] [--cold]
-[--record [DIR]]``. ``--record`` keeps one JSON record per workload and cold/warm under
+[--record [DIR]]``. With ``--minute`` it measures the one-minute fit instead
+(:mod:`bench.minute_fit`: a fit sized to take stock ``--target-seconds``, stock, tfmx and XLA
+each in a process of its own). ``--record`` keeps one JSON record per workload and cold/warm under
 ``bench/results/fit_price/`` (:data:`RESULTS_DIR`; a subfolder, so
 :func:`bench.records.load_records` never reads them): the machine, the command that reproduces
 it, each mode's median and every fit (with the tfmx fits' guard line and price-gate notes),
@@ -483,14 +485,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m bench.fit_price", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", nargs="+", default=["mlp", "small_cnn", "transformer"],
+    parser.add_argument("--model", nargs="+", default=None,
                         choices=sorted(WORKLOADS) + sorted(GROUPS), metavar="M",
                         help="workloads, or a group of them: "
-                             f"{', '.join(GROUPS)} (default mlp small_cnn transformer)")
+                             f"{', '.join(GROUPS)} (default mlp small_cnn transformer; "
+                             "--minute: transformer)")
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--samples", type=int, default=None,
+                        help="samples per epoch (default 512; --minute: 2048)")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="interleaved rounds (default 2; --minute: 3)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--tune", default="cached", choices=("auto", "cached", "off"),
                         help="the timed tfmx fits' tuner mode (after a fit fills the cache)")
@@ -499,18 +504,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--record", nargs="?", const=str(RESULTS_DIR), default=None,
                         metavar="DIR",
                         help="keep one JSON record per workload and cold/warm, with this "
-                             "command (default folder bench/results/fit_price/)")
+                             "command (default folder bench/results/fit_price/; --minute: "
+                             "its minute/ subfolder)")
+    parser.add_argument("--minute", action="store_true",
+                        help="the one-minute fit instead (bench.minute_fit): epochs sized so "
+                             "stock's fit takes --target-seconds, stock, tfmx and XLA each fit "
+                             "in a new process, in the default oneDNN state")
+    parser.add_argument("--target-seconds", type=float, default=60.0,
+                        help="--minute: stock's fit's wall time to size for (default 60)")
+    parser.add_argument("--cache-dir", default=None, metavar="DIR",
+                        help="--minute: the tfmx fits' tuning cache folder (default: "
+                             "$TFMX_CACHE_DIR or tfmx's own)")
+    parser.add_argument("--no-warm-fit", action="store_true",
+                        help="--minute: no untimed tfmx fit filling the tuning cache first")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     command = shlex.join(["python", "-m", "bench.fit_price", *argv])
+    if args.minute:
+        from bench import minute_fit
+
+        return minute_fit.main(args, command)
     env = environment()
 
     def record(row: dict[str, Any]) -> None:
         for path in write_fit_prices([row], command, args.record, env):
             print(f"recorded {path}", file=sys.stderr, flush=True)
 
-    rows = run_fit_prices(expand_models(args.model), args.epochs, args.samples,
-                          args.batch_size, args.rounds, [m for m in MODES if m in args.modes],
+    rows = run_fit_prices(expand_models(args.model or ["mlp", "small_cnn", "transformer"]),
+                          args.epochs, args.samples or 512, args.batch_size, args.rounds or 2,
+                          [m for m in MODES if m in args.modes],
                           args.tune, args.cold, on_row=record if args.record else None)
     print(format_environment(env))
     print()

@@ -90,15 +90,28 @@ def run_child(state: str, models: Sequence[str], options: Mapping[str, Any]) -> 
         argv, env = child_command(state, models, options, path)
         print(f"oneDNN {state}: a new process with {ONEDNN_ENV}={env[ONEDNN_ENV]}",
               file=sys.stderr, flush=True)
-        # The child's progress goes to stderr as it runs; its stdout too (stdout is the table).
-        proc = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True)
-        if proc.stdout:
-            sys.stderr.write(proc.stdout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"tfmx bench: the oneDNN {state} process exited with status "
-                               f"{proc.returncode} (its messages are above)")
-        with open(path) as f:
-            results = json.load(f)
+        results = run_json_process(argv, env, path, f"tfmx bench: the oneDNN {state} process")
     for r in results:
         r["isolated"] = True
     return results
+
+
+def run_json_process(argv: Sequence[str], env: Mapping[str, str], path: str, what: str) -> Any:
+    """Run ``argv`` with ``env`` and wait for it; the JSON it wrote to ``path``. The child's
+    progress goes to stderr as it runs, its stdout too (this process's stdout is the table);
+    a RuntimeError naming ``what`` if it fails.
+
+    >>> import tempfile
+    >>> path = tempfile.mktemp()
+    >>> run_json_process([sys.executable, "-c", f"open({path!r}, 'w').write('[1]')"],
+    ...                  dict(os.environ), path, "a child")
+    [1]
+    """
+    proc = subprocess.run(list(argv), env=dict(env), stdout=subprocess.PIPE, text=True)
+    if proc.stdout:
+        sys.stderr.write(proc.stdout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} exited with status {proc.returncode} (its messages are "
+                           f"above)")
+    with open(path) as f:
+        return json.load(f)

@@ -7,10 +7,11 @@ record under ``bench/results/`` (:func:`bench.records.load_records`, written by
 - BENCHMARKS.md (:func:`format_benchmarks`): how to reproduce a row, how to read the tables,
   then per machine (processor, cores, flags, TensorFlow and Keras) one row per workload and
   oneDNN state: each mode's median ms/step with its p25-p75 spread, tfmx / stock, the best
-  alternative and tfmx / best alternative; then the command that measured each row; then the
-  sections of the records kept in subfolders (:func:`extra_sections`): the price of a short
-  fit (``python -m bench.fit_price --record``) and what tfmx leaves composite in the zoo models
-  (``python -m bench.composite --record``).
+  alternative and tfmx / best alternative; where recorded, the contraction floor
+  (:mod:`bench.floor`) and each mode's step over it; then the command that measured each row;
+  then the sections of the records kept in subfolders (:func:`extra_sections`): the price of a
+  short fit (``python -m bench.fit_price --record``) and what tfmx leaves composite in the zoo
+  models (``python -m bench.composite --record``).
 - The README's small table (:func:`format_readme_table`), between the lines
   ``<!-- bench-table:start -->`` and ``<!-- bench-table:end -->``, only where both exist
   (:func:`replace_between_markers`); nothing else of the README is touched.
@@ -34,6 +35,7 @@ from typing import Any
 
 from bench.compare import compare
 from bench.environment import machine
+from bench.floor import format_record_floors
 from bench.records import RESULTS_DIR, load_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +126,8 @@ def _rows(records: Sequence[Mapping[str, Any]]) -> list[tuple[Mapping[str, Any],
 
 
 def format_machine(title: str, records: Sequence[Mapping[str, Any]]) -> str:
-    """One machine's section of BENCHMARKS.md: the figures, then the commands."""
+    """One machine's section of BENCHMARKS.md: the figures, the contraction floors where
+    recorded (:func:`bench.floor.format_record_floors`), then the commands."""
     modes = [m for m in ("stock", "xla", "tfmx") if any(m in r["modes"] for r in records)]
     header = (["workload", "oneDNN"] + [f"{LABELS[m]} ms" for m in modes]
               + ["tfmx / stock", "best alternative", "tfmx / best"])
@@ -145,7 +148,7 @@ def format_machine(title: str, records: Sequence[Mapping[str, Any]]) -> str:
         date = (record.get("env") or {}).get("date") or "-"
         commands.append(f"| {_workload(record['result'])} | {_state(state)} | {date} | "
                         f"`{record.get('reproduce') or record.get('command', '-')}` |")
-    return "\n".join(lines + commands)
+    return "\n".join(lines + format_record_floors(records, _workload) + commands)
 
 
 def format_benchmarks(records: Sequence[Mapping[str, Any]], extras: Sequence[str] = ()) -> str:
@@ -166,16 +169,19 @@ def format_benchmarks(records: Sequence[Mapping[str, Any]], extras: Sequence[str
 def extra_sections(results: str | Path | None = None) -> list[str]:
     """BENCHMARKS.md's sections from the records kept beside the step records, in subfolders
     of ``results`` (default :data:`bench.records.RESULTS_DIR`): the price of a short fit
-    (``fit_price/``, :mod:`bench.fit_price`) and what tfmx leaves composite in the zoo
-    models (``composite/``, :mod:`bench.composite`); "" where none is recorded.
+    (``fit_price/``, :mod:`bench.fit_price`), the one-minute fit (``fit_price/minute/``,
+    :mod:`bench.minute_fit`) and what tfmx leaves composite in the zoo models
+    (``composite/``, :mod:`bench.composite`); "" where none is recorded.
 
     >>> extra_sections("/no/such/folder")
-    ['', '']
+    ['', '', '']
     """
-    from bench import composite, fit_price
+    from bench import composite, fit_price, minute_fit
 
     folder = Path(results) if results is not None else RESULTS_DIR
     return [fit_price.format_fit_price_section(fit_price.load_fit_prices(folder / "fit_price")),
+            minute_fit.format_minute_section(
+                minute_fit.load_minute_fits(folder / "fit_price" / "minute")),
             composite.format_composite(composite.load_composite(folder / "composite"))]
 
 

@@ -7,7 +7,8 @@ that measured it (and, as ``reproduce``, the same command for its workload alone
 machine (processor and its flags, cores, oneDNN state and how it was set, TensorFlow, Keras
 and Python versions), per mode the median ms/step and the p25-p75 spread, the ratios
 tfmx/stock and tfmx/best alternative (the fastest of stock and XLA in any oneDNN state of the
-same run, :func:`bench.compare.compare`), and the full result it came from.
+same run, :func:`bench.compare.compare`), where measured stock's contraction floor
+(:mod:`bench.floor`) and tfmx/floor, and the full result it came from.
 ``python -m bench.tables --markdown`` (:mod:`bench.publish`) writes BENCHMARKS.md from these
 files only.
 
@@ -113,6 +114,8 @@ def make_record(result: Mapping[str, Any], row: Mapping[str, Any] | None, comman
              for mode, t in result.get("modes", {}).items()}
     median = {mode: t.get("median_ms") for mode, t in modes.items()}
     best = row.get("best_alternative") if row else None
+    floor = result.get("floor") or {}
+    over_floor = (floor.get("ratios") or {}).get("tfmx/floor")  # bench.floor.floor_ratios
     return {
         "schema": SCHEMA,
         "command": command,
@@ -126,8 +129,10 @@ def make_record(result: Mapping[str, Any], row: Mapping[str, Any] | None, comman
         "modes": modes,
         "ratios": {"tfmx/stock": _ratio(median.get("tfmx"), median.get("stock")),
                    "tfmx/best_alternative": _ratio(median.get("tfmx"),
-                                                   best["ms"] if best else None)},
+                                                   best["ms"] if best else None),
+                   **({"tfmx/floor": over_floor} if over_floor is not None else {})},
         "best_alternative": best,
+        **({"floor": floor} if floor else {}),
         "result": dict(result),
     }
 

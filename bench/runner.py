@@ -48,6 +48,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from bench.environment import environment
+from bench.floor import STEPS as FLOOR_STEPS
+from bench.floor import floor_ratios, measure_floor
 from bench.onednn import ONEDNN_ENV, onednn_states, run_child
 from bench.replicas import check_replicas, mirrored_strategy, replica_modes
 from bench.timing import median_ratios, paired_ratios, time_step_functions
@@ -76,6 +78,7 @@ def run_benchmark(
     optimizer: str = "adam",
     policy: str | None = None,
     replicas: int = 1,
+    floor_steps: int = FLOOR_STEPS,
 ) -> dict[str, Any]:
     """Benchmark one workload's training step in each mode, interleaved; return the numbers.
 
@@ -98,12 +101,15 @@ def run_benchmark(
             batch / N.
             :func:`check_replicas` says what cannot run so. :func:`run_benchmarks` with
             ``replicas=N`` also measures 1 replica, interleaved.
+        floor_steps: stock's step profiled this many calls after the timed rounds for its
+            contraction floor (:func:`bench.floor.measure_floor`); 0: no floor.
 
     Returns a dict with ``model``, ``batch_size``, ``replicas``, ``rounds``, ``steps``,
     ``modes`` (per-mode timing from :func:`time_step_functions`), ``ratios`` (``"tfmx/stock"``,
     ``"xla/stock"``, ``"tfmx/xla"``, those whose modes ran),
     ``rewrite`` (one entry per traced function from ``tfmx.report()``: status, nodes, seconds),
-    ``fused`` and ``env``. tfmx's enabled state is restored afterwards.
+    ``fused``, ``floor`` (stock's contraction floor with each mode's ratio to it, or None) and
+    ``env``. tfmx's enabled state is restored afterwards.
 
     >>> r = run_benchmark("mlp", rounds=3, steps=5)  # doctest: +SKIP
     >>> r["ratios"]["tfmx/stock"] > 0  # doctest: +SKIP
@@ -111,14 +117,14 @@ def run_benchmark(
     """
     return _measure(model_name, (replicas,), rounds=rounds, steps=steps, modes=modes,
                     batch_size=batch_size, warmup=warmup, seed=seed, backend=backend,
-                    optimizer=optimizer, policy=policy)[0]
+                    optimizer=optimizer, policy=policy, floor_steps=floor_steps)[0]
 
 
 def _measure(model_name: str, counts: Sequence[int], rounds: int | None = None,
              steps: int | None = None, modes: Sequence[str] | None = None,
              batch_size: int | None = None, warmup: int = 2, seed: int = 0,
              backend: str | None = None, optimizer: str = "adam", policy: str | None = None,
-             ) -> list[dict[str, Any]]:
+             floor_steps: int = FLOOR_STEPS) -> list[dict[str, Any]]:
     """:func:`run_benchmark` at each replica count of ``counts``, every (mode, count) step
     timed interleaved with the others in one :func:`time_step_functions`: one result per
     count. ``modes`` None: :func:`replica_modes` of the largest count."""
@@ -156,12 +162,17 @@ def _measure(model_name: str, counts: Sequence[int], rounds: int | None = None,
         report = tfmx.report() if "tfmx" in ordered else None
         timing = time_step_functions(fns, lambda key: iter(feeds[key[1]]), rounds, steps,
                                      warmup)
+        floors = {n: measure_floor(fns[("stock", n)], iter(feeds[n]), floor_steps)
+                  for n in counts if "stock" in ordered and floor_steps > 0}
     env = environment()
     results = []
     for n in counts:
         by_mode = {mode: {**timing[(mode, n)], "first_call_s": first_trace[(mode, n)]}
                    for mode in ordered}
         part = _report_part(report, spans.get(n))
+        floor = floors.get(n)
+        if floor is not None:
+            floor = {**floor, "ratios": floor_ratios(floor, by_mode)}
         results.append({
             "model": model_name,
             "description": workload.description,
@@ -176,6 +187,7 @@ def _measure(model_name: str, counts: Sequence[int], rounds: int | None = None,
             "ratios": median_ratios(by_mode),
             "paired_ratios": paired_ratios(by_mode),
             **part,
+            "floor": floor,
             "env": env,
             "policy": policy,
             "policy_choice": str(choice) if choice else None,

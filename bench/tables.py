@@ -32,6 +32,9 @@ records ``tfmx bench --record`` keeps (:mod:`bench.publish`, :mod:`bench.records
   (trace, rewrite or compile) seconds; the same ratios taken round by round (each round
   times every mode back to back, :func:`bench.timing.paired_ratios`), median and p25-p75;
   then each traced function's rewrite, and how many chains/updates tfmx fused, per state.
+- The contraction floor (:func:`bench.floor.format_floors`), where measured: per workload and
+  oneDNN state, the time stock's contraction kernels took per step and each mode's step over
+  it, against the transformer workloads' target.
 - With N > 1 replicas: a line saying how they ran (:func:`format_replica_setup`), the rows and
   sections per replica count ("1 replica", "N replicas"), and after the summary table
   tfmx / stock with 1 and with N replicas per workload, their difference and whether it is
@@ -53,6 +56,7 @@ from typing import Any
 
 from bench.compare import by_workload, compare
 from bench.environment import format_environment, format_onednn
+from bench.floor import format_floors
 from bench.onednn import onednn_state
 from bench.replicas import REPLICA_TOLERANCE, compare_replicas, several_replicas
 from bench.timing import NOISY_SPREAD, noisy_modes, paired_ratios
@@ -343,6 +347,9 @@ def format_markdown(results: Mapping[str, Any] | Iterable[Mapping[str, Any]]) ->
              "tfmx is faster.", format_comparison(results)]
     if replicas:
         head.append(format_replicas(results))
+    floors = format_floors(results, lambda r: _workload_label(r, bool(replicas)))
+    if floors:
+        head.append(floors)
     blocks = ["\n\n".join(head)] + [_format_workload(g, replicas)
                                      for g in by_workload(results)]
     return "\n\n".join(blocks) + "\n"
