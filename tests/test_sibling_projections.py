@@ -119,6 +119,31 @@ def test_the_tuner_decides(trace, cpu):
         assert seen[1].signature.endswith("(kernel gradients)")
 
 
+def test_batched_products_merge_with_their_input_gradient_and_are_timed(trace, cpu, rng,
+                                                                        assert_same_numbers):
+    """Keras's einsum of an EinsumDense: a BatchMatMulV2 of a rank-3 input and a rank-2 kernel,
+    whose input gradient TensorFlow sums over axes computed from shapes (none here) and
+    reshapes: merged with it, and timed by the tuner (the sums left out of the fragment)."""
+    def grads(x, w1, w2):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w1, w2])
+            y = tf.reduce_sum(tf.matmul(x, w1) * tf.matmul(x, w2) * tf.sin(x[..., :1]))
+        return [y, *tape.gradient(y, [x, w1, w2])]
+
+    specs = [tf.TensorSpec([2, 8, 16]), tf.TensorSpec([16, 8]), tf.TensorSpec([16, 8])]
+    cf, g = trace(grads, *specs)
+    seen = []
+    find_siblings(GraphView(g.node), cpu, Tuner("auto", None, on_decision=seen.append))
+    assert seen[0].signature == "BatchMatMulV2 float32 2x8x16 x [8, 8] (forward and gradients)"
+    assert seen[0].source == "measured", seen[0]
+    res = fusion.rewrite(g, cpu, [FAMILY], protected=protected_names(cf),
+                         control_outputs=control_output_names(cf))
+    assert res.stats[FAMILY].fused == 1 and not res.stats[FAMILY].partial
+    assert any(n.name.endswith(f"{SCOPE}/input_grad") for n in res.graph_def.node)
+    args = [tf.constant(rng.standard_normal(s.shape), tf.float32) for s in specs]
+    assert_same_numbers(cf, res, *args, terms=40)
+
+
 @pytest.mark.parametrize("plugin, dtype, runs", [
     ("tensorflow-metal", "float32", True), ("tensorflow-metal", "float16", True),
     ("tensorflow-metal-plugin", "float16", True), ("tensorflow-metal-plugin", "bfloat16", False),

@@ -26,7 +26,7 @@ alone is exact on its own: the gradient nodes read the kernels and output gradie
 stay).
 
 Matched: ``MatMul`` (and ``_FusedMatMul`` with one bias, as the contraction family leaves a
-``Dense`` with a bias and activation) and ``BatchMatMulV2``/``V3`` of a rank-2 kernel (Keras's
+``Dense`` with a bias and activation) and ``BatchMatMulV2`` of a rank-2 kernel (Keras's
 einsum of an ``EinsumDense``), the kernels not transposed, whose first operands are one value
 (the same tensor, or the same pure computation of it: each Keras ``Dense`` on tokens reshapes
 its input on its own) and whose attributes are equal. The gradient is merged with its forward
@@ -84,7 +84,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # op -> (its attributes that transpose the first and the second operand)
 PRODUCTS = {"MatMul": ("transpose_a", "transpose_b"),
             "_FusedMatMul": ("transpose_a", "transpose_b"),
-            "BatchMatMulV2": ("adj_x", "adj_y"), "BatchMatMulV3": ("adj_x", "adj_y")}
+            "BatchMatMulV2": ("adj_x", "adj_y")}
 EMITS = frozenset({"ConcatV2", "SplitV"})
 """What the merged form adds to the products it replaces (checked against the target)."""
 PASS_THROUGH = frozenset({"Reshape", "Sum", "Identity"})
@@ -104,6 +104,9 @@ class Gradient:
     chain: list[str]
     total: str
     dw: str | None
+    sums: frozenset[str] = frozenset()
+    """The chain's sums over no axis: left out of the merged form and of the timed fragment
+    (their axes may be computed from shapes, which a fragment cannot make up)."""
 
     @property
     def read(self) -> str:
@@ -142,7 +145,8 @@ class SiblingGroup:
     def nodes(self) -> list[str]:
         names = list(self.siblings)
         for grad in self.gradients or ():
-            names += [grad.dx, *grad.chain, grad.total] + ([grad.dw] if grad.dw else [])
+            names += [grad.dx, *(n for n in grad.chain if n not in grad.sums), grad.total]
+            names += [grad.dw] if grad.dw else []
         return list(dict.fromkeys(names))
 
 
@@ -310,7 +314,8 @@ def _gradient(view: GraphView, group: SiblingGroup, i: int, memo: dict) -> Gradi
         if len(dws) == 1 and not view.has_control_edges(dws[0]) and \
                 dws[0].name not in view.protected:
             dw = dws[0].name
-    return Gradient(dy, dx.name, chain, total.name, dw)
+    sums = frozenset(n for n in chain if view.node(n).op == "Sum")
+    return Gradient(dy, dx.name, chain, total.name, dw, sums)
 
 
 def _passes(view: GraphView, node: NodeDef) -> bool:
@@ -406,14 +411,10 @@ def _split(view: GraphView, name: str, ref: str, widths: list[int], axis: int, d
 def _stand_in(view: GraphView, old: str, ref: str) -> None:
     """Node ``old`` becomes an Identity of ``ref`` (its name and static shape kept)."""
     node = view.node(old)
-    identity = new_node(old, "Identity", [ref], node.device, T=tf.as_dtype(_dtype(node)))
+    identity = new_node(old, "Identity", [ref], node.device, T=tf.as_dtype(node.attr["T"].type))
     if "_output_shapes" in node.attr:
         identity.attr["_output_shapes"].CopyFrom(node.attr["_output_shapes"])
     view.replace(old, identity)
-
-
-def _dtype(node: NodeDef) -> int:
-    return node.attr["Tout"].type if "Tout" in node.attr else node.attr["T"].type
 
 
 def rewrite_siblings(view: GraphView, group: SiblingGroup) -> None:
@@ -465,6 +466,8 @@ def _rewrite_gradients(view: GraphView, group: SiblingGroup, base: str, kernel: 
     view.add(dx)
     summed = dx.name
     for i, name in enumerate(grads[0].chain):  # the same reshapes, of the merged gradient
+        if name in grads[0].sums:
+            continue
         step = NodeDef()
         step.CopyFrom(view.node(name))
         step.name = f"{base}/input_grad_{i}"
