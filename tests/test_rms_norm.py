@@ -264,8 +264,8 @@ def _assert_fused(models: dict, form: str, count: int) -> None:
     assert sum(n.op in marks and scope in n.name for n in nodes) >= count, (form, marks)
 
 
-@pytest.mark.parametrize("form", ["custom", XLA])
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name,form", [*((name, "custom") for name in sorted(MODELS)),
+                                       ("llama", XLA), ("user", XLA)])
 def test_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, name, form):
     from tfmx import state
 

@@ -2,11 +2,12 @@
 ``keras.ops``, matched from the ops it traces, its statistic trained with a closed-form gradient.
 
 keras_hub's decoder LLMs have no Keras layer to hook: each writes its own RMS norm, and so do
-users. ``LlamaLayerNorm`` (Mistral's, Qwen's, Qwen3's and their query and key norms are the
-same code) computes ``x * ops.rsqrt(ops.mean(ops.power(x, 2), axis=-1, keepdims=True) + eps)``
-in float32, then ``* scale`` and a cast back; Gemma's and Gemma3's ``RMSNormalization`` (their
-per-head query and key norms too) ``x * ops.reciprocal(ops.sqrt(ops.mean(ops.square(x), ...) +
-eps)) * (1 + scale)``; ``keras.ops.rms_normalization`` (Keras's ``RMSNormalization`` where the
+users. ``LlamaLayerNorm`` (Mistral's, Mixtral's, Qwen's, Phi-3's, GPT-OSS's and Qwen3's,
+its per-head query and key norms included, are the same code) computes
+``x * ops.rsqrt(ops.mean(ops.power(x, 2), axis=-1, keepdims=True) + eps)`` in float32, then
+``* scale`` and a cast back; Gemma's and Gemma3's ``RMSNormalization`` (their per-head query
+and key norms too) ``x * ops.reciprocal(ops.sqrt(ops.mean(ops.square(x), ...) + eps)) *
+(1 + scale)``; ``keras.ops.rms_normalization`` (Keras's ``RMSNormalization`` where the
 layer_norm family keeps its composite) the same with ``ops.square``. What they share is one
 ``keras.ops`` call whose argument carries the whole statistic: the TensorFlow backend's
 ``rsqrt`` (or ``reciprocal`` of a ``sqrt``). This stage hooks those two functions and reads
