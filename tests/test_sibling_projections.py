@@ -16,7 +16,7 @@ from fusion.graph import GraphView
 from fusion.graphs import sibling_projections
 from fusion.graphs.sibling_projections import FAMILY, SCOPE, find_siblings
 from fusion.pattern import RewriteAlways
-from tfmx.rebuild import control_output_names, protected_names
+from tfmx.rebuild import control_output_names, protected_names, rebuild
 from tfmx.tuner import Tuner
 
 pytestmark = pytest.mark.usefixtures("every_rewrite")
@@ -124,14 +124,8 @@ def test_batched_products_merge_with_their_input_gradient_and_are_timed(trace, c
     """Keras's einsum of an EinsumDense: a BatchMatMulV2 of a rank-3 input and a rank-2 kernel,
     whose input gradient TensorFlow sums over axes computed from shapes (none here) and
     reshapes: merged with it, and timed by the tuner (the sums left out of the fragment)."""
-    def grads(x, w1, w2):
-        with tf.GradientTape() as tape:
-            tape.watch([x, w1, w2])
-            y = tf.reduce_sum(tf.matmul(x, w1) * tf.matmul(x, w2) * tf.sin(x[..., :1]))
-        return [y, *tape.gradient(y, [x, w1, w2])]
-
     specs = [tf.TensorSpec([2, 8, 16]), tf.TensorSpec([16, 8]), tf.TensorSpec([16, 8])]
-    cf, g = trace(grads, *specs)
+    cf, g = trace(_grads_of, *specs)
     seen = []
     find_siblings(GraphView(g.node), cpu, Tuner("auto", None, on_decision=seen.append))
     assert seen[0].signature == "BatchMatMulV2 float32 2x8x16 x [8, 8] (forward and gradients)"
@@ -142,6 +136,33 @@ def test_batched_products_merge_with_their_input_gradient_and_are_timed(trace, c
     assert any(n.name.endswith(f"{SCOPE}/input_grad") for n in res.graph_def.node)
     args = [tf.constant(rng.standard_normal(s.shape), tf.float32) for s in specs]
     assert_same_numbers(cf, res, *args, terms=40)
+
+
+def _grads_of(x, w1, w2):
+    with tf.GradientTape() as tape:
+        tape.watch([x, w1, w2])
+        y = tf.reduce_sum(tf.matmul(x, w1) * tf.matmul(x, w2) * tf.sin(x[..., :1]))
+    return [y, *tape.gradient(y, [x, w1, w2])]
+
+
+@pytest.mark.parametrize("x_spec, kernel, partial", [
+    ([None, 16], [16, 8], None), ([None, None], [None, 8], None),
+    ([None, None, 16], [16, 8], "forward only: an input gradient is not read by one sum alone"),
+])
+def test_unknown_sizes(trace, cpu, x_spec, kernel, partial):
+    """Rows, and contracted sizes, unknown when traced: merged (the split needs the widths
+    alone); a batched product whose gradient's sums are of unknown rank: forward only."""
+    specs = [tf.TensorSpec(x_spec), tf.TensorSpec(kernel), tf.TensorSpec(kernel)]
+    cf, g = trace(_grads_of, *specs)
+    res = fusion.rewrite(g, cpu, [FAMILY], protected=protected_names(cf),
+                         control_outputs=control_output_names(cf))
+    stats = res.stats[FAMILY]
+    assert stats.fused == 1 and list(stats.partial) == ([partial] if partial else []), stats
+    new = rebuild(cf, res.graph_def, res.control_renames)
+    args = [tf.random.normal([2, 3, 16][-len(x_spec):], seed=1), tf.random.normal([16, 8]),
+            tf.random.normal([16, 8])]
+    for got, want in zip(new(*args), cf(*args)):
+        assert_within_rounding(got.numpy(), want.numpy(), 40)
 
 
 @pytest.mark.parametrize("plugin, dtype, runs", [
