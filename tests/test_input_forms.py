@@ -43,6 +43,7 @@ CORES: dict[str, tuple[tuple[int, ...], Maker]] = {
     "grouped_attention": ((6, 8), lambda c: _self_attention(c(L.GroupQueryAttention)(4, 4, 2))),
     "batch_norm": ((6, 6, 3), lambda c: c(L.BatchNormalization)()),
     "rnn": ((5, 3), lambda c: c(L.LSTM)(8, return_sequences=True)),
+    "squeeze_excite": ((4, 4, 8), lambda c: _squeeze_excite(c)),
 }
 
 STAGES = sorted(set(CORES) & {s.name for s in stage.stages()})
@@ -76,6 +77,17 @@ def _chain(*layers: Any) -> Callable[..., Any]:
 def _self_attention(layer: Any) -> Callable[..., Any]:
     def call(x: Any, **kwargs: Any) -> Any:
         return layer(x, x, **kwargs)
+    return call
+
+
+def _squeeze_excite(c: Callable[[type], type]) -> Callable[..., Any]:
+    """A squeeze-and-excitation block: pool, reduce, expand, the channel scale."""
+    pool, scale = c(L.GlobalAveragePooling2D)(keepdims=True), c(L.Multiply)()
+    squeeze = _chain(pool, c(L.Conv2D)(2, 1, activation="relu"),
+                     c(L.Conv2D)(8, 1, activation="sigmoid"))
+
+    def call(x: Any, **kwargs: Any) -> Any:
+        return scale([x, squeeze(x, **kwargs)], **kwargs)
     return call
 
 
