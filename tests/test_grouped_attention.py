@@ -34,7 +34,7 @@ def _stage_example() -> keras.Model:
     return keras.Model(inp, keras.layers.Dense(4)(keras.layers.GlobalAveragePooling1D()(x)))
 
 
-STAGE_EXAMPLE = StageExample(_stage_example, lacking="Reshape")
+STAGE_EXAMPLE = StageExample(_stage_example, lacking="Softmax")
 """This family's model in the stage-safety tests (tests/test_stage_safety.py)."""
 
 
@@ -306,14 +306,28 @@ def test_other_einsums_are_kerass_and_not_counted():
     assert stats is None or not stats.matched, stats.as_dict()
 
 
-def test_metal_plan_runs_grouped_attention_on_ops_the_plugin_has():
-    """On tensorflow-metal 1.2.0 (no Einsum kernel) the batched-MatMul form is the one left;
-    every op it emits, forward and gradient, has a kernel there."""
-    from tfmx.backends import get_backend, metal_kernels
+@pytest.mark.parametrize("plugin,dtype,forms", [
+    ("tensorflow-metal", "float16", ["grouped bmm", "sdpa grouped bmm"]),
+    ("tensorflow-metal", "bfloat16", ["grouped bmm", "sdpa grouped bmm"]),
+    ("tensorflow-metal-plugin", "float16", ["grouped bmm", "sdpa grouped bmm"]),
+    ("tensorflow-metal-plugin", "bfloat16", []),
+])
+def test_metal_plan_per_plugin(plugin, dtype, forms):
+    """Neither plugin has an Einsum kernel: the batched-MatMul forms are the plan, where the
+    plugin has BatchMatMulV2 in the dtype (the open plugin has none in bfloat16)."""
+    from fusion.forms import runnable_forms
+    from tfmx.backends import get_backend
 
-    metal = get_backend("metal")
-    assert not metal.runs_op("Einsum")
-    assert all(metal.runs_op(op, "float16") for op in stage.SDPA_BMM.emits | stage.BMM.emits)
+    metal = get_backend("metal", plugin=plugin, tensorflow="2.21.0")
+    every = [stage.BMM, stage.EINSUM, stage.SDPA_BMM, stage.SDPA_EINSUM]
+    assert [f.name for f in runnable_forms(metal, every, tf.as_dtype(dtype))[0]] == forms
+
+
+def test_metal_plan_runs_grouped_attention_on_ops_the_plugin_has():
+    """On tensorflow-metal 1.2.0 the step's fused attention emits, forward and gradient, only
+    ops the plugin has a kernel for."""
+    from tfmx.backends import metal_kernels
+
     x, y = _gqa_data()
     tfmx.enable(backend="metal", patterns=[stage.FAMILY])
     with pytest.raises(tfmx.BackendUnavailableError):

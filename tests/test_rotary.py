@@ -93,7 +93,8 @@ def test_mixed_bfloat16_llama_fit_is_no_further_from_float32_than_stock(monkeypa
 
 def test_metal_plan_takes_the_concatenation_where_the_plugin_has_no_roll():
     """tensorflow-metal 1.2.0 has no Roll kernel: its plan is the ``swap concat`` form, whose
-    ops (forward and gradient) it has in float16; XLA is never offered there."""
+    ops (forward and gradient) it has in float16; XLA is never offered there. The open plugin
+    has both forms' kernels in float16."""
     from fusion.forms import runnable_forms
     from fusion.stage import StageContext
     from tfmx.backends import get_backend, metal_kernels
@@ -102,6 +103,11 @@ def test_metal_plan_takes_the_concatenation_where_the_plugin_has_no_roll():
     assert not StageContext(metal).xla
     runnable, _ = runnable_forms(metal, [stage.ROLL, stage.SWAP], tf.float16)
     assert [f.name for f in runnable] == ["swap concat"]
+    # the open plugin has Roll, in float32 and float16 (no bfloat16 kernels of these ops)
+    plugin = get_backend("metal", plugin="tensorflow-metal-plugin", tensorflow="2.21.0")
+    for dtype, names in ((tf.float16, ["roll", "swap concat"]), (tf.bfloat16, [])):
+        runnable, _ = runnable_forms(plugin, [stage.ROLL, stage.SWAP], dtype)
+        assert [f.name for f in runnable] == names
 
     @tf.function(autograph=False)
     def step(x, cos, sin):

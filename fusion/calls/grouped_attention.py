@@ -163,8 +163,9 @@ def check_dot_product(query: Any, key: Any, value: Any, flash: Any, cap: Any) ->
 # -- forms: what it emits (CONSERVATIVE: the form Keras runs), and the hook's flow ----------------
 CONSERVATIVE = conservative("repeated", "Keras's repeated keys and values")
 _BMMS = frozenset({"BatchMatMulV2", "BatchMatMulV3"})
-_BMM = frozenset({"BatchMatMulV2", "Transpose", "Reshape"})
-_EINSUM = frozenset({"Einsum", "Reshape"})
+_BMM = frozenset({"BatchMatMulV2", "Transpose"})  # and reshapes, which run on every device
+_EINSUM = frozenset({"Einsum"})
+_SOFTMAX = frozenset({"Softmax:float32"})  # dot_product_attention's, as Keras's, in float32
 BMM = Form("grouped bmm", "grouped attention: Transpose + BatchMatMulV2 over key/value heads "
                           "and groups, keys and values not repeated", marks=_BMMS, emits=_BMM)
 EINSUM = Form("grouped einsum", "grouped attention: one Einsum over key/value heads and groups, "
@@ -172,10 +173,10 @@ EINSUM = Form("grouped einsum", "grouped attention: one Einsum over key/value he
               marks=frozenset({"Einsum"}), emits=_EINSUM)
 SDPA_BMM = Form("sdpa grouped bmm", "dot_product_attention: Transpose + BatchMatMulV2 over "
                                     "key/value heads and groups, keys and values not repeated",
-                marks=_BMMS, emits=_BMM)
+                marks=_BMMS, emits=_BMM | _SOFTMAX)
 SDPA_EINSUM = Form("sdpa grouped einsum", "dot_product_attention: Einsums over key/value heads "
                                           "and groups, keys and values not repeated",
-                   marks=frozenset({"Einsum"}), emits=_EINSUM)
+                   marks=frozenset({"Einsum"}), emits=_EINSUM | _SOFTMAX)
 FORMS = Forms(SCOPE, (CONSERVATIVE, BMM, EINSUM, SDPA_BMM, SDPA_EINSUM))
 """Every form, emitted under ``tfmx_grouped_attention_<form>``."""
 

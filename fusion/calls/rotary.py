@@ -85,10 +85,11 @@ def check(x: Any, cos: Any, sin: Any) -> str | None:
 # -- forms: what it emits (CONSERVATIVE: the form Keras runs), and the hook's flow ----------------
 CONSERVATIVE = conservative("rotate half", "keras_hub's rotate_half application")
 ROLL = Form("roll", "RotaryEmbedding: x * cos + Roll(x) * sin with the sign in the table",
-            marks=frozenset({"Roll"}), emits=frozenset({"Roll", "Mul", "AddV2", "ConcatV2"}))
+            marks=frozenset({"Roll"}),
+            emits=frozenset({"Roll", "Mul", "AddV2", "ConcatV2", "Neg", "StridedSlice"}))
 SWAP = Form("swap concat", "RotaryEmbedding: x * cos + swapped halves * sin with the sign in "
                            "the table", marks=frozenset({"ConcatV2"}),
-            emits=frozenset({"ConcatV2", "Mul", "AddV2"}))
+            emits=frozenset({"ConcatV2", "Mul", "AddV2", "Neg", "StridedSlice"}))
 REGION = Form(XLA, "RotaryEmbedding: keras_hub's application as one XLA-compiled region "
                    "(forward and gradient)", marks=XLA_CALLS)
 FORMS = Forms(SCOPE, (CONSERVATIVE, ROLL, SWAP, REGION))
