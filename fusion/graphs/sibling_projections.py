@@ -225,7 +225,9 @@ def _match(node: NodeDef, ctx: RuleContext) -> SiblingGroup | str | None:
     x_shape = tensor_shape(view, x)
     kernels = [view.data_inputs(n)[1] for n in nodes]
     shapes = [tensor_shape(view, k) for k in kernels]
-    if x_shape is None or any(s is None or len(s) != 2 or s[1] is None for s in shapes):
+    if any(s is not None and len(s) != 2 for s in shapes):
+        return None  # batched operands on both sides: no projection by kernels
+    if x_shape is None or any(s is None or s[1] is None for s in shapes):
         return f"{what}: the input's rank or a kernel's width is not known"
     contracted = {s[0] for s in shapes} - {None}
     if len(contracted) > 1:  # each is a product of the same input: never where it runs
