@@ -37,6 +37,8 @@ CORES: dict[str, tuple[tuple[int, ...], Maker]] = {
     "feed_forward": ((6, 8), lambda c: _chain(c(L.Dense)(16, activation="gelu"),
                                               c(L.Dense)(8))),
     "layer_norm": ((6, 8), lambda c: c(L.LayerNormalization)()),
+    # keras.ops.rms_normalization's composite: the rms_norm stage alone finds its statistic
+    "rms_norm": ((6, 8), lambda c: c(L.RMSNormalization)()),
     "einsum_dense": ((6, 8), lambda c: c(L.EinsumDense)("abc,cd->abd", (None, 16),
                                                         bias_axes="d")),
     "attention": ((6, 8), lambda c: _self_attention(c(L.MultiHeadAttention)(2, 4))),
