@@ -11,6 +11,8 @@ def traced_graphs(fn) -> list:
     """The GraphDef (with its function library) of every graph Keras's step function traced."""
     fn = getattr(fn, "__wrapped__", fn)
     candidates = [fn] + [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]
+    # Keras 3.16 calls its step through a wrapper of its own (_autoconvert_optionals)
+    candidates += [c.__wrapped__ for c in candidates if hasattr(c, "__wrapped__")]
     return [cf.graph.as_graph_def() for target in candidates
             for cf in getattr(target, "_list_all_concrete_functions", lambda: [])()]
 

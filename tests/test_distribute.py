@@ -303,17 +303,19 @@ def test_multi_worker_checkpoint_restores_and_continues_the_loss_curve(tmp_path)
 
 
 def test_multi_worker_fit_patches_come_and_go_with_tfmx_and_leave_one_process_alone():
-    import keras.src.backend.tensorflow.trainer as trainer
     import tensorflow as tf
 
     import tfmx
+    from fusion import private_api
     from tfmx import state
 
-    original = (trainer.reduce_per_replica, trainer.TensorFlowTrainer._maybe_symbolic_build)
+    trainer = private_api.get("keras.trainer_module")
+    keras_trainer = private_api.get("keras.trainer")
+    original = (trainer.reduce_per_replica, keras_trainer._maybe_symbolic_build)
     tfmx.enable(backend="cpu")
     try:
         assert trainer.reduce_per_replica is not original[0]
-        assert trainer.TensorFlowTrainer._maybe_symbolic_build is not original[1]
+        assert keras_trainer._maybe_symbolic_build is not original[1]
         assert not state.multi_worker()
         # one process: Keras's own reduction (the mean of the replicas' values)
         values = {"loss": tf.constant(2.0)}
@@ -321,5 +323,4 @@ def test_multi_worker_fit_patches_come_and_go_with_tfmx_and_leave_one_process_al
         assert float(out["loss"]) == 2.0
     finally:
         tfmx.disable()
-    assert (trainer.reduce_per_replica, trainer.TensorFlowTrainer._maybe_symbolic_build) == \
-        original
+    assert (trainer.reduce_per_replica, keras_trainer._maybe_symbolic_build) == original

@@ -65,10 +65,10 @@ def _patchable_owners() -> list[object]:
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     listed = [_resolve(m, q) for m, q in json.loads(done.stdout.strip().splitlines()[-1])]
-    from keras.src.backend.tensorflow import trainer
-    from keras.src.callbacks.callback_list import CallbackList
+    from fusion import private_api
 
-    fixed = [trainer, trainer.TensorFlowTrainer, keras.Model, keras.layers.Layer, CallbackList]
+    fixed = [private_api.get("keras.trainer_module"), private_api.get("keras.trainer"),
+             keras.Model, keras.layers.Layer, private_api.get("keras.CallbackList")]
     return list({id(owner): owner for owner in [*listed, *fixed]}.values())
 
 
