@@ -170,19 +170,21 @@ def extra_sections(results: str | Path | None = None) -> list[str]:
     """BENCHMARKS.md's sections from the records kept beside the step records, in subfolders
     of ``results`` (default :data:`bench.records.RESULTS_DIR`): the price of a short fit
     (``fit_price/``, :mod:`bench.fit_price`), the one-minute fit (``fit_price/minute/``,
-    :mod:`bench.minute_fit`) and what tfmx leaves composite in the zoo models
-    (``composite/``, :mod:`bench.composite`); "" where none is recorded.
+    :mod:`bench.minute_fit`), what tfmx leaves composite in the zoo models
+    (``composite/``, :mod:`bench.composite`) and small models' epochs (``loop/``,
+    :mod:`bench.loop`); "" where none is recorded.
 
     >>> extra_sections("/no/such/folder")
-    ['', '', '']
+    ['', '', '', '']
     """
-    from bench import composite, fit_price, minute_fit
+    from bench import composite, fit_price, loop, minute_fit
 
     folder = Path(results) if results is not None else RESULTS_DIR
     return [fit_price.format_fit_price_section(fit_price.load_fit_prices(folder / "fit_price")),
             minute_fit.format_minute_section(
                 minute_fit.load_minute_fits(folder / "fit_price" / "minute")),
-            composite.format_composite(composite.load_composite(folder / "composite"))]
+            composite.format_composite(composite.load_composite(folder / "composite")),
+            loop.format_loop_section(loop.load_records(folder / "loop"))]
 
 
 def format_readme_table(records: Sequence[Mapping[str, Any]]) -> str:

@@ -34,12 +34,16 @@ def test_records_round_trip_into_the_section(tmp_path):
 
     row = loop.summarize("mlp", {"stock": [4.0], "tfmx": [2.0]}, None)
     command = "python -m bench.loop --model mlp --record"
-    paths = loop.write_records([row], command, environment(), tmp_path)
+    paths = loop.write_records([row], command, environment(), tmp_path / "loop")
     assert [p.name for p in paths] == ["mlp.json"]
-    records = loop.load_records(tmp_path)
+    records = loop.load_records(tmp_path / "loop")
     assert records[0]["modes"] == row["modes"] and records[0]["command"] == command
     section = loop.format_loop_section(records)
     assert section.startswith("## Small models")
     assert "| mlp | 4.0 (4.0-4.0) | 2.0 (2.0-2.0) | - | - | - | 0.5 | - |" in section
     assert f"Command: `{command}`" in section
     assert loop.format_loop_section([]) == ""
+    from bench import publish
+
+    assert publish.extra_sections(tmp_path)[3] == section  # BENCHMARKS.md's section
+

@@ -66,6 +66,9 @@ _local = threading.local()
 _DISPATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its dispatch
 _KEEPER = ("keras.src.callbacks.history.History",
            "keras.src.callbacks.progbar_logger.ProgbarLogger")
+_EPOCH_STATE = ("steps_per_epoch", "_num_batches", "_current_iterator", "_steps_seen",
+                "data_adapter", "_get_iterator", "_interrupted_warning")
+"""What :func:`_stepped` reads and writes of Keras 3's epoch iterator."""
 _BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin",
                 "on_batch_end")
 
@@ -438,7 +441,7 @@ def _attach(callbacks: Any) -> None:
         return
     ref = _DISPATCHES.get(model)
     dispatch = ref() if ref is not None else None
-    if dispatch is None or not enabled_by_env(ENV_LOOP):
+    if dispatch is None or not enabled_by_env(ENV_LOOP) or state.multi_worker():
         return
     name = f"{type(model).__name__}.train_step"
     report = state.report()
@@ -450,6 +453,11 @@ def _attach(callbacks: Any) -> None:
     if needing:
         report.note(f"step loop: {name} runs one step a call: callback(s) "
                     f"{', '.join(dict.fromkeys(needing))} are called per batch")
+        return
+    missing = [name for name in _EPOCH_STATE if not hasattr(epochs, name)]
+    if missing:  # another Keras's epoch iterator: its own loop
+        report.note(f"step loop: {name} runs one step a call: Keras's epoch iterator lacks "
+                    f"{', '.join(missing)}")
         return
     steps = epochs.steps_per_epoch or epochs._num_batches
     if not steps:
