@@ -22,6 +22,7 @@ from helpers import (
 )
 
 import tfmx
+from fusion import private_api
 from fusion.calls import attention as stage
 
 
@@ -117,7 +118,7 @@ def test_fit_matches_stock_with_batched_matmuls_in_the_graph_that_ran(monkeypatc
 
 
 def test_forms_match_keras_dot_product_attention_and_its_gradient():
-    from keras.src.backend.tensorflow.nn import _dot_product_attention_xla
+    _dot_product_attention_xla = private_api.get("keras.dot_product_attention_xla")
 
     q, k, v = (tf.random.normal([3, 5, 2, 4], seed=s) for s in (1, 2, 3))
     keep = np.random.default_rng(0).random((3, 1, 5, 5)) > 0.3
@@ -150,7 +151,7 @@ FOLDED_BF16_TERMS = 6
 def _bfloat16_attention(causal: bool, masked: bool) -> dict:
     """Keras's attention and both forms in bfloat16 at H = 32: name -> [output, dq, dk, dv]
     (float64 arrays) under a linear loss."""
-    from keras.src.backend.tensorflow.nn import _dot_product_attention_xla
+    _dot_product_attention_xla = private_api.get("keras.dot_product_attention_xla")
 
     q, k, v = (tf.cast(tf.random.normal([4, 16, 2, 32], seed=s) * 2, tf.bfloat16)
                for s in (1, 2, 3))

@@ -5,6 +5,7 @@ steps aside for it."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import warnings
 from pathlib import Path
 
@@ -33,6 +34,8 @@ def test_every_stage_hook_resolves_here():
     missing = []
     for family in stage.stages():
         for hook in family.hooks:
+            if importlib.util.find_spec(hook.owner.split(".")[0]) is None:
+                continue  # a hook of a package not installed here (keras_hub's)
             try:
                 getattr(hook.owner_class(), hook.attribute)
             except (ImportError, AttributeError) as exc:

@@ -23,11 +23,13 @@ from helpers import (
     ops_that_ran,
     value_and_gradient,
 )
-from keras.src.backend.tensorflow import nn as keras_nn
 
 import tfmx
+from fusion import private_api
 from fusion.calls import swish as stage
 from fusion.stage import XLA, XLA_CALLS
+
+keras_nn = private_api.get("keras.backend_nn")
 
 # Every match rewritten, whatever the tuner would measure here (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("every_rewrite")

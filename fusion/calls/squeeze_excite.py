@@ -54,6 +54,7 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.eager import execute
 
+from fusion import private_api
 from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Form, Forms, conservative, declare
 from fusion.platform import Platform
 from fusion.stage import (
@@ -279,7 +280,7 @@ def check(block: Block, x: Any, gate: Any) -> str | None:
     >>> check(block, tf.zeros([2, 4, 4, 8], tf.float64), tf.zeros([2, 1, 1, 8], tf.float64))
     'input dtype float64'
     """
-    from keras.src.backend import get_keras_mask
+    get_keras_mask = private_api.get("keras.get_keras_mask")
 
     if x.dtype.name not in _DTYPES:
         return f"input dtype {x.dtype.name}"
