@@ -235,6 +235,31 @@ def _trainer_module() -> Any:
     return private_api.get("keras.trainer_module")
 
 
+def _through_loop(model: Any, dispatch: IteratorDispatch, keras_function: Any) -> Any:
+    """Keras's train or test function, whose one step a call (``steps_per_execution == 1``) runs
+    through Keras's traced loop (``multi_step_on_iterator``, called by ``dispatch``) where Keras
+    itself reads the batch outside it and calls its step alone (Keras 3.16): one traced call a
+    step, as with Keras 3.15, and the dispatch's guard and price-gate switch on it. Other Keras
+    versions, other iterators and several steps a call: Keras's function."""
+    if private_api.release("keras") < (3, 16):
+        return keras_function
+    import tensorflow as tf
+
+    ref = weakref.ref(model)
+    iterators = (tf.data.Iterator, tf.distribute.DistributedIterator)
+
+    def function(iterator: Any) -> Any:
+        model = ref()
+        if model is None or model.steps_per_execution != 1 or not isinstance(iterator, iterators):
+            return keras_function(iterator)
+        outputs = dispatch(iterator)
+        if not outputs.has_value():
+            raise StopIteration
+        return outputs.get_value()
+
+    return function
+
+
 _BUILT: weakref.WeakSet = weakref.WeakSet()  # models whose step functions the hook built
 _KINDS = {"train": "train_function", "test": "test_function", "predict": "predict_function"}
 GROUP = "tfmx.keras"  # the fusion.patches group of the trainer's three builders
@@ -256,6 +281,8 @@ def _make_builder(kind: str, attr: str) -> Any:
                     price_key=_price_key_of(self) if kind == "train" else None)
                 with patches.temporarily(module, "tf", proxy):
                     original(self, force=True)
+                if proxy.dispatch is not None:
+                    setattr(self, attr, _through_loop(self, proxy.dispatch, getattr(self, attr)))
                 if kind == "train" and proxy.dispatch is not None:
                     step_loop.register(self, proxy.dispatch)  # several steps a call (a fit)
             else:

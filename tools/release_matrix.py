@@ -137,13 +137,15 @@ def run_file(python: Path, source: Path, test: str, timeout: float) -> dict:
 
 def table(results: list[dict]) -> str:
     """The markdown table of ``results`` (one row per combination)."""
-    lines = ["| TensorFlow | Keras | Python | core test files passed | failed |",
+    lines = ["| TensorFlow | Keras | Python | test files passed | failed |",
              "|---|---|---|---|---|"]
     for r in results:
-        passed = [f["test"] for f in r["files"] if f["ok"]]
-        failed = [Path(f["test"]).name for f in r["files"] if not f["ok"]]
+        names = {True: [], False: []}
+        for f in r["files"]:
+            names[f["ok"]].append(Path(f["test"]).stem.removeprefix("test_"))
         lines.append(f"| {r['tensorflow']} | {r['keras']} | {r['python']} | "
-                     f"{len(passed)} of {len(r['files'])} | {', '.join(failed) or 'none'} |")
+                     f"{len(names[True])} of {len(r['files'])}: {', '.join(names[True])} | "
+                     f"{', '.join(names[False]) or 'none'} |")
     return "\n".join(lines)
 
 
@@ -174,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.root.mkdir(parents=True, exist_ok=True)
     source = tree(args.worktree)
+    commit = "working tree" if args.worktree else _run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], check=True).stdout.strip()
     results = []
     for combination in COMBINATIONS:
         if args.only is not None and combination.name not in args.only:
@@ -187,13 +191,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{combination.name}: {test}: {'ok' if f['ok'] else 'FAILED'} "
                   f"{f['counts']} {f['seconds']} s {' '.join(f['failed'])}", flush=True)
         results.append({"combination": combination.name, "keras": keras, "tensorflow": tf,
-                        "python": py, "files": files})
+                        "python": py, "commit": commit, "files": files})
     previous = json.loads(record.read_text()) if record.exists() else []
-    merged = {r["combination"]: r for r in previous}
-    for r in results:
-        old = {f["test"]: f for f in merged.get(r["combination"], {}).get("files", [])}
-        old.update({f["test"]: f for f in r["files"]})
-        merged[r["combination"]] = {**r, "files": list(old.values())}
+    merged = {r["combination"]: r for r in previous}  # a combination's last run replaces it
+    merged.update({r["combination"]: r for r in results})
     order = [c.name for c in COMBINATIONS]
     merged_list = sorted(merged.values(), key=lambda r: order.index(r["combination"]))
     record.write_text(json.dumps(merged_list, indent=1))
