@@ -246,7 +246,7 @@ def _through_loop(model: Any, dispatch: IteratorDispatch, keras_function: Any) -
     import tensorflow as tf
 
     ref = weakref.ref(model)
-    iterators = (tf.data.Iterator, tf.distribute.DistributedIterator)
+    iterators = (tf.data.Iterator,)  # a strategy's distributed iterator: Keras's own call
 
     def function(iterator: Any) -> Any:
         model = ref()
