@@ -13,8 +13,13 @@ def traced_graphs(fn) -> list:
     candidates = [fn] + [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]
     # Keras 3.16 calls its step through a wrapper of its own (_autoconvert_optionals)
     candidates += [c.__wrapped__ for c in candidates if hasattr(c, "__wrapped__")]
-    return [cf.graph.as_graph_def() for target in candidates
-            for cf in getattr(target, "_list_all_concrete_functions", lambda: [])()]
+    concrete = {id(cf): cf for target in {id(t): t for t in candidates}.values()
+                for cf in getattr(target, "_list_all_concrete_functions", lambda: [])()}
+    graphs = {cf.name.decode() if isinstance(cf.name, bytes) else cf.name: cf.graph.as_graph_def()
+              for cf in concrete.values()}
+    # a step Keras calls from its loop's graph is in that graph's library: counted there once
+    called = {f.signature.name for g in graphs.values() for f in g.library.function}
+    return [g for name, g in graphs.items() if name not in called]
 
 
 def nodes_that_ran(fn) -> list:
