@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -96,6 +97,20 @@ class Hook:
         (:func:`fusion.private_api.locate`)."""
         module, name = private_api.locate(self.owner).split(":")
         return getattr(importlib.import_module(module), name)
+
+    def waiting(self) -> bool:
+        """True while the package ``owner`` names is one besides Keras (keras_hub...) that
+        the process has not imported: the hook is installed once it is (:func:`install`
+        again, as tfmx does before it traces a step), and never imports it itself (a user
+        without it pays nothing, and is told nothing).
+
+        >>> Hook.on("keras.src.layers.core.dense:Dense.call", print).waiting()
+        False
+        >>> Hook.on("not_imported_here.layers:Layer.call", print).waiting()
+        True
+        """
+        package = self.owner.split(".", 1)[0].split(":", 1)[0]
+        return package != "keras" and package not in sys.modules
 
 
 def stages() -> list[Family]:
@@ -287,7 +302,9 @@ def install() -> list[str]:
     patch per method, the hooks of several stages on it chained (:class:`Hook`'s ``outer``).
     A method the installed Keras does not have where a hook names it (another Keras version)
     is left alone: the families hooking it run Keras's calls. Returns those, as
-    ``"family: module:Class.method"``.
+    ``"family: module:Class.method"``. Hooks of a package besides Keras that the process has
+    not imported wait for it (:meth:`Hook.waiting`): called again once it is, this installs
+    them (the hooks already in place stay as they are).
 
     >>> install()  # every built-in hook's method is in this Keras
     []
@@ -299,6 +316,8 @@ def install() -> list[str]:
             chains.setdefault((hook.owner, hook.attribute), []).append((stage, hook))
     missing = []
     for (owner, attribute), chain in chains.items():
+        if chain[0][1].waiting():
+            continue
         try:
             cls = chain[0][1].owner_class()
             getattr(cls, attribute)

@@ -79,6 +79,49 @@ def test_a_keras_without_a_hooked_layer_method_leaves_that_family_to_keras():
         stage.uninstall()
 
 
+def test_hooks_of_a_package_not_imported_wait_for_it_silently(monkeypatch, tmp_path):
+    """A family hooking a package besides Keras (as keras_hub's layers are hooked): enable()
+    neither imports it nor warns; once the user imports it, the next step traced installs the
+    hook, and the family's handler runs."""
+    import sys
+
+    from fusion import patches
+    from fusion.stage import Hook
+
+    (tmp_path / "hub_like.py").write_text(
+        "import keras\n"
+        "class Doubler(keras.layers.Layer):\n"
+        "    def call(self, x):\n"
+        "        return x * 2.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "hub_like", raising=False)
+    handled = []
+
+    def handler(ctx, original, instance, *args, **kwargs):
+        handled.append(type(instance).__name__)
+        return original(instance, *args, **kwargs)
+
+    declare(Family("hub_like_family", "a family hooking a package besides Keras",
+                   hooks=(Hook.on("hub_like:Doubler.call", handler),)))
+    try:
+        seen = _enable()
+        assert not seen and "hub_like" not in sys.modules
+        assert not [p for p in patches.installed() if "hub_like" in p.where]
+        import hub_like
+
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), hub_like.Doubler(), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+        x = np.ones((8, 4), "float32")
+        model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)
+        assert [p for p in patches.installed() if "hub_like" in p.where]
+        assert "Doubler" in handled
+    finally:
+        tfmx.disable()
+        forget("hub_like_family")
+        stage.uninstall()
+
+
 def test_keras_on_another_backend_says_so_and_stays_off(monkeypatch):
     monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
     seen = _enable()

@@ -174,11 +174,7 @@ def enable(
                         f"({exc}); tfmx stays off and training runs as stock Keras. "
                         "tfmx is tested with the versions its package requires.")
         return
-    if missing:
-        state.warn_once("keras-version:" + ",".join(missing), (
-            f"tfmx: {_versions()} has no method where tfmx hooks it for "
-            f"{'; '.join(missing)}: those calls run as Keras wrote them, the rest of tfmx "
-            "is on."))
+    keras_hook.warn_missing(missing)
     keras_fixes.install()  # Keras's fit under several workers, a patch group of its own
     state.set_options(new)
 

@@ -158,7 +158,7 @@ def _capabilities(platform: Platform) -> dict[str, Any]:
 
     >>> from fusion.platform import Platform
     >>> sorted(_capabilities(Platform("cuda")))
-    ['batch_norm', 'contraction', 'rnn']
+    ['batch_norm', 'contraction', 'rms_norm', 'rnn', 'squeeze_excite']
     """
     from fusion.family import families
 

@@ -274,6 +274,7 @@ def _make_builder(kind: str, attr: str) -> Any:
             if getattr(self, attr) is not None and not force and not _stale(self, kind):
                 return getattr(self, attr)
             if _fusable(self, f"{kind}_step"):
+                warn_missing(stage.install())  # hooks of packages imported since enable()
                 module = _trainer_module()
                 proxy = _TfWithFusedFunction(
                     module.tf, f"{type(self).__name__}.{kind}_step",
@@ -327,6 +328,20 @@ def install() -> list[str]:
     if isinstance(getattr(module, "TFEpochIterator", None), type):  # a fit's training epochs
         patches.install(GROUP, module, "TFEpochIterator", step_loop.epoch_iterator_class)
     return missing
+
+
+def warn_missing(missing: list[str]) -> None:
+    """Warn once that the stage hooks ``missing`` (``"family: module:Class.method"``, as
+    :func:`install` returns them) have no method in the installed packages: those calls run as
+    written, the rest of tfmx is on."""
+    if missing:
+        import keras
+        import tensorflow as tf
+
+        state.warn_once("keras-version:" + ",".join(missing), (
+            f"tfmx: Keras {keras.__version__} with TensorFlow {tf.__version__} has no method "
+            f"where tfmx hooks it for {'; '.join(missing)}: those calls run as Keras wrote "
+            "them, the rest of tfmx is on."))
 
 
 def uninstall() -> None:
