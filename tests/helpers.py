@@ -11,10 +11,14 @@ def traced_graphs(fn) -> list:
     """The GraphDef (with its function library) of every graph Keras's step function traced."""
     fn = getattr(fn, "__wrapped__", fn)
     candidates = [fn] + [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]
-    # Keras 3.16 calls its step through a wrapper of its own (_autoconvert_optionals)
-    candidates += [c.__wrapped__ for c in candidates if hasattr(c, "__wrapped__")]
-    concrete = {id(cf): cf for target in {id(t): t for t in candidates}.values()
+
+    def concrete_of(targets: list) -> dict:
+        return {id(cf): cf for target in {id(t): t for t in targets}.values()
                 for cf in getattr(target, "_list_all_concrete_functions", lambda: [])()}
+
+    concrete = concrete_of(candidates)
+    if not concrete:  # Keras 3.16 calls its step through a wrapper of its own
+        concrete = concrete_of([c.__wrapped__ for c in candidates if hasattr(c, "__wrapped__")])
     graphs = {cf.name.decode() if isinstance(cf.name, bytes) else cf.name: cf.graph.as_graph_def()
               for cf in concrete.values()}
     # a step Keras calls from its loop's graph is in that graph's library: counted there once
