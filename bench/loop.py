@@ -259,11 +259,16 @@ def format_loop_section(records: Sequence[Mapping[str, Any]]) -> str:
     from bench.environment import format_environment
 
     commands = dict.fromkeys(record["command"] for record in records)
+    states = {(r["env"].get("onednn"), r["env"].get("onednn_env")) for r in records}
+    onednn = "; ".join(
+        f"oneDNN {'on' if on else 'off'} in every mode ("
+        + ("TensorFlow's default state here" if set_by is None
+           else f"TF_ENABLE_ONEDNN_OPTS={set_by}") + ")" for on, set_by in sorted(states, key=str))
     return "\n".join([
         "## Small models: the epoch, where Keras's per-step loop is most of it", "",
         "Milliseconds an epoch (64 steps of 32 samples), median over interleaved rounds "
         "(p25-p75); Keras 2 is tf_keras in a process of its own. tfmx runs several steps a "
-        "call where its fit's trial measured it faster (tfmx.step_loop).", "",
+        f"call where its fit's trial measured it faster (tfmx.step_loop). {onednn}.", "",
         format_table(records), "",
         *(f"Machine: {format_environment(record['env'])}" for record in records[:1]),
         *(f"Command: `{command}`" for command in commands), ""])
