@@ -111,6 +111,24 @@ def format_onednn(results: Iterable[Mapping[str, Any]]) -> str:
     return f"_{'; '.join(seen.values())}_" if seen else ""
 
 
+#: The CPU flags with which TensorFlow turns its oneDNN pass on by default (Linux x86-64).
+ONEDNN_DEFAULT_FLAGS = ("avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_tile")
+
+
+def default_onednn(env: Mapping[str, Any]) -> str:
+    """TensorFlow's default oneDNN state on the machine of ``env`` (:func:`environment`):
+    "on" where the CPU has AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX, "off" elsewhere, "?"
+    where the record names no flags.
+
+    >>> default_onednn({"cpu_flags": ["avx2", "avx512_vnni"]}), default_onednn({"cpu_flags": []})
+    ('on', 'off')
+    """
+    flags = env.get("cpu_flags")
+    if flags is None:
+        return "?"
+    return "on" if set(flags) & set(ONEDNN_DEFAULT_FLAGS) else "off"
+
+
 def machine(env: Mapping[str, Any]) -> str:
     """The machine a record ran on, as a heading: processor, cores, flags, versions.
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare import compare
-from bench.environment import machine
+from bench.environment import default_onednn, machine
 from bench.floor import format_record_floors
 from bench.records import RESULTS_DIR, load_records
 
@@ -187,31 +187,51 @@ def extra_sections(results: str | Path | None = None) -> list[str]:
             loop.format_loop_section(loop.load_records(folder / "loop"))]
 
 
+def _vs_best(row: Mapping[str, Any], state: str) -> str:
+    """tfmx / best alternative in ``state`` of a :func:`bench.compare.compare` row, the best
+    alternative named."""
+    value = row["tfmx_vs_best_alternative"].get(state)
+    best = row["best_alternative"]
+    named = (f" ({LABELS[best['mode']]}{_suffix(best['onednn'])})"
+             if best and value is not None else "")
+    return f"{_ratio(value)}{named}"
+
+
 def format_readme_table(records: Sequence[Mapping[str, Any]]) -> str:
-    """The README's table: per machine and workload, tfmx's faster oneDNN state, tfmx / stock
-    there and tfmx / best alternative; a line saying where the figures come from."""
+    """The README's table: per machine and workload, in TensorFlow's default oneDNN state on
+    that machine (:func:`bench.environment.default_onednn`), tfmx / stock and tfmx / best
+    alternative, then tfmx / best alternative in the other state as a column of its own; a
+    line on how to switch the state and where the figures come from.
+
+    >>> print(format_readme_table([]))
+    No benchmark recorded yet: `tfmx bench --model mlp --onednn both --record`.
+    """
     if not records:
         return f"No benchmark recorded yet: `{EXAMPLE}`."
-    lines = ["| workload | processor | oneDNN | tfmx / stock | tfmx / best alternative |",
-             "|---|---|---|---:|---:|"]
+    lines = ["| workload | processor | oneDNN by default | tfmx / stock | "
+             "tfmx / best alternative | other oneDNN state: tfmx / best alternative |",
+             "|---|---|---|---:|---:|---:|"]
     for group in by_machine(records).values():
-        seen = set()
+        by_row: dict[int, tuple[dict, dict[str, Mapping[str, Any]]]] = {}
         for record, row in _rows(group):
-            top = row["tfmx_best"]
-            key = id(row)
-            if key in seen or not top or record.get("onednn") != top["onednn"]:
-                continue
-            seen.add(key)
-            cpu = (record.get("env") or {}).get("cpu") or "unknown processor"
-            best = row["best_alternative"]
-            named = (f" ({LABELS[best['mode']]}{_suffix(best['onednn'])})"
-                     if best and top["vs_best_alternative"] is not None else "")
-            lines.append(f"| {_workload(record['result'])} | {cpu} | {_state(top['onednn'])} | "
-                         f"{_ratio(record['ratios'].get('tfmx/stock'))} | "
-                         f"{_ratio(top['vs_best_alternative'])}{named} |")
-    lines += ["", "Ratios of median step times (below 1: tfmx faster), oneDNN in tfmx's faster "
-              "state; the best alternative is the fastest of stock and XLA in any oneDNN "
-              "state. Measured on: " + "; ".join(by_machine(records)) + "."
+            by_row.setdefault(id(row), (row, {}))[1][record.get("onednn", "?")] = record
+        for row, states in by_row.values():
+            first = next(iter(states.values()))
+            env = first.get("env") or {}
+            default = default_onednn(env)
+            other = {"on": "off", "off": "on"}.get(default, "?")
+            here = states.get(default)
+            stock = _ratio(here["ratios"].get("tfmx/stock")) if here else "-"
+            other_cell = (f"{other}: {_vs_best(row, other)}" if other in states else "-")
+            lines.append(f"| {_workload(first['result'])} | {env.get('cpu') or 'unknown'} | "
+                         f"{_state(default)} | {stock} | "
+                         f"{_vs_best(row, default) if here else '-'} | {other_cell} |")
+    lines += ["", "Ratios of median step times (below 1: tfmx faster) in TensorFlow's default "
+              "oneDNN state on the machine measured, the state a user runs unless they switch "
+              "it; the best alternative is the fastest of stock and XLA in either oneDNN state. "
+              "To switch: `TF_ENABLE_ONEDNN_OPTS=0` (or `=1`) in the environment before Python "
+              "starts; TensorFlow reads it once per process. Measured on: "
+              + "; ".join(by_machine(records)) + "."
               + " Written by `python -m bench.tables --markdown` from `bench/results/`; "
               "every figure and the command that measured it: BENCHMARKS.md."]
     return "\n".join(lines)
