@@ -581,7 +581,6 @@ def measure(workload: str, steps: int = 10, size: str = "bench",
     ['depthwise convolution', 'hard-swish', 'squeeze-excite']
     """
     import tfmx
-    from bench.environment import environment
     from bench.workloads import build_model, random_dataset, tfmx_restored
 
     bad = [m for m in modes if m not in MODES]
@@ -592,6 +591,7 @@ def measure(workload: str, steps: int = 10, size: str = "bench",
     batch = batch_size or spec.batch_size
     patterns = list(zoo.MODELS[name].composite)
     results = {}
+    from recipes._machine import environment
     weights = None
     with tfmx_restored():
         for mode in modes:

@@ -1,62 +1,23 @@
-"""The machine a benchmark ran on: date, versions, processor, oneDNN state.
+"""The machine a benchmark ran on, as the tables print it.
 
-:func:`environment` is recorded with every result (``tfmx bench``, the whole-fit prices, the
-recipes' ``metrics.json``) and printed above every table (:func:`format_environment`, with
-:func:`format_onednn` for the oneDNN state; :func:`machine` as a heading).
+:func:`recipes._machine.environment` (date, versions, processor, oneDNN state) is recorded
+with every result (``tfmx bench``, the whole-fit prices, the recipes' ``metrics.json``) and
+printed above every table (:func:`format_environment`, with :func:`format_onednn` for the
+oneDNN state; :func:`machine` as a heading; :func:`default_onednn` TensorFlow's default
+state there).
 
 Example:
-    >>> from bench.environment import environment
-    >>> env = environment()
-    >>> env["tensorflow"] != "" and env["cpu_count"] >= 1
+    >>> from recipes._machine import environment
+    >>> format_environment(environment()).startswith("_")
     True
 """
 
 from __future__ import annotations
 
-import datetime
-import os
-import platform
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from bench.onednn import ONEDNN_ENV, onednn_state
-
-
-def environment() -> dict[str, Any]:
-    """Date, versions, machine and oneDNN state that go with every table.
-
-    The CPU comes from :func:`tfmx.machine.fingerprint`: ``cpu`` (model name), ``cpu_vendor``,
-    ``cpu_family``, ``cpu_model`` (number) and ``cpu_flags`` (:data:`tfmx.machine.RELEVANT_FLAGS`
-    present). ``onednn`` is this process's state and ``onednn_env`` the value of
-    ``TF_ENABLE_ONEDNN_OPTS`` it was imported with (None: unset, TensorFlow's default).
-
-    >>> env = environment()
-    >>> sorted(env)[:6]
-    ['cpu', 'cpu_count', 'cpu_family', 'cpu_flags', 'cpu_model', 'cpu_vendor']
-    >>> env["onednn"] in (True, False)
-    True
-    """
-    import tensorflow as tf
-
-    from tfmx.machine import fingerprint
-
-    fp = fingerprint()
-    return {
-        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-        "tensorflow": fp["tensorflow"],
-        "keras": fp["keras"],
-        "python": platform.python_version(),
-        "platform": platform.platform(terse=True),
-        "cpu": fp["model"],
-        "cpu_vendor": fp["vendor"],
-        "cpu_family": fp["family"],
-        "cpu_model": fp["model_number"],
-        "cpu_flags": fp["flags"],
-        "cpu_count": os.cpu_count(),
-        "onednn": fp["onednn"],
-        "onednn_env": os.environ.get(ONEDNN_ENV),
-        "gpus": len(tf.config.list_physical_devices("GPU")),
-    }
 
 
 def format_environment(env: Mapping[str, Any]) -> str:

@@ -63,11 +63,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.environment import environment, format_environment, format_onednn, machine
+from bench.environment import format_environment, format_onednn, machine
 from bench.onednn import onednn_state
 from bench.records import RESULTS_DIR as RECORDS_DIR
 from bench.records import narrow_command, read_json_records
 from bench.workloads import GROUPS, WORKLOADS, Workload, build_model, expand_models, random_dataset
+from recipes._machine import environment
 
 MODES = ("stock", "tfmx", "guard off", "no budget", "decided")
 
@@ -296,7 +297,7 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 def make_fit_price_record(row: Mapping[str, Any], command: str,
                           env: Mapping[str, Any]) -> dict[str, Any]:
     """``row`` (one workload of :func:`run_fit_prices`) as a record: the machine ``env``
-    (:func:`bench.environment.environment`), ``command`` and, as ``reproduce``, the same
+    (:func:`recipes._machine.environment`), ``command`` and, as ``reproduce``, the same
     command for this workload alone, the fit's sizes, cold or warm, each mode's median seconds,
     ``tfmx/stock`` and every mode's ratio to stock, every fit as measured (a tfmx fit's
     ``guard`` line, ``price`` notes, ``first_call`` estimates, rewrite and tuning seconds among

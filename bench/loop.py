@@ -303,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [measure(model, modes, args) for model in args.model]
     print(format_table(rows))
     if args.record:
-        from bench.environment import environment
+        from recipes._machine import environment
 
         for path in write_records(rows, command, environment(), args.record):
             print(f"recorded {path}")

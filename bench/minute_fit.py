@@ -128,8 +128,8 @@ def fit_in_process(spec: Mapping[str, Any]) -> dict[str, Any]:
     import keras
 
     import tfmx
-    from bench.environment import environment
     from bench.workloads import WORKLOADS, build_model, random_dataset
+    from recipes._machine import environment
     from tfmx import state
 
     workload = WORKLOADS[spec["workload"]]

@@ -24,7 +24,8 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-ONEDNN_ENV = "TF_ENABLE_ONEDNN_OPTS"
+from recipes._machine import ONEDNN_ENV
+
 ONEDNN_CHOICES = ("on", "off", "both")
 STATES = ("on", "off")
 

@@ -24,8 +24,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from bench.onednn import onednn_state
-from bench.timing import median_ratios
 from bench.workloads import MODES
+from recipes._timing import median_ratios
 
 REPLICA_TOLERANCE = 0.05  # tfmx / stock under N replicas within this of 1 replica's
 # What cannot run inside a MirroredStrategy over logical CPUs, and what to do instead.

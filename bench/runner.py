@@ -10,7 +10,7 @@ How it measures ("measure, do not guess"):
 2. Warm-up: call each mode's ``model.train_function`` a few times on its own repeating
    ``tf.data`` iterator. The first call traces (and rewrites, or XLA-compiles); it is timed
    separately and excluded.
-3. Interleave (:func:`bench.timing.time_step_functions`): for each round, for each mode (order
+3. Interleave (:func:`recipes._timing.time_step_functions`): for each round, for each mode (order
    rotated every round), time ``steps`` calls and synchronise on the returned logs. Report the
    median ms/step over rounds, the spread, and the ratios to stock. No assertions: this
    module only measures.
@@ -47,12 +47,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from bench.environment import environment
 from bench.floor import STEPS as FLOOR_STEPS
 from bench.floor import floor_ratios, measure_floor
 from bench.onednn import ONEDNN_ENV, onednn_states, run_child
 from bench.replicas import check_replicas, mirrored_strategy, replica_modes
-from bench.timing import median_ratios, paired_ratios, time_step_functions
 from bench.workloads import (
     GROUPS,
     MODES,
@@ -63,6 +61,8 @@ from bench.workloads import (
     random_dataset,
     tfmx_restored,
 )
+from recipes._machine import environment
+from recipes._timing import median_ratios, paired_ratios, time_step_functions
 from tfmx.timing import sync
 
 

@@ -30,7 +30,7 @@ records ``tfmx bench --record`` keeps (:mod:`bench.publish`, :mod:`bench.records
 - Per workload, a table per oneDNN state and mode: median, p25-p75, min, ``vs stock`` and
   ``vs XLA`` (the ratios within one process: tfmx/stock, tfmx/xla, xla/stock), first call
   (trace, rewrite or compile) seconds; the same ratios taken round by round (each round
-  times every mode back to back, :func:`bench.timing.paired_ratios`), median and p25-p75;
+  times every mode back to back, :func:`recipes._timing.paired_ratios`), median and p25-p75;
   then each traced function's rewrite, and how many chains/updates tfmx fused, per state.
 - The contraction floor (:func:`bench.floor.format_floors`), where measured: per workload and
   oneDNN state, the time stock's contraction kernels took per step and each mode's step over
@@ -59,7 +59,7 @@ from bench.environment import format_environment, format_onednn
 from bench.floor import format_floors
 from bench.onednn import onednn_state
 from bench.replicas import REPLICA_TOLERANCE, compare_replicas, several_replicas
-from bench.timing import NOISY_SPREAD, noisy_modes, paired_ratios
+from recipes._timing import NOISY_SPREAD, noisy_modes, paired_ratios
 
 MODE_LABELS = {"stock": "stock", "tfmx": "tfmx", "xla": "XLA"}
 

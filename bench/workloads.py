@@ -4,7 +4,7 @@ builds them.
 - :class:`Workload` and :data:`WORKLOADS`: each model's builder, input shape and default batch,
   rounds and steps; the zoo's models (:mod:`bench.zoo`) as ``zoo_<name>``, and
   :data:`GROUPS` (``zoo``), which :func:`expand_models` expands.
-- :func:`small_cnn_model` and :func:`bn_resnet_model`: two of the models, also the recipes'.
+- ``small_cnn`` and ``bn_resnet`` are the recipes' models (:mod:`recipes._models`).
 - :func:`random_dataset`: a workload's random inputs and labels as a repeating dataset.
 - :data:`MODES` and :func:`build_model`: one identical model per mode (``stock``, ``tfmx``,
   ``xla``: same seed, same initial weights, same optimizer, :data:`OPTIMIZERS`).
@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from bench import zoo
+from recipes._models import bn_resnet_model, small_cnn_model
 
 MODES = ("stock", "tfmx", "xla")
 """How a workload's step runs: Keras's own (tfmx off), rewritten by tfmx, XLA-compiled."""
@@ -46,32 +47,6 @@ class Workload:
     rounds: int
     steps: int
     vocabulary: int = 0  # > 0: the inputs are int32 token ids below it (else float features)
-
-
-def small_cnn_model(seed: int = 0, image_shape: tuple[int, int, int] = (32, 32, 3),
-                    num_classes: int = 10) -> Any:
-    """The small CNN (uncompiled) of the ``small_cnn`` workload and of ``recipes.small_cnn``:
-    Conv2D+bias+relu, a strided conv, a residual block, Dense layers; weights from ``seed``.
-
-    >>> small_cnn_model().output_shape  # doctest: +SKIP
-    (None, 10)
-    """
-    import keras
-    from keras import layers
-
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input(image_shape)
-    x = layers.Conv2D(32, 3, padding="same", activation="relu")(inputs)
-    x = layers.Conv2D(32, 3, strides=2, padding="same", activation="relu")(x)  # 16x16
-    y = layers.Conv2D(32, 3, padding="same", activation="relu")(x)
-    y = layers.Conv2D(32, 3, padding="same")(y)
-    x = layers.Activation("relu")(layers.Add()([x, y]))  # residual block
-    x = layers.Conv2D(64, 3, strides=2, padding="same", activation="relu")(x)  # 8x8
-    x = layers.GlobalAveragePooling2D()(x)
-    x = layers.Dense(64, activation="relu")(x)
-    x = layers.Dense(32, activation="relu")(x)
-    outputs = layers.Dense(num_classes, activation="softmax")(x)
-    return keras.Model(inputs, outputs, name="small_cnn")
 
 
 def _small_cnn() -> Any:
@@ -98,33 +73,6 @@ def _resnet50() -> Any:
     import keras
 
     return keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
-
-
-def bn_resnet_model(num_classes: int = 10, momentum: float = 0.99) -> Any:
-    """The ``bn_resnet`` workload's model (uncompiled; also ``recipes.bn_resnet``'s): a small
-    ResNet-style CNN on 32x32x3 with batch norm, 7 convolutions each followed by
-    BatchNormalization (``momentum``), two residual blocks (one downsampling, with a
-    projection).
-
-    >>> bn_resnet_model(3).output_shape  # doctest: +SKIP
-    (None, 3)
-    """
-    import keras
-    from keras import layers
-
-    def conv_bn(x: Any, filters: int, kernel: int = 3, strides: int = 1) -> Any:
-        x = layers.Conv2D(filters, kernel, strides=strides, padding="same", use_bias=False)(x)
-        return layers.BatchNormalization(momentum=momentum)(x)
-
-    inp = keras.Input((32, 32, 3))
-    x = layers.ReLU()(conv_bn(inp, 32))
-    y = conv_bn(layers.ReLU()(conv_bn(x, 32)), 32)
-    x = layers.ReLU()(layers.Add()([x, y]))
-    y = conv_bn(layers.ReLU()(conv_bn(x, 64, strides=2)), 64)
-    x = layers.ReLU()(layers.Add()([conv_bn(x, 64, kernel=1, strides=2), y]))
-    x = layers.GlobalAveragePooling2D()(x)
-    out = layers.Dense(num_classes, activation="softmax")(x)
-    return keras.Model(inp, out, name="bn_resnet")
 
 
 def _bn_resnet() -> Any:

@@ -124,7 +124,7 @@ def _report_summary(report: Any) -> dict[str, Any]:
 
 
 def _environment() -> dict[str, Any]:
-    from bench.environment import environment
+    from recipes._machine import environment
 
     env = environment()
     env["onednn_state"] = "on" if env["onednn"] else "off"

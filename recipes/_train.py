@@ -6,7 +6,7 @@ initial weights times ``1 + 1e-7 * N(0, 1)``: :func:`perturbed`), trained by :fu
 (``fit`` through :func:`fit_run`, or the recipe's own loop). A callback times every training
 batch in ``fit`` (the first epoch's first, tracing, step excluded); at the end the traced train
 functions of stock and tfmx (and XLA's with ``--xla``) are timed interleaved
-(:func:`time_interleaved`, :func:`bench.timing.time_step_functions`). Each run writes its
+(:func:`time_interleaved`, :func:`recipes._timing.time_step_functions`). Each run writes its
 TensorBoard scalars to ``<out>/tensorboard/<run>/`` (:func:`tensorboard_callback`).
 
 Example:
@@ -230,7 +230,7 @@ def train_all(recipe: Recipe, args: argparse.Namespace, data: Dataset,
     records: dict[str, RunRecord] = {}
     for run in plan:
         # the step function is built and traced inside fit: the switch is set first
-        tfmx.enable() if run == TFMX else tfmx.disable()
+        tfmx.enable(fuse=getattr(args, "fuse", None)) if run == TFMX else tfmx.disable()
         context: Any = contextlib.nullcontext()
         if run == TFMX and args.policy:
             import policies
@@ -249,7 +249,7 @@ def time_interleaved(recipe: Recipe, records: dict[str, RunRecord], args: argpar
     """The traced step functions of stock and tfmx (and XLA's with ``--xla``), timed
     interleaved (tfmx enabled)."""
     import tfmx
-    from bench.timing import time_step_functions
+    from recipes._timing import time_step_functions
 
     fns = {r: records[r].step_fn for r in (STOCK, TFMX)
            if r in records and records[r].step_fn is not None}
@@ -267,7 +267,7 @@ def time_interleaved(recipe: Recipe, records: dict[str, RunRecord], args: argpar
         with context:
             fns[XLA], iterators[XLA] = (recipe.xla_step or xla_fit_step)(recipe, args, data,
                                                                           initial)
-    tfmx.enable()
+    tfmx.enable(fuse=getattr(args, "fuse", None))
     timing = time_step_functions(fns, lambda mode: iterators[mode](mode), rounds=args.rounds,
                                  steps=args.steps)
     return {r: dict(t) for r, t in timing.items()}

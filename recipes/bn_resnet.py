@@ -47,7 +47,7 @@ def build(args: argparse.Namespace, data: _data.Dataset) -> Any:
     """``tfmx bench``'s bn_resnet architecture (uncompiled), its batch norms with
     ``--bn-momentum`` (0.9): Keras's default 0.99 leaves the moving statistics, which the
     held-out evaluation uses, far from the data's after a few hundred steps."""
-    from bench.workloads import bn_resnet_model
+    from recipes._models import bn_resnet_model
 
     return bn_resnet_model(data.num_classes, momentum=args.bn_momentum)
 

@@ -17,7 +17,7 @@ Run it::
 It trains stock, with tfmx and the stock' chaos baseline from the same weights (the shared
 runner, ``recipes._runner``), prints Keras progress bars, ``tfmx.report()``, the final
 accuracies beside stock's own rounding noise and the step times (in fit, and interleaved with
-:func:`bench.timing.time_step_functions`), and writes ``metrics.json``, ``small_cnn.png`` and
+:func:`recipes._timing.time_step_functions`), and writes ``metrics.json``, ``small_cnn.png`` and
 TensorBoard logs into ``--out``.
 
 Example:
@@ -57,7 +57,7 @@ def build_model(seed: int = DEFAULT_SEED) -> Any:
     >>> model.output_shape  # doctest: +SKIP
     (None, 10)
     """
-    from bench.workloads import small_cnn_model  # the bench's small_cnn workload is this model
+    from recipes._models import small_cnn_model  # also the benchmark's small_cnn workload
 
     return small_cnn_model(seed, IMAGE_SHAPE, NUM_CLASSES)
 

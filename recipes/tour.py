@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         rows.append(r)
         print(f"{time.perf_counter() - t0:.0f} s, tfmx/stock {_fmt(r['ratio'], 3)}", flush=True)
     table = format_table(rows)
-    from bench.environment import environment
+    from recipes._machine import environment
 
     e = environment()
     machine = (f"{e['cpu']} (family {e['cpu_family']}, model {e['cpu_model']}), "

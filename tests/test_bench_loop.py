@@ -30,7 +30,7 @@ def test_rows_ratios_and_the_loops_choice():
 
 
 def test_records_round_trip_into_the_section(tmp_path):
-    from bench.environment import environment
+    from recipes._machine import environment
 
     row = loop.summarize("mlp", {"stock": [4.0], "tfmx": [2.0]}, None)
     command = "python -m bench.loop --model mlp --record"

@@ -14,8 +14,9 @@ Subcommands::
 
 Only the subcommands import TensorFlow, so ``tfmx --help`` answers at once.
 
-``tfmx bench`` runs ``python -m bench`` (the benchmark package beside the library, which the
-library never loads) in a process of its own, as ``tfmx recipe`` runs the recipes.
+``tfmx bench`` runs ``python -m bench`` in a process of its own, as ``tfmx recipe`` runs the
+recipes: the benchmark lives in a clone of the repository (run it from there, or from an
+editable install), not in the wheel, and the library never loads it.
 
 Example:
     >>> from tfmx.cli import main
@@ -33,6 +34,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -120,15 +122,38 @@ def _tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_root() -> Path | None:
+    """The folder holding the benchmark package ``bench``, or None: the benchmark lives in a
+    clone of tfmx's repository, not in the wheel. Found where Python already finds it, in the
+    current folder, or in the clone an editable install of tfmx points to.
+
+    >>> root = bench_root()
+    >>> root is None or (root / "bench" / "__main__.py").exists()
+    True
+    """
+    spec = importlib.util.find_spec("bench")
+    if spec is not None and spec.origin and Path(spec.origin).parent.joinpath("runner.py").exists():
+        return Path(spec.origin).parent.parent
+    here = Path(__file__).resolve().parents[1]
+    for folder in (Path.cwd(), here):
+        if (folder / "bench" / "__main__.py").exists() and (folder / "tfmx").is_dir():
+            return folder
+    return None
+
+
 def _bench(argv: Sequence[str]) -> int:
-    """Run ``python -m bench ARGS`` in a process of its own: the benchmark is the ``bench``
-    package beside tfmx, which the library never imports (it only finds where it is)."""
+    """Run ``python -m bench ARGS`` in a process of its own, with the clone that holds the
+    benchmark (:func:`bench_root`) on ``PYTHONPATH``: the library never imports it."""
     import subprocess
 
-    if importlib.util.find_spec("bench") is None:
-        raise SystemExit("tfmx bench: the bench package is not installed beside tfmx "
-                         "(pip install -e . from the project's checkout)")
-    return subprocess.call([sys.executable, "-m", "bench", *argv])
+    root = bench_root()
+    if root is None:
+        raise SystemExit("tfmx bench: the benchmark is not part of the installed package; it "
+                         "runs from a clone of tfmx's repository (cd into the clone, or "
+                         "pip install -e . there, then run tfmx bench again)")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
+    return subprocess.call([sys.executable, "-m", "bench", *argv], env=env)
 
 
 def recipe_summaries() -> dict[str, str]:
