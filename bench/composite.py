@@ -582,6 +582,7 @@ def measure(workload: str, steps: int = 10, size: str = "bench",
     """
     import tfmx
     from bench.workloads import build_model, random_dataset, tfmx_restored
+    from recipes._machine import environment
 
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
@@ -591,7 +592,6 @@ def measure(workload: str, steps: int = 10, size: str = "bench",
     batch = batch_size or spec.batch_size
     patterns = list(zoo.MODELS[name].composite)
     results = {}
-    from recipes._machine import environment
     weights = None
     with tfmx_restored():
         for mode in modes:
