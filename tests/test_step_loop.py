@@ -39,9 +39,10 @@ def _fit(model, callbacks=(), epochs=4):
 
 
 @pytest.fixture
-def chosen(monkeypatch):
+def chosen(monkeypatch, tmp_path):
     """The loop's trial keeps ``chosen.steps`` (N, or 1) whatever it measures; every fit may
-    pay for the trace; at most 4 steps a call."""
+    pay for the trace; at most 4 steps a call; a tuning cache of the test's own."""
+    monkeypatch.setenv("TFMX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(step_loop, "MAX_STEPS", 4)
     monkeypatch.setattr(step_loop, "PAYBACK", 0.0)
     monkeypatch.setattr(step_loop, "TIMED", 1)
@@ -161,15 +162,86 @@ def test_steps_per_call_splits_an_epoch_into_equal_calls():
 
 def test_the_trial_keeps_n_only_when_faster_by_the_margin():
     trial = step_loop.Trial(8)
-    for _ in range(3):
+    trial.add(8, 8 * 0.00098)  # the warm-up call
+    for _ in range(step_loop.TIMED):
         trial.add(1, 0.0010)
         trial.add(8, 8 * 0.00098)
     assert trial.done() and trial.decide() == 1
     fast = step_loop.Trial(8)
-    for _ in range(3):
+    fast.add(8, 8 * 0.0009)
+    for _ in range(step_loop.TIMED):
         fast.add(1, 0.0010)
         fast.add(8, 8 * 0.0009)
     assert fast.decide() == 8
+
+
+def test_the_n_step_loops_first_call_after_its_trace_is_not_counted():
+    # a fresh N-step loop's first run is slow (its allocations, kernel caches): counted, it
+    # would make N steps a call look slower than one a call with three timed calls each
+    trial = step_loop.Trial(8)
+    assert trial.next_size() == 8  # the warm-up call comes first
+    trial.add(8, 8 * 0.050)
+    assert trial.next_size() == 8 and not trial.samples
+    for _ in range(3):
+        trial.add(8, 8 * 0.0007)
+        trial.add(1, 0.0010)
+    assert trial.warm == [pytest.approx(0.050)]
+    assert trial.per_step_ms(8) == pytest.approx(0.7)
+    assert not trial.done()  # TIMED timed calls of each, the warm-up not among them
+    for _ in range(step_loop.TIMED - 3):
+        trial.add(8, 8 * 0.0007)
+        trial.add(1, 0.0010)
+    assert trial.done() and trial.decide() == 8
+
+
+def _fit_fresh(epochs=2):
+    """A new model of the same architecture (a new train function: nothing in its memory)
+    fitted, its calls counted; the report's loop record."""
+    tfmx.report(reset=True)
+    model = _model()
+    calls = _calls(model)
+    _fit(model, epochs=epochs)
+    return model, calls, tfmx.report().loops[-1]
+
+
+def test_a_later_fit_of_the_same_step_takes_the_cached_choice_without_a_trial(chosen,
+                                                                             monkeypatch):
+    tfmx.disable()
+    stock = _model()
+    _fit(stock, epochs=2)
+    tfmx.enable(backend="cpu", guard=False)
+    _, _, first = _fit_fresh()
+    assert first["steps_per_call"] == 3 and first["source"] == "measured"
+
+    def no_trial(*args):
+        raise AssertionError("a trial ran despite the tuning cache")
+
+    monkeypatch.setattr(step_loop.Trial, "add", no_trial)
+    monkeypatch.setattr(step_loop.StepLoop, "_gate", no_trial)
+    model, calls, later = _fit_fresh()
+    assert later["steps_per_call"] == 3 and later["source"] == "tuning cache", later
+    assert "tuning cache" in later["why"] and "loop_ms" not in later  # nothing timed
+    # each epoch: the trace (3), then 2 calls of 3 and one step left over; no one-step trial
+    assert len(calls) == 2 * 4
+    assert int(model.optimizer.iterations) == 2 * STEPS
+    for a, b in zip(stock.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    # the cached N whose measured saving does not pay for its measured trace: one a call
+    monkeypatch.setattr(step_loop, "PAYBACK", 1e9)
+    _, calls, short = _fit_fresh()
+    assert short["steps_per_call"] == 1 and "does not cover the trace" in short["why"]
+    assert len(calls) == 2 * STEPS
+
+
+def test_a_cached_one_step_a_call_is_kept_without_timing_or_tracing(chosen):
+    chosen.steps = 1
+    _, _, first = _fit_fresh()
+    assert first["steps_per_call"] == 1 and first["trace_s"] > 0  # traced and timed
+    chosen.steps = None  # a trial now would keep N: the cache's choice must win
+    model, calls, later = _fit_fresh()
+    assert later["steps_per_call"] == 1 and later["source"] == "tuning cache", later
+    assert "loop_ms" not in later and len(calls) == 2 * STEPS
+    assert not any(slot.steps for slot in step_loop._DISPATCHES[model]()._slots.values())
 
 
 def test_epochs_shorter_than_the_data_run_the_same_batches_as_stock(chosen):

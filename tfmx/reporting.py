@@ -82,7 +82,7 @@ class Report:
     # the form, predicted_s, measured_s, measured/predicted, how it was estimated
     first_calls: list[dict] = dataclasses.field(default_factory=list)
     # a fit's step loop (tfmx.step_loop): the function, the steps a call kept, N, why, the
-    # per-step medians of one and N steps a call (ms), the N-step loop's trace (s)
+    # per-step medians of one and N steps a call (ms), the N-step loop's trace (s), the source
     loops: list[dict] = dataclasses.field(default_factory=list)
     # (function, form) -> how often TensorFlow traced the user's step function for that form
     # ("stages": the one tfmx rewrites; "stock": the guard's and verify's reference; "taped":

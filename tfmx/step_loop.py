@@ -17,20 +17,30 @@ one call runs N steps in a ``tf.while_loop``. tfmx takes it where it pays and no
 - chosen by measurement on the fit's first steps: once the step's form is settled (the
   whole-step guard decided, or the price gate's stock step measured), the loop's own share of a
   step is timed (a call's time inside the traced loop against the whole iteration of Keras's
-  loop); where what N steps a call would save over the fit's steps left pays for tracing the
-  N-step loop twice over, that loop is traced (Keras's own ``multi_step_on_iterator`` traced
-  with ``steps_per_execution`` N, the step in the form already kept) and timed against one
-  step a call, alternately on the next real steps (:data:`TIMED` calls of each); N steps a
-  call is kept only when its median per step is faster by :data:`MARGIN`.
+  loop); where what N steps a call would save over the fit's steps left (less what the
+  trial's one-step calls and the epoch's steps they leave run one a call) pays for tracing the
+  N-step loop :data:`PAYBACK` times over, that loop is traced (Keras's own
+  ``multi_step_on_iterator`` traced with ``steps_per_execution`` N, the step in the form
+  already kept) and timed against one step a call, alternately on the next real steps: the
+  N-step loop's first :data:`WARMUP` call(s) after its trace run but are not counted (a fresh
+  loop's first run after its trace is slower than its later ones), then :data:`TIMED` calls of each; N
+  steps a call is kept only when its median per step is faster by :data:`MARGIN`.
 
 The choice and its figures are in ``tfmx.report()`` (``report.loops`` and a note). It is kept
-for the model's later fits of the same epoch length in this process. ``TFMX_LOOP=0`` turns it
-off. An exception inside it leaves Keras's one step a call.
+for the model's later fits of the same epoch length in this process and, with the tuner's
+cache in use (``tune="auto"``), in the machine's tuning cache (``tfmx.tuning_cache``) under the
+step's signature (the model's layers and weight shapes, optimizer, batch), the step's form and
+N: a later fit of the same model on this machine, in any process, takes the cached choice
+without a trial; where that is N steps a call, it traces the N-step loop if the measured saving
+a step over the fit's steps left pays for the measured trace, else keeps one step a call.
+``TFMX_LOOP=0`` turns it off. An exception inside it leaves Keras's one step a call.
 
-Example (injected times: 32 steps a call cost 0.3 ms a step, one a call 1.2 ms):
+Example (injected times: 32 steps a call cost 0.3 ms a step after a slow first call, one
+a call 1.2 ms):
     >>> from tfmx.step_loop import Trial
     >>> trial = Trial(32)
-    >>> for _ in range(3):
+    >>> trial.add(32, 32 * 0.05)  # the N-step loop's first call after its trace: not counted
+    >>> for _ in range(5):
     ...     trial.add(1, 0.0012)
     ...     trial.add(32, 32 * 0.0003)
     >>> trial.decide(), round(trial.per_step_ms(32), 2), round(trial.per_step_ms(1), 2)
@@ -47,20 +57,24 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tfmx import guard, state
+from tfmx import guard, loop_cache, state
 from tfmx.dispatch import WATCHED_CALLS
 from tfmx.env import enabled_by_env
 
 ENV_LOOP = "TFMX_LOOP"
 MAX_STEPS = 32
 """The most steps one call runs (an epoch's steps are split into equal calls of at most this)."""
-TIMED = 3
-"""Timed calls of each size (one step, N steps) before the choice."""
+TIMED = 5
+"""Timed calls of each size (one step, N steps) before the choice (all are real steps of the
+fit)."""
+WARMUP = 1
+"""The N-step loop's calls after its trace that run uncounted: a fresh loop's first run after
+its trace is slower than its later ones, often by more than the difference the trial times."""
 MARGIN = 0.05
 """N steps a call is kept only if its median per step is at least this share faster."""
 PAYBACK = 1.0
 """The saving expected over the fit's steps left must cover the N-step loop's trace this many
-times over for the trial to start."""
+times over for the trial to start (or, from the tuning cache, for the N-step loop's trace)."""
 
 _local = threading.local()
 _DISPATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its dispatch
@@ -118,15 +132,22 @@ class Trial:
 
     n: int
     samples: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    warm: list[float] = dataclasses.field(default_factory=list)  # uncounted (:data:`WARMUP`)
 
     def add(self, steps: int, seconds: float) -> None:
+        if steps == self.n > 1 and len(self.warm) < WARMUP:
+            self.warm.append(seconds / steps)
+            return
         self.samples.setdefault(steps, []).append(seconds / steps)
 
     def done(self) -> bool:
         return all(len(self.samples.get(k, ())) >= TIMED for k in (1, self.n))
 
     def next_size(self) -> int:
-        """The size of the next timed call: the one with fewer samples (N first)."""
+        """The size of the next timed call: the one with fewer samples (N first, its uncounted
+        :data:`WARMUP` calls before any)."""
+        if len(self.warm) < WARMUP:
+            return self.n
         return 1 if len(self.samples.get(1, ())) < len(self.samples.get(self.n, ())) else self.n
 
     def per_step_ms(self, steps: int) -> float:
@@ -161,6 +182,9 @@ class StepLoop:
         self._measure = False  # this one-step call is timed inside (the loop's share)
         self._call_s = 0.0
         self._timed = False  # the call just made counts in the trial
+        self._recalled: tuple[int, str] | None = None  # kept once traced (the tuning cache's)
+        self.source = "measured"  # or "earlier fit", "tuning cache"
+        self._spec: Any = None  # the training iterator's type (its dispatch slot)
 
     # -- the epoch iterator's side ----------------------------------------------------------
     def chunk(self, left: int, iterator: Any) -> int:
@@ -181,12 +205,17 @@ class StepLoop:
         form = steady_form(self.dispatch, iterator)
         if form is None:
             return 1
-        self.form = form
+        self.form, self._spec = form, getattr(iterator, "_type_spec", None)
         memory = self.dispatch._loop_memory.get((form, self.n))
         if memory is not None:  # an earlier fit of this loop chose
             self.trial, self.trace_s = memory.trial, memory.trace_s
+            self.source = "earlier fit"
             self._keep(memory.kept, memory.why)
             return self.kept or 1
+        key = self._cache_key()
+        cached = loop_cache.recall(state.tuning_cache(), key, self.n) if key else None
+        if cached is not None:  # a fit of this step on this machine chose
+            return self._recall(cached)
         if len(self.loop_s) < TIMED:
             self._measure = True
             return 1
@@ -202,13 +231,18 @@ class StepLoop:
             self.trial.add(steps, seconds)
             if self.trial.done():
                 self._keep(self.trial.decide(), "")
+                key = self._cache_key()
+                if key is not None:  # for this step's later fits on this machine
+                    loop_cache.store(state.tuning_cache(), key, self.kept or 1,
+                                     self.trial.per_step_ms(1), self.trial.per_step_ms(self.n),
+                                     self.trace_s)
 
     def _gate(self) -> int:
         """Whether N steps a call may pay for its trace over the fit's steps left (the loop's
         share of a step timed on :data:`TIMED` calls)."""
         first_s = max((s.first_s for s in self.dispatch._slots.values()), default=0.0)
         saving = statistics.median(self.loop_s) * (1 - 1 / self.n)
-        left = max(0, (getattr(self.plan, "steps", None) or 0) - self.steps_done)
+        left = self._left()
         if saving * max(0, left - TIMED * (self.n + 1)) < PAYBACK * first_s:
             self._keep(1, f"Keras's loop costs ~{saving * 1e3:.3f} ms a step that {self.n} steps "
                           f"a call would save; over the {left} steps left that does not cover "
@@ -218,6 +252,42 @@ class StepLoop:
             return 1
         self.phase = "trace"
         return self.n
+
+    def _left(self) -> int:
+        return max(0, (getattr(self.plan, "steps", None) or 0) - self.steps_done)
+
+    def _cache_key(self) -> str | None:
+        model = self._model()
+        if model is None or self.form is None or self._spec is None:
+            return None
+        return f"{loop_cache.step_signature(model, self._spec)}|{self.form}|n={self.n}"
+
+    def _recall(self, cached: Any) -> int:
+        """Keep what the tuning cache says a trial of this step chose, without a trial: one
+        step a call, or N where its measured saving over the fit's steps left pays for its
+        measured trace (none where this process traced it already)."""
+        n, self.source = self.n, "tuning cache"
+        one, many = cached.times_ms["1"], cached.times_ms[str(n)]
+        self.trial.samples = {1: [one / 1e3], n: [many / 1e3]}
+        slot = self.dispatch._slots.get(self._spec)
+        traced = slot is not None and (self.form, n) in slot.steps
+        trace_s = 0.0 if traced else cached.first_ms.get(str(n), 0.0) / 1e3
+        self.trace_s, left = trace_s, self._left()
+        figures = (f"{n} steps a call {many:.3f} ms a step, one a call {one:.3f} ms, tracing "
+                   f"the {n}-step loop {trace_s:.2f} s (measured by an earlier fit of this step "
+                   "on this machine: the tuning cache)")
+        if cached.choice != str(n) or max(0.0, one - many) / 1e3 * left < PAYBACK * trace_s:
+            self._keep(1, f"{figures}: one step a call " + (
+                f"({n} steps a call not {MARGIN:.0%} faster)" if cached.choice != str(n) else
+                f"(over the {left} steps left the saving does not cover the trace {PAYBACK:g} "
+                "times over)"), remember=False)
+            return 1
+        self._recalled = (n, f"{figures}: {n} steps a call")
+        if traced:
+            self._keep(*self._recalled, remember=False)
+        else:
+            self.phase = "trace"
+        return n
 
     def _keep(self, steps: int, why: str, remember: bool = True) -> None:
         self.kept, self.phase = steps, "kept"
@@ -267,14 +337,16 @@ class StepLoop:
         outputs = concrete(iterator)
         guard._sync(outputs)
         self.trace_s = time.perf_counter() - start
-        if self.phase == "trace":
+        if self._recalled is not None:
+            self._keep(*self._recalled, remember=False)
+        elif self.phase == "trace":
             self.phase = "trial"
         return outputs
 
     def record(self) -> dict:
         """The choice and its figures (``tfmx.report().loops``)."""
         record: dict[str, Any] = {"function": self.name, "steps_per_call": self.kept or 1,
-                                  "n": self.n, "why": self.why}
+                                  "n": self.n, "why": self.why, "source": self.source}
         if self.trial.samples:
             record.update(one_step_ms=round(self.trial.per_step_ms(1), 4),
                           n_steps_ms=round(self.trial.per_step_ms(self.n), 4),
@@ -487,6 +559,6 @@ def _finish(loop: StepLoop) -> None:
                     f"{loop.why}")
 
 
-__all__ = ["ENV_LOOP", "MARGIN", "MAX_STEPS", "TIMED", "StepLoop", "Trial",
+__all__ = ["ENV_LOOP", "MARGIN", "MAX_STEPS", "TIMED", "WARMUP", "StepLoop", "Trial",
            "epoch_iterator_class", "looping_callbacks", "looping_fit", "per_batch_callbacks",
            "register", "steady_form", "steps_per_call", "trace_steps"]
