@@ -144,6 +144,69 @@ def comparison(recipe: Recipe, data: Dataset, runs: dict[str, Any]) -> dict[str,
     return comp
 
 
+def tfmx_step(report: Any) -> dict[str, Any]:
+    """Which train step the tfmx run kept, read from its ``tfmx.report()``: ``form`` (``fused``,
+    ``stock``, ``xla``, or None before any trace), ``how`` (``measured faster``, ``fuse=always``,
+    ``price gate``, ...), ``why`` (the price gate's or the guard's words, else "") and ``line``
+    (the report's first line).
+
+    >>> class Trace:
+    ...     function, status, tune_seconds = "M.train_step", "rewritten", 0.0
+    >>> class Report:
+    ...     traces, guards, gates, fuse = [Trace()], [], {}, "always"
+    >>> step = tfmx_step(Report())
+    >>> step["form"], step["how"]
+    ('fused', 'fuse=always')
+    >>> Trace.status, Report.fuse = "stock: price gate", "measured"
+    >>> Report.gates = {"M.train_step": "a fit of 8 calls cannot pay for tfmx's first call"}
+    >>> step = tfmx_step(Report())
+    >>> step["form"], step["how"], step["why"]
+    ('stock', 'price gate', "a fit of 8 calls cannot pay for tfmx's first call")
+    """
+    from tfmx.verdict import verdict
+
+    traces = list(getattr(report, "traces", []) or [])
+    out: dict[str, Any] = {"form": None, "how": "", "why": "", "line": verdict(report),
+                           "function": None}
+    if not traces:
+        return out
+    trace = next((t for t in traces if "train" in t.function), traces[0])
+    out["function"] = trace.function
+    guard = next((g.summary() for g in getattr(report, "guards", []) or []
+                  if g.summary().function == trace.function), None)
+    status = str(trace.status)
+    if guard is not None and guard.kept in ("fused", "stock", "xla"):
+        out["form"] = guard.kept
+        if not guard.final:
+            out["how"] = "guard's trial paused: budget spent"
+        else:
+            out["how"] = "measured no faster" if guard.kept == "stock" else "measured faster"
+        out["why"] = guard.reason
+    elif status == "rewritten":
+        out["form"] = "fused"
+        out["how"] = ("fuse=always" if getattr(report, "fuse", "") == "always"
+                      else "untimed: guard off")
+    elif status.startswith("stock"):
+        out["form"] = "stock"
+        out["how"] = status.partition(":")[2].strip()
+        out["why"] = (getattr(report, "gates", None) or {}).get(trace.function, "")
+    else:
+        out["how"] = status
+    return out
+
+
+def step_cell(step: dict[str, Any] | None) -> str:
+    """The tour's "tfmx step" cell: ``fused (measured faster)``, ``fused (fuse=always)``,
+    ``stock (price gate)``, ...
+
+    >>> step_cell({"form": "fused", "how": "fuse=always"}), step_cell(None)
+    ('fused (fuse=always)', '-')
+    """
+    if not step or not step.get("form"):
+        return "-"
+    return f"{step['form']} ({step['how']})" if step.get("how") else step["form"]
+
+
 def _table(result: dict[str, Any]) -> str:
     """One row per run: final loss, final held-out metric, fit's and the interleaved median
     step times, training seconds."""
@@ -168,10 +231,18 @@ def print_comparison(result: dict[str, Any]) -> None:
     and val_loss differences against the stock' noise (a warning when outside it)."""
     comp, timing = result["comparison"], result["timing"]
     print("\n" + _table(result))
+    step = result.get("tfmx_report", {}).get("step") or {}
+    if step.get("form"):  # one line: the step kept, and for a fit too short, what pays
+        why = f": {step['why']}" if step["form"] == "stock" and step.get("why") else ""
+        hint = ("; in a recipe, --fuse always runs the fused step (untimed by the guard)"
+                if step["how"] == "price gate" else "")
+        print(f"\ntfmx run's train step: {step_cell(step)}{why}{hint}")
     if timing.get("ratio") is not None:
         print(f"\nstep time tfmx/stock: {timing['ratio']:.3f} interleaved "
               f"({timing['rounds']} rounds x {timing['steps']} steps, warm-up excluded), "
-              f"{timing['fit_ratio']:.3f} in fit (epochs after the first)")
+              f"{timing['fit_ratio']:.3f} in fit (epochs after the first)"
+              + ("; both runs trained stock's step, so this is timing noise"
+                 if step.get("form") == "stock" else ""))
     xla = timing.get("interleaved", {}).get(XLA)
     if xla is not None and timing.get("best_alternative"):
         best = timing["best_alternative"]

@@ -3,9 +3,10 @@ fills the sizes and checks the values before anything is built.
 
 Flags in the style of keras-cv's and timm's training scripts: ``--epochs``, ``--batch-size``,
 ``--samples``, ``--lr``, ``--seed``, ``--policy``, ``--compare`` (the default) or
-``--tfmx-only``, ``--no-baseline``, ``--xla``, ``--quick``, ``--rounds``, ``--out DIR``,
-``--workers N`` (N local workers under MultiWorkerMirroredStrategy, the tfmx run only:
-:mod:`recipes._workers`), then the recipe's extras. Bad values stop with an argparse error
+``--tfmx-only``, ``--no-baseline``, ``--xla``, ``--quick``, ``--fuse`` (the tfmx run's
+``tfmx.enable(fuse=...)``), ``--rounds``, ``--out DIR``, ``--workers N`` (N local workers under
+MultiWorkerMirroredStrategy, the tfmx run only: :mod:`recipes._workers`), then the recipe's
+extras. Bad values stop with an argparse error
 before anything is built, and an unknown ``--policy`` raises ValueError
 (``policies.names.check_name``) before training.
 
@@ -106,7 +107,12 @@ def parser(recipe: Recipe) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="a small run (tests, CI); a fit this short may be too short to pay for "
                         "tracing tfmx's form, and the report's first line then says so and "
-                        "from how many calls it runs (TFMX_FUSE=always runs it anyway)")
+                        "from how many calls it runs (--fuse always runs it anyway)")
+    p.add_argument("--fuse", choices=("measured", "always"), default=None,
+                   help="the tfmx run's tfmx.enable(fuse=...): 'measured' keeps a fused form "
+                        "only where it measures faster and pays within the fit; 'always' runs "
+                        "the fused step untimed by the guard (default: $TFMX_FUSE, else "
+                        "measured)")
     p.add_argument("--rounds", type=positive_int, default=None,
                    help=f"interleaved timing rounds ({default('rounds')})")
     p.add_argument("--out", metavar="DIR", default=None,

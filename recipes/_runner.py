@@ -120,6 +120,8 @@ def _report_summary(report: Any) -> dict[str, Any]:
     d = report.to_dict()
     d.pop("op_histogram", None)
     d["fused"] = report.fused()
+    d["fuse"] = getattr(report, "fuse", "measured")
+    d["step"] = _compare.tfmx_step(report)  # the train step the tfmx run kept, and why
     return d
 
 

@@ -28,7 +28,8 @@ SMALLER = {
     "small_cnn": ["--samples", "256", "--epochs", "2"],
     "bn_resnet": ["--samples", "128", "--batch-size", "32"],
     "recurrent": ["--samples", "128", "--seq-len", "12", "--units", "16"],
-    "transformer": ["--samples", "128", "--seq-len", "16", "--width", "32"],
+    # the fused train step asked for: the run's report and summary say which step ran
+    "transformer": ["--samples", "128", "--seq-len", "16", "--width", "32", "--fuse", "always"],
     "mixed_precision": ["--samples", "256", "--width", "64"],
     "custom_loop": ["--samples", "256", "--depth", "4", "--xla"],
 }
@@ -101,6 +102,16 @@ def test_recipe_quick_run_writes_metrics_png_and_tensorboard(name, tmp_path, res
     assert env["onednn_state"] in ("on", "off") and env["tensorflow"] and env["keras"]
     assert isinstance(metrics["tfmx_report"]["fused"], int)
     assert metrics["tfmx_report"]["traces"]
+    step = metrics["tfmx_report"]["step"]  # the train step the tfmx run kept, and why
+    assert step["form"] in ("fused", "stock", "xla") and step["line"].startswith("tfmx: "), step
+    assert f"tfmx run's train step: {_compare.step_cell(step)}" in printed
+    if "--fuse" in SMALLER[name]:
+        assert (step["form"], step["how"]) == ("fused", "fuse=always"), step
+        assert metrics["tfmx_report"]["fuse"] == "always"
+        assert "runs the fused step (not timed: fuse='always')" in step["line"]
+    if step["how"] == "price gate":  # a fit this short: the gate's words and what runs it now
+        line = next(x for x in printed.splitlines() if x.startswith("tfmx run's train step"))
+        assert step["why"] and step["why"] in line and "--fuse always runs the fused step" in line
     assert metrics["data"]["train_samples"] > 0 and metrics["data"]["source"]
     assert result["comparison"] == comp
 
@@ -137,9 +148,36 @@ def test_the_quick_tour_prints_one_table_and_writes_one_png(tmp_path, capsys):
     assert [r["workload"] for r in result["rows"]] == ["custom_loop"]
     assert "| custom_loop |" in printed and "tfmx / stock" in printed
     assert result["rows"][0]["ratio"] > 0
+    # the quick tour runs tfmx's fused step, and its table and lines say which step ran
+    step = result["rows"][0]["step"]
+    assert step["form"] == "fused", step
+    assert f"| {_compare.step_cell(step)} | **" in printed and "| tfmx step |" in printed
+    assert f"  custom_loop: {step['line']}" in printed
     assert json.loads((tmp_path / "tour.json").read_text())["table"] == result["table"]
     if _has_matplotlib():
         assert (tmp_path / "tour.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_the_tour_table_names_the_step_each_tfmx_run_kept():
+    from recipes import tour
+
+    base = {"data": "d", "stock_ms": 10.0, "tfmx_ms": 9.0, "xla_ms": None, "best": None,
+            "ratio": 0.9, "ratio_to_best": 0.9, "metric": "val_accuracy", "stock": 0.9,
+            "tfmx": 0.9, "baseline": 0.9, "difference": 0.0, "noise": 0.0,
+            "within_noise": True}
+    rows = [{**base, "workload": "a", "step": {"form": "fused", "how": "fuse=always",
+                                               "line": "tfmx: a runs the fused step"}},
+            {**base, "workload": "b", "ratio": 1.07,
+             "step": {"form": "stock", "how": "price gate", "line": "tfmx: b runs stock"}}]
+    table = tour.format_table(rows).splitlines()
+    header = [c.strip() for c in table[0].split(" | ")]
+    assert header[5] == "tfmx step" and header[6] == "tfmx / stock"
+    assert len(table[1].split("|")) - 2 == len(header)  # the alignment row matches
+    assert "| fused (fuse=always) | **0.900** |" in table[2]
+    # two runs of stock's step: the ratio is not shown as tfmx's
+    assert "| stock (price gate) | 1.070 (both stock) |" in table[3]
+    assert tour.step_lines(rows).splitlines()[1:] == ["  a: tfmx: a runs the fused step",
+                                                     "  b: tfmx: b runs stock"]
 
 
 # -- flags -----------------------------------------------------------------------------------
