@@ -78,6 +78,26 @@ class Platform:
         """True if ``op`` has a kernel here."""
         return self.kernels is None or op in self.kernels
 
+    def places(self, emits: frozenset[str], dtype: str | None = None,
+               any_dtype: frozenset[str] = frozenset({"Cast"})) -> bool:
+        """True where every op a form ``emits`` (``Op`` or ``Op:dtype``, a :class:`Form`'s
+        ``emits``) has a kernel here and, with a plugin table, a float kernel they share:
+        ``dtype`` among them where given, else either float; the ops of ``any_dtype`` are not
+        held to the shared dtype.
+
+        >>> Platform("metal", kernels=frozenset({"Rsqrt"})).places(frozenset({"Rsqrt", "Mul"}))
+        False
+        >>> Platform("metal").places(frozenset({"Rsqrt", "Mul:float32"}), "float32")
+        True
+        """
+        ops = {op.partition(":")[0] for op in emits}
+        if not all(self.runs_op(op) for op in ops):
+            return False
+        if self.table is None:
+            return True
+        shared = self.dtypes(*(ops - any_dtype))
+        return dtype in shared if dtype else bool(shared)
+
     def dtypes(self, *ops: str) -> frozenset[str]:
         """The float32/float16 dtypes every one of ``ops`` has a kernel in (empty if one has
         none here); an op registered with its value type unconstrained takes both.

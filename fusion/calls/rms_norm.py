@@ -252,10 +252,7 @@ def rms_norm_forms(platform: Platform) -> RmsNormForms:
     """
     if platform.name in ("cpu", "cuda"):
         return RmsNormForms((CUSTOM.name, XLA_FORM.name))
-    ops = {op.partition(":")[0] for op in CUSTOM.emits}
-    placed = all(platform.runs_op(op) for op in ops) and (
-        platform.table is None or "float32" in platform.dtypes(*ops - {"Cast"}))
-    return RmsNormForms((CUSTOM.name,) if placed else ())
+    return RmsNormForms((CUSTOM.name,) if platform.places(CUSTOM.emits, "float32") else ())
 
 
 def rms_statistic(x: tf.Tensor, epsilon: float, dtype: tf.DType) -> tf.Tensor:

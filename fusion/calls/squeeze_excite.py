@@ -334,10 +334,9 @@ def squeeze_excite_forms(platform: Platform) -> SqueezeExciteForms | None:
     """
     if platform.name in ("cpu", "cuda"):
         return SqueezeExciteForms((CUSTOM.name, XLA_FORM.name))
-    ops = {op.partition(":")[0] for op in CUSTOM.emits}
-    placed = all(platform.runs_op(op) for op in ops) and (
-        platform.table is None or platform.dtypes(*ops))
-    return SqueezeExciteForms((CUSTOM.name,) if placed else ())
+    return SqueezeExciteForms((CUSTOM.name,) if platform.places(CUSTOM.emits,
+                                                                  any_dtype=frozenset())
+                              else ())
 
 
 def _pool(x: tf.Tensor) -> tf.Tensor:
