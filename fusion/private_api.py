@@ -89,6 +89,12 @@ PRIVATE: tuple[Private, ...] = (
         "the attention family's reference (its doctest)"),
     _p("keras.backend_nn", "the stage hooks of Keras's TensorFlow nn functions (their tests)",
        (K315, "keras.src.backend.tensorflow:nn"), (K316, "keras.src.backend.tensorflow.ops:nn")),
+    _p("keras.backend_math", "the stage hooks of Keras's TensorFlow math functions (their tests)",
+       (K315, "keras.src.backend.tensorflow:math"),
+       (K316, "keras.src.backend.tensorflow.ops:math")),
+    _p("keras.backend_numpy", "the stage hooks of Keras's TensorFlow numpy functions (their "
+       "tests)", (K315, "keras.src.backend.tensorflow:numpy"),
+       (K316, "keras.src.backend.tensorflow.ops:numpy")),
     _p("keras.get_keras_mask", "the squeeze_excite family",
        (K315, "keras.src.backend.common.masking:get_keras_mask")),
     _p("keras.large_negative_number", "the attention family's masked softmax",

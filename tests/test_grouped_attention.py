@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import optional
 import pytest
 import tensorflow as tf
 from helpers import (
@@ -21,6 +22,7 @@ from helpers import (
 )
 
 import tfmx
+from fusion import private_api
 from fusion.calls import grouped_attention as stage
 
 pytestmark = pytest.mark.usefixtures("every_rewrite")
@@ -99,7 +101,7 @@ def _padding(batch: int, keys: int) -> tf.Tensor:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("masks", ["none", "causal", "padding", "padding causal bias"])
 def test_grouped_dot_product_attention_is_kerass(bmm, dtype, masks):
-    from keras.src.backend.tensorflow.nn import dot_product_attention
+    dot_product_attention = private_api.get("keras.backend_nn").dot_product_attention
 
     q = tf.cast(tf.random.normal([2, 5, 4, 3], seed=1), dtype)
     k, v = (tf.cast(tf.random.normal([2, 5, 2, 3], seed=s), dtype) for s in (2, 3))
@@ -126,7 +128,7 @@ VOCAB, TOKENS = 64, 8
 
 
 def _llama() -> keras.Model:
-    import keras_hub
+    keras_hub = optional.keras_hub()
 
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.LlamaBackbone(

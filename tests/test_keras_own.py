@@ -1,20 +1,21 @@
 """Keras's own tests, at the installed Keras version, give the same outcomes with tfmx enabled
 for every test as they give stock.
 
-Keras's source distribution on PyPI carries its tests. :func:`keras_source` downloads it once
-(``pip download --no-deps --no-binary :all: keras==<installed>``) into a cache directory and
-unpacks it; :data:`KERAS_TESTS` picks the files that exercise what tfmx touches. Child pytest
-processes run them against the installed Keras, each with this directory's
-``keras_suite/tfmx_keras_plugin.py`` recording every test's outcome (:data:`RUNS`): one stock,
-two with ``--tfmx`` (``tfmx.enable()`` before every test, ``tfmx.disable()`` after it): tfmx's
-defaults as a user gets them (see :func:`child_env`), and the guard off. With the defaults a
-short ``fit`` of a step this machine never measured runs as stock (the price gate: tracing
-tfmx's form could not pay for itself in a few steps), as most of Keras's fits are; with the
-guard off every step tfmx can rewrite is rewritten, so Keras's tests meet tfmx's rewritten
-steps too. The test asserts each tfmx run's outcome map equals stock's, listing every test whose
-outcome differs with the tfmx run's traceback tail, and that the guard-off run did rewrite
-steps (:data:`MIN_REWRITTEN`); it prints each run's wall and CPU time and what tfmx did, with
-any error its stages recorded.
+Keras's source distribution on PyPI carries its tests. :func:`keras_source` downloads it once (``pip
+download --no-deps --no-binary :all: keras==<installed>``; ``keras-nightly==<installed>`` where that
+distribution installed the ``keras`` package, see :func:`keras_distribution`) into a cache directory
+and unpacks it (keras-nightly's carries no tests: the test skips saying so, unless the cache
+directory holds them from a checkout of Keras); :data:`KERAS_TESTS` picks the files that exercise
+what tfmx touches. Child pytest processes run them against the installed Keras, each with this
+directory's ``keras_suite/tfmx_keras_plugin.py`` recording every test's outcome (:data:`RUNS`): one
+stock, two with ``--tfmx`` (``tfmx.enable()`` before every test, ``tfmx.disable()`` after it):
+tfmx's defaults as a user gets them (see :func:`child_env`), and the guard off. With the defaults a
+short ``fit`` of a step this machine never measured runs as stock (the price gate: tracing tfmx's
+form could not pay for itself in a few steps), as most of Keras's fits are; with the guard off every
+step tfmx can rewrite is rewritten, so Keras's tests meet tfmx's rewritten steps too. The test
+asserts each tfmx run's outcome map equals stock's, listing every test whose outcome differs with
+the tfmx run's traceback tail, and that the guard-off run did rewrite steps (:data:`MIN_REWRITTEN`);
+it prints each run's wall and CPU time and what tfmx did, with any error its stages recorded.
 
 The runs go in parallel: each is mostly one Python thread (a tfmx run needs about 1.2 times
 stock's CPU time), so on 2 cores together they take about 1.5 times a tfmx run alone.
@@ -117,40 +118,69 @@ def cache_root() -> Path:
     return Path(base) / "tfmx-keras-tests"
 
 
-def keras_source(version: str) -> Path:
-    """The unpacked source distribution of ``keras==version`` (downloaded on first use).
+def keras_distribution() -> tuple[str, str]:
+    """The distribution that installed the ``keras`` package and its version:
+    ``("keras", "3.15.1")``, or ``("keras-nightly", "3.16.0.dev...")`` where keras-nightly
+    replaced keras."""
+    names = importlib.metadata.packages_distributions().get("keras", []) or ["keras"]
+    name = "keras" if "keras" in names else names[0]
+    return name.replace("_", "-"), importlib.metadata.version(name)
+
+
+class NoKerasTests(RuntimeError):
+    """The source distribution of the installed Keras carries no test files."""
+
+
+def _has_tests(source: Path) -> bool:
+    return any((source / "keras" / "src").rglob("*_test.py"))
+
+
+def keras_source(version: str, distribution: str = "keras") -> Path:
+    """The unpacked source distribution of ``distribution==version`` (downloaded on first use),
+    kept as ``<cache>/<distribution>-<version>``.
 
     Raises:
         RuntimeError: ``pip download`` failed (no network to PyPI, or no such release), with
             what to do instead.
+        NoKerasTests: the distribution carries no tests (keras-nightly's), with where to put a
+            checkout's instead.
     """
     root = cache_root()
-    target = root / f"keras-{version}"
+    target = root / f"{distribution}-{version}"
+    no_tests = NoKerasTests(
+        f"{distribution} {version}'s source distribution carries no test files; to run Keras's "
+        f"own tests at this version, put a checkout of Keras at the commit it was built from "
+        f"so that {target}/keras/src holds its *_test.py files (or point ${ENV_DIR} at a "
+        f"directory holding {target.name}/)")
     if (target / "keras" / "src").is_dir():
+        if not _has_tests(target):
+            raise no_tests
         return target
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--disable-pip-version-check", "-d", tmp, f"keras=={version}"]
+               "--disable-pip-version-check", "-d", tmp, f"{distribution}=={version}"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        archives = sorted(Path(tmp).glob("keras-*.tar.gz"))
+        archives = sorted(Path(tmp).glob("keras*.tar.gz"))
         if proc.returncode != 0 or not archives:
             raise RuntimeError(
                 f"could not download Keras {version}'s source distribution, which carries the "
                 f"tests this test runs: `{' '.join(cmd)}` exited {proc.returncode}:\n"
                 f"{proc.stderr[-2000:]}\nThis test needs PyPI. Without a network, unpack "
-                f"keras-{version}.tar.gz (from PyPI's 'Download files') so that "
+                f"{distribution}-{version}.tar.gz (from PyPI's 'Download files') so that "
                 f"{target}/keras/src exists, or point ${ENV_DIR} at a directory holding "
-                f"keras-{version}/.")
+                f"{target.name}/.")
         with tarfile.open(archives[0]) as tar:
             extract = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
             tar.extractall(tmp, **extract)
-        unpacked = Path(tmp) / f"keras-{version}"
+        unpacked = Path(tmp) / archives[0].name.removesuffix(".tar.gz")
         try:
             unpacked.rename(target)
         except OSError:  # another process unpacked it first
             if not (target / "keras" / "src").is_dir():
                 raise
+    if not _has_tests(target):
+        raise no_tests
     return target
 
 
@@ -261,9 +291,11 @@ def test_keras_own_tests_same_outcomes_with_tfmx(tmp_path: Path) -> None:
     """Every selected Keras test has the same outcome (passed, failed, skipped, error, xfailed)
     with tfmx enabled (:data:`RUNS`) as stock. The runs go in parallel; each prints its wall
     time."""
-    version = importlib.metadata.version("keras")
+    distribution, version = keras_distribution()
     try:
-        source = keras_source(version)
+        source = keras_source(version, distribution)
+    except NoKerasTests as e:
+        pytest.skip(str(e))
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         pytest.fail(str(e), pytrace=False)
     env = child_env(tmp_path / "tfmx-cache")
@@ -324,3 +356,24 @@ def test_keras_source_failure_says_what_to_do(tmp_path: Path, monkeypatch: pytes
     with pytest.raises(RuntimeError, match="This test needs PyPI"):
         keras_source("0.0.0")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_keras_distribution_is_the_installed_keras() -> None:
+    """The distribution found is the one whose version Keras reports (keras, or keras-nightly
+    where it replaced keras)."""
+    import keras
+
+    name, version = keras_distribution()
+    assert name in ("keras", "keras-nightly") and version == keras.__version__, (name, version)
+
+
+def test_a_source_without_tests_says_where_to_put_them(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A source tree without test files (keras-nightly's source distribution) raises
+    NoKerasTests naming where a checkout's tests go."""
+    monkeypatch.setenv(ENV_DIR, str(tmp_path))
+    (tmp_path / "keras-nightly-3.16.0.dev1" / "keras" / "src").mkdir(parents=True)
+    with pytest.raises(NoKerasTests, match="carries no test files.*keras-nightly-3.16.0.dev1"):
+        keras_source("3.16.0.dev1", "keras-nightly")
+    (tmp_path / "keras-nightly-3.16.0.dev1" / "keras" / "src" / "a_test.py").write_text("")
+    assert keras_source("3.16.0.dev1", "keras-nightly") == tmp_path / "keras-nightly-3.16.0.dev1"

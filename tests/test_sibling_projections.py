@@ -6,6 +6,7 @@ the separate products."""
 
 import keras
 import numpy as np
+import optional
 import pytest
 import tensorflow as tf
 from helpers import assert_within_rounding, nodes_that_ran
@@ -203,7 +204,7 @@ def _gated_model(policy: str = "float32"):
 
 
 def _llama(policy: str = "float32"):
-    import keras_hub
+    keras_hub = optional.keras_hub()
 
     keras.utils.set_random_seed(1)
     keras.mixed_precision.set_dtype_policy(policy)
@@ -273,7 +274,7 @@ def test_llama_merges_its_projections_and_trains_as_stock(policy):
     """keras_hub's LlamaBackbone (2 layers): per layer, the gate and up projections (Dense,
     MatMul) and the query, key and value projections (EinsumDense, a batched product) merged
     with their gradients; the loss and every gradient within the rounding of stock's."""
-    pytest.importorskip("keras_hub")
+    optional.keras_hub()
     rng = np.random.default_rng(2)
     x = rng.integers(0, 64, (4, 8)).astype("int32")
     y = rng.integers(0, 10, (4,)).astype("int32")
