@@ -194,6 +194,49 @@ def test_the_n_step_loops_first_call_after_its_trace_is_not_counted():
     assert trial.done() and trial.decide() == 8
 
 
+def _gated(left, loop_ms=1.0, first_s=1.0, n=32):
+    """The gate of a loop whose Keras's loop costs ``loop_ms`` a step, with ``left`` steps
+    of the fit left and a one-step loop whose first call took ``first_s``."""
+    from types import SimpleNamespace
+
+    dispatch = SimpleNamespace(_slots={"spec": SimpleNamespace(first_s=first_s)},
+                               _loop_memory={})
+    loop = step_loop.StepLoop("f", _model(), dispatch, n, SimpleNamespace(steps=left))
+    loop.loop_s = [loop_ms / 1e3] * step_loop.TIMED
+    return loop._gate(), loop
+
+
+def test_the_gate_is_calibrated_by_other_steps_trials_on_this_machine(chosen, monkeypatch):
+    from tfmx import loop_cache, state
+
+    monkeypatch.setattr(step_loop, "PAYBACK", 1.0)
+    monkeypatch.setattr(step_loop, "TIMED", 5)
+    # N = 32: ~0.969 ms a step estimated (31/32 of Keras's loop) over 800 - 5 x 33 steps left
+    # = 0.62 s, short of the 1 s trace
+    steps, loop = _gated(800)
+    assert steps == 1 and "does not cover" in loop.why and "other steps" not in loop.why
+    # another step's trial here: N steps a call saved 2 ms a step where the estimate said
+    # ~0.969 (x2.06), and its trace cost its one-step loop's first call (x1)
+    cache = state.tuning_cache()
+    loop_cache.store(cache, "other|stock|n=32", 32, one_ms=3.0, many_ms=1.0, trace_s=2.0,
+                     loop_ms=1.0, first_s=2.0)
+    steps, loop = _gated(800)
+    assert steps == 32 and loop.phase == "trace"  # ~2 ms x 635 steps = 1.27 s >= 1 s
+    # a third trial whose trace cost three times its first call: the median trace ratio is 2
+    loop_cache.store(cache, "third|stock|n=32", 32, one_ms=3.0, many_ms=1.0, trace_s=6.0,
+                     loop_ms=1.0, first_s=2.0)
+    steps, loop = _gated(800)
+    assert steps == 1 and "2 trial(s) of other steps" in loop.why and "x2" in loop.why
+    # a trial whose N-step loop ran slower scales the saving by no less than 1
+    assert loop_cache.calibration(cache)[0] == pytest.approx(2.065, abs=1e-3)
+    loop_cache.store(cache, "fourth|stock|n=32", 32, one_ms=1.0, many_ms=3.0, trace_s=2.0,
+                     loop_ms=1.0, first_s=2.0)
+    loop_cache.store(cache, "fifth|stock|n=32", 32, one_ms=1.0, many_ms=3.0, trace_s=2.0,
+                     loop_ms=1.0, first_s=2.0)
+    # the median of 2.065, 2.065, 1 and 1 (unfloored, the slower ones would be -2.065)
+    assert loop_cache.calibration(cache)[:2] == (pytest.approx(1.532, abs=1e-3), 1.0)
+
+
 def _fit_fresh(epochs=2):
     """A new model of the same architecture (a new train function: nothing in its memory)
     fitted, its calls counted; the report's loop record."""

@@ -19,12 +19,14 @@ one call runs N steps in a ``tf.while_loop``. tfmx takes it where it pays and no
   step is timed (a call's time inside the traced loop against the whole iteration of Keras's
   loop); where what N steps a call would save over the fit's steps left (less what the
   trial's one-step calls and the epoch's steps they leave run one a call) pays for tracing the
-  N-step loop :data:`PAYBACK` times over, that loop is traced (Keras's own
+  N-step loop :data:`PAYBACK` times over (the saving estimated as Keras's loop's share, the
+  trace as the one-step loop's first call, both scaled as the trials of other steps on this
+  machine measured them, ``tfmx.loop_cache.calibration``), that loop is traced (Keras's own
   ``multi_step_on_iterator`` traced with ``steps_per_execution`` N, the step in the form
   already kept) and timed against one step a call, alternately on the next real steps: the
   N-step loop's first :data:`WARMUP` call(s) after its trace run but are not counted (a fresh
-  loop's first run after its trace is slower than its later ones), then :data:`TIMED` calls of each; N
-  steps a call is kept only when its median per step is faster by :data:`MARGIN`.
+  loop's first run after its trace is slower than its later ones), then :data:`TIMED` calls
+  of each; N steps a call is kept only when its median per step is faster by :data:`MARGIN`.
 
 The choice and its figures are in ``tfmx.report()`` (``report.loops`` and a note). It is kept
 for the model's later fits of the same epoch length in this process and, with the tuner's
@@ -177,6 +179,7 @@ class StepLoop:
         self.trial = Trial(n)
         self.loop_s: list[float] = []  # Keras's loop outside the traced call, a step
         self.trace_s = 0.0
+        self.first_s = 0.0  # the one-step loop's first call (the gate's trace estimate)
         self.why = "the step's form was not settled before the fit ended: one step a call"
         self.steps_done = 0
         self._measure = False  # this one-step call is timed inside (the loop's share)
@@ -235,20 +238,27 @@ class StepLoop:
                 if key is not None:  # for this step's later fits on this machine
                     loop_cache.store(state.tuning_cache(), key, self.kept or 1,
                                      self.trial.per_step_ms(1), self.trial.per_step_ms(self.n),
-                                     self.trace_s)
+                                     self.trace_s,
+                                     statistics.median(self.loop_s or [0.0]) * 1e3,
+                                     self.first_s)
 
     def _gate(self) -> int:
         """Whether N steps a call may pay for its trace over the fit's steps left (the loop's
-        share of a step timed on :data:`TIMED` calls)."""
-        first_s = max((s.first_s for s in self.dispatch._slots.values()), default=0.0)
+        share of a step timed on :data:`TIMED` calls; both estimates scaled as the trials of
+        other steps on this machine measured them, ``tfmx.loop_cache.calibration``)."""
+        self.first_s = max((s.first_s for s in self.dispatch._slots.values()), default=0.0)
         saving = statistics.median(self.loop_s) * (1 - 1 / self.n)
-        left = self._left()
-        if saving * max(0, left - TIMED * (self.n + 1)) < PAYBACK * first_s:
-            self._keep(1, f"Keras's loop costs ~{saving * 1e3:.3f} ms a step that {self.n} steps "
-                          f"a call would save; over the {left} steps left that does not cover "
-                          f"tracing the {self.n}-step loop (~{first_s:.2f} s, the one-step "
-                          f"loop's first call) {PAYBACK:g} times over: one step a call",
-                       remember=False)
+        trace_s, left, how = self.first_s, self._left(), "the one-step loop's first call"
+        known = loop_cache.calibration(state.tuning_cache())
+        if known is not None:
+            saving, trace_s = saving * known[0], trace_s * known[1]
+            how += (f"; both as {known[2]} trial(s) of other steps on this machine measured "
+                    f"them: the saving x{known[0]:g}, the trace x{known[1]:g}")
+        if saving * max(0, left - TIMED * (self.n + 1)) < PAYBACK * trace_s:
+            self._keep(1, f"{self.n} steps a call would save ~{saving * 1e3:.3f} ms a step "
+                          f"(Keras's loop); over the {left} steps left that does not cover "
+                          f"tracing the {self.n}-step loop (~{trace_s:.2f} s, from {how}) "
+                          f"{PAYBACK:g} times over: one step a call", remember=False)
             return 1
         self.phase = "trace"
         return self.n
@@ -260,7 +270,10 @@ class StepLoop:
         model = self._model()
         if model is None or self.form is None or self._spec is None:
             return None
-        return f"{loop_cache.step_signature(model, self._spec)}|{self.form}|n={self.n}"
+        try:
+            return f"{loop_cache.step_signature(model, self._spec)}|{self.form}|n={self.n}"
+        except Exception:  # noqa: BLE001 - a model without a signature: no cache, a trial
+            return None
 
     def _recall(self, cached: Any) -> int:
         """Keep what the tuning cache says a trial of this step chose, without a trial: one
