@@ -276,9 +276,9 @@ def _routed(chain: list[tuple[Family, Hook]]) -> Callable[[Any], Any]:
     ordered = sorted(chain, key=lambda pair: -pair[1].outer)  # stable
 
     def make(original: Any) -> Any:
-        method = original
+        method, first = original, _first_parameter(original)
         for stage, hook in reversed(ordered):
-            method = _link(stage, hook, method)
+            method = _link(stage, hook, method, first)
         method.__wrapped__ = original
         method.__doc__ = getattr(original, "__doc__", None)
         method.__name__ = getattr(original, "__name__", ordered[0][1].attribute)
@@ -287,8 +287,35 @@ def _routed(chain: list[tuple[Family, Hook]]) -> Callable[[Any], Any]:
     return make
 
 
-def _link(stage: Family, hook: Hook, following: Callable[..., Any]) -> Callable[..., Any]:
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+def _first_parameter(function: Any) -> str | None:
+    """The name of ``function``'s first parameter where a caller may pass it by keyword (a
+    module function's, as ``query`` of ``nn.dot_product_attention``), else None.
+
+    >>> _first_parameter(lambda query, key: None)
+    'query'
+    >>> _first_parameter(lambda *args: None) is None
+    True
+    """
+    import inspect
+
+    try:
+        first = next(iter(inspect.signature(function).parameters.values()), None)
+    except (TypeError, ValueError):
+        return None
+    either = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return first.name if first is not None and first.kind == either else None
+
+
+def _link(stage: Family, hook: Hook, following: Callable[..., Any],
+          first: str | None = None) -> Callable[..., Any]:
+    """One hook of a chain: ``following`` called with the instance (or a routed function's
+    first argument, ``first`` by name, also when the caller passes it by keyword) first."""
+    def method(*args: Any, **kwargs: Any) -> Any:
+        if not args and first is not None and first in kwargs:
+            args = (kwargs.pop(first),)
+        if not args:  # no first argument: the method's own error
+            return following(**kwargs)
+        self, args = args[0], args[1:]
         ctx = active()
         if ctx is None or not ctx.wants(stage.name):
             return following(self, *args, **kwargs)

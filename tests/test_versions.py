@@ -122,6 +122,36 @@ def test_hooks_of_a_package_not_imported_wait_for_it_silently(monkeypatch, tmp_p
         stage.uninstall()
 
 
+def test_a_hooked_function_called_with_every_argument_by_keyword_reaches_its_handler():
+    """A routed module function whose caller passes its first argument by keyword (as Keras
+    3.16's MultiHeadAttention calls the backend's ``nn.dot_product_attention``): the chain
+    hands the handler, and Keras's function after it, the same arguments, on or off."""
+    import tensorflow as tf
+
+    from fusion.pattern import PlainTarget
+    from fusion.stage import Hook, StageContext, _routed, tracing
+
+    def scaled(query, key, scale=1.0):
+        return (query + key) * scale
+
+    seen = []
+
+    def handler(ctx, original, query, *args, **kwargs):
+        seen.append((float(query), sorted(kwargs)))
+        return original(query, *args, **kwargs)
+
+    family = Family("keyword_demo", "", hooks=(Hook.on("demo:nn.scaled", handler),))
+    routed = _routed([(family, family.hooks[0])])(scaled)
+    one, two = tf.constant(1.0), tf.constant(2.0)
+    assert float(routed(query=one, key=two, scale=3.0)) == 9.0  # off: Keras's function
+    with tracing(StageContext(PlainTarget("cpu"), strict=True)):
+        assert float(routed(query=one, key=two, scale=3.0)) == 9.0
+        assert float(routed(one, key=two)) == 3.0
+    assert seen == [(1.0, ["key", "scale"]), (1.0, ["key"])]
+    with pytest.raises(TypeError, match="query"):
+        routed(key=two)
+
+
 def test_keras_on_another_backend_says_so_and_stays_off(monkeypatch):
     monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
     seen = _enable()
