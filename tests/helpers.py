@@ -7,18 +7,43 @@ from collections.abc import Callable
 from typing import Any
 
 
-def traced_graphs(fn) -> list:
-    """The GraphDef (with its function library) of every graph Keras's step function traced."""
-    fn = getattr(fn, "__wrapped__", fn)
-    candidates = [fn] + [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]
+def step_functions(fn) -> list:
+    """Every ConcreteFunction Keras's step function (train/test/predict_function) traced: those
+    of the functions it calls (its closure's), else, where those traced none, of the ones
+    behind them (a wrapper's ``__wrapped__``, a closure's closure), level by level: Keras 3.16
+    calls its step through a wrapper of its own, and tfmx calls Keras's function from its own
+    where a strategy's distributed iterator keeps Keras's one-step call."""
+    import types
+
+    def cells(f) -> list:
+        if not isinstance(f, types.FunctionType):
+            return []
+        found = []
+        for cell in f.__closure__ or ():
+            try:
+                found.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        return found
 
     def concrete_of(targets: list) -> dict:
-        return {id(cf): cf for target in {id(t): t for t in targets}.values()
+        return {id(cf): cf for target in targets
                 for cf in getattr(target, "_list_all_concrete_functions", lambda: [])()}
 
-    concrete = concrete_of(candidates)
-    if not concrete:  # Keras 3.16 calls its step through a wrapper of its own
-        concrete = concrete_of([c.__wrapped__ for c in candidates if hasattr(c, "__wrapped__")])
+    fn = getattr(fn, "__wrapped__", fn)
+    level, seen, concrete = [fn, *cells(fn)], set(), {}
+    while level and not concrete:
+        level = [t for t in {id(t): t for t in level}.values() if id(t) not in seen]
+        seen.update(id(t) for t in level)
+        concrete = concrete_of(level)
+        level = [t.__wrapped__ for t in level if hasattr(t, "__wrapped__")] + [
+            c for t in level for c in cells(t)]
+    return list(concrete.values())
+
+
+def traced_graphs(fn) -> list:
+    """The GraphDef (with its function library) of every graph Keras's step function traced."""
+    concrete = {id(cf): cf for cf in step_functions(fn)}
     graphs = {cf.name.decode() if isinstance(cf.name, bytes) else cf.name: cf.graph.as_graph_def()
               for cf in concrete.values()}
     # a step Keras calls from its loop's graph is in that graph's library: counted there once

@@ -246,7 +246,9 @@ def _through_loop(model: Any, dispatch: IteratorDispatch, keras_function: Any) -
     import tensorflow as tf
 
     ref = weakref.ref(model)
-    iterators = (tf.data.Iterator,)  # a strategy's distributed iterator: Keras's own call
+    # a strategy's distributed iterator: Keras's own call (Keras's traced loop fails on one:
+    # an unfed placeholder, as with steps_per_execution > 1 under MirroredStrategy)
+    iterators = (tf.data.Iterator,)
 
     def function(iterator: Any) -> Any:
         model = ref()

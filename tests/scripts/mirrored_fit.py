@@ -7,6 +7,7 @@ before TensorFlow initialises its devices.
 import json
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TFMX_GUARD", "0")  # tests/conftest.py
@@ -18,6 +19,9 @@ tf.config.set_logical_device_configuration(
 )
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests/: helpers
+from helpers import step_functions  # noqa: E402
 
 import fusion  # noqa: E402
 import tfmx  # noqa: E402
@@ -49,11 +53,8 @@ def train(fused: bool):
     y = rng.normal(size=(SAMPLES, 4)).astype("float32")
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     ops = set()
-    fn = getattr(model.train_function, "__wrapped__", model.train_function)
-    for cell in [fn] + [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]:
-        if hasattr(cell, "_list_all_concrete_functions"):
-            for cf in cell._list_all_concrete_functions():
-                ops |= set(op_histogram(cf.graph.as_graph_def()))
+    for cf in step_functions(model.train_function):
+        ops |= set(op_histogram(cf.graph.as_graph_def()))
     report = tfmx.report().to_dict() if fused else {}
     tfmx.disable()
     variables = list(model.weights) + list(model.optimizer.variables)
