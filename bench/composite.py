@@ -170,6 +170,16 @@ MATCHERS: dict[str, Matcher] = {
         "softmax, weighted sum, transposes (rotary embedding and the Dense projections not "
         "counted)",
         (Rule(scope=r"self_attention(_\d+)*/(?!(query|key|value|attention_output)(_\d+)*/)"),)),
+    "MoE experts": Matcher(
+        "a mixture of experts' expert bank: every expert's gate, up and output products on every "
+        "token (Einsums), its SiLU and gated product",
+        (Rule(scope=r"sparse_moe_block(_\d+)*/experts(_\d+)*/"),)),
+    "MoE routing": Matcher(
+        "a mixture of experts' routing: the router Dense, softmax, top_k, one_hot, the routing "
+        "weights, the weighted sum of the experts' outputs, the load-balancing loss (QwenMoe's "
+        "shared expert not counted)",
+        (Rule(scope=r"sparse_moe_block(_\d+)*/(?!(experts|shared_expert_dense|"
+                    r"shared_expert_gate_dense)(_\d+)*/)"),)),
 }
 """One matcher per composite pattern named in :data:`bench.zoo.MODELS`, in the order an op is
 tried: the first that matches takes it."""
@@ -772,7 +782,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ...
     SystemExit: not a zoo workload: 'mlp'; choose from ['zoo_mobilenet_v3_small', \
 'zoo_efficientnet_b0', 'zoo_convnext_tiny', 'zoo_densenet121', 'zoo_bert', 'zoo_gpt2', \
-'zoo_llama'] or 'zoo'
+'zoo_llama', 'zoo_mixtral', 'zoo_qwen_moe'] or 'zoo'
     """
     from bench.workloads import expand_models
 

@@ -43,7 +43,8 @@ from typing import Any
 TARGET = 1.3
 """tfmx's step over the floor that the transformer workloads are measured against."""
 
-TRANSFORMERS = ("transformer", "vit", "decoder", "zoo_bert", "zoo_gpt2", "zoo_llama")
+TRANSFORMERS = ("transformer", "vit", "decoder", "zoo_bert", "zoo_gpt2", "zoo_llama",
+                "zoo_mixtral", "zoo_qwen_moe")
 """The workloads whose step is mostly attention and feed-forward contractions."""
 
 STEPS = 5

@@ -26,6 +26,12 @@ What each brings that tfmx's own workloads do not:
 - ``gpt2``: keras_hub's GPT2Backbone: pre-norm causal TransformerDecoder blocks.
 - ``llama``: keras_hub's LlamaBackbone: rotary position embeddings, RMSNorm (its own
   LlamaLayerNorm), grouped-query attention (4 query heads, 2 key/value heads), SwiGLU.
+- ``mixtral``: keras_hub's MixtralBackbone: Llama's blocks with a mixture of 4 SwiGLU experts
+  in place of the feed-forward, top-2 routing (softmax, ``top_k``, ``one_hot``), dense
+  dispatch (every expert's ``Einsum`` on every token, weighted by the routing), the router's
+  load-balancing loss.
+- ``qwen_moe``: keras_hub's QwenMoeBackbone: Mixtral's routing with the experts' gate and up
+  projections in one kernel, plus a shared expert gated by a sigmoid.
 
 keras_hub is imported only when one of its models is built (``pip install "tfmx[zoo]"``).
 
@@ -246,6 +252,24 @@ def _llama(size: str, num_classes: int) -> Any:
                                  intermediate_dim=d[4])))
 
 
+def _mixtral(size: str, num_classes: int) -> Any:
+    return _backbone_classifier("mixtral", size, num_classes, lambda hub, vocab, d: (
+        hub.models.MixtralBackbone(vocabulary_size=vocab, num_layers=d[0],
+                                   num_query_heads=d[1], num_key_value_heads=d[2],
+                                   hidden_dim=d[3], intermediate_dim=d[4], num_experts=4,
+                                   top_k=2)))
+
+
+def _qwen_moe(size: str, num_classes: int) -> Any:
+    return _backbone_classifier("qwen_moe", size, num_classes, lambda hub, vocab, d: (
+        hub.models.QwenMoeBackbone(vocabulary_size=vocab, num_layers=d[0],
+                                   num_query_heads=d[1], num_key_value_heads=d[2],
+                                   hidden_dim=d[3], intermediate_dim=d[4],
+                                   moe_intermediate_dim=d[4] // 2,
+                                   shared_expert_intermediate_dim=d[4], num_experts=4,
+                                   top_k=2, norm_top_k_prob=True)))
+
+
 def _application(name: str, cls: str, side: int, what: str,
                  builder: Callable[[str, int], Any], families: tuple[str, ...],
                  composite: tuple[str, ...], batch_size: int = 16, rounds: int = 6) -> ZooModel:
@@ -290,6 +314,13 @@ MODELS: dict[str, ZooModel] = {
                    "SwiGLU 512, rotary, RMSNorm", "last token", _llama,
                    ("einsum_dense", "rms_norm"),
                    ("rotary embedding", "RMSNorm", "SwiGLU", "grouped-query attention")),
+        _hub_model("mixtral", "MixtralBackbone, 2 layers x 128, 4 query / 2 key-value heads, "
+                   "4 SwiGLU experts of 512, top-2 routing", "last token", _mixtral,
+                   ("einsum_dense", "rms_norm", "moe"), ("MoE routing", "MoE experts")),
+        _hub_model("qwen_moe", "QwenMoeBackbone, 2 layers x 128, 4 query / 2 key-value heads, "
+                   "4 SwiGLU experts of 256 and a gated shared expert of 512, top-2 routing",
+                   "last token", _qwen_moe, ("einsum_dense", "rms_norm"),
+                   ("MoE routing", "MoE experts")),
     )
 }
 
@@ -303,7 +334,8 @@ def build(name: str, size: str = "bench", num_classes: int = 10, seed: int | Non
     Traceback (most recent call last):
     ...
     ValueError: unknown zoo model 'resnet'; choose from ('mobilenet_v3_small', \
-'efficientnet_b0', 'convnext_tiny', 'densenet121', 'bert', 'gpt2', 'llama')
+'efficientnet_b0', 'convnext_tiny', 'densenet121', 'bert', 'gpt2', 'llama', 'mixtral', \
+'qwen_moe')
     >>> build("llama", size="tiny").output_shape  # doctest: +SKIP
     (None, 10)
     """

@@ -69,7 +69,8 @@ def test_llama_patterns_match_and_silu_gradient_joins_swiglu():
 # the other zoo models, stock: (model, a pattern whose gradient has ops at the root scope)
 OTHERS = [("efficientnet_b0", "swish"),  # tf.nn.silu's custom gradient
           ("convnext_tiny", "depthwise convolution"),  # Keras's XLA-compiled grouped conv
-          ("densenet121", None), ("bert", None), ("gpt2", None)]
+          ("densenet121", None), ("bert", None), ("gpt2", None),
+          ("mixtral", "MoE experts"), ("qwen_moe", "MoE experts")]  # the experts' SiLU
 
 
 @pytest.mark.parametrize("name, rooted", [

@@ -194,6 +194,8 @@ DECLINES = {
     "bert": "sparse gradient",  # the embeddings' Adam updates
     "gpt2": "sparse gradient",
     "llama": "sparse gradient",
+    "mixtral": "top-k routing kept",  # the moe family: dense dispatch, data-dependent shapes
+    "qwen_moe": "top-k routing kept",
 }
 
 
