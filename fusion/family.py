@@ -159,8 +159,11 @@ class Forms:
             return []
         names = "|".join(re.escape(name) for name in sorted(marked, key=len, reverse=True))
         unit = re.compile(r"(?:^|/)(?P<scope>" + names + r")(?:_\d+)?/")
+        marks = frozenset().union(*(form.marks for form in marked.values()))
         units: dict[str, Form] = {}
         for node in view.nodes():
+            if node.op not in marks:  # no form's mark: no unit, whatever its name
+                continue
             found = None if node.name.startswith(GRADIENT_SCOPES) else unit.search(node.name)
             form = marked[found.group("scope")] if found else None
             if form is not None and node.op in form.marks:

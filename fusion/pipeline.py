@@ -70,26 +70,45 @@ def _run_pattern(
     where: str,
     tuner: Chooser,
 ) -> GraphView:
-    """Run one pattern on one body as a transaction; return the view to go on with."""
-    snapshot = [n.SerializeToString() for n in view.nodes()]
-    bookkeeping = GraphView(())
-    bookkeeping.copy_bookkeeping(view)
-    had_cycle = any(n.op in ("NextIteration", "RefNextIteration") for n in view)
+    """Run one pattern on one body as a transaction; return the view to go on with.
+
+    A family whose graph part only observes (no graph pass: :meth:`Forms.observe` counts the
+    units its stage emitted) edits nothing, so the view before it is the view after it: it is
+    copied only where the observer fails, as the snapshot of any other pass would be."""
+    read_only = getattr(pattern, "graph_pass", False) is None
+    snapshot = bookkeeping = had_cycle = None
+    if not read_only:
+        snapshot = [n.SerializeToString() for n in view.nodes()]
+        bookkeeping = GraphView(())
+        bookkeeping.copy_bookkeeping(view)
+        had_cycle = _has_loop(view)
     ctx = RewriteContext(target=target, stats=PatternStats(), tuner=tuner)
     try:
         pattern.run(view, ctx)
         dangling = view.dangling_inputs(external)
         if dangling:
             raise RuntimeError(f"rewrite left inputs pointing nowhere: {dangling[:3]}")
-        if ctx.stats.fused and not had_cycle and view.cycle():
+        if ctx.stats.fused and not (_has_loop(view) if had_cycle is None else had_cycle) \
+                and view.cycle():
             raise RuntimeError(f"rewrite made a cycle through {view.cycle()[:3]}")
     except Exception as exc:  # noqa: BLE001 - any failure must leave the graph as it was
+        if snapshot is None:  # an observer: the view is as it was
+            snapshot = [n.SerializeToString() for n in view.nodes()]
+            bookkeeping = view
         restored = GraphView(node_def_pb2.NodeDef.FromString(b) for b in snapshot)
         restored.copy_bookkeeping(bookkeeping)
         total.errors.append(f"{where}: {type(exc).__name__}: {exc}")
         return restored
     total.merge(ctx.stats)
     return view
+
+
+_LOOP_OPS = frozenset({"NextIteration", "RefNextIteration"})
+
+
+def _has_loop(view: GraphView) -> bool:
+    """True if ``view`` holds a TensorFlow 1 loop's back edge (a cycle by design)."""
+    return not _LOOP_OPS.isdisjoint([n.op for n in view.nodes()])
 
 
 def _run_patterns(

@@ -76,6 +76,29 @@ def test_raising_pattern_leaves_graph_as_it_was(throwaway, dense_graph, cpu):
     assert (st.matched, st.fused) == (0, 0) and not res.changed  # the failed pass's stats dropped
 
 
+def test_a_failing_observer_leaves_the_graph_as_the_pass_before_it_left_it(
+        dense_graph, cpu, monkeypatch):
+    """An observing family (a stage's graph part: no graph pass) edits nothing and is run
+    without a snapshot; where it raises, the graph is the one the passes before it made."""
+    from fusion.family import Forms, get
+
+    concrete, g = dense_graph
+    protected = protected_names(concrete)
+    fused = fusion.rewrite(g, cpu, patterns=["contraction"], protected=protected)
+    assert fused.stats["contraction"].fused == 1
+    observer = next(f.name for f in passes(None) if f.graph_pass is None and f.run is not None)
+    assert get(observer).forms.observed
+
+    def boom(self, view):
+        raise RuntimeError("observer went off")
+
+    monkeypatch.setattr(Forms, "units", boom)
+    res = fusion.rewrite(g, cpu, patterns=["contraction", observer], protected=protected)
+    assert _bytes(res.graph_def) == _bytes(fused.graph_def)
+    assert res.stats[observer].errors == ["main graph: RuntimeError: observer went off"]
+    assert res.stats["contraction"].fused == 1
+
+
 def test_raising_pattern_after_a_good_one_keeps_the_good_one(throwaway, dense_graph, cpu):
     concrete, g = dense_graph
 

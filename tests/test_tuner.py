@@ -290,6 +290,33 @@ def test_the_optimizer_family_asks_the_tuner_and_says_why():
     assert "ResourceApplyAdam float32 [64, 64] keeps Keras's composite: measured faster" in reason
 
 
+def test_identical_sites_of_one_graph_are_measured_once_and_share_the_decision():
+    """Three variables of one shape and dtype: three updates of one signature, one
+    measurement, one decision, every update in its form; a fourth shape is a second."""
+    import keras
+
+    variables = [tf.Variable(tf.ones([64, 64])) for _ in range(3)] + [tf.Variable(tf.ones([8]))]
+    opt = keras.optimizers.Adam(0.01)
+    opt.build(variables)
+
+    @tf.function(autograph=False)
+    def step(g, h):
+        opt.apply([g, g, g, h], variables)
+        return variables[0].read_value()
+
+    graph_def = step.get_concrete_function(tf.TensorSpec([64, 64]), tf.TensorSpec([8])
+                                           ).graph.as_graph_def(add_shapes=True)
+    seen = []
+    timer = _timer({"composite": 2.0, "kernel": 1.0})
+    result = fusion.rewrite(graph_def, get_backend("cpu"), ["optimizer_update"],
+                            tuner=Tuner("auto", None, timer, on_decision=seen.append))
+    assert result.stats["optimizer_update"].fused == 4
+    assert op_histogram(result.graph_def)["ResourceApplyAdam"] == 4
+    assert len(timer.calls) == 2
+    assert sorted(d.signature for d in seen) == ["ResourceApplyAdam float32 [64, 64]",
+                                                 "ResourceApplyAdam float32 [8]"]
+
+
 def test_fragments_of_a_real_update_run_in_both_forms():
     """The real timer: the composite fragment and its rewritten variant both build and run."""
     from fusion.graphs.optimizer_update import find_updates, rewrite_update
