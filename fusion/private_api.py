@@ -112,6 +112,7 @@ PRIVATE: tuple[Private, ...] = (
                 "eager.context", "eager.record", "eager.execute",
                 "eager.polymorphic_function.atomic_function",
                 "eager.polymorphic_function.concrete_function",
+                "eager.polymorphic_function.polymorphic_function",
                 "framework.auto_control_deps_utils", "framework.func_graph",
                 "framework.importer", "framework.ops", "framework.kernels",
                 "framework.op_def_registry", "framework.op_def_library", "framework.dtypes",

@@ -51,6 +51,28 @@ from tensorflow.python.distribute import input_lib
 
 from tfmx import guard, state, xla_support
 
+try:  # TensorFlow's count of a tf.function's calls and traces (its retracing warning)
+    from tensorflow.python.eager.polymorphic_function.polymorphic_function import (
+        _frequent_tracing_detector_manager as _TRACING_DETECTOR,
+    )
+except ImportError:  # another TensorFlow: its warning counts what it sees
+    _TRACING_DETECTOR = None
+
+
+def _called_without_tracing(function: Any) -> None:
+    """Count a call of the ``tf.function`` ``function`` served without it (its ConcreteFunction
+    called directly) as TensorFlow counts a call that did not trace: its warning of frequent
+    retracing (5 traces within 10 calls of one Python function) then sees the calls as it
+    would without tfmx, and does not take a step loop's traces in a process's successive fits
+    for retracing."""
+    key = getattr(function, "_key_for_call_stats", None)
+    if key is None or _TRACING_DETECTOR is None:
+        return
+    try:
+        _TRACING_DETECTOR.called_without_tracing(key)
+    except Exception:  # noqa: BLE001 - a count for a warning never fails a call
+        pass
+
 
 def _dispatchable(iterator: Any) -> bool:
     """A ``tf.data`` iterator, or a distributed iterator of a strategy whose replicas are all
@@ -122,6 +144,8 @@ class IteratorDispatch:
         if (args or kwargs or not _dispatchable(iterator)
                 or not tf.executing_eagerly() or tf.config.functions_run_eagerly()):
             return self._function(iterator, *args, **kwargs)
+        if iterator._type_spec in self._slots:  # not through the tf.function: counted as if
+            _called_without_tracing(self._function)
         if self._loop is not None:  # several steps a call, where a fit's loop chose it
             return self._loop.call(self, iterator)
         return self._call(iterator)
@@ -314,8 +338,12 @@ class IteratorDispatch:
             self._twins[form] = self._twin()
         try:
             with guard.forcing(form):
-                outputs = self._twins[form](iterator)
-                slot.forms[form] = self._twins[form].get_concrete_function(iterator)
+                # traced, then called: the same ConcreteFunction a call would trace and run,
+                # and a form of the loop is not a retrace of it (TensorFlow's warning of
+                # frequent retracing counts calls that trace)
+                concrete = self._twins[form].get_concrete_function(iterator)
+                outputs = concrete(iterator)
+                slot.forms[form] = concrete
         except xla_support.XlaUnsupportedError as exc:  # found while tracing: no batch taken
             slot.guard.failed(form, f"{exc} (found while tracing, before any batch ran)")
             return self(iterator)
