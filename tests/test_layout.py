@@ -3,7 +3,8 @@ registry of families with every graph pass and stage in it.
 
 The layers, lowest first: ``fusion`` (the rewrite engine), ``tfmx`` (enable, trace, rebuild,
 guard, report), ``policies`` (mixed precision), ``recipes`` (in the wheel), then ``bench``
-(the repository's benchmark, not in the wheel), which nothing below it imports. Imports are read from the source (``ast``), function-local ones included.
+(the repository's benchmark, not in the wheel), which nothing below it imports. Imports are
+read from the source (``ast``), function-local ones included.
 """
 
 from __future__ import annotations
