@@ -4,8 +4,9 @@ Each combination gets a virtual environment of its own (``<root>/venv-<name>``) 
 TensorFlow and Keras and the test tools, and no tfmx installed: the tests run from a copy of
 the repository's committed tree (``git archive HEAD``, or the working tree with
 ``--worktree``) on ``PYTHONPATH``, one pytest process per test file, so a file that fails to
-import under one combination fails alone. The results go to ``<root>/matrix.json`` and, as a
-table, to the standard output; ``--changelog`` writes that table into CHANGELOG.md's
+import under one combination fails alone. The results go to ``<root>/matrix.json`` after each
+test file (a run stopped early keeps what it ran; the table names the files it did not reach)
+and, as a table, to the standard output; ``--changelog`` writes that table into CHANGELOG.md's
 "Tested with" section (between its ``release-matrix`` markers).
 
 Usage, from the repository root (each environment is built once; ``--rebuild`` builds it
@@ -142,16 +143,41 @@ def run_file(python: Path, source: Path, test: str, timeout: float) -> dict:
 
 def table(results: list[dict]) -> str:
     """The markdown table of ``results`` (one row per combination)."""
+    def stem(test: str) -> str:
+        return Path(test).stem.removeprefix("test_")
+
     lines = ["| TensorFlow | Keras | Python | test files passed | failed |",
              "|---|---|---|---|---|"]
     for r in results:
         names = {True: [], False: []}
         for f in r["files"]:
-            names[f["ok"]].append(Path(f["test"]).stem.removeprefix("test_"))
+            names[f["ok"]].append(stem(f["test"]))
+        ran = {f["test"] for f in r["files"]}
+        unrun = [stem(t) for t in r.get("tests", ()) if t not in ran]
+        failed = ", ".join(names[False]) or "none"
+        if unrun:  # a run stopped before its last file: what it did not reach, named
+            failed += f"; not run: {', '.join(unrun)}"
         lines.append(f"| {r['tensorflow']} | {r['keras']} | {r['python']} | "
-                     f"{len(names[True])} of {len(r['files'])}: {', '.join(names[True])} | "
-                     f"{', '.join(names[False]) or 'none'} |")
+                     f"{len(names[True])} of {len(r['files']) + len(unrun)}: "
+                     f"{', '.join(names[True])} | {failed} |")
     return "\n".join(lines)
+
+
+def record_run(record: Path, result: dict) -> list[dict]:
+    """Merge one combination's ``result`` into ``record`` (its previous run replaced), under
+    a lock: combinations run at once each write their own row, after every test file, so a
+    run stopped early leaves what it ran (``result["tests"]`` names what it was to run)."""
+    import fcntl
+
+    order = [c.name for c in COMBINATIONS]
+    with open(record.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        previous = json.loads(record.read_text()) if record.exists() else []
+        merged = {r["combination"]: r for r in previous}
+        merged[result["combination"]] = result
+        rows = sorted(merged.values(), key=lambda r: order.index(r["combination"]))
+        record.write_text(json.dumps(rows, indent=1))
+    return rows
 
 
 def write_changelog(text: str, path: Path = ROOT / "CHANGELOG.md") -> None:
@@ -183,27 +209,22 @@ def main(argv: list[str] | None = None) -> int:
     source = tree(args.worktree)
     commit = "working tree" if args.worktree else _run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], check=True).stdout.strip()
-    results = []
+    results, rows = [], []
     for combination in COMBINATIONS:
         if args.only is not None and combination.name not in args.only:
             continue
         python = build(combination, args.root, args.rebuild)
         keras, tf, py = _run([str(python), "-c", _VERSIONS], check=True).stdout.split()
-        files = []
+        result = {"combination": combination.name, "keras": keras, "tensorflow": tf,
+                  "python": py, "commit": commit, "tests": list(args.tests), "files": []}
+        results.append(result)
         for test in args.tests:
-            files.append(run_file(python, source, test, args.timeout))
-            f = files[-1]
+            result["files"].append(run_file(python, source, test, args.timeout))
+            f = result["files"][-1]
             print(f"{combination.name}: {test}: {'ok' if f['ok'] else 'FAILED'} "
                   f"{f['counts']} {f['seconds']} s {' '.join(f['failed'])}", flush=True)
-        results.append({"combination": combination.name, "keras": keras, "tensorflow": tf,
-                        "python": py, "commit": commit, "files": files})
-    previous = json.loads(record.read_text()) if record.exists() else []
-    merged = {r["combination"]: r for r in previous}  # a combination's last run replaces it
-    merged.update({r["combination"]: r for r in results})
-    order = [c.name for c in COMBINATIONS]
-    merged_list = sorted(merged.values(), key=lambda r: order.index(r["combination"]))
-    record.write_text(json.dumps(merged_list, indent=1))
-    print(table(merged_list))
+            rows = record_run(record, result)
+    print(table(rows))
     return 0 if all(f["ok"] for r in results for f in r["files"]) else 1
 
 
