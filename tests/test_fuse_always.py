@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import keras
@@ -87,6 +88,29 @@ def test_the_tuner_takes_a_fused_form_measured_or_not():
                                conservative="stock").choice == "stock"
     only = Decision("f", "s", "stock", ("stock",), {}, "conservative (tune=off)")
     assert always_fused(only, "stock") is only
+
+
+def test_the_tuner_measures_past_a_short_fits_share_when_always_fused():
+    """A fit this short leaves the tuner no share to measure a second decision in; under
+    fuse='always' the tuner's own budget bounds it instead, so every fused form is measured
+    and the fastest kept (not the first one unmeasured)."""
+    from tfmx.fit_plan import fitting
+
+    def timer(runs, budget):
+        time.sleep(0.01)  # the measuring takes time: the fit's share is spent after one
+        return {"stock": 1e-3, "a": 3e-3, "b": 2e-3}
+
+    choices = {}
+    for fused in (False, True):
+        tuner = Tuner("auto", None, fused=fused, timer=timer)
+        tuner.step_hint = lambda: 1e-6  # a microsecond a step: 2% of 2 steps is nothing
+        with fitting(1, 2):
+            choices[fused] = [tuner.choose("demo", sig, {"stock": None, "a": None, "b": None},
+                                           conservative="stock") for sig in ("x", "y")]
+    plain, fused = choices[False], choices[True]
+    assert plain[1].source.startswith("conservative (measuring budget spent")
+    assert [d.choice for d in fused] == ["b", "b"]
+    assert all(d.source == "measured" for d in fused)
 
 
 def test_the_switch_is_named_and_checked(monkeypatch):

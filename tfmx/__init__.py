@@ -106,9 +106,11 @@ def enable(
             and pays for its first call within the fit (the price gate, the guard, the
             tuner's budget); ``"always"``: every family takes its fused form where it applies,
             for verifying the fused step and for fits known to be long: no price gate, no
-            whole-step trial (so ``guard=True`` is refused beside it), and every tuned choice
-            takes a fused form, the fastest measured, else the first. ``tfmx.report()`` says
-            so. None: ``$TFMX_FUSE`` or ``"measured"`` (:data:`tfmx.env.FUSE_MODES`).
+            whole-step trial (so ``guard=True`` is refused beside it), the tuner measures
+            within its own budget (``$TFMX_TUNE_BUDGET``) whatever the fit's length, and every
+            tuned choice takes a fused form, the fastest measured, else the first.
+            ``tfmx.report()`` says so. None: ``$TFMX_FUSE`` or ``"measured"``
+            (:data:`tfmx.env.FUSE_MODES`).
 
     Global and idempotent: calling it again replaces the settings; models compiled before
     rebuild their step functions on next use. Bad names raise ValueError listing the choices.

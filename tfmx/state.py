@@ -124,9 +124,9 @@ def tuner() -> Any:
 
 
 FUSE_ALWAYS = ("fuse='always' (TFMX_FUSE=always): every family takes its fused form where it "
-               "applies; no price gate, no whole-step trial, and each tuned choice takes a fused "
-               "form (the fastest measured, else the first): the fused step runs, untimed "
-               "against stock")
+               "applies; no price gate, no whole-step trial, the tuner measures within its own "
+               "budget whatever the fit's length, and each tuned choice takes a fused form (the "
+               "fastest measured, else the first): the fused step runs, untimed against stock")
 
 MULTI_WORKER = ("several workers: each decision takes the form stock TensorFlow runs, measured "
                 "nothing, and the whole-step guard is off (timings differ from worker to "

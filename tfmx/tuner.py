@@ -220,7 +220,9 @@ class Tuner:
             return fallback(f"tuning budget of {self.budget:g} s spent; measured on a later run")
         left = self.budget - self.spent
         timer, timed = self.timer, candidates
-        planned = self._plan_left()
+        # fuse='always' is asked for fits known to be long: the tuner's own budget bounds its
+        # measuring, not a share of the fit under way
+        planned = None if self.fused else self._plan_left()
         if planned is not None:
             allowed, why = planned
             if allowed(0.0) <= 0:
