@@ -1,4 +1,5 @@
-"""Timing step functions interleaved, and the ratios read from the rounds.
+"""Timing step functions interleaved, and the ratios read from the rounds (the recipes' and
+the benchmark's timing).
 
 - :func:`time_step_functions`: warm-up (the first call, tracing or compiling, timed apart),
   then rounds that time every function back to back, in an order rotated each round; per
@@ -9,7 +10,7 @@
 - :func:`noisy_modes`: the modes whose spread says the machine was busy (:data:`NOISY_SPREAD`).
 
 Example:
-    >>> from bench.timing import median_ratios, time_step_functions
+    >>> from recipes._timing import median_ratios, time_step_functions
     >>> timing = time_step_functions({"stock": next, "tfmx": next},
     ...                              lambda mode: iter(range(100)), rounds=2, steps=3)
     >>> sorted(median_ratios(timing))
