@@ -459,3 +459,8 @@ def value_and_gradient(fn, x) -> list:
         y = fn(x)
         loss = tf.reduce_sum(tf.cast(y, tf.float32) * tf.sin(tf.cast(x, tf.float32)))
     return [y.numpy().astype(np.float64), tape.gradient(loss, x).numpy().astype(np.float64)]
+
+
+def form_names(forms) -> list[str]:
+    """The names of a stage's ``forms`` (its ``Form`` objects), in order."""
+    return [form.name for form in forms]

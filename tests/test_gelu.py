@@ -15,6 +15,7 @@ from helpers import (
     assert_within_rounding,
     fit_float32_reference,
     fit_stock_and_tfmx,
+    form_names,
     no_further_terms,
     nodes_that_ran,
     ops_that_ran,
@@ -56,20 +57,16 @@ def test_value_and_derivative_match_tensorflow(form, dtype):
         np.testing.assert_array_equal(got[0], want[0])
 
 
-def _names(forms) -> list[str]:
-    return [form.name for form in forms]
-
-
 def test_a_backend_without_erf_gets_the_erfc_form():
     from fusion.pattern import PlainTarget
     from fusion.stage import StageContext
     from tfmx.backends import get_backend
 
     no_erf = PlainTarget("toy", kernels=frozenset({"Erfc", "Tanh", "Exp", "Mul", "AddV2"}))
-    assert _names(stage._forms(StageContext(get_backend("cpu")), False)) == \
+    assert form_names(stage._forms(StageContext(get_backend("cpu")), False)) == \
         ["custom", "custom erfc"]
-    assert _names(stage._forms(StageContext(no_erf), False)) == ["custom erfc"]
-    assert _names(stage._forms(StageContext(no_erf), True)) == ["custom"]
+    assert form_names(stage._forms(StageContext(no_erf), False)) == ["custom erfc"]
+    assert form_names(stage._forms(StageContext(no_erf), True)) == ["custom"]
 
 
 UPCAST_FORMS = ["custom upcast", stage.SLOPE_KEPT.name]
@@ -82,10 +79,10 @@ def test_a_16_bit_input_also_gets_the_float32_forms_last(backend, approximate):
     from tfmx.backends import get_backend
 
     ctx = StageContext(get_backend(backend))
-    plain = _names(stage._forms(ctx, approximate))
+    plain = form_names(stage._forms(ctx, approximate))
     for dtype in (tf.bfloat16, tf.float16):
-        assert _names(stage._forms(ctx, approximate, dtype)) == [*plain, *UPCAST_FORMS]
-    assert _names(stage._forms(ctx, approximate, tf.float32)) == plain
+        assert form_names(stage._forms(ctx, approximate, dtype)) == [*plain, *UPCAST_FORMS]
+    assert form_names(stage._forms(ctx, approximate, tf.float32)) == plain
 
 
 # Roundings of each float32 form's gradient to the 16-bit dtype: dy (the loss's, float32)

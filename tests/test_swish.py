@@ -18,6 +18,7 @@ from helpers import (
     assert_within_rounding,
     fit_float32_reference,
     fit_stock_and_tfmx,
+    form_names,
     no_further_terms,
     nodes_that_ran,
     ops_that_ran,
@@ -195,16 +196,12 @@ def test_the_regions_multiply_once_in_the_backward(hard, dtype):
     assert not any(op in ("Sigmoid", "Relu6") for op, _ in forward), forward
 
 
-def _names(forms) -> list[str]:
-    return [form.name for form in forms]
-
-
 def test_a_16_bit_swish_also_gets_the_float32_form_last():
-    assert _names(stage._forms(tf.zeros([2]), hard=False)) == ["custom"]
+    assert form_names(stage._forms(tf.zeros([2]), hard=False)) == ["custom"]
     for dtype in (tf.bfloat16, tf.float16):
-        assert _names(stage._forms(tf.zeros([2], dtype), hard=False)) == ["custom",
+        assert form_names(stage._forms(tf.zeros([2], dtype), hard=False)) == ["custom",
                                                                           "custom upcast"]
-        assert _names(stage._forms(tf.zeros([2], dtype), hard=True)) == ["hard custom"]
+        assert form_names(stage._forms(tf.zeros([2], dtype), hard=True)) == ["hard custom"]
 
 
 def test_declines_what_it_cannot_take():
