@@ -46,7 +46,10 @@ def test_stock_kept_paused_and_undecided_trials():
     kept_stock = _report(GuardRecord("M.train_step", "stock", 11.0, 10.0, 24, ""))
     assert verdict(kept_stock).startswith("tfmx: M.train_step runs the stock step, 10.00 ms")
     paused = _report(GuardRecord("M.train_step", "fused", 8.0, math.nan, 0, "", final=False))
-    assert "runs the fused step, for now (trial paused), 8.00 ms a step;" in verdict(paused)
+    assert "runs the fused step, for now (trial paused), 8.00 ms a step;" not in verdict(paused)
+    assert "runs the fused step, for now (trial paused before a timed pair);" in verdict(paused)
+    paired = _report(GuardRecord("M.train_step", "fused", 8.0, 9.0, 3, "", final=False))
+    assert "runs the fused step, for now (trial paused), 8.00 ms a step" in verdict(paired)
     running = _report(GuardRecord("M.train_step", "undecided", 8.0, 9.0, 2, ""))
     assert "trial under way, 2 pairs so far (fused 8.00 ms, stock 9.00 ms)" in verdict(running)
 

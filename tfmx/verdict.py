@@ -106,6 +106,9 @@ def _verdict(report: Any) -> str:
     versus = ""
     if guard.kept != "stock" and not math.isnan(guard.stock_ms) and not math.isnan(kept_ms):
         versus = f" (stock {_ms(guard.stock_ms)}, {kept_ms / guard.stock_ms:.2f}x)"
+    if not guard.final and not guard.pairs:  # no timed pair: its figure is a first call's
+        return (f"tfmx: {guard.function} runs {FORMS[guard.kept]}, for now (trial paused "
+                f"before a timed pair){tail}")
     paused = "" if guard.final else ", for now (trial paused)"
     return (f"tfmx: {guard.function} runs {FORMS[guard.kept]}{paused}, {_ms(kept_ms)} a step"
             f"{versus}{tail}")
