@@ -4,7 +4,8 @@
 small GRU) under Keras 3 stock, tfmx, XLA (``jit_compile=True``) and Keras 2 (``tf_keras``,
 in a process of its own with ``TF_USE_LEGACY_KERAS=1``). Each mode runs in its own worker
 process, which first fits its model once untimed (``--warm-epochs``: tracing, tfmx's guard and
-its step loop's trial, :mod:`tfmx.step_loop`, happen there), then on each round fits
+its step loop's trial, :mod:`tfmx.step_loop`, happen there; one worker warms at a time, so
+those trials measure on a machine no other worker loads), then on each round fits
 ``--epochs`` epochs, every epoch timed by an epoch-level callback (from ``on_epoch_begin`` to
 ``on_epoch_end``: the epoch's steps, no fit set-up). The modes take turns within a round
 (interleaved, the order rotating), each round's figure is the median of its epochs, and the
@@ -168,10 +169,11 @@ class _Worker:
 
 def measure(model: str, modes: Sequence[str], args: argparse.Namespace) -> dict[str, Any]:
     """One model: its workers warmed, then ``args.rounds`` interleaved rounds."""
-    workers = [_Worker(mode, model, args) for mode in modes]
+    workers: list[_Worker] = []
     try:
-        for w in workers:
-            w.read()  # ready
+        for mode in modes:  # one warms at a time: tfmx's trials measure on a quiet machine
+            workers.append(_Worker(mode, model, args))
+            workers[-1].read()  # ready
         rounds: dict[str, list[float]] = {mode: [] for mode in modes}
         loop = None
         for r in range(args.rounds):
