@@ -4,6 +4,8 @@ Keras 3 on TensorFlow writes batch norm as ``tf.nn.moments`` + ``tf.nn.batch_nor
 
     training:  mean = Squeeze(Mean(x, axes, keep_dims))
                var  = Squeeze(Mean(SquaredDifference(x, StopGradient(Mean(x, axes)))))
+                      (TensorFlow 2.22: d = Sub(x, StopGradient(mean));
+                       var = Squeeze(Maximum(Mean(Square(d)) - Square(Mean(d)), 0)))
                moving_* <- moving_* * momentum + batch_* * (1 - momentum)   (AssignVariableOp)
     both:      inv  = Rsqrt(AddV2(var, epsilon)) [* gamma]
                y    = AddV2(Mul(x, inv), Sub(beta, Mul(mean, inv)))   (Neg(...) without beta)
@@ -141,25 +143,51 @@ _MEAN = Op("Squeeze", Op("Mean", Any("x"), Any("axes_m"), bind="mean_k"), bind="
 _VARIANCE = Op("Squeeze", Op("Mean", Op("SquaredDifference", Any("x"), Op(
     "StopGradient", Any("mean_k"), bind="sg"), bind="sqd"), Any("axes_v"), bind="var_k"),
     bind="var_sq")
+# TensorFlow 2.22's tf.nn.moments: with d = x - stop_gradient(mean), the variance is
+# max(mean(d^2) - mean(d)^2, 0).
+_VARIANCE_SHIFTED = Op("Squeeze", Op("Maximum", Op(
+    "Sub",
+    Op("Mean", Op("Square", Op("Sub", Any("x"), Op("StopGradient", Any("mean_k"), bind="sg"),
+                               bind="diff"), bind="sqd"), Any("axes_v"), bind="var_k"),
+    Op("Square", Op("Mean", Any("diff"), Any("axes_d"), bind="diff_mean"), bind="diff_sq"),
+    bind="var_sub"), Any("zero"), bind="var_max"), bind="var_sq")
+_SHIFTED_NODES = ("mean_k", "sg", "diff", "sqd", "var_k", "diff_mean", "diff_sq", "var_sub",
+                  "var_max")
+
+
+def _is_zero(view: GraphView, ref: str) -> bool:
+    """True if ``ref`` is a constant zero, or the Cast of one."""
+    node = view.node(ref)
+    if node is not None and node.op == "Cast" and not any(r.startswith("^") for r in node.input):
+        ref = node.input[0]
+    value = const_value(view, ref)
+    return value is not None and value.size == 1 and float(value.ravel()[0]) == 0.0
 
 
 def _moments(view: GraphView, mean_ref: str, var_ref: str) -> tuple | None:
     """(x ref, reduction axes, nodes, mean Squeeze, variance Squeeze) if ``mean_ref`` and
-    ``var_ref`` are the Squeezed outputs of ``tf.nn.moments``; None otherwise."""
+    ``var_ref`` are the Squeezed outputs of ``tf.nn.moments`` (TensorFlow 2.21's form or
+    2.22's shifted one); None otherwise."""
+    names: tuple[str, ...] = ("mean_k", "sg", "sqd", "var_k")
+    reductions = ("mean_k", "var_k")
     found = match(view, var_ref, _VARIANCE)
+    if found is None:
+        found = match(view, var_ref, _VARIANCE_SHIFTED)
+        if found is not None and not _is_zero(view, found.refs["zero"]):
+            found = None
+        names, reductions = _SHIFTED_NODES, ("mean_k", "var_k", "diff_mean")
     found = None if found is None else match(view, mean_ref, _MEAN, found)
     if found is None:
         return None
-    node = {name: view.node(found.refs[name])
-            for name in ("mean_k", "sg", "sqd", "var_k", "mean_sq", "var_sq")}
-    axes_m, axes_v = (const_value(view, found.refs[a]) for a in ("axes_m", "axes_v"))
-    if axes_m is None or axes_v is None or sorted(axes_m.ravel()) != sorted(axes_v.ravel()):
+    node = {name: view.node(found.refs[name]) for name in (*names, "mean_sq", "var_sq")}
+    axes = [const_value(view, found.refs[a]) for a in ("axes_m", "axes_v", "axes_d")
+            if a in found.refs]
+    if any(a is None for a in axes) or len({tuple(sorted(a.ravel())) for a in axes}) != 1:
         return None
-    if not (node["mean_k"].attr["keep_dims"].b and node["var_k"].attr["keep_dims"].b):
+    if not all(node[r].attr["keep_dims"].b for r in reductions):
         return None
-    return (found.refs["x"], [int(a) for a in axes_m.ravel()],
-            (node["mean_k"], node["sg"], node["sqd"], node["var_k"]), node["mean_sq"],
-            node["var_sq"])
+    return (found.refs["x"], [int(a) for a in axes[0].ravel()],
+            tuple(node[n] for n in names), node["mean_sq"], node["var_sq"])
 
 
 def _sole_consumer_is(ops: tuple[str, ...], name: str) -> Callable[[GraphView, Match], bool]:
