@@ -38,8 +38,8 @@ FAMILY = "step_loop"
 
 
 def step_signature(model: Any, spec: Any) -> str:
-    """A train step's key in the tuning cache: a hash of the model's class, its layers' classes
-    and weights (shapes, dtypes), its optimizer's and loss's classes and the batches' type
+    """A train step's key in the tuning cache: a hash of the model's class, its layers' classes,
+    its weights (shapes, dtypes), its optimizer's and loss's classes and the batches' type
     (``spec``). Two models of the same architecture share it; layer names are left out.
 
     >>> import keras
@@ -50,10 +50,11 @@ def step_signature(model: Any, spec: Any) -> str:
     >>> step_signature(make(), "batch") == step_signature(make(), "other batch")
     False
     """
-    layers = [(type(layer).__name__, [(tuple(w.shape), str(w.dtype)) for w in layer.weights])
-              for layer in model._flatten_layers(include_self=False)]
+    layers = [type(layer).__name__ for layer in getattr(model, "layers", ())]
+    weights = [(tuple(w.shape), str(w.dtype)) for w in model.weights]
     loss = getattr(model, "loss", None)
-    parts = (type(model).__name__, layers, type(getattr(model, "optimizer", None)).__name__,
+    parts = (type(model).__name__, layers, weights,
+             type(getattr(model, "optimizer", None)).__name__,
              loss if isinstance(loss, str) else type(loss).__name__, str(spec))
     return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
 
