@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tfmx
-from tfmx import first_call, guard
+from tfmx import first_call, guard, step_gain
 from tfmx import tuner as tuner_mod
 from tfmx.guard import GateDecision, StepGuard, fitting, learn_price, price_figures, price_gate
 from tfmx.reporting import Report, TraceRecord
@@ -63,7 +63,14 @@ def test_nothing_measured_a_loop_that_can_switch_runs_stock_first():
     assert price_gate({}, None, switchable=True).run == "tfmx"  # no plan
 
 
+def _no_gain_expected():
+    """A machine whose fused steps measured no faster than stock's: the gate's prior expects
+    no gain, so a step whose fused form was never measured runs on the trial's budget alone."""
+    step_gain.learn_gain(50.0, 50.0)
+
+
 def test_fused_unmeasured_its_first_call_is_seeded_from_stocks():
+    _no_gain_expected()
     stock_only = {"stock_first_s": 2.0, "stock_ms": 40.0}
     # fused's first call expected at FUSED_SEED x 2 s = 3 s: 1 s beyond stock's
     assert price_gate(stock_only, 1249).run == "stock"  # 2% of 1249 x 40 ms < 1 s
@@ -83,6 +90,58 @@ def test_both_known_asked_mid_fit_the_whole_first_call_is_the_extra():
     assert price_gate(KNOWN, 301).run == "tfmx"  # 6 s more than stock's: 301 x 20 ms > 6 s
     assert price_gate(KNOWN, 301, traced=True).run == "stock"  # 9 s: more than 6.02 s
     assert price_gate(KNOWN, 451, traced=True).run == "tfmx"
+
+
+def test_fused_unmeasured_a_long_enough_fit_tries_it_on_the_gain_expected_here():
+    stock_only = {"stock_first_s": 2.0, "stock_ms": 40.0}
+    # nothing measured in both forms: the seed (0.85 x stock's) saves 6 ms a call; tfmx's
+    # whole first call (3 s, traced mid-fit) is paid where 2 x 3 s is saved: from ~1000 calls
+    verdict = price_gate(stock_only, 990, traced=True)
+    assert verdict.run == "stock" and verdict.pays_from in (1000, 1001)
+    assert "expected at 0.85 x stock's (seed" in verdict.why
+    verdict = price_gate(stock_only, 1010, traced=True)
+    assert verdict.run == "tfmx" and "~6.06 s saved over the fit's 1010 calls" in verdict.why
+    # steps measured in both forms here replace the seed: 0.5 x stock's saves 20 ms a call
+    learn_price("other step", fused_ms=30.0, stock_ms=60.0)
+    learn_price("other step", fused_ms=30.0, fused_first_s=1.0)  # no new pair: learnt once
+    assert step_gain.expected_gain() == (0.5, "the median of 1 step(s) measured in both "
+                                              "forms here")
+    assert price_gate(stock_only, 305, traced=True).run == "tfmx"
+    assert price_gate(stock_only, 295, traced=True).pays_from in (300, 301)
+    # where they measured no faster, no length of fit tries it on the prior
+    for _ in range(2):
+        step_gain.learn_gain(61.0, 60.0)
+    verdict = price_gate(stock_only, 10**6, traced=False)
+    assert verdict.run == "tfmx" and "trial's budget" in verdict.why  # the budget covers it
+    verdict = price_gate(stock_only, 3000, traced=True)
+    assert verdict.run == "stock" and "no gain expected" in verdict.why
+
+
+def test_a_fused_step_measured_with_the_tuner_cut_short_is_tried_again_on_the_prior():
+    # measured no faster: its forms were Keras's where the tuner's budget ran out
+    figures = {**KNOWN, "fused_ms": 60.0, "fused_deferred": 12.0}
+    verdict = price_gate(figures, 1000, traced=True)  # 9 s: 2 x 9 s over 9 ms a call: 2001
+    assert verdict.run == "stock" and verdict.pays_from in (2000, 2001)
+    verdict = price_gate(figures, 2010, traced=True)
+    assert verdict.run == "tfmx"
+    assert "with 12 of the tuner's decisions left unmeasured" in verdict.why
+    assert price_gate({**figures, "fused_deferred": 0.0}, 10**6).run == "stock"  # final
+    # a provisional figure teaches no gain; a final one does
+    learn_price("step", stock_ms=60.0, fused_ms=58.0, fused_deferred=3.0)
+    assert step_gain.expected_gain()[0] == step_gain.GAIN_SEED
+    learn_price("step", fused_ms=45.0, fused_deferred=0.0)
+    assert price_figures("step")["fused_deferred"] == 0.0
+    assert step_gain.expected_gain()[0] == pytest.approx(0.75)
+
+
+def test_the_gain_expected_round_trips_through_the_machines_cache(tmp_path):
+    cache = TuningCache(tmp_path / "t.json", {"backend": "cpu"})
+    learn_price("a", cache, stock_ms=60.0)
+    learn_price("a", cache, fused_ms=45.0)  # a new pair: 0.75
+    guard.forget()  # a new process: the cache file alone
+    assert step_gain.expected_gain()[0] == step_gain.GAIN_SEED  # without the cache: the seed
+    again = TuningCache(tmp_path / "t.json", {"backend": "cpu"})
+    assert step_gain.expected_gain(again)[0] == pytest.approx(0.75)
 
 
 def test_stock_unmeasured_the_rewrite_runs_within_the_trials_budget():
@@ -116,6 +175,7 @@ def _small_models_measured(n=25, cache=None):
 
 def test_a_large_steps_first_call_is_its_stock_first_call_times_the_learnt_ratio():
     _small_models_measured()
+    _no_gain_expected()
     assert first_call.learnt_ratio("fused") == (pytest.approx(1.2), 25)
     # a large step (20,000 ops) whose stock first call took 2 s: tfmx's is expected at 2.4 s,
     # not at the small models' seconds per op times its ops (~280 s)
@@ -221,7 +281,8 @@ def test_a_paused_trial_records_the_fused_steps_price():
     with fitting(1, 40):
         g.record(g.next_form(), 0.040)
         assert g.next_form() == "fused" and not g.summary().final  # paused: stock unaffordable
-    assert price_figures("demo step") == {"fused_first_s": 5.0, "fused_ms": 40.0, "ops": 700.0}
+    assert price_figures("demo step") == {"fused_first_s": 5.0, "fused_ms": 40.0, "ops": 700.0,
+                                          "fused_deferred": 0.0}  # every decision measured
 
 
 def test_a_finished_trial_records_both_forms():
@@ -387,6 +448,20 @@ def test_a_fused_step_kept_after_one_timed_call_is_timed_on_for_its_price(monkey
         assert learnt[-1] == ["fused_ms"]  # the median of the trial's and the next calls
         (figures,) = guard._prices.values()
         assert figures["fused_ms"] > 0 and "stock_ms" not in figures
+    finally:
+        tfmx.disable()
+
+
+def test_the_price_record_says_how_many_decisions_the_tuner_left_unmeasured(monkeypatch):
+    monkeypatch.setattr(guard, "price_gate", lambda *a, **k: GateDecision("tfmx", "injected"))
+    monkeypatch.setenv("TFMX_TUNE_BUDGET", "0")  # every decision: Keras's form, unmeasured
+    x = np.random.default_rng(0).normal(size=(512, 16)).astype("float32")
+    tfmx.enable(backend="cpu", guard=True, tune="auto", xla=False)
+    try:
+        _model().fit(x, np.zeros(512, "int32"), batch_size=32, epochs=3, verbose=0)
+        deferred = [d for d in tfmx.report().decisions if "budget" in d.source]
+        (figures,) = guard._prices.values()
+        assert deferred and figures["fused_deferred"] == len(deferred)
     finally:
         tfmx.disable()
 

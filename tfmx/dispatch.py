@@ -168,6 +168,7 @@ class IteratorDispatch:
                 if slot.guard is not None:  # what tracing it cost: a seed of the other forms'
                     slot.guard.first_call_s = time.perf_counter() - start
                     slot.guard.price_key = _price_key(embedded)
+                    slot.guard.deferred = sum(e.deferred for e in embedded)
                     guard.learn_first_call("fused", slot.guard.first_call_s, slot.guard.ops,
                                            state.tuning_cache())
                     self._estimated(slot.guard.price_key, slot.guard.first_call_s)
@@ -283,6 +284,7 @@ class IteratorDispatch:
             cache = state.tuning_cache()
             made.first_call_s = time.perf_counter() - start
             made.price_key = _price_key(embedded)
+            made.deferred = sum(e.deferred for e in embedded)
             stock_first = guard.price_figures(made.price_key, cache).get("stock_first_s", 0.0)
             made.warmed("stock", stock_first)  # it ran first: the trial pays no first call
             guard.learn_first_call("fused", made.first_call_s, made.ops, cache)
@@ -315,7 +317,8 @@ class IteratorDispatch:
         slot.followed.append(time.perf_counter() - start)
         if len(timed) + len(slot.followed) >= WATCHED_CALLS:
             guard.learn_price(slot.guard.price_key, state.tuning_cache(),
-                              fused_ms=statistics.median(timed + slot.followed) * 1e3)
+                              fused_ms=statistics.median(timed + slot.followed) * 1e3,
+                              fused_deferred=float(slot.guard.deferred))
             slot.followed = None
         return outputs
 

@@ -59,7 +59,7 @@ RATE_FAMILY = "first-call-s-per-op"
 RATIO_FAMILY = "first-call-ratio"
 """The tuning cache's family of ratios of a form's first call to stock's of the same step."""
 
-_learnt: dict[str, dict[str, list[float]]] = {RATE_FAMILY: {}, RATIO_FAMILY: {}}
+_learnt: dict[str, dict[str, list[float]]] = {}  # family -> form -> observations
 
 
 def robust(values: list[float]) -> float:
@@ -76,9 +76,15 @@ def robust(values: list[float]) -> float:
     return math.sqrt(ordered[middle - 1] * ordered[middle])
 
 
-def _history(family: str, form: str, cache: Any) -> list[float]:
-    """The observations of ``form`` in ``family``: this process's, else the machine's."""
-    known = _learnt[family].get(form)
+def history(family: str, form: str, cache: Any = None) -> list[float]:
+    """The last :data:`HISTORY` observations of ``form`` in ``family`` (oldest first): this
+    process's, else the machine's (``cache``).
+
+    >>> observe("demo family", "demo", 2.0)
+    >>> history("demo family", "demo")
+    [2.0]
+    """
+    known = _learnt.setdefault(family, {}).get(form)
     if known is None and cache is not None:  # another process's measurements
         found = cache.get(f"{family}|{form}")
         if found is not None:
@@ -90,11 +96,13 @@ def _history(family: str, form: str, cache: Any) -> list[float]:
     return known or []
 
 
-def _observe(family: str, form: str, value: float, cache: Any) -> None:
+def observe(family: str, form: str, value: float, cache: Any = None) -> None:
+    """Add ``value`` (finite, above 0) to ``form``'s observations in ``family``, for this
+    process and, given ``cache``, for this machine (see :func:`history`)."""
     if not (value > 0 and math.isfinite(value)):
         return
-    values = [*_history(family, form, cache), value][-HISTORY:]
-    _learnt[family][form] = values
+    values = [*history(family, form, cache), value][-HISTORY:]
+    _learnt.setdefault(family, {})[form] = values
     if cache is not None:
         cache.put(Decision(family, form, form, (form,),
                            {str(i): v for i, v in enumerate(values)}, "measured"))
@@ -110,7 +118,7 @@ def learn_first_call(form: str, seconds: float, ops: int, cache: Any = None) -> 
     (1.0, '2.00 ms per op, the median of 3 first call(s) measured here')
     """
     if ops > 0 and seconds > 0:
-        _observe(RATE_FAMILY, form, seconds / ops, cache)
+        observe(RATE_FAMILY, form, seconds / ops, cache)
 
 
 def learn_first_call_ratio(form: str, seconds: float, stock_seconds: float,
@@ -123,20 +131,20 @@ def learn_first_call_ratio(form: str, seconds: float, stock_seconds: float,
     (1.5, 1)
     """
     if seconds > 0 and stock_seconds > 0:
-        _observe(RATIO_FAMILY, form, seconds / stock_seconds, cache)
+        observe(RATIO_FAMILY, form, seconds / stock_seconds, cache)
 
 
 def learnt_ratio(form: str, cache: Any = None) -> tuple[float, int] | None:
     """The robust ratio of ``form``'s first calls to stock's measured here (:func:`robust`),
     and how many were measured; None where none was."""
-    values = _history(RATIO_FAMILY, form, cache)
+    values = history(RATIO_FAMILY, form, cache)
     return (robust(values), len(values)) if values else None
 
 
 def learnt_rate(form: str, cache: Any = None) -> tuple[float, int] | None:
     """The robust seconds per op of ``form``'s first calls measured here, and how many were;
     None where none was."""
-    values = _history(RATE_FAMILY, form, cache)
+    values = history(RATE_FAMILY, form, cache)
     return (robust(values), len(values)) if values else None
 
 
@@ -216,6 +224,6 @@ def forget_first_calls() -> None:
 
 
 __all__ = ["FUSED_SEED", "HISTORY", "RATE_FAMILY", "RATIO_FAMILY", "SEED_S_PER_OP", "XLA_SEED",
-           "expected_first_call", "forget_first_calls", "learn_first_call",
+           "expected_first_call", "forget_first_calls", "history", "learn_first_call",
            "learn_first_call_ratio", "learnt_ratio", "learnt_rate", "learnt_stock_first_call",
-           "robust"]
+           "observe", "robust"]

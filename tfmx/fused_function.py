@@ -107,6 +107,7 @@ class _Entry:
     gated: bool = False  # the price gate runs it as stock: no stage, no rewrite
     gated_ops: dict[str, int] = dataclasses.field(default_factory=dict)  # its ops, if gated
     replicas: int | None = None  # the devices its graph places nodes on (see _replicas)
+    deferred: int = 0  # the tuner's decisions in it left unmeasured (its budget spent)
 
     @property
     def signature(self) -> str:
@@ -255,7 +256,7 @@ class FusedFunction:
             return entry.guard.run({name: lambda get=get: get()(*args, **kwargs)
                                     for name, get in functions.items()})
         guard.embedded(entry.changed, entry.stock_ops, entry.signature, entry.price_key,
-                       entry.gated, _replicas(entry))
+                       entry.gated, _replicas(entry), entry.deferred)
         return entry.fused(*args, **kwargs)
 
     def _xla(self) -> Any:
@@ -319,7 +320,7 @@ class FusedFunction:
         if verdict is not None and verdict.run == "stock":
             return self._gated_entry(opts, price_key, args, kwargs)
         tuner = state.tuner() if opts.backend.available else None
-        spent = getattr(tuner, "spent", 0.0)
+        spent, deferred = getattr(tuner, "spent", 0.0), getattr(tuner, "deferred", 0)
         start = time.perf_counter()
         concrete = self._staged.get_concrete_function(*args, **kwargs)  # stages on
         key = (id(concrete), state.generation())
@@ -355,6 +356,7 @@ class FusedFunction:
             return "", None
         key = self._price_key(args, kwargs)
         cache = state.tuning_cache()
+            entry.deferred = getattr(tuner, "deferred", 0) - deferred
         figures = guard.price_figures(key, cache)
         known = [figures[k] / 1e3 for k in ("fused_ms", "stock_ms") if figures.get(k)]
         tuner = state.tuner()

@@ -170,6 +170,7 @@ class StepGuard:
         self._cached: Decision | None = None  # the outcome recalled
         self._switch: Switch | None = None  # to the form recalled, where it pays
         self.price_key = ""  # the step's price record (see price_gate): what the trial learnt
+        self.deferred = 0  # the tuner's decisions its fused form left unmeasured
         if budget is not None and self.trial.challenger in self.trial.warm:
             self.trial.next = self.trial.challenger  # one timed run of the step running first
 
@@ -246,7 +247,7 @@ class StepGuard:
         form = self.trial.next
         if self.budget.share is not None and not self.budget.affordable(form):
             self.budget.pause(form)
-            learn_trial_price(self.price_key, self.trial, self.budget)
+            learn_trial_price(self.price_key, self.trial, self.budget, self.deferred)
             return self.kept
         if form == "xla" and form not in self.trial.warm:
             self.budget.note_xla_expected()
@@ -284,7 +285,7 @@ class StepGuard:
 
     def _finish(self) -> None:
         """The last duel ended: what the trial measured is learnt, its outcome stored."""
-        learn_trial_price(self.price_key, self.trial, self.budget)
+        learn_trial_price(self.price_key, self.trial, self.budget, self.deferred)
         if self._key:
             store(self._key, self.trial, self.budget.cache)
 

@@ -127,14 +127,15 @@ def recall(trial: Trial, key: str, cache: Any, budgeted: bool
     return known, None
 
 
-def learn_trial_price(key: str, trial: Trial, budget: TrialBudget) -> None:
+def learn_trial_price(key: str, trial: Trial, budget: TrialBudget, deferred: int = 0) -> None:
     """What ``trial`` measured of the price of the step ``key``
-    (``tfmx.step_price.learn_price``): the forms' first calls and both forms' medians."""
+    (``tfmx.step_price.learn_price``): the forms' first calls and both forms' medians, and
+    how many of the tuner's decisions the fused form left unmeasured (``deferred``)."""
     med = trial.medians_ms()
     learn_price(key, budget.cache, fused_first_s=budget.first_call_s,
                 stock_first_s=trial.warm.get("stock"), xla_first_s=trial.warm.get("xla"),
-                fused_ms=med.get("fused"),
-                stock_ms=med.get("stock"), ops=budget.ops)
+                fused_ms=med.get("fused"), stock_ms=med.get("stock"), ops=budget.ops,
+                fused_deferred=float(deferred) if med.get("fused") else None)
 
 
 def summarize(function: str, trial: Trial, budget: TrialBudget, cached: Decision | None,

@@ -92,10 +92,12 @@ class Embedded:
     price_key: str = ""  # what the step is before it is traced: its price record's key
     gated: bool = False  # the price gate ran it as stock (see ``tfmx.step_price.price_gate``)
     replicas: int = 1  # the replicas it runs in (``tf.distribute``): one trace each
+    deferred: int = 0  # the tuner's decisions in it left unmeasured (its budget spent)
 
 
 def embedded(changed: bool, ops: Mapping[str, int] | None = None, signature: str = "",
-             price_key: str = "", gated: bool = False, replicas: int = 1) -> None:
+             price_key: str = "", gated: bool = False, replicas: int = 1,
+             deferred: int = 0) -> None:
     """A tfmx step function was traced into an outer function (see :class:`Embedded`).
 
     >>> embedded(True)  # outside collecting(): nobody asks, nothing is kept
@@ -103,7 +105,7 @@ def embedded(changed: bool, ops: Mapping[str, int] | None = None, signature: str
     collected = getattr(_local, "collected", None)
     if collected is not None:
         collected.append(Embedded(changed, dict(ops or {}), signature, price_key, gated,
-                                  replicas))
+                                  replicas, deferred))
 
 
 __all__ = ["Embedded", "collecting", "embedded", "forced_form", "forcing", "switchable"]

@@ -48,6 +48,7 @@ from tfmx.first_call import (
     learn_first_call_ratio,
     learnt_stock_first_call,
 )
+from tfmx.step_gain import learn_gain, pays_on_prior
 from tfmx.tuning_cache import Decision
 
 FIRST_CALL_FORMS = ("fused", "xla")
@@ -97,7 +98,8 @@ def learn_price(key: str, cache: Any = None, **figures: float | None) -> None:
     if not key:
         return
     new = {k: float(v) for k, v in figures.items()
-           if v is not None and math.isfinite(float(v)) and float(v) > 0}
+           if v is not None and math.isfinite(float(v))
+           and (float(v) > 0 or (k == "fused_deferred" and float(v) == 0))}
     if not new:
         return
     known = price_figures(key, cache)
@@ -105,12 +107,27 @@ def learn_price(key: str, cache: Any = None, **figures: float | None) -> None:
     _prices[key] = merged
     if cache is not None:
         cache.put(Decision(PRICE_FAMILY, key, "figures", (), merged, "measured"))
+    if (merged.get("fused_ms") and merged.get("stock_ms") and not provisional(merged)
+            and any(known.get(k) != new[k] for k in ("fused_ms", "stock_ms") if k in new)):
+        learn_gain(merged["fused_ms"], merged["stock_ms"], cache)
     fresh = {k for k, v in new.items() if k.endswith("_first_s") and known.get(k) != v}
     stock = merged.get("stock_first_s", 0.0)
     for form in FIRST_CALL_FORMS:
         name = f"{form}_first_s"
         if stock and merged.get(name) and fresh & {name, "stock_first_s"}:
             learn_first_call_ratio(form, merged[name], stock, cache)
+
+
+def provisional(figures: Mapping[str, float]) -> int:
+    """How many of the tuner's decisions the fused step measured in ``figures`` left
+    unmeasured (``fused_deferred``: its measuring budget spent, each took Keras's form): its
+    median is then a provisional figure of what tfmx's form of the step gains, which a later
+    trace (the tuner measuring on) may better.
+
+    >>> provisional({"fused_ms": 40.0, "fused_deferred": 3.0}), provisional({"fused_ms": 40.0})
+    (3, 0)
+    """
+    return int(figures.get("fused_deferred", 0.0)) if figures.get("fused_ms") else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,11 +174,14 @@ def price_gate(figures: Mapping[str, float], calls: int | None,
     machine measured of it (``figures``, :func:`price_figures`):
 
     - both forms' step times known: tfmx runs if what the fused step saves over the fit
-      (``calls`` x (stock - fused)) is more than its first call costs beyond stock's;
+      (``calls`` x (stock - fused)) is more than its first call costs beyond stock's, or, where
+      the fused step was measured with tuner decisions left unmeasured (:func:`provisional`),
+      if the gain expected of a tuned step pays (``tfmx.step_gain.pays_on_prior``);
     - one form's step time known: tfmx runs if its first call beyond stock's (measured, or
       expected: :func:`expected_first_call`) is within the trial's budget, ``share`` of the
-      planned run at the known step time (the guard's budget logic); else stock runs, and its
-      figures are measured;
+      planned run at the known step time (the guard's budget logic), or, stock's known,
+      if the saving expected of the fused step on this machine's prior covers it
+      (``tfmx.step_gain.pays_on_prior``); else stock runs, and its figures are measured;
     - nothing known: with ``switchable`` (the fit's loop can trace tfmx's form mid-fit) stock
       runs first and is timed, else tfmx runs (and learns);
     - no plan, or no budget (``share`` None): tfmx runs (the trial decides).
@@ -221,17 +241,38 @@ def price_gate(figures: Mapping[str, float], calls: int | None,
                  f"{stock_ms:.2f} ms a call)")
         if saved > extra:
             return verdict("tfmx", f"{first}, less than it saves over {steps}")
-        return verdict("stock", f"{first}, more than it saves over {steps}",
-                       (stock_ms - fused_ms) / 1e3)
+        outcome = verdict("stock", f"{first}, more than it saves over {steps}",
+                          (stock_ms - fused_ms) / 1e3)
+        deferred = provisional(figures)
+        if not deferred:
+            return outcome
+        # measured with forms the tuner had no budget left to measure: tried again where
+        # the gain expected of a tuned step pays, the tuner measuring on
+        prior = pays_on_prior(extra, calls, stock_ms, cache)
+        left = (f"the fused step was measured with {deferred} of the tuner's decisions left "
+                "unmeasured")
+        if prior[0]:
+            return verdict("tfmx", f"{first}; {left}; {prior[1]}")
+        if prior[2] and (not outcome.pays_from or prior[2] < outcome.pays_from):
+            return dataclasses.replace(outcome, pays_from=prior[2])
+        return outcome
     known_ms = fused_ms or stock_ms
     whose = "stock's step not measured" if fused_ms else "the fused step not measured yet"
     run_s = calls * known_ms / 1e3
     if share is None or extra <= share * run_s:
         return verdict("tfmx", f"{first}, within the trial's budget ({share or 0:.0%} of "
                                f"the planned ~{run_s:.1f} s); {whose}")
-    return verdict("stock", f"{first}, more than the trial's budget ({share:.0%} of the "
-                            f"planned ~{run_s:.1f} s), and {whose} to show a gain: stock "
-                            "runs and is measured", share * known_ms / 1e3)
+    prior = (pays_on_prior(extra, calls, stock_ms, cache) if stock_ms
+             else (False, "", 0))
+    if prior[0]:
+        return verdict("tfmx", f"{first}; {prior[1]}")
+    outcome = verdict("stock", f"{first}, more than the trial's budget ({share:.0%} of the "
+                               f"planned ~{run_s:.1f} s), and {whose} to show a gain"
+                               f"{'; ' + prior[1] if prior[1] else ''}: stock runs and is "
+                               "measured", share * known_ms / 1e3)
+    if prior[2] and prior[2] < outcome.pays_from:
+        return dataclasses.replace(outcome, pays_from=prior[2])
+    return outcome
 
 
 _expected: dict[str, tuple[float, str]] = {}  # price key -> tfmx's first call, as estimated
@@ -278,4 +319,5 @@ def forget_prices() -> None:
 
 __all__ = ["FIRST_CALL_FORMS", "FUSED_SEED", "PRICE_FAMILY", "SEED_S_PER_OP", "XLA_SEED",
            "GateDecision", "expect_first_call", "expected_first_call", "first_call_estimate",
-           "forget_prices", "learn_first_call", "learn_price", "price_figures", "price_gate"]
+           "forget_prices", "learn_first_call", "learn_price", "price_figures", "price_gate",
+           "provisional"]

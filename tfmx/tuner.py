@@ -164,6 +164,7 @@ class Tuner:
         self.timer = timer or measure
         self.budget = budget_seconds() if budget is None else budget
         self.spent = 0.0
+        self.deferred = 0  # decisions left to the conservative form with a budget spent
         self.on_decision = on_decision
         self._memo: dict[str, Decision] = {}
         self.step_hint: Callable[[], float | None] | None = None  # a planned step's known s
@@ -217,6 +218,7 @@ class Tuner:
         if self.mode == "cached":
             return fallback("not in the cache; tune=cached")
         if self.spent >= self.budget:
+            self.deferred += 1
             return fallback(f"tuning budget of {self.budget:g} s spent; measured on a later run")
         left = self.budget - self.spent
         timer, timed = self.timer, candidates
@@ -226,6 +228,7 @@ class Tuner:
         if planned is not None:
             allowed, why = planned
             if allowed(0.0) <= 0:
+                self.deferred += 1
                 return fallback(why(0.0))
             if timer is measure:  # conservative form first: its call time sizes the run
                 timer = functools.partial(measure, allowance=allowed)
@@ -242,6 +245,7 @@ class Tuner:
             times = {n: float(seconds[n]) * 1e3 for n in names}
         except OverBudget as exc:  # the conservative form's call still tells of the step
             self._plan_step += exc.call_s
+            self.deferred += 1
             return fallback(f"{planned[1](0.0)} ({exc})")
         except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is not chosen
             return fallback(f"measuring failed: {type(exc).__name__}: {exc}"[:200])
