@@ -123,14 +123,16 @@ def fit_in_process(spec: Mapping[str, Any]) -> dict[str, Any]:
     """One fit as ``spec`` says (``workload``, ``mode``: one of :data:`MODES`, ``probe`` or
     ``warm``, ``epochs``, ``samples``, ``batch_size``), in this process; what it measured:
     ``seconds`` (``fit``'s call to its return), the probe's ``first_epoch_s`` and ``epoch_s``,
-    a tfmx fit's ``guard`` line and ``tuning`` (the cache's folder, decisions it held before
-    the fit and after, and this fit's decisions by source), and the machine (``env``)."""
+    a tfmx fit's ``guard`` line, its report's first line (``report_line``) and ``tuning``
+    (the cache's folder, decisions it held before the fit and after, and this fit's decisions
+    by source), and the machine (``env``)."""
     import keras
 
     import tfmx
     from bench.workloads import WORKLOADS, build_model, random_dataset
     from recipes._machine import environment
     from tfmx import state
+    from tfmx.verdict import verdict as verdict_line
 
     workload = WORKLOADS[spec["workload"]]
     mode = spec["mode"]
@@ -158,6 +160,7 @@ def fit_in_process(spec: Mapping[str, Any]) -> dict[str, Any]:
         out["epoch_s"] = statistics.median(b - a for a, b in zip(ends, ends[1:]))
     if tuning is not None:
         report = tfmx.report()
+        out["report_line"] = verdict_line(report)
         guards = [g.summary() for g in report.guards if g.function.endswith("train_step")]
         if guards:
             out["guard"] = guards[0].describe()
@@ -392,6 +395,10 @@ def format_minute_section(records: Sequence[Mapping[str, Any]]) -> str:
         onednn = format_onednn(group)
         lines += [f"Machine: {title}." + (f" {onednn}" if onednn else ""), "", *HEADER,
                   *(format_row(r) for r in group), ""]
+        said = [f"- {r['workload']}, the last timed tfmx fit's report: `{fit['report_line']}`"
+                for r in group for fit in ((r.get("fits") or {}).get("tfmx") or [])[-1:]
+                if fit.get("report_line")]
+        lines += [*said, ""] if said else []
     return "\n".join(lines).rstrip("\n")
 
 
