@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tfmx
-from tfmx import guard
+from tfmx import guard, step_gain
 from tfmx.guard import StepGuard, plan_fit
 from tfmx.tuner import TuningCache
 
@@ -169,6 +169,29 @@ def test_xla_is_not_compiled_when_its_expected_compile_exceeds_the_budget():
     s = g.summary()
     assert "xla" not in g.trial.warm and g.kept == "fused" and not s.final, s.describe()
     assert "XLA not tried: its compile, ~1.00 s expected" in s.reason
+
+
+def test_xla_is_compiled_beyond_the_budget_where_its_expected_gain_pays():
+    def trial(xla_ratio=None):
+        guard.forget()
+        guard.learn_first_call("xla", 1.0, 1000)  # 1 s: more than the trial's 0.16 s
+        if xla_ratio is not None:  # XLA's steps measured here ran at this ratio of stock's
+            step_gain.learn_gain(xla_ratio * 4.0, 4.0, form="xla")
+        clock = Clock()
+        g = StepGuard("t", ("fused", "xla"), budget=0.02, planned=True, first_call_s=0.1,
+                      ops=1000, clock=clock)
+        plan_fit(1, 4000)  # an 8 s fit: 0.16 s of budget
+        _run(g, {"fused": 0.002, "stock": 0.004, "xla": 0.001}, clock,
+             first={"stock": 0.05, "xla": 1.0})
+        return g, g.summary()
+
+    g, s = trial()  # nothing known of XLA's gain here: its compile waits for a longer fit
+    assert "xla" not in g.trial.warm and "XLA not tried" in s.reason, s.describe()
+    g, s = trial(0.9)  # 3.6 ms expected: no better than the fused step's 2 ms
+    assert "xla" not in g.trial.warm, s.describe()
+    g, s = trial(0.25)  # 1 ms a step: ~4 s saved over the fit, more than 2 x its 1 s compile
+    assert "xla" in g.trial.warm and "XLA tried on the gain expected of it" in s.reason
+    assert g.kept == "xla" and s.final, s.describe()  # its compile paused nothing
 
 
 def test_xlas_compile_is_expected_from_the_steps_own_stock_first_call():

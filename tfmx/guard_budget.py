@@ -39,6 +39,7 @@ from typing import Any
 
 from tfmx.fit_plan import FitPlan, current_plan
 from tfmx.guard_trial import Trial
+from tfmx.step_gain import GAIN_MARGIN, expected_gain
 from tfmx.step_price import expected_first_call
 
 
@@ -73,6 +74,8 @@ class TrialBudget:
         self.resume_at = math.inf
         self.xla_why = ""  # why XLA was compiled, or not
         self.stock_first_s = 0.0  # stock's first call, where the fit ran it before the trial
+        self.on_prior = False  # XLA's compile is paid on the gain expected of it
+        self.prior_paid = 0.0  # that compile, once paid: outside the trial's share
 
     def plan(self) -> FitPlan | None:
         """The plan of the fit under way, for a fit's train step (else None)."""
@@ -127,16 +130,64 @@ class TrialBudget:
             return 0.0
         return max(0.0, statistics.median(runs) - best)
 
+    def spent(self) -> float:
+        """What the trial cost against its budget: :meth:`Trial.cost` less an XLA compile
+        paid on the gain expected of it (:meth:`xla_pays_on_prior`: the fit's saving pays
+        for it, not the trial's share)."""
+        return self.trial.cost() - self.prior_paid
+
     def affordable(self, form: str) -> bool:
-        """Whether the budget left covers running ``form`` next."""
-        return self.trial.cost() + self.expense(form) <= self.seconds()
+        """Whether the budget left covers running ``form`` next, or, for XLA's compile, the
+        saving expected of XLA's step over the fit covers it (:meth:`xla_pays_on_prior`)."""
+        if self.spent() + self.expense(form) <= self.seconds():
+            return True
+        return form == "xla" and form not in self.trial.warm and self.xla_pays_on_prior()
+
+    def xla_pays_on_prior(self) -> bool:
+        """Whether XLA's step, expected at the ratio of stock's XLA's steps ran at on this
+        machine (``tfmx.step_gain.expected_gain``), saves over the fit's calls left more than
+        ``tfmx.step_gain.GAIN_MARGIN`` times its expected compile, against the best form so
+        far; said in :attr:`xla_why`.
+
+        >>> from tfmx.fit_plan import plan_fit
+        >>> from tfmx.step_gain import learn_gain
+        >>> trial = Trial()
+        >>> budget = TrialBudget(trial, 0.02, planned=True, first_call_s=1.0)
+        >>> _ = plan_fit(1, 2000)
+        >>> for form in ("fused", "stock") * 3:
+        ...     _ = trial.record(form, {"fused": 0.050, "stock": 0.060}[form])
+        >>> budget.xla_pays_on_prior()  # no XLA step measured here: no gain expected
+        False
+        >>> learn_gain(30.0, 60.0, form="xla")  # XLA ran 0.5 x stock's here
+        >>> budget.xla_pays_on_prior(), budget.xla_why[:42]
+        (True, 'XLA tried on the gain expected of it: 0.50')
+        >>> from tfmx.first_call import forget_first_calls
+        >>> forget_first_calls()
+        """
+        plan = self.plan()
+        best = self.trial.best_s()
+        stock = self.trial.timed.get("stock")
+        if plan is None or not plan.calls or best is None or not stock:
+            return False
+        ratio, how = expected_gain(self.cache, "xla")
+        per_call = best - statistics.median(stock) * ratio
+        left = plan.calls - sum(len(v) for v in self.trial.timed.values())
+        compile_s, compile_how = self.expected_first_call("xla")
+        if per_call <= 0 or left * per_call <= GAIN_MARGIN * compile_s:
+            return False
+        self.on_prior = True
+        self.xla_why = (f"XLA tried on the gain expected of it: {ratio:.2f} x stock's step "
+                        f"({how}) saves ~{left * per_call:.2f} s over the {left} calls left, "
+                        f"more than {GAIN_MARGIN:g} x its compile (~{compile_s:.2f} s "
+                        f"expected, {compile_how})")
+        return True
 
     def when_affordable(self, form: str) -> float:
         """The clock time at which the run so far makes a budget covering ``form`` (inf
         without a budget share)."""
         if not self.share:
             return math.inf
-        needed = (self.trial.cost() + self.expense(form)) / self.share - self.first_call_s
+        needed = (self.spent() + self.expense(form)) / self.share - self.first_call_s
         return self.start + needed
 
     def pause(self, form: str) -> None:
@@ -161,7 +212,7 @@ class TrialBudget:
                     f"~{self.run_seconds():.1f} s); kept {kept}: {why}")
         if form == "xla" and form not in trial.warm:
             self.xla_why = (f"XLA not tried: its compile, ~{expense:.2f} s expected, is more "
-                            f"than the budget left ({max(0.0, budget - trial.cost()):.2f} s)")
+                            f"than the budget left ({max(0.0, budget - self.spent()):.2f} s)")
         trial.kept, self.paused = kept, True
         plan = self.plan()
         self.serial = plan.serial if plan is not None else None
@@ -197,13 +248,18 @@ class TrialBudget:
 
     def note_xla_expected(self) -> None:
         """XLA's compile is about to be paid: what it was expected to cost, and what was left."""
+        if self.on_prior:  # xla_why says what it is expected to save
+            return
         expected, how = self.expected_first_call("xla")
-        left = self.seconds() - self.trial.cost()
+        left = self.seconds() - self.spent()
         self.xla_why = (f"expected ~{expected:.2f} s, {how}; budget left {left:.2f} s"
                         if self.share is not None else "no budget")
 
     def note_xla_compiled(self, seconds: float) -> None:
-        """XLA's compile took ``seconds``."""
+        """XLA's compile took ``seconds`` (outside the trial's share where it was paid on the
+        gain expected of it)."""
+        if self.on_prior:
+            self.prior_paid = seconds
         self.xla_why = f"XLA tried: compiled in {seconds:.2f} s ({self.xla_why})"
 
     def xla_note(self) -> str:

@@ -134,7 +134,8 @@ def learn_trial_price(key: str, trial: Trial, budget: TrialBudget, deferred: int
     med = trial.medians_ms()
     learn_price(key, budget.cache, fused_first_s=budget.first_call_s,
                 stock_first_s=trial.warm.get("stock"), xla_first_s=trial.warm.get("xla"),
-                fused_ms=med.get("fused"), stock_ms=med.get("stock"), ops=budget.ops,
+                fused_ms=med.get("fused"), stock_ms=med.get("stock"), xla_ms=med.get("xla"),
+                ops=budget.ops,
                 fused_deferred=float(deferred) if med.get("fused") else None)
 
 

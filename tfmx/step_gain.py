@@ -41,9 +41,9 @@ GAIN_MARGIN = 2.0
 the gate tries it on a prior (:func:`pays_on_prior`)."""
 
 
-def learn_gain(fused_ms: float, stock_ms: float, cache: Any = None) -> None:
-    """Record that a step ran ``fused_ms`` a call in tfmx's form where stock's ran
-    ``stock_ms`` (medians measured here).
+def learn_gain(form_ms: float, stock_ms: float, cache: Any = None, form: str = "fused") -> None:
+    """Record that a step ran ``form_ms`` a call in ``form`` (``"fused"``: tfmx's, ``"xla"``:
+    compiled by XLA) where stock's ran ``stock_ms`` (medians measured here).
 
     >>> learn_gain(30.0, 60.0)
     >>> expected_gain()[0]
@@ -51,20 +51,23 @@ def learn_gain(fused_ms: float, stock_ms: float, cache: Any = None) -> None:
     >>> from tfmx.first_call import forget_first_calls
     >>> forget_first_calls()
     """
-    if fused_ms > 0 and stock_ms > 0:
-        observe(GAIN_FAMILY, "fused", fused_ms / stock_ms, cache)
+    if form_ms > 0 and stock_ms > 0:
+        observe(GAIN_FAMILY, form, form_ms / stock_ms, cache)
 
 
-def expected_gain(cache: Any = None) -> tuple[float, str]:
-    """The ratio a fused step not yet measured is expected to run at, of stock's, and how
-    that was estimated: learnt here (:func:`learn_gain`), else :data:`GAIN_SEED`.
+def expected_gain(cache: Any = None, form: str = "fused") -> tuple[float, str]:
+    """The ratio of stock's a step not yet measured in ``form`` is expected to run at in it,
+    and how that was estimated: learnt here (:func:`learn_gain`), else, for tfmx's form,
+    :data:`GAIN_SEED` and for XLA's no gain (1.0: what XLA gains differs too much between
+    models for a seed to stand for it).
 
-    >>> expected_gain()
-    (0.85, 'seed: nothing measured in both forms here yet')
+    >>> expected_gain(), expected_gain(form="xla")[0]
+    ((0.85, 'seed: nothing measured in both forms here yet'), 1.0)
     """
-    values = history(GAIN_FAMILY, "fused", cache)
+    values = history(GAIN_FAMILY, form, cache)
     if not values:
-        return GAIN_SEED, "seed: nothing measured in both forms here yet"
+        seed = GAIN_SEED if form == "fused" else 1.0
+        return seed, "seed: nothing measured in both forms here yet"
     return robust(values), f"the median of {len(values)} step(s) measured in both forms here"
 
 

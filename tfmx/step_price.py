@@ -66,7 +66,8 @@ _prices: dict[str, dict[str, float]] = {}  # price key -> figures learnt in this
 def price_figures(key: str, cache: Any = None) -> dict[str, float]:
     """What was measured on this machine of the step ``key``: ``fused_first_s`` and
     ``stock_first_s`` (the first call of the fit's loop: tracing, rewriting, graph
-    optimization, one step), ``fused_ms`` and ``stock_ms`` (medians of a call), ``ops``.
+    optimization, one step), ``fused_ms``, ``stock_ms`` and ``xla_ms`` (medians of a call),
+    ``fused_deferred`` (:func:`provisional`), ``ops``.
 
     >>> learn_price("demo step", fused_ms=5.0)
     >>> price_figures("demo step")["fused_ms"]
@@ -107,9 +108,12 @@ def learn_price(key: str, cache: Any = None, **figures: float | None) -> None:
     _prices[key] = merged
     if cache is not None:
         cache.put(Decision(PRICE_FAMILY, key, "figures", (), merged, "measured"))
-    if (merged.get("fused_ms") and merged.get("stock_ms") and not provisional(merged)
-            and any(known.get(k) != new[k] for k in ("fused_ms", "stock_ms") if k in new)):
-        learn_gain(merged["fused_ms"], merged["stock_ms"], cache)
+    for form in FIRST_CALL_FORMS:  # what each form gains over stock, for the priors
+        name = f"{form}_ms"
+        if (merged.get(name) and merged.get("stock_ms")
+                and not (form == "fused" and provisional(merged))
+                and any(known.get(k) != new[k] for k in (name, "stock_ms") if k in new)):
+            learn_gain(merged[name], merged["stock_ms"], cache, form)
     fresh = {k for k, v in new.items() if k.endswith("_first_s") and known.get(k) != v}
     stock = merged.get("stock_first_s", 0.0)
     for form in FIRST_CALL_FORMS:
