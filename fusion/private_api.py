@@ -105,6 +105,8 @@ PRIVATE: tuple[Private, ...] = (
        (K315, "keras.src.backend.common.variables:get_autocast_scope")),
     _p("keras.AutocastScope", "the tuner's timing of mixed-precision forms",
        (K315, "keras.src.backend.common.variables:AutocastScope")),
+    _p("keras.global_state", "tracing tfmx's form beside a fit's steps (traced in the fit's "
+       "thread instead)", (K315, "keras.src.backend.common:global_state")),
     # TensorFlow: the modules tfmx imports from tensorflow.python (tfmx's trace, rebuild and
     # graph passes; a missing one is an ImportError of tfmx itself, caught by this table's test)
     *(_p(f"tf.{m.rpartition('.')[2]}", "tfmx's rewrite", (TF, f"tensorflow.python.{m}:"))

@@ -6,13 +6,14 @@ Every test here decides from injected figures, timings and plans, never from a t
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import keras
 import numpy as np
 import pytest
 
 import tfmx
-from tfmx import first_call, guard, step_gain
+from tfmx import background_trace, dispatch, first_call, guard, step_gain
 from tfmx import tuner as tuner_mod
 from tfmx.guard import GateDecision, StepGuard, fitting, learn_price, price_figures, price_gate
 from tfmx.reporting import Report, TraceRecord
@@ -374,6 +375,7 @@ def _model():
 @contextlib.contextmanager
 def _gated(monkeypatch, gate):
     """tfmx on with the guard and ``gate`` as the price gate: a new model, its data."""
+    _in_the_fits_thread(monkeypatch)
     monkeypatch.setattr(guard, "price_gate", gate)
     x = np.random.default_rng(0).normal(size=(256, 16)).astype("float32")
     tfmx.enable(backend="cpu", guard=True, tune="off", xla=False)
@@ -386,7 +388,7 @@ def _gated(monkeypatch, gate):
 def test_a_gated_fit_runs_stock_untraced_by_tfmx_and_learns_stocks_price(monkeypatch):
     seen = []
 
-    def gate(figures, calls, share=None, cache=None, switchable=False, traced=False):
+    def gate(figures, calls, share=None, cache=None, switchable=False, traced=False, beside=False):
         seen.append((calls, switchable, traced))
         return GateDecision("stock", "injected")
 
@@ -466,9 +468,30 @@ def test_the_price_record_says_how_many_decisions_the_tuner_left_unmeasured(monk
         tfmx.disable()
 
 
-def _fit_both(monkeypatch, gate, epochs=2):
-    """A stock fit and a tfmx fit (guard on, ``gate`` injected) of the same model and data:
-    the tfmx report, its model's final weights and the stock model's."""
+def _in_the_fits_thread(monkeypatch):
+    """tfmx's form traced mid-fit in the fit's own thread, as where a worker cannot be used."""
+    monkeypatch.setattr(background_trace, "why_not", lambda: "injected: the fit's thread")
+
+
+def _beside_one_call(monkeypatch):
+    """tfmx's form traced on a thread of its own, done after one stock call beside it."""
+    asked = []
+
+    def ready(self):
+        asked.append(self)
+        if len(asked) == 1:
+            return False
+        self.wait()
+        return True
+
+    monkeypatch.setattr(background_trace.BackgroundTrace, "ready", ready)
+
+
+def _fit_both(monkeypatch, gate, epochs=2, beside=False):
+    """A stock fit and a tfmx fit (guard on, ``gate`` injected; tfmx's form traced mid-fit
+    beside the stock calls where ``beside``, else in the fit's thread) of the same model and
+    data: the tfmx report, its model's final weights and the stock model's."""
+    (_beside_one_call if beside else _in_the_fits_thread)(monkeypatch)
     monkeypatch.setattr(guard, "price_gate", gate)
     x = np.random.default_rng(0).normal(size=(256, 16)).astype("float32")
     y = np.random.default_rng(1).integers(0, 4, size=256).astype("int32")
@@ -484,7 +507,7 @@ def _fit_both(monkeypatch, gate, epochs=2):
 
 
 def test_a_fit_that_ran_stock_first_traces_tfmx_mid_fit_where_the_rest_pays(monkeypatch):
-    def gate(figures, calls, share=None, cache=None, switchable=False, traced=False):
+    def gate(figures, calls, share=None, cache=None, switchable=False, traced=False, beside=False):
         if traced:  # asked again, stock's price measured: tfmx pays for the calls left
             assert figures["stock_ms"] > 0 and figures["stock_first_s"] > 0
             return GateDecision("tfmx", "injected: pays")
@@ -504,8 +527,40 @@ def test_a_fit_that_ran_stock_first_traces_tfmx_mid_fit_where_the_rest_pays(monk
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_tfmxs_form_traced_beside_the_stock_calls_takes_over_once_traced(monkeypatch):
+    seen = []
+
+    def gate(figures, calls, share=None, cache=None, switchable=False, traced=False,
+             beside=False):
+        seen.append(beside)
+        return GateDecision("tfmx" if traced else "stock", "injected")
+
+    threads = []
+    real = dispatch.IteratorDispatch._traced_twin
+    monkeypatch.setattr(dispatch.IteratorDispatch, "_traced_twin", lambda self, *a: (
+        threads.append(threading.current_thread()), real(self, *a))[1])
+    report, weights, stock_weights = _fit_both(monkeypatch, gate, beside=True)
+    assert seen == [False, True]  # asked before the first trace, then mid-fit: beside
+    assert threads and threads[0] is not threading.main_thread()
+    assert [t.status for t in report.traces] == ["stock: price gate", "rewritten"]
+    (note,) = [n for n in report.notes if "traced beside 1 stock call(s)" in n]
+    assert "the fit paid" in note and "its first run" in note
+    assert first_call.learnt_ratio("beside")[1] == 1  # what the fit paid, against stock's
+    for got, want in zip(weights, stock_weights, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_gate_weighs_what_a_trace_beside_the_steps_cost_here():
+    stock_only = {"stock_first_s": 2.0, "stock_ms": 40.0}  # tfmx's first call: ~3 s (seed)
+    first_call.learn_first_call_ratio("beside", 0.5, 1.0)  # such a trace cost the fit 0.5 x
+    verdict = price_gate(stock_only, 2000, traced=True, beside=True)
+    assert "traced beside its steps, ~1.00 s paid by the fit" in verdict.why
+    assert verdict.extra_s == pytest.approx(1.0)
+    assert price_gate(stock_only, 2000, traced=True).extra_s == pytest.approx(3.0)  # in-thread
+
+
 def test_the_gates_estimate_of_tfmxs_first_call_is_reported_beside_the_call(monkeypatch):
-    def gate(figures, calls, share=None, cache=None, switchable=False, traced=False):
+    def gate(figures, calls, share=None, cache=None, switchable=False, traced=False, beside=False):
         if traced:
             return GateDecision("tfmx", "injected: pays", 2.4, "1.20 x stock's first call")
         return GateDecision("stock", "injected: nothing known")
@@ -533,9 +588,8 @@ def test_a_fit_that_ran_stock_first_stays_stock_where_the_rest_cannot_pay(monkey
 
 
 def test_a_form_that_fails_mid_fit_leaves_stock_running(monkeypatch):
-    from tfmx import dispatch
 
-    def gate(figures, calls, share=None, cache=None, switchable=False, traced=False):
+    def gate(figures, calls, share=None, cache=None, switchable=False, traced=False, beside=False):
         return GateDecision("tfmx" if traced else "stock", "injected")
 
     def broken(self, *args, **kwargs):
@@ -552,7 +606,7 @@ def test_a_form_that_fails_mid_fit_leaves_stock_running(monkeypatch):
 def test_a_later_fit_asks_the_gate_again_for_its_own_calls(monkeypatch):
     seen = []
 
-    def gate(figures, calls, share=None, cache=None, switchable=False, traced=False):
+    def gate(figures, calls, share=None, cache=None, switchable=False, traced=False, beside=False):
         seen.append((calls, traced))
         return GateDecision("tfmx" if traced and len(seen) > 2 else "stock", "injected")
 

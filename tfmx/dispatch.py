@@ -49,7 +49,8 @@ import tensorflow as tf
 from tensorflow.python.data.ops import iterator_ops
 from tensorflow.python.distribute import input_lib
 
-from tfmx import guard, state, xla_support
+from tfmx import background_trace, guard, state, xla_support
+from tfmx.first_call import learn_first_call_ratio
 
 try:  # TensorFlow's count of a tf.function's calls and traces (its retracing warning)
     from tensorflow.python.eager.polymorphic_function.polymorphic_function import (
@@ -107,6 +108,8 @@ class _Watch:
     samples: list[float] = dataclasses.field(default_factory=list)
     asked: int | None = None
     switch: bool = False  # the gate said tfmx: its form is traced on the next call
+    background: Any = None  # tfmx's form traced beside the stock calls (BackgroundTrace)
+    beside: list[float] = dataclasses.field(default_factory=list)  # those calls, timed
 
 
 @dataclasses.dataclass
@@ -209,10 +212,12 @@ class IteratorDispatch:
             watch.serial, watch.calls = serial, 0
         watch.calls += 1
         if watch.switch:
+            if watch.background is not None and not watch.background.ready():
+                return self._beside(watch, slot.forms["fused"], iterator)
             return self._switch(slot, iterator)
         if len(watch.samples) >= WATCHED_CALLS:
             if watch.asked != serial:
-                self._ask(watch, plan)
+                self._ask(watch, plan, iterator)
             return slot.forms["fused"](iterator)
         start = time.perf_counter()
         outputs = slot.forms["fused"](iterator)
@@ -226,12 +231,15 @@ class IteratorDispatch:
             ops = int(guard.price_figures(watch.price_key, cache).get("ops", 0))
             if ops:  # the stock first call per op, as the guard learns it
                 guard.learn_first_call("stock", watch.first_s, ops, cache)
-            self._ask(watch, plan)
+            self._ask(watch, plan, iterator)
         return outputs
 
-    def _ask(self, watch: _Watch, plan: Any) -> None:
+    def _ask(self, watch: _Watch, plan: Any, iterator: Any) -> None:
         """Ask the price gate again, stock's form traced and timed, whether tfmx's form pays
-        for itself over the calls left of the fit (``plan``); said in the report."""
+        for itself over the calls left of the fit (``plan``); said in the report. Where it
+        does, tfmx's form is traced on a thread of its own while the stock calls go on
+        (``tfmx.background_trace``), where the fit's thread holds nothing a worker would not
+        see; else on the next call."""
         watch.asked = plan.serial if plan is not None else None
         if plan is None or not plan.calls or self._twin is None or self._make_guard is None:
             return
@@ -239,23 +247,46 @@ class IteratorDispatch:
         if left <= 0:
             return
         cache = state.tuning_cache()
+        why_not = background_trace.why_not()
         verdict = guard.price_gate(guard.price_figures(watch.price_key, cache), left,
-                                   guard.budget_share(), cache, traced=True)
+                                   guard.budget_share(), cache, traced=True,
+                                   beside=not why_not)
         state.report().note(f"price gate, after {watch.calls} call(s) as stock: {self._name} "
                             f"ran as {verdict.run}: {verdict.why} (the {left} calls left)")
         state.report().gates[self._name] = verdict.headline(plan.calls)
         watch.switch = verdict.run == "tfmx"
         guard.expect_first_call(watch.price_key, verdict)
+        if watch.switch and not why_not:
+            watch.background = background_trace.BackgroundTrace(
+                functools.partial(self._traced_twin, "fused", iterator)).start()
+        elif watch.switch:
+            state.report().note(f"{self._name}: tfmx's form traced in the fit's thread "
+                                f"({why_not})")
+
+    def _beside(self, watch: _Watch, stock: Any, iterator: Any) -> Any:
+        """A stock call while tfmx's form is traced beside it: timed (what the trace takes
+        from the fit's steps is part of the price of trying it), never beside the tuner's
+        measuring."""
+        start = time.perf_counter()
+        with background_trace.stepping():
+            outputs = stock(iterator)
+            guard._sync(outputs)
+        watch.beside.append(time.perf_counter() - start)
+        return outputs
 
     def _switch(self, slot: _Slot, iterator: Any) -> Any:
         """Trace Keras's loop with tfmx's step in its form, run it on this call, and let the
         guard's trial compare it with the stock form already running (its first call paid).
         Anything that fails leaves stock running (the report says why)."""
-        slot.watch = None
+        watch, slot.watch = slot.watch, None
+        background = watch.background if watch is not None else None
         stock = slot.forms["fused"]
         start = time.perf_counter()
         try:
-            concrete, embedded = self._traced_twin("fused", iterator)
+            if background is not None:  # traced beside the stock calls: done by now
+                concrete, embedded = background.take()
+            else:
+                concrete, embedded = self._traced_twin("fused", iterator)
         except Exception as exc:  # noqa: BLE001 - stock runs on
             state.report().note(f"{self._name}: tfmx's form could not be traced mid-fit "
                                 f"({type(exc).__name__}: {exc}); stock runs on")
@@ -287,9 +318,28 @@ class IteratorDispatch:
             made.deferred = sum(e.deferred for e in embedded)
             stock_first = guard.price_figures(made.price_key, cache).get("stock_first_s", 0.0)
             made.warmed("stock", stock_first)  # it ran first: the trial pays no first call
+            if background is not None:
+                self._traced_beside(watch, made.first_call_s, stock_first, cache)
+                made.first_call_s += background.seconds  # the whole first call, as in-thread
             guard.learn_first_call("fused", made.first_call_s, made.ops, cache)
             self._estimated(made.price_key, made.first_call_s)
         return outputs
+
+    def _traced_beside(self, watch: _Watch, first_run_s: float, stock_first_s: float,
+                       cache: Any) -> None:
+        """tfmx's form was traced beside ``watch``'s stock calls and ran its first call in
+        ``first_run_s``: what the fit paid for it (that first run, and what the stock calls
+        beside the trace took beyond stock's median) is learnt against stock's first call
+        (``tfmx.first_call``, form ``"beside"``) and said in the report."""
+        median = statistics.median(watch.samples) if watch.samples else 0.0
+        excess = sum(max(0.0, t - median) for t in watch.beside)
+        paid = first_run_s + excess
+        learn_first_call_ratio("beside", paid, stock_first_s, cache)
+        state.report().note(
+            f"{self._name}: tfmx's form traced beside {len(watch.beside)} stock call(s) in "
+            f"{watch.background.seconds:.2f} s; the fit paid {paid:.2f} s for it (its first "
+            f"run {first_run_s:.2f} s, the calls beside it {excess:.2f} s beyond stock's "
+            "median)")
 
     def _estimated(self, price_key: str, seconds: float) -> None:
         """tfmx's first call of the step took ``seconds``: where the price gate ran it on an

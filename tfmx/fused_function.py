@@ -41,7 +41,7 @@ from tensorflow.python.util import tf_decorator
 
 from fusion.graph import op_histogram
 from fusion.transaction import abandoned, without_abandoned
-from tfmx import guard, staging, state, xla_support
+from tfmx import background_trace, guard, staging, state, xla_support
 from tfmx.errors import BackendUnavailableError
 from tfmx.rebuild import rebuild
 from tfmx.reporting import TraceRecord
@@ -333,6 +333,11 @@ class FusedFunction:
             entry.price_key = price_key
             if entry.record is not None:  # the price of this trace, as the report shows it
                 entry.record.trace_seconds = traced
+        with background_trace.waiting():  # a trace of this thread's fit beside it ends first
+            return self._traced_entry(opts, args, kwargs, ungated)
+
+    def _traced_entry(self, opts: state.Options, args: tuple, kwargs: dict,
+                      ungated: bool) -> _Entry:
                 entry.record.tune_seconds = getattr(tuner, "spent", 0.0) - spent
             if entry.plan_only and opts.backend.name == "metal" and entry.record is not None:
                 try:  # stock, beside the plan: the report's placement audit compares them

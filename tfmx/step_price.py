@@ -46,6 +46,7 @@ from tfmx.first_call import (
     forget_first_calls,
     learn_first_call,
     learn_first_call_ratio,
+    learnt_ratio,
     learnt_stock_first_call,
 )
 from tfmx.step_gain import learn_gain, pays_on_prior
@@ -173,7 +174,8 @@ class GateDecision:
 
 def price_gate(figures: Mapping[str, float], calls: int | None,
                share: float | None = BUDGET_SHARE, cache: Any = None, *,
-               switchable: bool = False, traced: bool = False) -> GateDecision:
+               switchable: bool = False, traced: bool = False,
+               beside: bool = False) -> GateDecision:
     """Whether rewriting a step pays within a fit of ``calls`` calls of it, from what this
     machine measured of it (``figures``, :func:`price_figures`):
 
@@ -191,7 +193,10 @@ def price_gate(figures: Mapping[str, float], calls: int | None,
     - no plan, or no budget (``share`` None): tfmx runs (the trial decides).
 
     ``traced``: stock's form of the step is already traced and running (the gate asks again
-    after its first calls, for the calls left): tfmx's whole first call is then the extra.
+    after its first calls, for the calls left): tfmx's whole first call is then the extra, or,
+    with ``beside`` (its form is then traced on a thread of its own while stock's steps run,
+    ``tfmx.background_trace``), what such a trace was measured to cost a fit here, as a ratio
+    of stock's first call (``tfmx.first_call``'s form ``"beside"``), where it was.
 
     >>> fig = {"fused_first_s": 9.0, "stock_first_s": 3.0, "fused_ms": 40.0, "stock_ms": 60.0}
     >>> price_gate(fig, 48).run, price_gate(fig, 1000).run
@@ -224,6 +229,12 @@ def price_gate(figures: Mapping[str, float], calls: int | None,
         fused_how = f"~{fused_first:.2f} s expected, {expected[1]}"
     if traced:
         extra, how = fused_first, "stock's is paid"
+        paid = learnt_ratio("beside", cache) if beside and stock_first else None
+        if paid is not None and paid[0] * stock_first < fused_first:
+            extra = paid[0] * stock_first
+            how = (f"stock's is paid; traced beside its steps, ~{extra:.2f} s paid by the fit: "
+                   f"{paid[0]:.2f} x stock's first call, the median of {paid[1]} measured "
+                   "here")
     else:
         if not stock_first:
             learnt = learnt_stock_first_call(ops, fused_first, cache)

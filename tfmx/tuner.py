@@ -64,7 +64,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 
-from tfmx import fit_plan
+from tfmx import background_trace, fit_plan
 from tfmx.env import plan_share, share_from_env
 from tfmx.notice import announce, fit_key
 from tfmx.timing import (
@@ -398,7 +398,8 @@ def _outside_trace(timer: Timer, candidates: Mapping[str, RunFactory],
     plan = fit_plan.active_plan()
 
     def timed() -> Mapping[str, float]:
-        with fit_plan.adopting(plan):
+        # never beside a fit's step while tfmx's form of it is traced on a thread of its own
+        with fit_plan.adopting(plan), background_trace.measuring():
             return timer(candidates, seconds)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
