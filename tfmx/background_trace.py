@@ -39,8 +39,8 @@ from tfmx import fit_plan
 T = TypeVar("T")
 
 _condition = threading.Condition()
-_measuring = 0  # the tuner's measurements under way
-_stepping = 0  # the fit's steps under way while a trace runs beside it
+# the tuner's measurements under way, and the fit's steps under way beside a trace
+_under_way = {"measuring": 0, "stepping": 0}
 _active: dict[int, BackgroundTrace] = {}  # the fit's thread -> its trace under way
 
 EXIT_WAIT_S = 120.0
@@ -165,43 +165,37 @@ def running() -> bool:
 
 
 @contextlib.contextmanager
-def measuring() -> Iterator[None]:
+def _taking_turns(mine: str, other: str) -> Iterator[None]:
+    """A block of kind ``mine`` starts once none of kind ``other`` runs; those wait for it."""
+    with _condition:
+        _condition.wait_for(lambda: _under_way[other] == 0)
+        _under_way[mine] += 1
+    try:
+        yield
+    finally:
+        with _condition:
+            _under_way[mine] -= 1
+            _condition.notify_all()
+
+
+def measuring() -> contextlib.AbstractContextManager[None]:
     """The tuner times candidates in this block: it starts once no step of a fit beside a
     trace runs, and such steps wait for it to end (nested measurements count once each).
 
     >>> with measuring():
     ...     pass
     """
-    global _measuring
-    with _condition:
-        _condition.wait_for(lambda: _stepping == 0)
-        _measuring += 1
-    try:
-        yield
-    finally:
-        with _condition:
-            _measuring -= 1
-            _condition.notify_all()
+    return _taking_turns("measuring", "stepping")
 
 
-@contextlib.contextmanager
-def stepping() -> Iterator[None]:
+def stepping() -> contextlib.AbstractContextManager[None]:
     """A step of the fit runs in this block while a trace runs beside it: it starts once no
     measurement of the tuner runs, and measurements wait for it to end.
 
     >>> with stepping():
     ...     pass
     """
-    global _stepping
-    with _condition:
-        _condition.wait_for(lambda: _measuring == 0)
-        _stepping += 1
-    try:
-        yield
-    finally:
-        with _condition:
-            _stepping -= 1
-            _condition.notify_all()
+    return _taking_turns("stepping", "measuring")
 
 
 @atexit.register
