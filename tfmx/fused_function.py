@@ -308,6 +308,11 @@ class FusedFunction:
     # -- internals ---------------------------------------------------------------------------
     def _entry(self, opts: state.Options, args: tuple, kwargs: dict,
                ungated: bool = False) -> _Entry:
+        with background_trace.waiting():  # a trace of this thread's fit beside it ends first
+            return self._traced_entry(opts, args, kwargs, ungated)
+
+    def _traced_entry(self, opts: state.Options, args: tuple, kwargs: dict,
+                      ungated: bool) -> _Entry:
         if self._prepare is not None:  # once, before the first trace
             prepare, self._prepare = self._prepare, None
             try:
@@ -331,13 +336,9 @@ class FusedFunction:
             entry = build_entry(concrete, opts, self.name)
             entry.staged = staged
             entry.price_key = price_key
+            entry.deferred = getattr(tuner, "deferred", 0) - deferred
             if entry.record is not None:  # the price of this trace, as the report shows it
                 entry.record.trace_seconds = traced
-        with background_trace.waiting():  # a trace of this thread's fit beside it ends first
-            return self._traced_entry(opts, args, kwargs, ungated)
-
-    def _traced_entry(self, opts: state.Options, args: tuple, kwargs: dict,
-                      ungated: bool) -> _Entry:
                 entry.record.tune_seconds = getattr(tuner, "spent", 0.0) - spent
             if entry.plan_only and opts.backend.name == "metal" and entry.record is not None:
                 try:  # stock, beside the plan: the report's placement audit compares them
@@ -361,7 +362,6 @@ class FusedFunction:
             return "", None
         key = self._price_key(args, kwargs)
         cache = state.tuning_cache()
-            entry.deferred = getattr(tuner, "deferred", 0) - deferred
         figures = guard.price_figures(key, cache)
         known = [figures[k] / 1e3 for k in ("fused_ms", "stock_ms") if figures.get(k)]
         tuner = state.tuner()
