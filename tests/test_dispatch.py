@@ -124,7 +124,10 @@ def test_keras_fit_goes_through_the_dispatch_and_trains_like_stock():
         assert_within_rounding(h_fused[key], h_stock[key], terms, what=key)
     for kind in ("train_function", "test_function"):
         fn = getattr(fused, kind).__wrapped__
+        # Keras's loop's dispatch, and under Keras 3.16 that of its one-step call
+        # (tfmx.one_step): one of them served every call, one slot for the one iterator type
         loops = [c.cell_contents for c in fn.__closure__
                  if isinstance(c.cell_contents, IteratorDispatch)]
-        assert len(loops) == 1 and len(loops[0]._slots) == 1, kind
+        served = [len(loop._slots) for loop in loops if loop._slots]
+        assert served == [1], kind
     assert any("tfmx.dispatch" in note for note in tfmx.report().notes)

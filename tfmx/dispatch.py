@@ -161,8 +161,8 @@ class IteratorDispatch:
             start = time.perf_counter()
             switchable = self._twin is not None and self._make_guard is not None
             with guard.collecting(switchable) as embedded:
-                outputs = self._function(iterator)  # traces (or retraces) as TensorFlow decides
-            slot = _Slot({"fused": self._function.get_concrete_function(iterator)})
+                outputs, fused = self._first_call(iterator)
+            slot = _Slot({"fused": fused})
             if any(e.changed for e in embedded) and self._twin is not None and self._make_guard:
                 slot.guard = self._make_guard(sum((collections.Counter(e.ops) for e in embedded),
                                                   collections.Counter()),
@@ -372,12 +372,24 @@ class IteratorDispatch:
             slot.followed = None
         return outputs
 
-    def _traced_twin(self, form: str, iterator: Any) -> tuple[Any, list[guard.Embedded]]:
-        """The loop traced (not run) with tfmx's steps in ``form``, and what they embedded."""
+    def _first_call(self, iterator: Any) -> tuple[Any, Any]:
+        """The first call for ``iterator``'s type: its outputs, and what runs it from then on
+        (the loop's ConcreteFunction of the iterator)."""
+        outputs = self._function(iterator)  # traces (or retraces) as TensorFlow decides
+        return outputs, self._function.get_concrete_function(iterator)
+
+    def _form_function(self, form: str, iterator: Any) -> Any:
+        """The loop traced (not run) with tfmx's steps in ``form``: a ConcreteFunction of the
+        iterator."""
         if form not in self._twins:
             self._twins[form] = self._twin()
-        with guard.forcing(form), guard.collecting() as embedded:
-            concrete = self._twins[form].get_concrete_function(iterator)
+        with guard.forcing(form):
+            return self._twins[form].get_concrete_function(iterator)
+
+    def _traced_twin(self, form: str, iterator: Any) -> tuple[Any, list[guard.Embedded]]:
+        """The loop traced (not run) with tfmx's steps in ``form``, and what they embedded."""
+        with guard.collecting() as embedded:
+            concrete = self._form_function(form, iterator)
         return concrete, embedded
 
     def _trace_form(self, slot: _Slot, form: str, iterator: Any) -> Any:
@@ -387,16 +399,13 @@ class IteratorDispatch:
         takes a batch; one that fails when it runs, after the loop took its batch, skips that
         one batch (the report says so)."""
         start = time.perf_counter()
-        if form not in self._twins:
-            self._twins[form] = self._twin()
         try:
-            with guard.forcing(form):
-                # traced, then called: the same ConcreteFunction a call would trace and run,
-                # and a form of the loop is not a retrace of it (TensorFlow's warning of
-                # frequent retracing counts calls that trace)
-                concrete = self._twins[form].get_concrete_function(iterator)
-                outputs = concrete(iterator)
-                slot.forms[form] = concrete
+            # traced, then called: the same ConcreteFunction a call would trace and run, and a
+            # form of the loop is not a retrace of it (TensorFlow's warning of frequent
+            # retracing counts calls that trace)
+            concrete = self._form_function(form, iterator)
+            outputs = concrete(iterator)
+            slot.forms[form] = concrete
         except xla_support.XlaUnsupportedError as exc:  # found while tracing: no batch taken
             slot.guard.failed(form, f"{exc} (found while tracing, before any batch ran)")
             return self(iterator)

@@ -291,6 +291,31 @@ class FusedFunction:
             return self._stock.get_concrete_function(*args, **kwargs)
         return self._entry(opts, args, kwargs).fused
 
+    def form_function(self, form: str, *args: Any, **kwargs: Any) -> Any:
+        """The ConcreteFunction that runs this function in ``form`` (``"fused"``, ``"stock"``,
+        ``"xla"``) for these arguments, traced as a call traced into Keras's step loop traces
+        it (the price gate asked for tfmx's form unless :func:`tfmx.guard.forcing` asks for
+        it; what tfmx made of it said to :func:`tfmx.guard.collecting`), to be called directly
+        (:mod:`tfmx.one_step`)."""
+        opts = state.options()
+        if form == "xla":
+            concrete = self._xla().get_concrete_function(*args, **kwargs)
+            if opts is not None:  # ops XLA cannot take fail here, before the call runs
+                xla_support.check_compilable(concrete, opts.backend.name)
+            return concrete
+        if opts is None or self._jit:
+            return self._stock.get_concrete_function(*args, **kwargs)
+        entry = self._entry(opts, args, kwargs, ungated=guard.forced_form() == "fused")
+        if form == "stock":
+            return self._reference(entry, args, kwargs)
+        if entry.plan_only:
+            raise BackendUnavailableError(
+                f"tfmx rewrote {self.name!r} for backend {opts.backend.name!r}, which this "
+                "machine does not have, so it cannot run")
+        guard.embedded(entry.changed, entry.stock_ops, entry.signature, entry.price_key,
+                       entry.gated, _replicas(entry), entry.deferred)
+        return entry.fused
+
     def concrete_functions(self) -> list[Any]:
         """Every ConcreteFunction this function runs: the rewritten ones and, where none was
         rewritten (tfmx off, a trace that could not be rewritten), the traced ones."""

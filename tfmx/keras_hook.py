@@ -40,6 +40,7 @@ from tfmx.dispatch import IteratorDispatch
 from tfmx.errors import UnknownKerasError
 from tfmx.fused_function import FusedFunction
 from tfmx.guard import closing_fit, ending_callbacks, make_guard, planning_callbacks
+from tfmx.one_step import OneStepDispatch
 from tfmx.verify import as_verification_error
 
 # model -> {kind: the tfmx generation its step function of that kind was built under}
@@ -119,6 +120,8 @@ class _TfWithFusedFunction:
         self._prepare = prepare
         self._price_key = price_key
         self.dispatch: IteratorDispatch | None = None  # the step loop's, once made
+        self.step: FusedFunction | None = None  # the train or test step, once made
+        self.one_step: OneStepDispatch | None = None  # its one-step calls (Keras 3.16)
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._tf, attr)
@@ -139,20 +142,26 @@ class _TfWithFusedFunction:
                 "Keras's step loop (multi_step_on_iterator) is called through its traced "
                 "function: tf.function's per-call lookup runs once per iterator type "
                 "(tfmx.dispatch)")
-            self.dispatch = IteratorDispatch(self._tf.function(fn, **kwargs),
-                                             twin=lambda: self._tf.function(fn, **kwargs),
+            twin = lambda: self._tf.function(fn, **kwargs)  # noqa: E731
+            self.dispatch = IteratorDispatch(self._tf.function(fn, **kwargs), twin=twin,
                                              make_guard=self._make_guard, name=self._name)
+            if self.step is not None and private_api.release("keras") >= (3, 16):
+                self.one_step = OneStepDispatch(self.step, self.dispatch, twin=twin,
+                                                make_guard=self._make_guard, name=self._name)
             return self.dispatch
         if fn is None or getattr(fn, "__name__", "") not in _STEP_FUNCTIONS:
             return self._tf.function(fn, **kwargs) if fn is not None else self._tf.function(
                 **kwargs)
         if kwargs.get("jit_compile"):
             return self._tf.function(fn, **kwargs)
-        return FusedFunction(
+        made = FusedFunction(
             fn, name=self._name, autograph=False,
             reduce_retracing=kwargs.get("reduce_retracing", False), prepare=self._prepare,
             price_key=self._price_key,
         )
+        if fn.__name__ == "one_step_on_data":
+            self.step = made
+        return made
 
 
 def _builder_of(model: Any) -> Any:
@@ -235,13 +244,16 @@ def _trainer_module() -> Any:
     return private_api.get("keras.trainer_module")
 
 
-def _through_loop(model: Any, dispatch: IteratorDispatch, keras_function: Any) -> Any:
-    """Keras's train or test function, whose one step a call (``steps_per_execution == 1``) runs
-    through Keras's traced loop (``multi_step_on_iterator``, called by ``dispatch``) where Keras
-    itself reads the batch outside it and calls its step alone (Keras 3.16): one traced call a
-    step, as with Keras 3.15, and the dispatch's guard and price-gate switch on it. Other Keras
-    versions, other iterators and several steps a call: Keras's function."""
-    if private_api.release("keras") < (3, 16):
+def _one_step_calls(model: Any, proxy: _TfWithFusedFunction, keras_function: Any) -> Any:
+    """Keras's train or test function, whose one step a call (``steps_per_execution == 1``)
+    Keras 3.16 runs by reading the batch outside its traced step and calling the step alone:
+    such a call, on a ``tf.data`` iterator, goes to ``proxy.one_step``
+    (:class:`~tfmx.one_step.OneStepDispatch`: the same step called the same way, in the form the
+    guard and the price gate choose), under ``verify`` to Keras's traced loop through
+    ``proxy.dispatch`` (one traced call a step, as with Keras 3.15). Other Keras versions,
+    other iterators and several steps a call: Keras's function."""
+    one_step, dispatch = proxy.one_step, proxy.dispatch
+    if one_step is None:
         return keras_function
     import tensorflow as tf
 
@@ -254,7 +266,8 @@ def _through_loop(model: Any, dispatch: IteratorDispatch, keras_function: Any) -
         model = ref()
         if model is None or model.steps_per_execution != 1 or not isinstance(iterator, iterators):
             return keras_function(iterator)
-        outputs = dispatch(iterator)
+        opts = state.options()
+        outputs = (dispatch if opts is not None and opts.verify else one_step)(iterator)
         if not outputs.has_value():
             raise StopIteration
         return outputs.get_value()
@@ -285,9 +298,9 @@ def _make_builder(kind: str, attr: str) -> Any:
                 with patches.temporarily(module, "tf", proxy):
                     original(self, force=True)
                 if proxy.dispatch is not None:
-                    setattr(self, attr, _through_loop(self, proxy.dispatch, getattr(self, attr)))
-                if kind == "train" and proxy.dispatch is not None:
-                    step_loop.register(self, proxy.dispatch)  # several steps a call (a fit)
+                    setattr(self, attr, _one_step_calls(self, proxy, getattr(self, attr)))
+                if kind == "train" and proxy.dispatch is not None:  # several steps a call
+                    step_loop.register(self, proxy.one_step or proxy.dispatch)
             else:
                 original(self, force=True)
             setattr(self, attr, _guard(getattr(self, attr)))
