@@ -13,9 +13,11 @@ layer_norm family keeps its composite) the same with ``ops.square``. What they s
 ``rsqrt`` (or ``reciprocal`` of a ``sqrt``). This stage hooks those two functions and reads
 their argument's producers in the graph being traced: ``AddV2(Mean(Square(x) | Pow(x, 2) |
 Mul(x, x), axis=-1, keep_dims=True), eps)`` (and ``Sqrt`` of it under ``reciprocal``; a 16-bit
-``x``'s mean computed in float32 between two casts, as ``keras.ops.mean`` does) with ``eps`` a
-constant. The layer's class is never asked: a user's layer written so is matched alike, and an
-``rsqrt`` of anything else (a group norm's centred variance, an L2 norm) is left alone unrecorded.
+``x``'s mean computed in float32 between two casts, as Keras 3.15's ``keras.ops.mean`` does, or
+a float16 ``x``'s mean as the call of a function of its own compiled by XLA, as Keras 3.16's
+does) with ``eps`` a constant. The layer's class is never asked: a user's layer written so is
+matched alike, and an ``rsqrt`` of anything else (a group norm's centred variance, an L2 norm)
+is left alone unrecorded.
 
 Why the statistic and not the whole normalization: the product ``x * inv`` and the scale are
 the layer's own tensor operators, which no hook sees, and a graph pass after differentiation
@@ -95,7 +97,9 @@ class Statistic(NamedTuple):
     """An RMS norm's statistic found in the traced ops: ``x`` (the normalized tensor),
     ``epsilon``, how ``x`` was squared (``"Square"``, ``"Pow"``, ``"Mul"``), whether the mean
     of a 16-bit ``x`` was computed in float32 (``widened``), the root (:data:`RSQRT` or
-    :data:`RECIPROCAL_SQRT`), and the dtype of the call's argument (its output's)."""
+    :data:`RECIPROCAL_SQRT`), the dtype of the call's argument (its output's), and whether the
+    mean was a function of its own compiled by XLA (``compiled``: ``keras.ops.mean`` of a
+    float16 tensor in Keras 3.16)."""
 
     x: tf.Tensor
     epsilon: float
@@ -103,6 +107,7 @@ class Statistic(NamedTuple):
     widened: bool
     root: str
     dtype: tf.DType
+    compiled: bool = False
 
 
 def _producer(t: tf.Tensor, *types: str) -> tf.Operation | None:
@@ -133,18 +138,54 @@ def _squared(t: tf.Tensor) -> tuple[tf.Tensor, str] | None:
     return (op.inputs[0], "Mul") if op.inputs[0] is op.inputs[1] else None
 
 
-def _mean(m: tf.Tensor) -> tuple[tf.Operation, bool] | None:
-    """The ``Mean`` op giving ``m``, and whether it was computed in float32 between casts of a
-    16-bit tensor (``keras.ops.mean`` of a 16-bit input)."""
+class _Mean(NamedTuple):
+    """How a mean was traced: its ``Mean`` op, whether it was computed in float32 between
+    casts of a 16-bit tensor (``widened``), the tensor averaged (``source``, in the graph being
+    traced), and whether the ``Mean`` is a function of its own compiled by XLA
+    (``compiled``)."""
+
+    op: tf.Operation
+    widened: bool
+    source: tf.Tensor
+    compiled: bool = False
+
+
+def _compiled_mean(m: tf.Tensor) -> _Mean | None:
+    """``m`` as the call of a function compiled by XLA whose body is one ``Mean`` of its
+    argument (``keras.ops.mean`` of a float16 tensor in Keras 3.16), else None."""
+    call = _producer(m, "PartitionedCall", "StatefulPartitionedCall")
+    if call is None or len(call.inputs) != 1 or len(call.outputs) != 1:
+        return None
+    try:
+        compiled = call.get_attr("_XlaMustCompile")
+        body = call.graph._get_function(call.get_attr("f").name).graph
+    except (ValueError, AttributeError, TypeError):
+        return None
+    if not compiled or body is None or len(body.inputs) != 1 or len(body.outputs) != 1:
+        return None
+    mean = _producer(body.outputs[0], "Mean")
+    kinds = sorted(op.type for op in body.get_operations())
+    if (mean is None or mean.inputs[0] is not body.inputs[0]
+            or kinds != ["Const", "Identity", "Mean", "Placeholder"]):
+        return None
+    return _Mean(mean, False, call.inputs[0], compiled=True)
+
+
+def _mean(m: tf.Tensor) -> _Mean | None:
+    """How ``m`` was averaged: a ``Mean``, one computed in float32 between casts of a 16-bit
+    tensor (``keras.ops.mean`` of a 16-bit input in Keras 3.15), or one compiled by XLA in a
+    function of its own (:func:`_compiled_mean`)."""
     cast = _producer(m, "Cast")
     if cast is not None:
         mean = _producer(cast.inputs[0], "Mean")
         if mean is None or mean.inputs[0].dtype != tf.float32 or m.dtype not in _16_BIT:
             return None
         widen = _producer(mean.inputs[0], "Cast")
-        return (mean, True) if widen is not None and widen.inputs[0].dtype == m.dtype else None
+        if widen is None or widen.inputs[0].dtype != m.dtype:
+            return None
+        return _Mean(mean, True, widen.inputs[0])
     mean = _producer(m, "Mean")
-    return None if mean is None else (mean, False)
+    return _compiled_mean(m) if mean is None else _Mean(mean, False, mean.inputs[0])
 
 
 def find(argument: Any, root: str) -> Statistic | str | None:
@@ -178,15 +219,14 @@ def find(argument: Any, root: str) -> Statistic | str | None:
     (a, b) = add.inputs
     epsilon, summed = (_scalar(b), a) if _scalar(b) is not None else (_scalar(a), b)
     mean = None if epsilon is None else _mean(summed)
-    squared = None if mean is None else _squared(
-        _producer(mean[0].inputs[0], "Cast").inputs[0] if mean[1] else mean[0].inputs[0])
+    squared = None if mean is None else _squared(mean.source)
     if squared is None:
         return None
     x = squared[0]
-    why = check(x, mean[0])
+    why = check(x, mean.op)
     if why is not None:
         return why
-    return Statistic(x, epsilon, squared[1], mean[1], root, argument.dtype)
+    return Statistic(x, epsilon, squared[1], mean.widened, root, argument.dtype, mean.compiled)
 
 
 # -- check: why a call keeps Keras's own form (None: it need not) ---------------------------------
@@ -285,16 +325,23 @@ def rms_statistic(x: tf.Tensor, epsilon: float, dtype: tf.DType) -> tf.Tensor:
     return inv if dtype == tf.float32 else tf.cast(inv, dtype)
 
 
+def _mean_of(v: tf.Tensor) -> tf.Tensor:
+    return tf.reduce_mean(v, -1, keepdims=True)
+
+
 def composite(found: Statistic) -> Callable[[tf.Tensor], tf.Tensor]:
     """Keras's composite of the statistic ``found`` as a function of ``x``: what the layer
     traced (how it squared, the mean widened or not, the root), for the tuner and the XLA
     region."""
+    # a mean compiled by XLA in a function of its own, as keras.ops.mean of float16 traces it
+    mean = tf.function(_mean_of, jit_compile=True, autograph=False) if found.compiled else _mean_of
+
     def statistic(x: tf.Tensor) -> tf.Tensor:
         squared = {"Square": tf.square, "Pow": lambda v: tf.pow(v, tf.constant(2.0, v.dtype)),
                    "Mul": lambda v: v * v}[found.square](x)
         if found.widened:
             squared = tf.cast(squared, tf.float32)
-        var = tf.cast(tf.reduce_mean(squared, -1, keepdims=True), found.dtype)
+        var = tf.cast(mean(squared), found.dtype)
         var = var + tf.constant(found.epsilon, found.dtype)
         return tf.math.rsqrt(var) if found.root == RSQRT else tf.math.reciprocal(tf.sqrt(var))
 
@@ -335,7 +382,8 @@ def _fused(ctx: StageContext, original: Callable, argument: Any, root: str) -> A
         return out
 
     def signature() -> str:
-        widened = ", mean in float32" if found.widened else ""
+        widened = (", mean in float32" if found.widened
+                   else ", mean compiled by XLA" if found.compiled else "")
         return (f"RMS norm {found.root} of {found.square} input {shape_text(x.shape)} "
                 f"{x.dtype.name}{widened}")
 
