@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import step_functions
+from helpers import needs_onednn, profiled_ops, step_functions
 
 import tfmx
 from fusion import private_api
@@ -103,6 +103,33 @@ def test_the_step_runs_alone_where_keras_calls_it_alone(monkeypatch):
                   for cf in one._list_all_concrete_functions()}
         # the full batch's, and the partial batch's as tf.function traces it (reduce_retracing)
         assert (8, 6, 8) in shapes and len(shapes) == 2, shapes
+
+
+@needs_onednn("either")
+def test_a_step_tfmx_leaves_as_it_was_runs_stocks_kernels(tmp_path):
+    """A 3x3 convolution's swish, which no family of the fit changes: the kernels that run
+    are stock's under the installed Keras (with oneDNN on, its fused swish where TensorFlow's
+    optimizer fuses it for a step Keras calls alone)."""
+
+    def kernels(on: bool, where) -> set[str]:
+        if on:
+            tfmx.enable(backend="cpu", guard=False, patterns=["gelu"])  # nothing to fuse
+        else:
+            tfmx.disable()
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([
+            keras.Input((16, 16, 8)), keras.layers.Conv2D(8, 3, padding="same", activation="swish"),
+            keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(2)])
+        model.compile("sgd", "mse")
+        rng = np.random.default_rng(2)
+        x, y = rng.random((8, 16, 16, 8), "float32"), rng.random((8, 2), "float32")
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+        ran = profiled_ops(lambda: model.fit(x, y, batch_size=8, epochs=1, verbose=0), where)
+        return {kernel for _, kernel in ran if "Swish" in kernel or "Sigmoid" in kernel
+                or "Conv2D" in kernel}
+
+    stock = kernels(False, tmp_path / "stock")
+    assert kernels(True, tmp_path / "tfmx") == stock
 
 
 def test_another_form_is_traced_without_reading_the_iterator():
