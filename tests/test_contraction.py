@@ -196,6 +196,23 @@ def test_residual_add_addend_shape_must_match(trace, fuse, onednn_cpu):
         "residual Add left apart: addend shape differs or is unknown": 1}
 
 
+def test_two_chains_meeting_in_one_add(trace, fuse, onednn_cpu):
+    # ResNetV2's convolution shortcut: Conv+BiasAdd on each side of one residual Add. The
+    # chain met first fuses the Add and reads the other's BiasAdd, which stays (fused alone).
+    def f(x, w, b, w2, b2):
+        return _conv(x, w, b) + _conv(x, w2, b2)
+
+    cf, g = trace(f, X4, W4, B3, W4, B3)
+    res = fuse(cf, g, onednn_cpu)
+    nodes = {n.name: n for n in _fused_nodes(res.graph_def)}
+    assert sorted(_fused_ops(n) for n in nodes.values()) == [("BiasAdd",), ("BiasAdd", "Add")]
+    with_add, = (n for n in nodes.values() if _fused_ops(n) == ("BiasAdd", "Add"))
+    assert with_add.input[3] in nodes and _fused_ops(nodes[with_add.input[3]]) == ("BiasAdd",)
+    assert _ops(res.graph_def).count("AddV2") == 0
+    assert dict(res.stats["contraction"].partial) == {
+        "residual Add left apart: the other addend's chain fused it": 1}
+
+
 @ONEDNN_OFF
 def test_longest_prefix_without_add(trace, fuse, cpu, rng, assert_same_numbers):
     cf, g = trace(_residual, X4, W4, B3, R4)

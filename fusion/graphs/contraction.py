@@ -294,7 +294,9 @@ def _extend(
 def _check(match: ContractionMatch, ctx: RuleContext) -> str | None:
     """Why the chain stays apart: no fused kernel on the target, a layout or attribute the
     fused op lacks, an intermediate read elsewhere, an overlap with a chain taken before, or
-    (16-bit chains) the tuner measuring the ops apart faster.
+    (16-bit chains) the tuner measuring the ops apart faster. A residual Add a chain taken
+    before fused (two chains meeting in one Add) is left to that chain: this one keeps its
+    BiasAdd only.
 
     A chain in a 16-bit dtype is fused only where the tuner measures the fused kernel faster
     than the ops apart at the chain's shapes (16-bit fused kernels run unevenly across
@@ -313,6 +315,12 @@ def _check(match: ContractionMatch, ctx: RuleContext) -> str | None:
         return f"{op}+BiasAdd: {why}"
     if ctx.overlaps((node.name, bias.name)):
         return f"{op}+BiasAdd: overlaps another fused chain"
+    if ctx.overlaps(n.name for n in match.nodes[2:]):
+        # two chains meet in one Add (ResNetV2's convolution shortcut + its last 1x1
+        # convolution): the chain taken before fused the Add, and reads this one's BiasAdd
+        match.add = match.addend = match.activation = None
+        match.activation_nodes = ()
+        match.partial = "residual Add left apart: the other addend's chain fused it"
     if dtype == "float32":
         return None
     shapes = input_shapes(view, node)[:2]
