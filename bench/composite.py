@@ -146,6 +146,10 @@ MATCHERS: dict[str, Matcher] = {
     "layer scale": Matcher(
         "ConvNeXt's LayerScale: a learned per-channel multiply",
         (Rule(scope=r"layer_scale(_\d+)*/"),)),
+    "pre-activation ReLU": Matcher(
+        "ResNetV2's ReLU Activation layers after each batch norm (the batch norm fused alone, "
+        "its ReLU apart)",
+        (Rule(scope=r"(^|/|_)(preact|\d|post)_relu(_\d+)*/"),)),
     "concatenate": Matcher(
         "DenseNet's Concatenate layers (and the slices of their gradient)",
         (Rule(scope=r"_concat(_\d+)*/"),)),
@@ -170,6 +174,12 @@ MATCHERS: dict[str, Matcher] = {
         "softmax, weighted sum, transposes (rotary embedding and the Dense projections not "
         "counted)",
         (Rule(scope=r"self_attention(_\d+)*/(?!(query|key|value|attention_output)(_\d+)*/)"),)),
+    "multi-query attention": Matcher(
+        "Gemma's attention between the projections: one key/value head for every query head, "
+        "scores, mask, softmax, weighted sum (rotary embedding and the projections not "
+        "counted)",
+        (Rule(scope=r"(^|/)attention(_\d+)*/(?!(query|key|value|attention_output|"
+                    r"rotary_embedding)(_\d+)*/)"),)),
     "MoE experts": Matcher(
         "a mixture of experts' expert bank: every expert's gate, up and output products on every "
         "token (Einsums), its SiLU and gated product",
@@ -781,8 +791,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     Traceback (most recent call last):
     ...
     SystemExit: not a zoo workload: 'mlp'; choose from ['zoo_mobilenet_v3_small', \
-'zoo_efficientnet_b0', 'zoo_convnext_tiny', 'zoo_densenet121', 'zoo_bert', 'zoo_gpt2', \
-'zoo_llama', 'zoo_mixtral', 'zoo_qwen_moe'] or 'zoo'
+'zoo_efficientnet_b0', 'zoo_convnext_tiny', 'zoo_densenet121', 'zoo_efficientnet_v2_b0', \
+'zoo_resnet50_v2', 'zoo_bert', 'zoo_gpt2', 'zoo_llama', 'zoo_mixtral', 'zoo_qwen_moe', \
+'zoo_gemma', 'zoo_qwen3'] or 'zoo'
     """
     from bench.workloads import expand_models
 

@@ -4,7 +4,8 @@ transformer backbones, each with a small classification head, random weights.
 Each :class:`ZooModel` builds at two sizes:
 
 - ``"bench"``: the published architecture (``keras.applications.MobileNetV3Small``,
-  ``EfficientNetB0``, ``ConvNeXtTiny``, ``DenseNet121``) at a small input, or a keras_hub
+  ``EfficientNetB0``, ``ConvNeXtTiny``, ``DenseNet121``, ``EfficientNetV2B0``,
+  ``ResNet50V2``) at a small input, or a keras_hub
   backbone configured small (2 layers, width 128, 64 tokens). ``tfmx bench --model zoo``
   measures these (:mod:`bench.workloads` registers them as workloads ``zoo_<name>``).
 - ``"tiny"``: the same building blocks, as few as show each kind once, at a tiny input: the
@@ -21,6 +22,13 @@ What each brings that tfmx's own workloads do not:
 - ``convnext_tiny``: 7x7 depthwise convolutions, LayerNormalization over channels, GELU
   (exact), layer scale (a learned per-channel multiply), batch norm nowhere.
 - ``densenet121``: batch norm before each convolution (BN-ReLU-Conv), Concatenate.
+- ``efficientnet_v2_b0``: fused MBConv blocks (a regular 3x3 convolution where MBConv has its
+  1x1 expansion and depthwise pair: alone without expansion, else followed by a 1x1
+  projection), then MBConv blocks with squeeze-excite; swish, batch norm, drop-connect.
+- ``resnet50_v2``: pre-activation bottlenecks: BN-ReLU before the convolutions (the block's
+  input normalized once for both the shortcut and the residual branch), a residual Add of two
+  biased convolutions (the 1x1 convolution shortcut and the branch's last 1x1), 1x1 max-pool
+  shortcuts on the stride-2 blocks, a BN-ReLU after the last block.
 - ``bert``: keras_hub's BertBackbone: token, position and segment embeddings, post-norm
   TransformerEncoder blocks (attention with a padding mask, LayerNorm, GELU feed-forward).
 - ``gpt2``: keras_hub's GPT2Backbone: pre-norm causal TransformerDecoder blocks.
@@ -32,6 +40,14 @@ What each brings that tfmx's own workloads do not:
   load-balancing loss.
 - ``qwen_moe``: keras_hub's QwenMoeBackbone: Mixtral's routing with the experts' gate and up
   projections in one kernel, plus a shared expert gated by a sigmoid.
+- ``gemma``: keras_hub's GemmaBackbone: embeddings scaled by the square root of the width,
+  RMSNorm with a ``(1 + scale)`` weight (its own RMSNormalization), multi-query attention (4
+  query heads, one key/value head, in Gemma's own attention layer), a GeGLU feed-forward (the
+  tanh GELU of the gate times the up projection), rotary embeddings. (Its embeddings tied to
+  the output logits belong to GemmaCausalLM, not to the backbone: the head here is a Dense.)
+- ``qwen3``: keras_hub's Qwen3Backbone: Llama's blocks (rotary, grouped-query attention,
+  SwiGLU, RMSNorm) with an RMSNorm over each head's queries and keys before the rotary
+  embedding.
 
 keras_hub is imported only when one of its models is built (``pip install "tfmx[zoo]"``).
 
@@ -206,6 +222,46 @@ def _densenet121(size: str, num_classes: int) -> Any:
     return _cnn("densenet121", size, num_classes, "DenseNet121", tiny)
 
 
+_EFFICIENTNET_V2_TINY_BLOCKS = [
+    # EfficientNetV2B0's three kinds of block: fused MBConv without expansion (one 3x3
+    # convolution), fused MBConv with a 4x expansion (3x3 convolution, then 1x1), stride 2,
+    # MBConv (1x1 expansion, 3x3 depthwise, squeeze-excite, 1x1), stride 2
+    {"kernel_size": 3, "num_repeat": 1, "input_filters": 16, "output_filters": 16,
+     "expand_ratio": 1, "se_ratio": 0, "strides": 1, "conv_type": 1},
+    {"kernel_size": 3, "num_repeat": 1, "input_filters": 16, "output_filters": 24,
+     "expand_ratio": 4, "se_ratio": 0, "strides": 2, "conv_type": 1},
+    {"kernel_size": 3, "num_repeat": 2, "input_filters": 24, "output_filters": 32,
+     "expand_ratio": 4, "se_ratio": 0.25, "strides": 2, "conv_type": 0},
+]
+
+
+def _efficientnet_v2_b0(size: str, num_classes: int) -> Any:
+    from keras.src.applications.efficientnet_v2 import EfficientNetV2
+
+    def tiny(**common: Any) -> Any:
+        return EfficientNetV2(1.0, 1.0, common["input_shape"][0],
+                              blocks_args=_EFFICIENTNET_V2_TINY_BLOCKS,
+                              name="efficientnetv2_tiny", **common)
+
+    return _cnn("efficientnet_v2_b0", size, num_classes, "EfficientNetV2B0", tiny,
+                include_preprocessing=False)
+
+
+def _resnet50_v2(size: str, num_classes: int) -> Any:
+    from keras.src.applications import resnet
+
+    def stack_fn(x: Any) -> Any:
+        # ResNet50V2's three kinds of pre-activation bottleneck, one stack: a 1x1 convolution
+        # shortcut (first of a stack), an identity shortcut, a stride-2 one (last of a stack:
+        # a 1x1 max-pool shortcut)
+        return resnet.stack_residual_blocks_v2(x, 8, 3, name="conv2")
+
+    def tiny(**common: Any) -> Any:
+        return resnet.ResNet(stack_fn, True, True, name="resnet_v2_tiny", **common)
+
+    return _cnn("resnet50_v2", size, num_classes, "ResNet50V2", tiny)
+
+
 # -- transformer backbones: keras_hub ------------------------------------------------------------
 # (layers, heads, key/value heads, width, feed-forward width) per size
 _TRANSFORMER_SIZES = {"bench": (2, 4, 2, 128, 512), "tiny": (1, 2, 1, 16, 32)}
@@ -270,6 +326,20 @@ def _qwen_moe(size: str, num_classes: int) -> Any:
                                    top_k=2, norm_top_k_prob=True)))
 
 
+def _gemma(size: str, num_classes: int) -> Any:
+    return _backbone_classifier("gemma", size, num_classes, lambda hub, vocab, d: (
+        hub.models.GemmaBackbone(vocabulary_size=vocab, num_layers=d[0], num_query_heads=d[1],
+                                 num_key_value_heads=1, hidden_dim=d[3],
+                                 intermediate_dim=2 * d[4], head_dim=d[3] // d[1])))
+
+
+def _qwen3(size: str, num_classes: int) -> Any:
+    return _backbone_classifier("qwen3", size, num_classes, lambda hub, vocab, d: (
+        hub.models.Qwen3Backbone(vocabulary_size=vocab, num_layers=d[0], num_query_heads=d[1],
+                                 num_key_value_heads=d[2], head_dim=d[3] // d[1],
+                                 hidden_dim=d[3], intermediate_dim=d[4])))
+
+
 def _application(name: str, cls: str, side: int, what: str,
                  builder: Callable[[str, int], Any], families: tuple[str, ...],
                  composite: tuple[str, ...], batch_size: int = 16, rounds: int = 6) -> ZooModel:
@@ -304,6 +374,13 @@ MODELS: dict[str, ZooModel] = {
                      ("layer_norm", "gelu"), ("layer scale", "depthwise convolution")),
         _application("densenet121", "DenseNet121", 32, "BN-ReLU-Conv, Concatenate",
                      _densenet121, ("batch_norm",), ("concatenate",)),
+        _application("efficientnet_v2_b0", "EfficientNetV2B0", 64,
+                     "fused MBConv (3x3 expansion convolutions), MBConv with squeeze-excite, "
+                     "swish, batch norm", _efficientnet_v2_b0,
+                     ("batch_norm", "swish", "squeeze_excite"), ("depthwise convolution",)),
+        _application("resnet50_v2", "ResNet50V2", 32,
+                     "pre-activation bottlenecks (BN-ReLU-Conv), max-pool shortcuts",
+                     _resnet50_v2, ("batch_norm", "contraction"), ("pre-activation ReLU",)),
         _hub_model("bert", "BertBackbone, 2 layers x 128, 4 heads, FFN 512", "pooled",
                    _classic("bert", "BertBackbone"),
                    ("layer_norm", "attention", "gelu"), ("embeddings",)),
@@ -321,6 +398,14 @@ MODELS: dict[str, ZooModel] = {
                    "4 SwiGLU experts of 256 and a gated shared expert of 512, top-2 routing",
                    "last token", _qwen_moe, ("einsum_dense", "rms_norm"),
                    ("MoE routing", "MoE experts")),
+        _hub_model("gemma", "GemmaBackbone, 2 layers x 128, 4 query heads / 1 key-value head, "
+                   "GeGLU 512, rotary, RMSNorm (1 + scale)", "last token", _gemma,
+                   ("einsum_dense", "rms_norm", "rotary", "gelu"),
+                   ("multi-query attention",)),
+        _hub_model("qwen3", "Qwen3Backbone, 2 layers x 128, 4 query / 2 key-value heads, "
+                   "SwiGLU 512, rotary, RMSNorm, per-head query/key RMSNorm", "last token",
+                   _qwen3, ("einsum_dense", "rms_norm", "rotary", "grouped_attention", "swish"),
+                   ("grouped-query attention",)),
     )
 }
 
@@ -334,8 +419,8 @@ def build(name: str, size: str = "bench", num_classes: int = 10, seed: int | Non
     Traceback (most recent call last):
     ...
     ValueError: unknown zoo model 'resnet'; choose from ('mobilenet_v3_small', \
-'efficientnet_b0', 'convnext_tiny', 'densenet121', 'bert', 'gpt2', 'llama', 'mixtral', \
-'qwen_moe')
+'efficientnet_b0', 'convnext_tiny', 'densenet121', 'efficientnet_v2_b0', 'resnet50_v2', \
+'bert', 'gpt2', 'llama', 'mixtral', 'qwen_moe', 'gemma', 'qwen3')
     >>> build("llama", size="tiny").output_shape  # doctest: +SKIP
     (None, 10)
     """

@@ -70,7 +70,9 @@ def test_llama_patterns_match_and_silu_gradient_joins_swiglu():
 OTHERS = [("efficientnet_b0", "swish"),  # tf.nn.silu's custom gradient
           ("convnext_tiny", "depthwise convolution"),  # Keras's XLA-compiled grouped conv
           ("densenet121", None), ("bert", None), ("gpt2", None),
-          ("mixtral", "MoE experts"), ("qwen_moe", "MoE experts")]  # the experts' SiLU
+          ("mixtral", "MoE experts"), ("qwen_moe", "MoE experts"),  # the experts' SiLU
+          ("efficientnet_v2_b0", None), ("resnet50_v2", None), ("gemma", None),
+          ("qwen3", None)]
 
 
 @pytest.mark.parametrize("name, rooted", [

@@ -196,6 +196,11 @@ DECLINES = {
     "llama": "sparse gradient",
     "mixtral": "top-k routing kept",  # the moe family: dense dispatch, data-dependent shapes
     "qwen_moe": "top-k routing kept",
+    "efficientnet_v2_b0": "Sigmoid left apart",  # as efficientnet_b0's
+    # the convolution shortcut and the last 1x1 convolution of a block meet in one Add
+    "resnet50_v2": "the other addend's chain fused it",
+    "gemma": "is not a tensordot",  # its query and key/value projections' equations
+    "qwen3": "sparse gradient",
 }
 
 
