@@ -122,13 +122,16 @@ def exact_patterns() -> list[str]:
     and the families whose forms sum in another order (``fusion.forms.rounds_otherwise``: a
     kernel gradient out of a wider MatMul, the same sums perhaps blocked otherwise; their own
     tests hold them to rounding), and ``sibling_projections``, whose merged input gradient is
-    one longer product in place of several and their sum. What these give equals stock but for
-    the rounding of a fused kernel's own activation (Tanh, Sigmoid, Elu): bitwise for Relu
-    chains, the kernels Grappler gives stock too."""
+    one longer product in place of several and their sum, ``bias_grad`` (a bias gradient's sum
+    as a MatMul) and ``matmul_layout`` (a product's operand transposed first), the same sums
+    added in another order, where the step is traced with its batch's static shape. What these
+    give equals stock but for the rounding of a fused kernel's own activation (Tanh, Sigmoid,
+    Elu): bitwise for Relu chains, the kernels Grappler gives stock too."""
     import fusion
     from fusion.forms import rounds_otherwise
 
-    left_out = {"onednn", "sibling_projections", *rounds_otherwise()}
+    left_out = {"onednn", "sibling_projections", "bias_grad", "matmul_layout",
+                *rounds_otherwise()}
     return [name for name in fusion.available_patterns() if name not in left_out]
 
 

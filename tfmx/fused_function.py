@@ -316,6 +316,11 @@ class FusedFunction:
                        entry.gated, _replicas(entry), entry.deferred)
         return entry.fused
 
+    def gated(self, concrete: Any) -> bool:
+        """Whether ``concrete`` (from :meth:`form_function`) is the step the price gate runs as
+        stock."""
+        return any(e.gated and e.fused is concrete for e in self._entries.values())
+
     def concrete_functions(self) -> list[Any]:
         """Every ConcreteFunction this function runs: the rewritten ones and, where none was
         rewritten (tfmx off, a trace that could not be rewritten), the traced ones."""

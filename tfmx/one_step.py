@@ -75,6 +75,7 @@ class _Form:
 
     def __init__(self, dispatch: OneStepDispatch, form: str, forced: bool = False) -> None:
         self._dispatch, self.form, self._forced = dispatch, form, forced
+        self._stock = False  # the price gate ran its first batch as stock: so every batch
         self._concrete: dict[Any, Any] = {}  # the batch's call key -> ConcreteFunction
 
     def __call__(self, iterator: Any) -> Batch:
@@ -89,10 +90,17 @@ class _Form:
         key = call_key((data,), {})
         concrete = self._concrete.get(key) if key is not None else None
         if concrete is None:
-            # a form the guard traces is traced as it asks (tfmx's form: without asking the
-            # price gate again), for each batch's structure
-            with guard.forcing(self.form) if self._forced else contextlib.nullcontext():
-                concrete = self._dispatch._step.form_function(self.form, data)
+            step = self._dispatch._step
+            if self._stock:
+                concrete = step.stock_concrete_function(data)
+            else:
+                # a form the guard traces is traced as it asks (tfmx's form: without asking
+                # the price gate again); another batch structure (an epoch's last, smaller
+                # batch) as the first was, where the gate was asked
+                with guard.forcing(self.form) if self._forced else contextlib.nullcontext():
+                    concrete = step.form_function(self.form, data)
+                if not self._forced:
+                    self._forced, self._stock = True, step.gated(concrete)
             if key is not None:
                 self._concrete[key] = concrete
         return concrete
