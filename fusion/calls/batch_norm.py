@@ -13,6 +13,11 @@ through :func:`fused_layer_call`:
    and captured variable handles, and record every imported op on the active gradient tapes with
    its registered gradient, exactly as TensorFlow's generated op wrappers do.
 
+Steps 1 and 2 run once per kind of call in a step: a layer of Keras's class whose
+configuration, variables and input match an earlier layer's (:func:`_template_key`) takes that
+layer's rewritten forward with its own variables bound in, and the step's graph is the one
+tracing each layer would give.
+
 The tape then differentiates ``FusedBatchNormV3`` with TensorFlow's own gradient
 (``FusedBatchNormGradV3``). If anything does not fit (nothing fused, an op without a gradient,
 captures that are not plain variables, any exception), the layer's stock ``call`` runs instead
@@ -32,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +46,7 @@ from tensorflow.python.eager import execute
 from tensorflow.python.framework import importer, ops
 from tensorflow.python.ops import resource_variable_ops
 
+from fusion import trace_state
 from fusion.family import Family, Form, Forms, conservative, declare
 from fusion.kernels.batch_norm import kernel_blocker
 from fusion.pattern import PatternStats
@@ -167,10 +174,28 @@ def _replica_emit(layer: Any, inputs: Any) -> Emitted:
 
 def _rewrite(layer: Any, original: Callable, inputs: Any, training: Any,
              ctx: StageContext) -> tuple[dict | None, PatternStats]:
-    """Trace the layer's forward, rewrite it, check it: (a plan for :func:`_splice`, stats)."""
+    """Trace the layer's forward, rewrite it, check it: (a plan for :func:`_splice`, stats).
+    A layer whose forward another layer of the step already had (:func:`_template_key`)
+    takes that layer's rewritten forward, its own variables bound in (:func:`_reused`)."""
+    inputs = tf.convert_to_tensor(inputs)
+    key = _template_key(layer, inputs, training)
+    templates = trace_state.slot(ops.get_default_graph(), _TEMPLATES) if key else {}
+    if key in templates:
+        return _reused(templates[key], layer)
+    plan, stats = _traced_plan(layer, original, inputs, training, ctx)
+    if plan is not None and key:
+        template = _template(plan, stats, layer)
+        if template is not None:
+            templates[key] = template
+    return plan, stats
+
+
+def _traced_plan(layer: Any, original: Callable, inputs: Any, training: Any,
+                 ctx: StageContext) -> tuple[dict | None, PatternStats]:
+    """The layer's forward traced on a scratch graph, rewritten and checked: (a plan for
+    :func:`_splice`, stats)."""
     from fusion.pipeline import rewrite
 
-    inputs = tf.convert_to_tensor(inputs)
     scratch = tf.function(lambda x: original(layer, x, training=training), autograph=False)
     concrete = scratch.get_concrete_function(tf.TensorSpec(inputs.shape, inputs.dtype))
     graph = concrete.graph
@@ -187,7 +212,7 @@ def _rewrite(layer: Any, original: Callable, inputs: Any, training: Any,
     if missing:
         stats.errors.append(f"{layer.name}: no registered gradient for {missing}")
         return None, stats
-    captures = list(graph.captures)
+    captures = [(external, internal.name) for external, internal in graph.captures]
     if any(not hasattr(external, "numpy") for external, _ in captures):
         stats.errors.append(f"{layer.name}: captures that are not eager variables")
         return None, stats
@@ -196,6 +221,10 @@ def _rewrite(layer: Any, original: Callable, inputs: Any, training: Any,
         importer.import_graph_def(result.graph_def, name="")
         for op in probe.get_operations():
             _attr_tuple(op)
+    # TensorFlow's unique ids this took, from the scratch graph's key (the id before its
+    # input's) to the probe's last tensor: a layer reusing the plan takes as many.
+    last = max((t._id for op in probe.get_operations() for t in op.outputs), default=None)
+    uids = None if last is None else last - graph.inputs[0]._id + 2
     placeholders = {t.op.name for t in graph.inputs}
     graph_def = tf.compat.v1.GraphDef()
     graph_def.versions.CopyFrom(result.graph_def.versions)
@@ -203,7 +232,81 @@ def _rewrite(layer: Any, original: Callable, inputs: Any, training: Any,
     graph_def.node.extend(n for n in result.graph_def.node if n.name not in placeholders)
     return dict(graph_def=graph_def, input=graph.inputs[0].name, captures=captures,
                 output=graph.outputs[0].name, variables=list(graph.variables),
-                name=f"{layer.name}_tfmx"), stats
+                name=f"{layer.name}_tfmx", uids=uids), stats
+
+
+# -- one rewritten forward for the layers that share it ------------------------------------------
+_TEMPLATES = "batch_norm.templates"
+"""The ``fusion.trace_state`` slot of a traced step's graph that keeps, by
+:func:`_template_key`, the rewritten forwards its layers' plans were made from."""
+
+
+def _template_key(layer: Any, inputs: Any, training: Any) -> tuple | None:
+    """What Keras's ``BatchNormalization.call`` reads besides the layer's variables' values,
+    for a layer of exactly Keras's class (a subclass may read more; None for it): two layers
+    with one key trace the same scratch graph, so its rewrite serves both.
+
+    >>> import keras
+    >>> layers = [keras.layers.BatchNormalization(epsilon=e) for e in (1e-3, 1e-3, 1e-5)]
+    >>> for layer in layers:
+    ...     layer.build((2, 3))
+    >>> x = tf.zeros([2, 3])
+    >>> [_template_key(layer, x, True) == _template_key(layers[0], x, True) for layer in layers]
+    [True, True, False]
+    >>> _template_key(layers[0], x, True) == _template_key(layers[0], tf.zeros([4, 3]), True)
+    False
+    """
+    from keras.src.layers.normalization.batch_normalization import BatchNormalization
+
+    if type(layer) is not BatchNormalization:
+        return None
+    return (tuple(inputs.shape), inputs.dtype.name, training, layer.trainable, layer.axis,
+            tuple(layer._reduction_axes), layer.epsilon, layer.momentum, layer.center,
+            layer.scale, layer.synchronized, layer.renorm, layer.dtype_policy.name,
+            tuple((v.name, tuple(v.shape), str(v.dtype)) for v in layer.variables))
+
+
+def _variable_index(layer: Any) -> dict[int, int]:
+    """The position in ``layer.variables`` of each of its TensorFlow variables and their
+    handles, by ``id``."""
+    index = {}
+    for i, variable in enumerate(layer.variables):
+        value = getattr(variable, "value", variable)
+        index[id(value)] = i
+        index[id(getattr(value, "handle", value))] = i
+    return index
+
+
+def _template(plan: dict, stats: PatternStats, layer: Any) -> dict | None:
+    """``plan`` with its captures and variables as positions in ``layer.variables`` (None
+    where one is not the layer's), for :func:`_reused`."""
+    index = _variable_index(layer)
+    captures = [(index.get(id(external)), internal) for external, internal in plan["captures"]]
+    variables = [index.get(id(variable)) for variable in plan["variables"]]
+    if None in [i for i, _ in captures] or None in variables or plan.get("uids") is None:
+        return None
+    return dict(plan, captures=captures, variables=variables, stats=copy.deepcopy(stats))
+
+
+def _reused(template: dict, layer: Any) -> tuple[dict, PatternStats]:
+    """The plan :func:`_template` kept, ``layer``'s own variables bound in, and a copy of the
+    statistics its rewrite reported."""
+
+    def value(i: int) -> Any:
+        return getattr(layer.variables[i], "value", layer.variables[i])
+
+    plan = {k: v for k, v in template.items() if k != "stats"}
+    plan.update(captures=[(value(i).handle, internal) for i, internal in template["captures"]],
+                variables=[value(i) for i in template["variables"]],
+                name=f"{layer.name}_tfmx")
+    # What the scratch trace did besides its graph: the tapes watch the variables it read
+    # before the splice captures them (so the capture is recorded and gradients reach them),
+    # and TensorFlow's unique ids advance as far (the names of the step's later captures).
+    for variable in plan["variables"]:
+        resource_variable_ops.variable_accessed(variable)
+    for _ in range(template["uids"]):
+        ops.uid()
+    return plan, copy.deepcopy(template["stats"])
 
 
 def _splice(plan: dict, inputs: Any) -> Any:
@@ -212,7 +315,7 @@ def _splice(plan: dict, inputs: Any) -> Any:
     outer = ops.get_default_graph()
     input_map = {plan["input"]: inputs}
     for external, internal in plan["captures"]:
-        input_map[internal.name] = outer.capture(external)
+        input_map[internal] = outer.capture(external)
     before = len(outer.get_operations())
     (out,) = importer.import_graph_def(plan["graph_def"], input_map=input_map,
                                        return_elements=[plan["output"]], name=plan["name"])
