@@ -159,3 +159,18 @@ def test_another_form_is_traced_without_reading_the_iterator():
     assert traced == [("fused", (1,)), ("stock", (1,))]
     assert [float(stock(it).get_value()[0]) for _ in range(2)] == [4.0, 6.0]
     assert not stock(it).has_value() and len(traced) == 2
+
+
+def test_a_step_the_price_gate_runs_as_stock_runs_every_batch_as_stock(monkeypatch, tmp_path):
+    """A short fit on a fresh tuning cache: the price gate runs the step as stock, its first
+    batches and the epoch's last, smaller one alike (one gate verdict a fit, as with Keras's
+    loop), and the fit is stock's bit for bit."""
+    monkeypatch.setenv("TFMX_CACHE_DIR", str(tmp_path))  # nothing measured of this step
+    guard.forget()
+    stock, stock_loss = _fit(False)
+    fused, loss = _fit(True, guard=True)
+    statuses = [t.status for t in tfmx.report().traces if t.function.endswith("train_step")]
+    assert statuses and set(statuses) == {"stock: price gate"}, statuses
+    assert loss == stock_loss
+    for got, want in zip(fused.weights, stock.weights):
+        np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=got.path)
