@@ -63,9 +63,9 @@ CORE = (
     # the seam and unknown versions
     "tests/test_private_api.py", "tests/test_versions.py",
     # the loop hook: fit, evaluate, predict through tfmx, the step loop's dispatch
-    "tests/test_keras.py", "tests/test_dispatch.py",
-    # the guard and the price gate
-    "tests/test_guard.py", "tests/test_price_gate.py",
+    "tests/test_keras.py", "tests/test_dispatch.py", "tests/test_one_step.py",
+    # the guard, the price gate and tfmx's form traced beside a fit's steps
+    "tests/test_guard.py", "tests/test_price_gate.py", "tests/test_background_trace.py",
     # families: stage and graph
     "tests/test_gelu.py", "tests/test_swish.py", "tests/test_feed_forward.py",
     "tests/test_layer_norm.py", "tests/test_attention.py", "tests/test_batch_norm.py",
