@@ -487,6 +487,21 @@ def _beside_one_call(monkeypatch):
     monkeypatch.setattr(background_trace.BackgroundTrace, "ready", ready)
 
 
+def test_the_tuners_measuring_is_left_out_of_the_first_call_a_price_record_keeps(monkeypatch):
+    monkeypatch.setattr(guard, "price_gate", lambda *a, **k: GateDecision("tfmx", "injected"))
+    spent = iter(range(0, 10**6, 1000))  # every look at the tuner: 1000 s more measured
+    monkeypatch.setattr(dispatch, "_tuning_spent", lambda: float(next(spent)))
+    x = np.random.default_rng(0).normal(size=(256, 16)).astype("float32")
+    tfmx.enable(backend="cpu", guard=True, tune="off", xla=False)
+    try:
+        _model().fit(x, np.zeros(256, "int32"), batch_size=32, epochs=2, verbose=0)
+        (figures,) = guard._prices.values()
+        assert "fused_first_s" not in figures  # all of it was the tuner's: nothing left
+        assert figures["fused_ms"] > 0
+    finally:
+        tfmx.disable()
+
+
 def _fit_both(monkeypatch, gate, epochs=2, beside=False):
     """A stock fit and a tfmx fit (guard on, ``gate`` injected; tfmx's form traced mid-fit
     beside the stock calls where ``beside``, else in the fit's thread) of the same model and

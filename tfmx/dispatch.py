@@ -90,6 +90,11 @@ record (:func:`tfmx.guard.learn_price`): the gate is then asked again for the ca
 the fit (and at the start of each later fit), and the next fits decide from them."""
 
 
+def _tuning_spent() -> float:
+    """The seconds this process's tuner spent measuring so far (0 without one)."""
+    return float(getattr(state.tuner(), "spent", 0.0) or 0.0)
+
+
 def _price_key(embedded: list[guard.Embedded]) -> str:
     """The price record's key of a loop's step (a step traced twice into it counts once)."""
     return "+".join(dict.fromkeys(e.price_key for e in embedded if e.price_key))
@@ -109,6 +114,7 @@ class _Watch:
     asked: int | None = None
     switch: bool = False  # the gate said tfmx: its form is traced on the next call
     background: Any = None  # tfmx's form traced beside the stock calls (BackgroundTrace)
+    tuned: float = 0.0  # the tuner's seconds spent measuring when that trace started
     beside: list[float] = dataclasses.field(default_factory=list)  # those calls, timed
 
 
@@ -158,7 +164,7 @@ class IteratorDispatch:
         spec = iterator._type_spec
         slot = self._slots.get(spec)
         if slot is None:
-            start = time.perf_counter()
+            start, tuned = time.perf_counter(), _tuning_spent()
             switchable = self._twin is not None and self._make_guard is not None
             with guard.collecting(switchable) as embedded:
                 outputs, fused = self._first_call(iterator)
@@ -169,7 +175,9 @@ class IteratorDispatch:
                                               "+".join(e.signature for e in embedded),
                                               max(e.replicas for e in embedded))
                 if slot.guard is not None:  # what tracing it cost: a seed of the other forms'
-                    slot.guard.first_call_s = time.perf_counter() - start
+                    # (not the tuner's measuring: once per machine, its decisions now cached)
+                    slot.guard.first_call_s = max(0.0, time.perf_counter() - start
+                                                  - (_tuning_spent() - tuned))
                     slot.guard.price_key = _price_key(embedded)
                     slot.guard.deferred = sum(e.deferred for e in embedded)
                     guard.learn_first_call("fused", slot.guard.first_call_s, slot.guard.ops,
@@ -257,6 +265,7 @@ class IteratorDispatch:
         watch.switch = verdict.run == "tfmx"
         guard.expect_first_call(watch.price_key, verdict)
         if watch.switch and not why_not:
+            watch.tuned = _tuning_spent()
             watch.background = background_trace.BackgroundTrace(
                 functools.partial(self._traced_twin, "fused", iterator)).start()
         elif watch.switch:
@@ -282,6 +291,7 @@ class IteratorDispatch:
         background = watch.background if watch is not None else None
         stock = slot.forms["fused"]
         start = time.perf_counter()
+        tuned = watch.tuned if background is not None else _tuning_spent()
         try:
             if background is not None:  # traced beside the stock calls: done by now
                 concrete, embedded = background.take()
@@ -318,28 +328,33 @@ class IteratorDispatch:
             made.deferred = sum(e.deferred for e in embedded)
             stock_first = guard.price_figures(made.price_key, cache).get("stock_first_s", 0.0)
             made.warmed("stock", stock_first)  # it ran first: the trial pays no first call
+            # the tuner's measuring is paid once per machine (its decisions now cached): left
+            # out of what this first call teaches of the next ones
+            tuning = _tuning_spent() - tuned
             if background is not None:
-                self._traced_beside(watch, made.first_call_s, stock_first, cache)
+                self._traced_beside(watch, made.first_call_s, stock_first, cache, tuning)
                 made.first_call_s += background.seconds  # the whole first call, as in-thread
+            made.first_call_s = max(0.0, made.first_call_s - tuning)
             guard.learn_first_call("fused", made.first_call_s, made.ops, cache)
             self._estimated(made.price_key, made.first_call_s)
         return outputs
 
     def _traced_beside(self, watch: _Watch, first_run_s: float, stock_first_s: float,
-                       cache: Any) -> None:
+                       cache: Any, tuning_s: float = 0.0) -> None:
         """tfmx's form was traced beside ``watch``'s stock calls and ran its first call in
         ``first_run_s``: what the fit paid for it (that first run, and what the stock calls
-        beside the trace took beyond stock's median) is learnt against stock's first call
-        (``tfmx.first_call``, form ``"beside"``) and said in the report."""
+        beside the trace took beyond stock's median, less the tuner's measuring ``tuning_s``,
+        which those calls waited for and a later trace does not repeat) is learnt against
+        stock's first call (``tfmx.first_call``, form ``"beside"``) and said in the report."""
         median = statistics.median(watch.samples) if watch.samples else 0.0
-        excess = sum(max(0.0, t - median) for t in watch.beside)
+        excess = max(0.0, sum(max(0.0, t - median) for t in watch.beside) - tuning_s)
         paid = first_run_s + excess
         learn_first_call_ratio("beside", paid, stock_first_s, cache)
         state.report().note(
             f"{self._name}: tfmx's form traced beside {len(watch.beside)} stock call(s) in "
             f"{watch.background.seconds:.2f} s; the fit paid {paid:.2f} s for it (its first "
             f"run {first_run_s:.2f} s, the calls beside it {excess:.2f} s beyond stock's "
-            "median)")
+            f"median and the tuner's {tuning_s:.2f} s of measuring)")
 
     def _estimated(self, price_key: str, seconds: float) -> None:
         """tfmx's first call of the step took ``seconds``: where the price gate ran it on an
