@@ -314,8 +314,10 @@ def _tuning_cell(row: Mapping[str, Any]) -> str:
         return "-"
     measured = sum((t.get("decisions") or {}).get("measured", 0) for t in tunings)
     cached = sum((t.get("decisions") or {}).get("cached", 0) for t in tunings)
+    kept = sum((t.get("decisions") or {}).get("conservative", 0) for t in tunings)
     warm = "warm-up fit, " if row.get("warm") else ""
-    return f"{warm}{tunings[0].get('held')} held; {measured} measured, {cached} cached"
+    left = f", {kept} left to Keras's form (unmeasured)" if kept else ""
+    return f"{warm}{tunings[0].get('held')} held; {measured} measured, {cached} cached{left}"
 
 
 HEADER = ["| workload | fit | stock s | XLA s | tfmx s | tfmx / stock | tfmx / best | "
