@@ -256,7 +256,7 @@ def _template_key(layer: Any, inputs: Any, training: Any) -> tuple | None:
     >>> _template_key(layers[0], x, True) == _template_key(layers[0], tf.zeros([4, 3]), True)
     False
     """
-    from keras.src.layers.normalization.batch_normalization import BatchNormalization
+    from keras.layers import BatchNormalization  # Keras's own class, as exported
 
     if type(layer) is not BatchNormalization:
         return None
