@@ -71,8 +71,8 @@ def expected_gain(cache: Any = None, form: str = "fused") -> tuple[float, str]:
     return robust(values), f"the median of {len(values)} step(s) measured in both forms here"
 
 
-def pays_on_prior(extra_s: float, calls: int, stock_ms: float,
-                  cache: Any = None) -> tuple[bool, str, int]:
+def pays_on_prior(extra_s: float, calls: int, stock_ms: float, cache: Any = None,
+                  what: str = "the fused step not measured yet") -> tuple[bool, str, int]:
     """Whether trying the fused form of a step whose stock call takes ``stock_ms`` pays over
     ``calls`` calls for a first call ``extra_s`` beyond what stock's costs, on the expected
     gain (:func:`expected_gain`, with :data:`GAIN_MARGIN`); the reason; and the fit's calls
@@ -89,15 +89,14 @@ def pays_on_prior(extra_s: float, calls: int, stock_ms: float,
     ratio, how = expected_gain(cache)
     per_call_s = stock_ms * (1.0 - ratio) / 1e3
     if per_call_s <= 0:
-        return False, (f"the fused step not measured yet is expected at {ratio:.2f} x stock's "
-                       f"({how}): no gain expected"), 0
+        return False, f"{what} is expected at {ratio:.2f} x stock's ({how}): no gain expected", 0
     saved = calls * per_call_s
     pays_from = int(GAIN_MARGIN * extra_s / per_call_s) + 1
-    what = "more" if saved > GAIN_MARGIN * extra_s else "not more"
+    more = "more" if saved > GAIN_MARGIN * extra_s else "not more"
     return saved > GAIN_MARGIN * extra_s, (
-        f"the fused step not measured yet is expected at {ratio:.2f} x stock's ({how}): "
+        f"{what} is expected at {ratio:.2f} x stock's ({how}): "
         f"~{saved:.2f} s saved over the fit's {calls} calls (stock {stock_ms:.2f} ms a call), "
-        f"{what} than {GAIN_MARGIN:g} x its extra first call"), pays_from
+        f"{more} than {GAIN_MARGIN:g} x its extra first call"), pays_from
 
 
 __all__ = ["GAIN_FAMILY", "GAIN_MARGIN", "GAIN_SEED", "expected_gain", "learn_gain",

@@ -263,7 +263,7 @@ def price_gate(figures: Mapping[str, float], calls: int | None,
             return outcome
         # measured with forms the tuner had no budget left to measure: tried again where
         # the gain expected of a tuned step pays, the tuner measuring on
-        prior = pays_on_prior(extra, calls, stock_ms, cache)
+        prior = pays_on_prior(extra, calls, stock_ms, cache, "a step tuned to its end")
         left = (f"the fused step was measured with {deferred} of the tuner's decisions left "
                 "unmeasured")
         if prior[0]:
