@@ -307,7 +307,15 @@ def _r(value: float | None) -> str:
 
 def _tuning_cell(row: Mapping[str, Any]) -> str:
     """How the timed tfmx fits found the tuning cache: decisions held before the first one,
-    and their own decisions measured (missing from it) and read from it."""
+    and their own decisions measured (missing from it), read from it, and left unmeasured (on
+    the machine's prior for their family, ``tfmx.tuning_prior``, or Keras's form).
+
+    >>> fits = [{"tuning": {"held": 12, "decisions": {"measured": 2, "cached": 9, "prior": 20,
+    ...                                               "conservative": 4}}}] * 2
+    >>> print(_tuning_cell({"warm": {}, "fits": {"tfmx": fits}}))  # doctest: +NORMALIZE_WHITESPACE
+    12 held; 4 measured, 18 cached, 40 on the family's form measured here (unmeasured),
+    8 left to Keras's form (unmeasured)
+    """
     fits = (row.get("fits") or {}).get("tfmx") or []
     tunings = [f.get("tuning") or {} for f in fits]
     if not tunings:
@@ -315,9 +323,12 @@ def _tuning_cell(row: Mapping[str, Any]) -> str:
     measured = sum((t.get("decisions") or {}).get("measured", 0) for t in tunings)
     cached = sum((t.get("decisions") or {}).get("cached", 0) for t in tunings)
     kept = sum((t.get("decisions") or {}).get("conservative", 0) for t in tunings)
+    prior = sum((t.get("decisions") or {}).get("prior", 0) for t in tunings)
     warm = "warm-up fit, " if row.get("warm") else ""
+    on_prior = f", {prior} on the family's form measured here (unmeasured)" if prior else ""
     left = f", {kept} left to Keras's form (unmeasured)" if kept else ""
-    return f"{warm}{tunings[0].get('held')} held; {measured} measured, {cached} cached{left}"
+    return (f"{warm}{tunings[0].get('held')} held; {measured} measured, {cached} cached"
+            f"{on_prior}{left}")
 
 
 HEADER = ["| workload | fit | stock s | XLA s | tfmx s | tfmx / stock | tfmx / best | "

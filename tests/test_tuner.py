@@ -148,6 +148,38 @@ def test_a_failing_candidate_or_a_spent_budget_takes_the_conservative_form():
         Tuner("auto", None, _fail).choose("f", "s", {"a": None}, conservative="z")
 
 
+def test_a_decision_the_budget_leaves_takes_the_form_its_family_keeps_here(cache_dir):
+    """Three shapes of a family measured here, the fused form kept in each: a fourth shape the
+    budget leaves unmeasured takes it (not written to the cache, counted as left for later);
+    a family whose measured decisions disagree, another dtype, or an XLA region keep stock."""
+    cache = TuningCache.for_backend("cpu")
+    forms = {"stock": None, "fused": None, "xla": None}
+    measuring = Tuner("auto", cache, _timer({"stock": 2.0, "fused": 1.0, "xla": 1.5}))
+    for n in (8, 16, 32):
+        assert measuring.choose("f", f"float32 {n}", forms, "stock").choice == "fused"
+    spent = Tuner("auto", TuningCache.for_backend("cpu"), _fail, budget=0)
+    d = spent.choose("f", "float32 64", forms, "stock")
+    assert (d.choice, d.source, spent.deferred) == ("fused", "prior", 1)
+    assert "kept over stock in 3 of 3" in d.why() and "budget" in d.why()
+    assert TuningCache.for_backend("cpu").get("f|float32 64") is None
+    assert spent.choose("f", "bfloat16 64", forms, "stock").choice == "stock"  # another dtype
+    # one of four measured the other way: 3 of 4 still agree; two of five do not
+    Tuner("auto", cache, _timer({"stock": 1.0, "fused": 2.0, "xla": 1.5})).choose(
+        "f", "float32 128", forms, "stock")
+    assert Tuner("auto", TuningCache.for_backend("cpu"), _fail, budget=0).choose(
+        "f", "float32 65", forms, "stock").choice == "fused"
+    Tuner("auto", cache, _timer({"stock": 1.0, "fused": 2.0, "xla": 1.5})).choose(
+        "f", "float32 256", forms, "stock")
+    assert Tuner("auto", TuningCache.for_backend("cpu"), _fail, budget=0).choose(
+        "f", "float32 66", forms, "stock").source.startswith("conservative")
+    regions = Tuner("auto", cache, _timer({"stock": 2.0, "xla": 1.0}))
+    for n in (8, 16, 32):
+        assert regions.choose("g", f"float32 {n}", {"stock": None, "xla": None},
+                              "stock").choice == "xla"
+    assert Tuner("auto", TuningCache.for_backend("cpu"), _fail, budget=0).choose(
+        "g", "float32 64", {"stock": None, "xla": None}, "stock").choice == "stock"
+
+
 def test_a_cached_decision_between_other_forms_is_measured_again(cache_dir):
     """A newer tfmx may offer a form the cached decision never weighed (an XLA region, say):
     the decision is measured again, and stored."""
@@ -418,3 +450,39 @@ def test_the_tune_command_shows_exports_imports_and_clears(cache_dir, tmp_path, 
     assert "removed" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="tfmx tune"):
         main(["tune", "--import", str(tmp_path / "missing.json")])
+
+
+def test_a_fit_with_no_budget_runs_the_swish_form_its_family_keeps_here(cache_dir, monkeypatch):
+    """End to end: a fit whose tuner may measure nothing leaves its swish to Keras's form; with
+    three other swish shapes measured here, the closed form kept in each, the same fit runs the
+    closed form (its scope in the graph that ran) on that prior, within rounding of stock."""
+    import keras
+    from helpers import assert_models_within_rounding, fit_stock_and_tfmx, nodes_that_ran
+
+    from fusion.calls import swish
+
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(3)
+        inp = keras.Input((8,))
+        hidden = keras.layers.Dense(16, activation="swish")(inp)
+        model = keras.Model(inp, keras.layers.Dense(3, activation="softmax")(hidden))
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="sparse_categorical_crossentropy")
+        return model
+
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((32, 8)).astype("float32"), rng.integers(0, 3, 32)
+    monkeypatch.setenv("TFMX_TUNE_BUDGET", "0")
+    fit_stock_and_tfmx(build, x, y, ["swish"], epochs=1)
+    (left,) = [d for d in tfmx.report().decisions if d.family == "swish"]
+    assert left.choice == "keras" and left.source.startswith("conservative"), left
+    cache = TuningCache.for_backend("cpu")
+    for n in (64, 128, 256):  # other shapes, the closed form kept in each
+        cache.put(tuner_mod.Decision("swish", f"{left.signature} at {n}", "custom",
+                                     left.candidates,
+                                     {name: 1.0 for name in left.candidates} | {"custom": 0.7}))
+    models, initial = fit_stock_and_tfmx(build, x, y, ["swish"], epochs=1)
+    (taken,) = [d for d in tfmx.report().decisions if d.family == "swish"]
+    assert (taken.choice, taken.source) == ("custom", "prior"), taken
+    scope = f"/{swish.FORMS.scope_of(swish.CUSTOM)}/"
+    assert any(scope in n.name for n in nodes_that_ran(models[True].train_function))
+    assert_models_within_rounding(models[False], models[True], initial, 4 * (16 * 8 + 60))

@@ -24,8 +24,9 @@ A decision costs more than its rounds: each candidate's first call (building, tr
 optimization) is measured too (``Decision.first_ms``). Within a ``fit`` whose plan is known,
 a form is kept only where what it saves over the planned steps pays for its first call beyond
 the conservative form's (:func:`for_plan`), and the tuner measures for at most a share of the
-planned run (``tfmx.env.PLAN_SHARE``); the decisions it leaves unmeasured take the conservative
-form, and the report says why.
+planned run (``tfmx.env.PLAN_SHARE``); a decision it leaves unmeasured takes the form this
+machine's measured decisions of its family keep, where they agree (``tfmx.tuning_prior``),
+else the conservative form, and the report says which and why.
 
 Modes (``tfmx.enable(tune=...)`` or the environment variable ``TFMX_TUNE``):
 
@@ -90,6 +91,7 @@ from tfmx.tuning_cache import (
     fingerprint,
     import_cache,
 )
+from tfmx.tuning_prior import family_prior
 
 MODES = ("auto", "cached", "off")
 ENV_MODE = "TFMX_TUNE"
@@ -218,8 +220,8 @@ class Tuner:
         if self.mode == "cached":
             return fallback("not in the cache; tune=cached")
         if self.spent >= self.budget:
-            self.deferred += 1
-            return fallback(f"tuning budget of {self.budget:g} s spent; measured on a later run")
+            spent = f"tuning budget of {self.budget:g} s spent; measured on a later run"
+            return self._deferred(family, signature, candidates, conservative, spent)
         left = self.budget - self.spent
         timer, timed = self.timer, candidates
         # fuse='always' is asked for fits known to be long: the tuner's own budget bounds its
@@ -228,8 +230,7 @@ class Tuner:
         if planned is not None:
             allowed, why = planned
             if allowed(0.0) <= 0:
-                self.deferred += 1
-                return fallback(why(0.0))
+                return self._deferred(family, signature, candidates, conservative, why(0.0))
             if timer is measure:  # conservative form first: its call time sizes the run
                 timer = functools.partial(measure, allowance=allowed)
                 timed = {conservative: candidates[conservative],
@@ -245,8 +246,8 @@ class Tuner:
             times = {n: float(seconds[n]) * 1e3 for n in names}
         except OverBudget as exc:  # the conservative form's call still tells of the step
             self._plan_step += exc.call_s
-            self.deferred += 1
-            return fallback(f"{planned[1](0.0)} ({exc})")
+            return self._deferred(family, signature, candidates, conservative,
+                                  f"{planned[1](0.0)} ({exc})")
         except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is not chosen
             return fallback(f"measuring failed: {type(exc).__name__}: {exc}"[:200])
         finally:
@@ -280,6 +281,25 @@ class Tuner:
         if self.cache is not None:
             self.cache.put(decision)
         return decision
+
+    def _deferred(self, family: str, signature: str, candidates: Mapping[str, RunFactory | None],
+                  conservative: str, why: str) -> Decision:
+        """A decision its budget leaves unmeasured (counted in :attr:`deferred`): the form this
+        machine's measured decisions of the family keep (``tfmx.tuning_prior``), else the
+        conservative one; measured on a later run either way."""
+        self.deferred += 1
+        names = tuple(candidates)
+        prior = None
+        if self.cache is not None:
+            try:
+                prior = family_prior(self.cache.contents()["decisions"].values(), family,
+                                     signature, names, conservative)
+            except Exception:  # noqa: BLE001 - a cache it cannot read leaves Keras's form
+                prior = None
+        if prior is None:
+            return Decision(family, signature, conservative, names, {}, f"conservative ({why})")
+        return Decision(family, signature, prior.form, names, {}, "prior",
+                        f"{prior.describe(conservative)}; not measured: {why}")
 
     def _sync_plan(self) -> None:
         """Count this fit's measuring and step time afresh when a new fit began."""

@@ -114,7 +114,9 @@ class Decision:
     choice: str
     candidates: tuple[str, ...]
     times_ms: dict[str, float] = dataclasses.field(default_factory=dict)
-    # "measured", "cached", "conservative (<why>)", or "fuse='always' (<why not measured>)"
+    # "measured", "cached", "conservative (<why>)", "prior" (not measured: the family's form
+    # on this machine's figures, tfmx.tuning_prior; the note says why) or
+    # "fuse='always' (<why not measured>)"
     source: str = "measured"
     note: str = ""  # e.g. that the fastest median was within noise of the conservative form
     # each candidate's first call (building it, its first run: tracing, graph optimization)
@@ -131,6 +133,8 @@ class Decision:
             return self.source[len("conservative ("):-1]
         if self.source.startswith("fuse="):
             return self.source
+        if self.source == "prior":
+            return self.note
         times = ", ".join(f"{n} {self.times_ms[n]:.3f} ms" for n in self.candidates
                           if n in self.times_ms)
         when = "measured faster here" + (" (cached)" if self.source == "cached" else "")

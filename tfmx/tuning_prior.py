@@ -1,0 +1,120 @@
+"""The machine's prior: what a family's measured decisions say of one not measured yet.
+
+The tuner measures a decision once per machine and shape, within a budget: a fit measures for
+at most a share of its planned run (``tfmx.env.PLAN_SHARE``), so a model of many decisions
+fitted for a minute leaves most of them unmeasured, and each took Keras's form. Where the
+same family has been measured here at other shapes and one form won almost every time, that
+form is the better guess for the shapes not measured yet: the prior is this machine's own
+figures, never a constant. :func:`family_prior` reads it from the tuning cache:
+
+- the cache's measured decisions of the same family between the same candidates, and of the
+  same dtypes (the dtype words of their signatures: ``float32``, ``bfloat16``...);
+- at least :data:`PRIOR_MIN` of them, the same form (not the conservative one) kept in at
+  least :data:`PRIOR_AGREEMENT` of them, and faster than the conservative form in the median
+  of their ratios;
+- never an XLA region (``tfmx.timing.is_region``): its compile is paid in the step's first
+  call, which a figure of a kernel form's time does not show.
+
+A decision taken on the prior is not measured: the tuner counts it among those it left for a
+later run (the guard's figures of that step stay provisional, ``tfmx.step_price``), does not
+write it to the cache, and measures it where a later fit's share allows. Forms are correct
+within rounding whatever the choice; the prior changes which one runs, not what it computes.
+
+Example:
+    >>> from tfmx.tuning_prior import family_prior
+    >>> measured = [{"family": "swish", "signature": f"float32 {n}", "choice": "custom",
+    ...              "candidates": ["keras", "custom"], "source": "measured",
+    ...              "times_ms": {"keras": 1.0, "custom": 0.8}} for n in (64, 128, 256)]
+    >>> prior = family_prior(measured, "swish", "float32 512", ("keras", "custom"), "keras")
+    >>> prior.form, prior.won, prior.of, round(prior.ratio, 2)
+    ('custom', 3, 3, 0.8)
+    >>> print(prior.describe("keras"))  # doctest: +NORMALIZE_WHITESPACE
+    custom on this machine's prior: kept over keras in 3 of 3 measured swish decisions here
+    (median 0.80 x keras's time)
+    >>> family_prior(measured[:2], "swish", "float32 512", ("keras", "custom"), "keras") is None
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from tfmx.timing import is_region
+
+PRIOR_MIN = 3
+"""Measured decisions of a family (same candidates, same dtypes) before its prior is used."""
+
+PRIOR_AGREEMENT = 0.75
+"""The share of those decisions that must have kept the prior's form."""
+
+DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "half", "float", "int32",
+                    "int64", "mixed_float16", "mixed_bfloat16"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Prior:
+    """A family's form on this machine's figures: kept in ``won`` of ``of`` measured decisions,
+    ``ratio`` the median of its time over the conservative form's."""
+
+    form: str
+    won: int
+    of: int
+    ratio: float
+    family: str = ""
+
+    def describe(self, conservative: str) -> str:
+        """One line for the report: the form, and the figures it rests on."""
+        return (f"{self.form} on this machine's prior: kept over {conservative} in {self.won} "
+                f"of {self.of} measured {self.family} decisions here (median {self.ratio:.2f} "
+                f"x {conservative}'s time)")
+
+
+def dtype_words(signature: str) -> frozenset[str]:
+    """The dtype names a decision's signature holds.
+
+    >>> sorted(dtype_words("MatMul bfloat16 8x4 x [6, 6] (forward)"))
+    ['bfloat16']
+    """
+    words = signature.replace(",", " ").replace("(", " ").replace(")", " ").split()
+    return frozenset(w for w in words if w in DTYPES)
+
+
+def family_prior(decisions: Iterable[Mapping[str, Any]], family: str, signature: str,
+                 candidates: Iterable[str], conservative: str) -> Prior | None:
+    """The prior for decision ``family``/``signature`` between ``candidates`` from the
+    measured ``decisions`` (the tuning cache's records), or None where they say nothing firm
+    (see module doc)."""
+    names = frozenset(candidates)
+    dtypes = dtype_words(signature)
+    alike = [d for d in decisions
+             if d.get("family") == family and d.get("source", "measured") == "measured"
+             and frozenset(d.get("candidates") or ()) == names
+             and d.get("signature") != signature
+             and dtype_words(str(d.get("signature", ""))) == dtypes]
+    if len(alike) < PRIOR_MIN:
+        return None
+    form, won = Counter(str(d.get("choice")) for d in alike).most_common(1)[0]
+    if form == conservative or form not in names or is_region(form):
+        return None
+    if won < PRIOR_AGREEMENT * len(alike):
+        return None
+    ratios = []
+    for d in alike:
+        times = d.get("times_ms") or {}
+        mine, theirs = times.get(form), times.get(conservative)
+        if isinstance(mine, (int, float)) and isinstance(theirs, (int, float)) and theirs > 0:
+            ratios.append(math.log(max(float(mine), 1e-9) / float(theirs)))
+    if not ratios:
+        return None
+    ratio = math.exp(statistics.median(ratios))
+    if ratio >= 1.0:
+        return None
+    return Prior(form, won, len(alike), ratio, family)
+
+
+__all__ = ["PRIOR_AGREEMENT", "PRIOR_MIN", "Prior", "dtype_words", "family_prior"]
