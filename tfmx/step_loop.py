@@ -59,7 +59,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tfmx import guard, loop_cache, state
+from tfmx import epoch_data, guard, loop_cache, state
 from tfmx.dispatch import WATCHED_CALLS
 from tfmx.env import enabled_by_env
 
@@ -432,7 +432,8 @@ def register(model: Any, dispatch: Any) -> None:
 
 def epoch_iterator_class(base: type) -> type:
     """Keras's ``TFEpochIterator`` whose training iterator of a fit may run several steps a
-    call (its loop attached by :func:`looping_callbacks`); any other runs as Keras's."""
+    call (its loop attached by :func:`looping_callbacks`); any other runs as Keras's. Every
+    one's ``tf.data`` iterators are deleted off the fit's thread (``tfmx.epoch_data``)."""
 
     class SteppedEpochIterator(base):  # type: ignore[misc, valid-type]
         _tfmx_loop: StepLoop | None = None
@@ -442,6 +443,9 @@ def epoch_iterator_class(base: type) -> type:
             if getattr(_local, "claim", False):  # the first one a fit makes: its training data
                 _local.claim = False
                 _local.made = self
+
+        def _get_iterator(self) -> Any:  # its iterators deleted off the fit's thread
+            return epoch_data.released(super()._get_iterator())
 
         def _enumerate_iterator(self) -> Iterator[Any]:
             loop = self._tfmx_loop
@@ -499,6 +503,7 @@ def looping_fit(original: Callable[..., Any]) -> Callable[..., Any]:
             _local.claim, _local.made, _local.loop = before
             if loop is not None:
                 _finish(loop)
+            epoch_data.note(state.report())
 
     fit.__wrapped__ = original  # type: ignore[attr-defined]
     return fit

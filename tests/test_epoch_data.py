@@ -1,0 +1,93 @@
+"""tfmx.epoch_data: the tf.data iterators Keras's epoch iterators drop, deleted off the fit's
+thread, the fit's batches and steps unchanged."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import keras
+import numpy as np
+import pytest
+
+import tfmx
+from tfmx import epoch_data
+from tfmx.epoch_data import Releaser, ReleasedDataset
+
+
+class _Slow:
+    """Deleting it takes ``seconds`` (as deleting a tf.data iterator can) and says where."""
+
+    def __init__(self, seen: list[str], seconds: float = 0.3) -> None:
+        self.seen, self.seconds = seen, seconds
+
+    def __del__(self) -> None:
+        time.sleep(self.seconds)
+        self.seen.append(threading.current_thread().name)
+
+
+def test_an_object_is_dropped_on_the_releasers_thread_once_nobody_else_holds_it():
+    seen: list[str] = []
+    releaser = Releaser(poll_s=0.01)
+    kept, dropped = _Slow(seen), _Slow(seen)
+    releaser.hold(kept)
+    releaser.hold(dropped)
+    start = time.perf_counter()
+    del dropped
+    assert time.perf_counter() - start < 0.1  # the caller never waits for the deletion
+    assert releaser.drain(timeout=5.0)
+    assert seen == ["tfmx-release"] and releaser.released == 1 and releaser.pending() == 1
+    assert releaser.seconds >= 0.3 and releaser.longest >= 0.3
+    del kept  # still held by the releaser: deleted there too
+    assert releaser.drain(timeout=5.0) and seen == ["tfmx-release"] * 2
+    releaser.close()
+    late = _Slow(seen, 0.0)
+    releaser.hold(late)  # closed: held no more, deleted where its last reference goes
+    assert releaser.pending() == 0
+
+
+def test_the_dataset_is_keras_own_but_for_its_iterators():
+    releaser = Releaser(poll_s=0.01)
+    data = ReleasedDataset([1, 2, 3], releaser)
+    assert list(data) == [1, 2, 3] and data.count(2) == 1  # the list's own attributes
+    assert releaser.drain(timeout=5.0) and releaser.released == 1
+
+
+def _model() -> keras.Model:
+    keras.utils.set_random_seed(7)
+    inp = keras.Input((6,))
+    out = keras.layers.Dense(3, activation="softmax")(keras.layers.Dense(8, "relu")(inp))
+    model = keras.Model(inp, out)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
+    return model
+
+
+def _fit(monkeypatch: pytest.MonkeyPatch, release: str) -> list[np.ndarray]:
+    monkeypatch.setenv(epoch_data.ENV_RELEASE, release)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((96, 6)).astype("float32"), rng.integers(0, 3, 96)
+    tfmx.enable(backend="cpu", guard=False)
+    try:
+        model = _model()
+        model.fit(x, y, batch_size=16, epochs=3, validation_data=(x[:32], y[:32]), verbose=0)
+    finally:
+        tfmx.disable()
+    return [w.numpy() for w in model.weights]
+
+
+def test_a_fit_deletes_the_iterators_keras_drops_off_its_thread_and_trains_the_same(
+        monkeypatch):
+    before = epoch_data._RELEASER.released
+    kept = _fit(monkeypatch, "0")
+    assert epoch_data._RELEASER.drain(timeout=30.0)
+    assert epoch_data._RELEASER.released == before  # switched off: Keras deletes them
+    tfmx.report(reset=True)
+    released = _fit(monkeypatch, "1")
+    assert epoch_data._RELEASER.drain(timeout=30.0)
+    # three epochs of training (one at each epoch's end, one more at the next's start) and
+    # of validation data
+    assert epoch_data._RELEASER.released - before >= 6
+    for a, b in zip(kept, released):
+        np.testing.assert_array_equal(a, b)  # the same batches in the same order
+    notes = [n for n in tfmx.report().notes if n.startswith(epoch_data.NOTE)]
+    assert len(notes) == 1 and "deleted on a thread of their own" in notes[0], notes
