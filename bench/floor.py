@@ -17,7 +17,7 @@ rest. ``tfmx bench`` measures that floor on stock's step (:func:`measure_floor`)
 3. Each mode's step over the floor, ``stock/floor``, ``tfmx/floor``, ``xla/floor``
    (:func:`floor_ratios`): stock's profiled step over the floor, times the mode's median over
    stock's from the interleaved rounds (so a load that changes between the rounds and the
-   profile cancels). The target for the transformer workloads (:data:`TRANSFORMERS`): tfmx
+   profile cancels). The target for the transformer workloads (:func:`is_transformer`): tfmx
    at most :data:`TARGET` x the floor.
 
 :func:`format_floors` lays the results out for ``tfmx bench``'s output, :func:`format_record_floors`
@@ -45,7 +45,8 @@ TARGET = 1.3
 
 TRANSFORMERS = ("transformer", "vit", "decoder", "zoo_bert", "zoo_gpt2", "zoo_llama",
                 "zoo_mixtral", "zoo_qwen_moe")
-"""The workloads whose step is mostly attention and feed-forward contractions."""
+"""The own workloads whose step is mostly attention and feed-forward contractions (with
+the zoo's transformer backbones: :func:`is_transformer`)."""
 
 STEPS = 5
 """Profiled calls of stock's step by default (``tfmx bench --floor-steps``)."""
@@ -160,6 +161,19 @@ def measure_floor(fn: Any, iterator: Any, steps: int = STEPS, warmup: int = 1
     return floor
 
 
+def is_transformer(model: str) -> bool:
+    """Whether the workload ``model`` is held to :data:`TARGET`: one of :data:`TRANSFORMERS`,
+    or a zoo model built on a keras_hub transformer backbone (:mod:`bench.zoo`).
+
+    >>> [is_transformer(m) for m in ("vit", "zoo_gemma", "zoo_densenet121", "mlp")]
+    [True, True, False, False]
+    """
+    from bench import zoo
+
+    spec = zoo.MODELS.get(model.removeprefix("zoo_")) if model.startswith("zoo_") else None
+    return model in TRANSFORMERS or bool(spec and spec.needs_keras_hub)
+
+
 def target_cell(model: str, ratio: float | None) -> str:
     """Whether tfmx's ``ratio`` to the floor meets :data:`TARGET` for a transformer workload;
     "-" for the others.
@@ -167,7 +181,7 @@ def target_cell(model: str, ratio: float | None) -> str:
     >>> target_cell("transformer", 1.21), target_cell("vit", 1.52), target_cell("mlp", 3.0)
     ('<= 1.3: yes', '<= 1.3: no', '-')
     """
-    if model not in TRANSFORMERS or ratio is None:
+    if not is_transformer(model) or ratio is None:
         return "-"
     return f"<= {TARGET:g}: {'yes' if ratio <= TARGET else 'no'}"
 

@@ -5,9 +5,11 @@ record under ``bench/results/`` (:func:`bench.records.load_records`, written by
 ``tfmx bench ... --record``) and writes:
 
 - BENCHMARKS.md (:func:`format_benchmarks`): how to reproduce a row, how to read the tables,
-  then per machine (processor, cores, flags, TensorFlow and Keras) one row per workload and
-  oneDNN state: each mode's median ms/step with its p25-p75 spread, tfmx / stock, the best
-  alternative and tfmx / best alternative; where recorded, the contraction floor
+  the targets per machine (:mod:`bench.targets`: each target, the rows that meet it, each row
+  that misses it with the gap and what holds the time), then per machine (processor, cores,
+  flags, TensorFlow and Keras) one row per workload and oneDNN state: each mode's median
+  ms/step with its p25-p75 spread, tfmx / stock, the best alternative and tfmx / best
+  alternative; where recorded, the contraction floor
   (:mod:`bench.floor`) and each mode's step over it; then the command that measured each row;
   then the sections of the records kept in subfolders (:func:`extra_sections`): the price of a
   short fit (``python -m bench.fit_price --record``) and what tfmx leaves composite in the zoo
@@ -37,6 +39,7 @@ from bench.compare import compare
 from bench.environment import default_onednn, machine
 from bench.floor import format_record_floors
 from bench.records import RESULTS_DIR, load_records
+from bench.targets import targets_section
 
 ROOT = Path(__file__).resolve().parents[1]
 START = "<!-- bench-table:start -->"
@@ -151,9 +154,12 @@ def format_machine(title: str, records: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines + format_record_floors(records, _workload) + commands)
 
 
-def format_benchmarks(records: Sequence[Mapping[str, Any]], extras: Sequence[str] = ()) -> str:
-    """BENCHMARKS.md's text from ``records`` (:func:`bench.records.load_records`), then the
-    ``extras`` sections (:func:`extra_sections`) that are not empty.
+def format_benchmarks(records: Sequence[Mapping[str, Any]], extras: Sequence[str] = (),
+                      targets: str = "") -> str:
+    """BENCHMARKS.md's text from ``records`` (:func:`bench.records.load_records`): the
+    ``targets`` section (:func:`bench.targets.targets_section`) after the header where not
+    empty, the machines' sections, then the ``extras`` sections (:func:`extra_sections`) that
+    are not empty.
 
     >>> text = format_benchmarks([])
     >>> text.splitlines()[0], "No benchmark recorded yet" in text
@@ -161,7 +167,8 @@ def format_benchmarks(records: Sequence[Mapping[str, Any]], extras: Sequence[str
     """
     if not records:
         return f"{HEADER}\n\nNo benchmark recorded yet: `{EXAMPLE}`.\n"
-    sections = [format_machine(title, group) for title, group in by_machine(records).items()]
+    sections = [targets.strip()] if targets and targets.strip() else []
+    sections += [format_machine(title, group) for title, group in by_machine(records).items()]
     sections += [extra.strip() for extra in extras if extra and extra.strip()]
     return HEADER + "\n\n" + "\n\n".join(sections) + "\n"
 
@@ -283,14 +290,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     records = load_records(args.results)
+    benchmarks = format_benchmarks(records, extra_sections(args.results),
+                                   targets_section(records, args.results, _workload))
     if not args.markdown:
-        print(format_benchmarks(records, extra_sections(args.results)), end="")
+        print(benchmarks, end="")
         return 0
     if not records:
         print(f"bench.tables: no record in {args.results}; make some with `{EXAMPLE}`; "
               f"nothing written", file=sys.stderr)
         return 1
-    Path(args.benchmarks).write_text(format_benchmarks(records, extra_sections(args.results)))
+    Path(args.benchmarks).write_text(benchmarks)
     print(f"wrote {args.benchmarks} from {len(records)} record(s)", file=sys.stderr)
     readme = Path(args.readme)
     text = readme.read_text() if readme.is_file() else ""
