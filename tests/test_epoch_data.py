@@ -12,7 +12,7 @@ import pytest
 
 import tfmx
 from tfmx import epoch_data
-from tfmx.epoch_data import Releaser, ReleasedDataset
+from tfmx.epoch_data import ReleasedDataset, Releaser
 
 
 class _Slow:
