@@ -389,7 +389,7 @@ MODELS: dict[str, ZooModel] = {
                    ("embeddings",)),
         _hub_model("llama", "LlamaBackbone, 2 layers x 128, 4 query / 2 key-value heads, "
                    "SwiGLU 512, rotary, RMSNorm", "last token", _llama,
-                   ("einsum_dense", "rms_norm"),
+                   ("einsum_dense", "rms_norm", "gated_product"),
                    ("rotary embedding", "RMSNorm", "SwiGLU", "grouped-query attention")),
         _hub_model("mixtral", "MixtralBackbone, 2 layers x 128, 4 query / 2 key-value heads, "
                    "4 SwiGLU experts of 512, top-2 routing", "last token", _mixtral,
@@ -400,11 +400,12 @@ MODELS: dict[str, ZooModel] = {
                    ("MoE routing", "MoE experts")),
         _hub_model("gemma", "GemmaBackbone, 2 layers x 128, 4 query heads / 1 key-value head, "
                    "GeGLU 512, rotary, RMSNorm (1 + scale)", "last token", _gemma,
-                   ("einsum_dense", "rms_norm", "rotary", "gelu"),
+                   ("einsum_dense", "rms_norm", "rotary", "gated_product"),
                    ("multi-query attention",)),
         _hub_model("qwen3", "Qwen3Backbone, 2 layers x 128, 4 query / 2 key-value heads, "
                    "SwiGLU 512, rotary, RMSNorm, per-head query/key RMSNorm", "last token",
-                   _qwen3, ("einsum_dense", "rms_norm", "rotary", "grouped_attention", "swish"),
+                   _qwen3, ("einsum_dense", "rms_norm", "rotary", "grouped_attention",
+                           "gated_product"),
                    ("grouped-query attention",)),
     )
 }

@@ -80,9 +80,15 @@ class Hook:
     # the method, as feed_forward two Dense layers, sees every call before one that rewrites
     # a single call), then in the order the stages registered.
     outer: int = 0
+    # Where given, the calls the handler may take: a call for which ``when(*arguments)`` (the
+    # method's own, the instance first) is false passes on at once, no transaction made and
+    # nothing recorded (a hook on an operator the step calls everywhere, of which the stage
+    # takes a few calls).
+    when: Callable[..., bool] | None = None
 
     @classmethod
-    def on(cls, call: str, handler: Callable[..., Any], outer: int = 0) -> Hook:
+    def on(cls, call: str, handler: Callable[..., Any], outer: int = 0,
+           when: Callable[..., bool] | None = None) -> Hook:
         """The hook of ``call``, spelled ``"module:Class.method"`` (or
         ``"package:module.function"``), run by ``handler``.
 
@@ -90,7 +96,7 @@ class Hook:
         'keras.src.layers.core.dense:Dense'
         """
         owner, _, attribute = call.rpartition(".")
-        return cls(owner, attribute, handler, outer)
+        return cls(owner, attribute, handler, outer, when)
 
     def owner_class(self) -> type:
         """The class (or module) ``owner`` names, where the installed Keras holds it
@@ -317,7 +323,8 @@ def _link(stage: Family, hook: Hook, following: Callable[..., Any],
             return following(**kwargs)
         self, args = args[0], args[1:]
         ctx = active()
-        if ctx is None or not ctx.wants(stage.name):
+        if ctx is None or not ctx.wants(stage.name) or (
+                hook.when is not None and not hook.when(self, *args, **kwargs)):
             return following(self, *args, **kwargs)
         return transaction(ctx, stage.name, hook.handler, following, self, args, kwargs)
 

@@ -61,7 +61,8 @@ class TraceState:
     committed: bool = False
     """Whether :attr:`stage_stats` reached the report (``tfmx.staging.commit``)."""
     abandoned: set[str] = dataclasses.field(default_factory=set)
-    """The names of the ops that failed stage attempts made in the graph."""
+    """The names of the ops that failed stage attempts made in the graph, and of those a stage
+    took over from an earlier call (an activation a gated product computes itself)."""
     slots: dict[str, Any] = dataclasses.field(default_factory=dict)
     """What a family (or a contributing module) keeps about the graph, by its owner's name
     (:func:`slot`): only that owner reads or writes its slot."""

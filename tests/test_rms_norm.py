@@ -223,28 +223,8 @@ def test_other_statistics_are_not_rms_norms(make):
 
 # -- keras_hub's decoders and a user's layer, trained ----------------------------------------------
 def _hub_model(name: str):
-    """A tiny keras_hub backbone (vocabulary 64, 2 layers, 2 query heads, 1 key/value head,
-    hidden 32, intermediate 64) on 8 tokens, its last token -> Dense(4), compiled for MSE."""
-    keras_hub = optional.keras_hub()
-
-    def build() -> keras.Model:
-        keras.utils.set_random_seed(0)
-        common = dict(vocabulary_size=64, num_layers=2, num_query_heads=2,
-                      num_key_value_heads=1, hidden_dim=32, intermediate_dim=64)
-        if name == "llama":
-            backbone = keras_hub.models.LlamaBackbone(**common)
-        else:  # Gemma3: Gemma's RMSNormalization, the per-head query and key norms too
-            backbone = keras_hub.models.Gemma3Backbone(**common, head_dim=16, image_size=16,
-                                                       vision_encoder=None)
-        ids = keras.Input((8,), dtype="int32")
-        out = backbone({"token_ids": ids, "padding_mask": keras.ops.ones_like(ids)})
-        model = keras.Model(ids, keras.layers.Dense(4)(out[:, -1, :]))
-        model.compile(keras.optimizers.SGD(0.05), "mse")
-        return model
-
-    rng = np.random.default_rng(1)
-    return build, rng.integers(0, 64, (16, 8)).astype("int32"), rng.standard_normal(
-        (16, 4)).astype("float32")
+    """A tiny keras_hub backbone on 8 tokens, compiled for MSE (optional.tiny_decoder)."""
+    return optional.tiny_decoder(name)
 
 
 def _user_model():

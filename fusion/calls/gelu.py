@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +61,8 @@ import tensorflow as tf
 from tensorflow.python.eager import execute
 
 from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Form, Forms, conservative, declare
+from fusion.kernels.activations import gelu_exact as _exact
+from fusion.kernels.activations import gelu_tanh as _tanh
 from fusion.stage import (
     XLA,
     XLA_CALLS,
@@ -135,11 +136,6 @@ FORMS = Forms(SCOPE, (CONSERVATIVE, CUSTOM, CUSTOM_ERFC, UPCAST, SLOPE_KEPT, XLA
 """Every form, emitted under ``tfmx_gelu_<form>``: its report label, the ops that show it in a
 traced graph (its Erf or Tanh, or its XLA region's call) and the ops it emits in the input's
 dtype (an upcast form's float32 ops: :func:`upcast_forms`)."""
-_SQRT_HALF = 1.0 / math.sqrt(2.0)
-_PDF = 1.0 / math.sqrt(2.0 * math.pi)  # the standard normal density at 0
-_LOG_PDF_SCALE = math.log(_PDF / _SQRT_HALF)  # ln(1 / sqrt(pi)): x * pdf(x) in terms of t
-_TANH_K = math.sqrt(2.0 / math.pi)
-_TANH_A = 0.044715
 
 
 def upcast_forms(approximate: bool, erfc: bool = False) -> tuple[Form, Form]:
@@ -154,48 +150,6 @@ def upcast_forms(approximate: bool, erfc: bool = False) -> tuple[Form, Form]:
     wide = _wide(_TANH if approximate else _ERFC if erfc else _EXACT)
     return (dataclasses.replace(UPCAST, emits=UPCAST.emits | wide),
             dataclasses.replace(SLOPE_KEPT, emits=SLOPE_KEPT.emits | wide))
-
-
-def _exact(x: tf.Tensor, erfc: bool) -> tuple[tf.Tensor, Callable[[], tf.Tensor]]:
-    """The exact GELU of ``x`` in ``x``'s dtype, and a function giving its derivative from
-    what the forward kept (``t = x / sqrt(2)`` and the normal CDF)."""
-    def const(value: float) -> tf.Tensor:
-        return tf.constant(value, x.dtype)
-
-    t = x * const(_SQRT_HALF)  # x / sqrt(2): the CDF's argument, kept for the density
-    if erfc:  # tf.nn.gelu's own expression and order: (0.5 * x) * erfc(-x * c)
-        tail = tf.math.erfc(-t)
-        y = const(0.5) * x * tail
-        cdf = const(0.5) * tail  # for the derivative (in y, halving could lose a bit)
-    else:
-        cdf = const(0.5) + const(0.5) * tf.math.erf(t)
-        y = x * cdf
-
-    def slope() -> tf.Tensor:
-        # x * pdf(x) = t * exp(-t^2) / sqrt(pi) = t * exp(ln(1 / sqrt(pi)) - t^2): the constant
-        # in the exponent saves a pass over the tensor (the same bits). Not a chain of unary
-        # ops (Square, Neg, Exp), which Grappler would run as one _UnaryOpsComposition, slower
-        # than the kernels
-        return cdf + t * tf.exp(const(_LOG_PDF_SCALE) - t * t)
-
-    return y, slope
-
-
-def _tanh(x: tf.Tensor) -> tuple[tf.Tensor, Callable[[], tf.Tensor]]:
-    """The tanh approximation of GELU of ``x`` in ``x``'s dtype, and a function giving its
-    derivative from what the forward kept."""
-    def const(value: float) -> tf.Tensor:
-        return tf.constant(value, x.dtype)
-
-    square = tf.square(x)
-    t = tf.tanh(const(_TANH_K) * x * (const(1.0) + const(_TANH_A) * square))
-    half = const(0.5) + const(0.5) * t
-
-    def slope() -> tf.Tensor:
-        return half + x * (const(0.5 * _TANH_K) * (const(1.0) - t * t) * (
-            const(1.0) + const(3.0 * _TANH_A) * square))
-
-    return x * half, slope
 
 
 def gelu_custom(x: tf.Tensor, approximate: bool = False, erfc: bool = False) -> tf.Tensor:

@@ -62,6 +62,7 @@ import tensorflow as tf
 from tensorflow.python.eager import execute
 
 from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Form, Forms, conservative, declare
+from fusion.kernels.activations import silu as _swish
 from fusion.stage import (
     XLA,
     XLA_CALLS,
@@ -125,14 +126,6 @@ FORMS = Forms(SCOPE, (CONSERVATIVE, CUSTOM, UPCAST, XLA_FORM, HARD_CUSTOM, HARD_
 """Every form, emitted under ``tfmx_swish_<form>``: its report label, the ops that show it in a
 traced graph (its Sigmoid or Relu6, or its XLA region's call) and the ops it emits in the
 input's dtype (the upcast form's float32 ops as ``"Op:float32"``)."""
-
-
-def _swish(x: tf.Tensor) -> tuple[tf.Tensor, Callable[[], tf.Tensor]]:
-    """Swish of ``x`` in ``x``'s dtype, and a function giving its derivative from what the
-    forward kept: ``s + y * (1 - s)``, which is ``s * (1 + x * (1 - s))``."""
-    s = tf.sigmoid(x)
-    y = x * s
-    return y, lambda: s + y * (tf.constant(1.0, x.dtype) - s)
 
 
 def _hard_swish(x: tf.Tensor) -> tuple[tf.Tensor, Callable[[], tf.Tensor]]:

@@ -40,10 +40,10 @@ from a sibling's output, control edges, fetched outputs, dtypes other than float
 and float16, a target without a ``ConcatV2`` or ``SplitV`` kernel in the dtype. Products of
 different values (an input and its cast to another dtype) are no siblings.
 
-Not folded here: the gated product ``activation(gate) * up``. Its gradient is two products,
-``dy * up`` and ``dy * activation(gate)``, and the activation's derivative, which the swish and
-gelu stages already give in closed form; a fused kernel of the three needs a form TensorFlow
-has no op for (an XLA region would be one).
+Not folded here: the gated product ``activation(gate) * up`` that reads the two outputs. It
+is the gated_product stage's (``fusion.calls.gated_product``): made before differentiation,
+with both gradients in closed form or as an XLA region, from the gate and ``up`` whichever
+form this pass leaves them in.
 
 Example:
     >>> import tensorflow as tf
