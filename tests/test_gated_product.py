@@ -3,6 +3,8 @@ gradients in closed form, or as one XLA region, matched from the ops Keras and k
 
 from __future__ import annotations
 
+from collections import Counter
+
 import keras
 import numpy as np
 import optional
@@ -110,13 +112,14 @@ def test_the_closed_form_is_stock_within_rounding_forward_and_both_gradients(kin
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_float32_forms_are_the_float32_product_rounded_to_the_dtype(kind, dtype):
-    """The upcast form and the XLA region compute in float32: within a few roundings of the
+    """The upcast form and the XLA regions compute in float32: within a few roundings of the
     dtype of the float32 product at the same values (and so of stock's 16-bit product within
     its own roundings)."""
     g, u, dy = _inputs(dtype, dtype)
     wide = _value_and_gradients(_stock(kind), tf.cast(g, tf.float32), tf.cast(u, tf.float32),
                                 tf.cast(dy, tf.float32))
-    forms = {"xla": lambda a, b: stage.gated_xla(a, b, kind)}
+    forms = {"xla": lambda a, b: stage.gated_xla(a, b, kind),
+             "xla backward": lambda a, b: stage.gated_xla(a, b, kind, backward_region=True)}
     if dtype != "float32":
         forms["upcast"] = lambda a, b: stage.gated_custom(a, b, kind, wide=True)
     for name, fn in forms.items():
@@ -127,21 +130,29 @@ def test_the_float32_forms_are_the_float32_product_rounded_to_the_dtype(kind, dt
             assert_within_rounding(x, w, terms, dtype=dtype, what=f"{name} output {i}")
 
 
-def test_the_region_is_called_once_forward_and_its_gradient_is_compiled_too():
-    """One call in the forward; the backward adds the call of the compiled gradient and no
-    elementwise op of TensorFlow's outside it."""
+@pytest.mark.parametrize("backward_region", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_region_is_one_call_forward_and_the_backward_two_products_or_a_region(
+        backward_region, dtype):
+    """What makes the regions fast: one compiled call in the forward (no activation op of
+    TensorFlow's outside it); the backward two products in the input's dtype (and the cast
+    between), or one more compiled call and no product."""
     @tf.function(autograph=False)
-    def step(g, u):
+    def step(g, u, dy):
         with tf.GradientTape() as tape:
             tape.watch([g, u])
-            y = stage.gated_xla(g, u, stage.SILU)
-        return tape.gradient(y, [g, u])
+            y = stage.gated_xla(g, u, stage.SILU, backward_region)
+        return tape.gradient(y, [g, u], output_gradients=dy)
 
-    spec = tf.TensorSpec([8, 16])
-    graph = step.get_concrete_function(spec, spec).graph
-    ops = [op.type for op in graph.get_operations()]
-    assert sum(op in ("PartitionedCall", "StatefulPartitionedCall") for op in ops) == 2, ops
-    assert not {"Sigmoid", "Mul", "SigmoidGrad"} & set(ops), ops
+    spec = tf.TensorSpec([8, 16], dtype)
+    graph = step.get_concrete_function(spec, spec, spec).graph
+    ops = Counter(op.type for op in graph.get_operations())
+    calls = {op.name: op for op in graph.get_operations()
+             if op.type in ("PartitionedCall", "StatefulPartitionedCall")}
+    assert len(calls) == 1 + backward_region, ops
+    assert all(op.get_attr("_XlaMustCompile") for op in calls.values())
+    assert not {"Sigmoid", "SigmoidGrad"} & set(ops), ops
+    assert ops["Mul"] == (0 if backward_region else 3), ops
 
 
 def test_declines_what_it_cannot_take():
@@ -221,7 +232,8 @@ def _assert_fused(models: dict, form: str, count: int) -> None:
     assert f"  fused     {count:>4} x {label}" in str(tfmx.report())
 
 
-@pytest.mark.parametrize("name,form", [("user", "custom"), ("llama", "custom"), ("llama", XLA)])
+@pytest.mark.parametrize("name,form", [("user", "custom"), ("llama", "custom"), ("llama", XLA),
+                                       ("user", stage.XLA_BACKWARD.name)])
 def test_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, name, form):
     from tfmx import state
 
@@ -266,6 +278,7 @@ def test_the_product_wins_over_the_activation_stages_and_an_activation_alone_kee
 
 @pytest.mark.parametrize("policy,name,form", [
     ("mixed_bfloat16", "llama", "custom"), ("mixed_bfloat16", "llama", XLA),
+    ("mixed_bfloat16", "llama", stage.XLA_BACKWARD.name),
     ("mixed_bfloat16", "user", "custom upcast"), ("mixed_float16", "user", "custom")])
 def test_mixed_precision_fit_is_no_further_from_float32_than_stock(monkeypatch, policy, name,
                                                                    form):

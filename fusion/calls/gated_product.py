@@ -22,10 +22,11 @@ dtype), emit the product from the gate and ``up``:
   GELU's normal CDF or tanh: ``fusion.kernels.activations``): ``du = dy * act(gate)`` and
   ``dgate = (dy * up) * act'(gate)``, with stock's casts between;
 - ``custom upcast`` (16-bit gate): the same with the activation computed in float32;
-- ``xla`` (cpu and cuda with ``tfmx.enable(xla=True)``, never metal): the product as one
-  XLA-compiled region (float32 inside), whose gradient, also compiled, recomputes the
-  activation from the gate: one loop reading gate and ``up`` forward, one reading ``dy``, gate
-  and ``up`` backward, nothing kept between them.
+- ``xla`` (cpu and cuda with ``tfmx.enable(xla=True)``, never metal): the activation's value
+  and derivative and the product computed in float32 by one XLA-compiled region, one loop
+  reading gate and ``up`` once and writing the product, the activation (in ``up``'s dtype)
+  and its derivative (in the gate's), the gradients two products outside XLA; ``xla
+  backward`` the same with the gradients computed by a second region.
 
 The activation's own call has run by then (Keras's, or the swish or gelu stage's form): read by
 nobody once the product is emitted, its ops are taken out of the step with the failed stage
@@ -213,11 +214,15 @@ UPCAST = Form("custom upcast", "gated product: act(gate) * up, both gradients in
                                "(custom gradient), the activation in float32 for a 16-bit gate",
               marks=_CDF,
               emits=frozenset({"Cast"}) | frozenset(f"{op}:float32" for op in _SILU_OPS))
-XLA_FORM = Form(XLA, "gated product: act(gate) * up as one XLA-compiled region, its gradient "
-                     "a second one recomputing the activation", marks=XLA_CALLS)
-FORMS = Forms(SCOPE, (CONSERVATIVE, CUSTOM, UPCAST, XLA_FORM))
+XLA_FORM = Form(XLA, "gated product: act(gate) * up with the activation's value and derivative "
+                     "in one XLA-compiled region, the gradients two products",
+                marks=XLA_CALLS)
+XLA_BACKWARD = Form(f"{XLA} backward", "gated product: act(gate) * up with the activation's "
+                                       "value and derivative in one XLA-compiled region, the "
+                                       "gradients a second one", marks=XLA_CALLS)
+FORMS = Forms(SCOPE, (CONSERVATIVE, CUSTOM, UPCAST, XLA_FORM, XLA_BACKWARD))
 """Every form, emitted under ``tfmx_gated_<form>``: its report label, the ops that show it in a
-traced graph (its Sigmoid, Erfc or Tanh, or its region's call) and the ops it emits (SiLU's:
+traced graph (its Sigmoid, Erf, Erfc or Tanh, or its region's call) and the ops it emits (SiLU's:
 a GELU's are given where the form is offered, :func:`forms_for`)."""
 
 
@@ -288,36 +293,53 @@ def gated_custom(g: tf.Tensor, u: tf.Tensor, kind: str, wide: bool = False) -> t
     return gated(g, u)
 
 
-def _recomputed(g: tf.Tensor, u: tf.Tensor, kind: str) -> tf.Tensor:
-    """``act(g) * u`` in float32 cast to ``u``'s dtype, its gradient recomputing the activation
-    from ``g`` (the body of the XLA region)."""
-    kernel = _KERNELS[kind]
+def _value_and_slope(g: tf.Tensor, u: tf.Tensor, kind: str) -> tuple[tf.Tensor, ...]:
+    """``act(g) * u`` computed in float32 and given in ``u``'s dtype, with ``act(g)`` (in
+    ``u``'s dtype) and ``act'(g)`` (in ``g``'s) for the gradients: the forward region's body."""
+    a, slope = _KERNELS[kind](tf.cast(g, tf.float32))
+    return (tf.cast(a * tf.cast(u, tf.float32), u.dtype), tf.cast(a, u.dtype),
+            tf.cast(slope(), g.dtype))
+
+
+def _gradients(dy: tf.Tensor, u: tf.Tensor, a: tf.Tensor, s: tf.Tensor) -> tuple[tf.Tensor, ...]:
+    """``(dy * u * act'(g), dy * act(g))`` computed in float32, given in the dtypes of ``s``
+    and ``a``: the backward region's body."""
+    wide = tf.cast(dy, tf.float32)
+    return (tf.cast(wide * tf.cast(u, tf.float32) * tf.cast(s, tf.float32), s.dtype),
+            tf.cast(wide * tf.cast(a, tf.float32), a.dtype))
+
+
+def gated_xla(g: tf.Tensor, u: tf.Tensor, kind: str, backward_region: bool = False) -> tf.Tensor:
+    """``act(g) * u`` with the activation's value and derivative computed in one XLA-compiled
+    region (float32 inside: one loop reading ``g`` and ``u`` once, writing the product, the
+    activation in ``u``'s dtype and its derivative in ``g``'s); the gradients are the products
+    ``du = dy * act(g)`` and ``dg = cast(dy * u) * act'(g)`` outside XLA, or with
+    ``backward_region`` a second region computing both in float32.
+
+    >>> g, u = tf.constant([-1.0, 0.5]), tf.constant([2.0, 3.0])
+    >>> with tf.GradientTape() as tape:
+    ...     _ = tape.watch(g)
+    ...     y = gated_xla(g, u, SILU, backward_region=True)
+    >>> [round(float(v), 4) for v in y], [round(float(v), 4) for v in tape.gradient(y, g)]
+    ([-0.5379, 0.9337], [0.1447, 2.2199])
+    """
+    forward = xla_region(lambda g, u: _value_and_slope(g, u, kind))
+    backward = xla_region(_gradients) if backward_region else None
 
     @custom_gradient
     def gated(g: tf.Tensor, u: tf.Tensor) -> Any:
-        wide_u = tf.cast(u, tf.float32)
-        y = tf.cast(kernel(tf.cast(g, tf.float32))[0] * wide_u, u.dtype)
+        y, a, s = forward(g, u)
 
         def gradient(dy: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-            a, slope = kernel(tf.cast(g, tf.float32))
-            wide_dy = tf.cast(dy, tf.float32)
-            return (_shaped(tf.cast(wide_dy * wide_u * slope(), g.dtype), g),
-                    _shaped(tf.cast(wide_dy * a, u.dtype), u))
+            if backward is not None:
+                dg, du = backward(dy, u, a, s)
+            else:
+                dg, du = tf.cast(dy * u, s.dtype) * s, dy * a
+            return _shaped(dg, g), _shaped(du, u)
 
         return y, gradient
 
     return gated(g, u)
-
-
-def gated_xla(g: tf.Tensor, u: tf.Tensor, kind: str) -> tf.Tensor:
-    """``act(g) * u`` as one XLA-compiled region (float32 inside, the output in ``u``'s dtype);
-    its gradient, compiled too, recomputes the activation from ``g``.
-
-    >>> g, u = tf.constant([-1.0, 0.5]), tf.constant([2.0, 3.0])
-    >>> [round(float(v), 4) for v in gated_xla(g, u, SILU)]
-    [-0.5379, 0.9337]
-    """
-    return xla_region(lambda g, u: _recomputed(g, u, kind))(g, u)
 
 
 def _taken(stats: PatternStats, reason: str) -> None:
@@ -403,12 +425,15 @@ def fused_product(ctx: StageContext, original: Callable, a: Any, b: Any, *rest: 
     def candidates() -> dict:
         timed_forms = {CONSERVATIVE.name: timed(stock),
                        **{form.name: timed(fn) for form, fn in forms.items()}}
-        region = lambda g, u: gated_xla(tf.cast(g, gate.dtype), u, kind)  # noqa: E731
-        return with_xla(ctx, timed_forms, region, shapes, up.dtype)
+        for form in (XLA_FORM, XLA_BACKWARD):  # offered where ctx.xla
+            region = form is XLA_BACKWARD
+            timed_forms = with_xla(ctx, timed_forms, lambda g, u, region=region: gated_xla(
+                tf.cast(g, gate.dtype), u, kind, region), shapes, up.dtype, name=form.name)
+        return timed_forms
 
     def emit(form: Form) -> Any:
-        if form.name == XLA:
-            out = gated_xla(gate, up, kind)
+        if form.name in (XLA_FORM.name, XLA_BACKWARD.name):
+            out = gated_xla(gate, up, kind, backward_region=form.name == XLA_BACKWARD.name)
         else:
             out = next(fn for known, fn in forms.items() if known.name == form.name)(gate, up)
         _supersede(product)
