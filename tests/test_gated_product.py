@@ -3,6 +3,7 @@ gradients in closed form, or as one XLA region, matched from the ops Keras and k
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections import Counter
 
 import keras
@@ -254,6 +255,44 @@ def test_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, name
     assert np.all(np.isfinite(losses)), losses
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
     assert_models_within_rounding(models[False], models[True], initial, FIT_TERMS)
+
+
+class _RunsEveryCandidate:
+    """A chooser that builds and runs every candidate of the family's decisions once, on a
+    thread of its own (as the tuner times them), then takes the rewrite."""
+
+    def __init__(self) -> None:
+        self.ran: list[str] = []
+
+    def choose(self, family, signature, candidates, conservative):
+        from fusion.pattern import RewriteAlways
+
+        if family == FAMILY:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+                for name, make in candidates.items():
+                    pool.submit(lambda make=make: make()()).result()
+                    self.ran.append(name)
+        return RewriteAlways().choose(family, signature, candidates, conservative)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_every_candidate_the_tuner_times_runs(monkeypatch, policy):
+    """Keras's form (the swish stage's SiLU and the product), the closed form and both regions,
+    built and run as the tuner times them, for each of Llama's blocks."""
+    from tfmx import state
+
+    chooser = _RunsEveryCandidate()
+    monkeypatch.setattr(state, "tuner", lambda: chooser)
+    build, x, y = _llama()
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        tfmx.enable(backend="cpu", patterns=[FAMILY, "swish"], guard=False)
+        build().fit(x, y, batch_size=8, epochs=1, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    stats = tfmx.report().patterns[FAMILY]
+    assert not stats.errors and stats.fused == 2, stats.as_dict()
+    assert chooser.ran == 2 * ["keras", "custom", XLA, stage.XLA_BACKWARD.name], chooser.ran
 
 
 def test_the_product_wins_over_the_activation_stages_and_an_activation_alone_keeps_its_own():
