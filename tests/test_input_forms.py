@@ -46,6 +46,8 @@ CORES: dict[str, tuple[tuple[int, ...], Maker]] = {
     "batch_norm": ((6, 6, 3), lambda c: c(L.BatchNormalization)()),
     "rnn": ((5, 3), lambda c: c(L.LSTM)(8, return_sequences=True)),
     "squeeze_excite": ((4, 4, 8), lambda c: _squeeze_excite(c)),
+    # Keras layers making a SwiGLU block: the gated_product stage finds it from their ops
+    "gated_product": ((6, 8), lambda c: _gated(c)),
 }
 
 STAGES = sorted(set(CORES) & {s.name for s in stage.stages()})
@@ -90,6 +92,17 @@ def _squeeze_excite(c: Callable[[type], type]) -> Callable[..., Any]:
 
     def call(x: Any, **kwargs: Any) -> Any:
         return scale([x, squeeze(x, **kwargs)], **kwargs)
+    return call
+
+
+def _gated(c: Callable[[type], type]) -> Callable[..., Any]:
+    """A gated feed-forward block of Keras layers: ``Multiply([Activation("silu")(Dense(x)),
+    Dense(x)])``."""
+    gate, up = c(L.Dense)(16), c(L.Dense)(16)
+    act, product = c(L.Activation)("silu"), c(L.Multiply)()
+
+    def call(x: Any, **kwargs: Any) -> Any:
+        return product([act(gate(x, **kwargs), **kwargs), up(x, **kwargs)], **kwargs)
     return call
 
 
