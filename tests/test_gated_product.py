@@ -4,6 +4,7 @@ gradients in closed form, or as one XLA region, matched from the ops Keras and k
 from __future__ import annotations
 
 import concurrent.futures
+import re
 from collections import Counter
 
 import keras
@@ -380,7 +381,8 @@ class _Float64(Gated):
 
 
 @pytest.mark.parametrize("layer,why", [
-    (_Broadcast, "shapes that broadcast ([None, 6, 16] and [None, 1, 16])"),
+    # the batch is unknown where Keras traces its loop, known where it traces one step (3.16)
+    (_Broadcast, r"shapes that broadcast \(\[(None|8), 6, 16\] and \[(None|8), 1, 16\]\)"),
     (_Float64, "gate dtype float64")])
 def test_a_fit_keeps_keras_ops_where_it_declines_with_the_reason_reported(layer, why):
     keras.utils.set_random_seed(0)
@@ -391,7 +393,7 @@ def test_a_fit_keeps_keras_ops_where_it_declines_with_the_reason_reported(layer,
     rng = np.random.default_rng(0)
     model.fit(rng.standard_normal((8, 6, 8)), rng.standard_normal((8, 4)), verbose=0)
     stats = tfmx.report().patterns[FAMILY]
-    assert stats.fused == 0 and any(why in reason for reason in stats.declined), stats.as_dict()
+    assert stats.fused == 0 and any(re.search(why, r) for r in stats.declined), stats.as_dict()
     assert not [n for n in nodes_that_ran(model.train_function) if "tfmx_gated" in n.name]
 
 
