@@ -1,28 +1,35 @@
 """The einsum_dense stage: Keras ``EinsumDense`` contractions as one ``MatMul`` (+ ``BiasAdd``).
 
-Keras's ``EinsumDense`` (the Q/K/V and output projections of ``MultiHeadAttention``, and a
-layer of its own) computes ``einsum(equation, x, kernel)`` then adds its bias. Most of its
-equations contract the trailing axes of ``x`` with the leading axes of the kernel and keep the
-rest in order (``abc,cde->abde``, ``abcd,cde->abe``, ``...b,bc->...c``): a ``tensordot``, that
-is a ``MatMul`` of ``x`` viewed as ``[rows, contracted]`` and the kernel viewed as
-``[contracted, kept]``. This stage emits exactly that (``Reshape``, ``MatMul``, ``BiasAdd``
-where the bias covers the kept axes, the activation, ``Reshape``), so the contraction family
-fuses the MatMul with its bias (and activation) into ``_FusedMatMul``, the gradient is two
-MatMuls instead of two Einsums, and a backend without an ``Einsum`` kernel (the Metal plugin
-has none) runs it at all.
+Keras's ``EinsumDense`` (the Q/K/V and output projections of ``MultiHeadAttention`` and of
+keras_hub's decoders, and a layer of its own) computes ``einsum(equation, x, kernel)`` then
+adds its bias. Its projections contract the trailing axes of ``x`` with some axes of the
+kernel and keep the rest, ``x``'s first and in order, then the kernel's: ``P C, K' -> P K``
+where the kernel's axes ``K'`` are the contracted ``C`` and the kept ``K`` in any order. In
+tensordot order (``abc,cde->abde``, ``abcd,cde->abe``, ``...b,bc->...c``) that is a ``MatMul``
+of ``x`` viewed as ``[rows, contracted]`` and the kernel viewed as ``[contracted, kept]``; in
+another order (keras_hub Gemma's ``btd,ndh->btnh``, the contracted axis the kernel's middle
+one; ``abc,dc->abd``) the kernel is transposed to that order first: one ``Transpose`` of a
+weight, whose gradient transposes the kernel's gradient back to the kernel's own layout. This
+stage emits exactly that (``Transpose`` of the kernel where needed, ``Reshape``, ``MatMul``,
+``BiasAdd`` where the bias covers the kept axes, the activation, ``Reshape``), so the
+contraction family fuses the MatMul with its bias (and activation) into ``_FusedMatMul``, the
+gradient is two MatMuls instead of two Einsums, and a backend without an ``Einsum`` kernel
+(the Metal plugin has none) runs it at all.
 
 Whether the MatMul form is faster than Keras's Einsum depends on the machine and the shapes,
 so every call is a tuner decision (forward and backward at the call's shapes); the
 conservative form is Keras's Einsum, or the MatMul form on a backend without an ``Einsum``
-kernel. Declined, with the reason in the report: other equations (transposed kernels, batch
-axes shared by both operands, repeated letters), quantized layers, operands of different
+kernel. Declined, with the reason in the report (:func:`equation_problem`): a batch axis in
+both operands (attention's own ``bqnh,bknh->bqkn``: not a projection), contracted axes that
+are not ``x``'s trailing ones, an output that reorders ``x``'s kept axes, a letter summed in
+one operand only or repeated, nothing contracted; quantized layers, operands of different
 dtypes.
 
 Example:
     >>> import keras, numpy as np, tensorflow as tf
     >>> from fusion.calls.einsum_dense import as_matmul, split_equation
-    >>> split_equation("abc,cde->abde")
-    ('ab', 'c', 'de')
+    >>> split_equation("abc,cde->abde"), split_equation("btd,ndh->btnh")
+    (('ab', 'c', 'de'), ('bt', 'd', 'nh'))
     >>> layer = keras.layers.EinsumDense("abc,cde->abde", (5, 2, 3), bias_axes="de")
     >>> x = tf.random.normal([2, 5, 4], seed=1)
     >>> expected = layer(x).numpy()
@@ -53,50 +60,126 @@ MATCHES = ("keras.src.layers.core.einsum_dense:EinsumDense.call",
 (its three projections at once)."""
 
 
-def split_equation(equation: str) -> tuple[str, str, str] | None:
-    """``(kept of x, contracted, kept of the kernel)`` when ``equation`` is ``P C, C K -> P K``
-    (the trailing axes of ``x`` contracted with the leading axes of the kernel, every other
-    axis kept in order; ``P`` may start with ``...``), else None.
-
-    >>> split_equation("...b,bc->...c"), split_equation("abc,dc->abd")
-    (('...', 'b', 'c'), None)
-    """
+def _operands(equation: str) -> tuple[str, str, str] | None:
+    """``(x's axes, the kernel's, the output's)`` of ``equation`` (spaces dropped), or None."""
     try:
         inputs, output = equation.replace(" ", "").split("->")
         lhs, rhs = inputs.split(",")
     except ValueError:
         return None
+    return lhs, rhs, output
+
+
+def _analysed(equation: str) -> tuple[str, str, str] | str:
+    """:func:`split_equation`'s answer, or :func:`equation_problem`'s."""
+    operands = _operands(equation)
+    if operands is None:
+        return "not 'input,kernel->output'"
+    lhs, rhs, output = operands
     if "." in rhs:
-        return None
-    letters = lhs.replace("...", "") + rhs
-    if len(set(lhs.replace("...", ""))) != len(lhs.replace("...", "")) or \
-            len(set(rhs)) != len(rhs) or not letters.isalpha():
-        return None
-    contracted = "".join(c for c in rhs if c in lhs and c not in output)
-    kept_kernel = rhs[len(contracted):]
+        return "an ellipsis in the kernel"
+    letters = [lhs.replace("...", ""), rhs, output.replace("...", "")]
+    if not "".join(letters).isalpha():
+        return "a label that is not a letter"
+    for axes in letters:
+        if len(set(axes)) != len(axes):
+            return f"a letter twice in {axes!r} (a diagonal)"
+    batch = [c for c in letters[0] if c in rhs and c in letters[2]]
+    if batch:
+        return (f"{''.join(batch)!r} in the input, the kernel and the output (a batch axis of "
+                "both operands: not a projection)")
+    summed = [c for c in letters[0] + rhs if c not in letters[2] and
+              (c not in letters[0] or c not in rhs)]
+    if summed:
+        return f"{''.join(summed)!r} summed in one operand only"
+    contracted = "".join(c for c in lhs if c in rhs)
+    if not contracted:
+        return "nothing contracted (an outer product)"
     kept_x = lhs[: len(lhs) - len(contracted)]
-    if not contracted or rhs != contracted + kept_kernel or lhs != kept_x + contracted:
-        return None
-    if output != kept_x + kept_kernel or set(kept_x.replace("...", "")) & set(rhs):
-        return None
-    return kept_x, contracted, kept_kernel
+    if lhs != kept_x + contracted:
+        return f"the contracted {contracted!r} are not the input's trailing axes"
+    kept = output[len(kept_x):]
+    if not output.startswith(kept_x) or sorted(kept) != sorted(set(rhs) - set(contracted)):
+        return f"the output {output!r} is not the input's kept axes in order, then the kernel's"
+    return kept_x, contracted, kept
+
+
+def split_equation(equation: str) -> tuple[str, str, str] | None:
+    """``(kept of x, contracted, kept of the kernel)`` when ``equation`` is ``P C, K' -> P K``
+    (the trailing axes ``C`` of ``x`` contracted with the kernel's, ``K'`` being ``C`` and
+    ``K`` in any order; the output ``x``'s other axes in order, then the kernel's kept ``K``;
+    ``P`` may start with ``...``), else None (:func:`equation_problem` says why).
+
+    >>> split_equation("...b,bc->...c"), split_equation("abc,dc->abd")
+    (('...', 'b', 'c'), ('ab', 'c', 'd'))
+    >>> split_equation("bqnh,bknh->bqkn") is None
+    True
+    """
+    found = _analysed(equation)
+    return None if isinstance(found, str) else found
+
+
+def equation_problem(equation: str) -> str | None:
+    """Why ``equation`` is not one :func:`split_equation` accepts, or None.
+
+    >>> equation_problem("bqnh,bknh->bqkn")
+    "'bn' in the input, the kernel and the output (a batch axis of both operands: not a \
+projection)"
+    >>> equation_problem("th,ehm->etm")
+    "the output 'etm' is not the input's kept axes in order, then the kernel's"
+    """
+    found = _analysed(equation)
+    return found if isinstance(found, str) else None
+
+
+def kernel_order(equation: str) -> tuple[int, ...] | None:
+    """The permutation of the kernel's axes to ``contracted + kept`` (``tf.transpose``'s
+    ``perm``) for an ``equation`` :func:`split_equation` accepts, None where the kernel is
+    in that order already.
+
+    >>> kernel_order("btd,ndh->btnh"), kernel_order("abc,cde->abde")
+    ((1, 0, 2), None)
+    """
+    _, contracted, kept = split_equation(equation)
+    rhs = _operands(equation)[1]
+    order = tuple(rhs.index(c) for c in contracted + kept)
+    return None if order == tuple(range(len(rhs))) else order
+
+
+def kept_dims(layer: Any) -> list[int]:
+    """The sizes of the kept kernel axes of ``layer`` (an ``EinsumDense`` whose equation
+    :func:`split_equation` accepts), in the output's order."""
+    _, _, kept = split_equation(layer.equation)
+    rhs = _operands(layer.equation)[1]
+    return [int(layer.kernel.shape[rhs.index(c)]) for c in kept]
+
+
+def matmul_kernel(layer: Any) -> tf.Tensor:
+    """``layer``'s kernel (as its call reads it) as the ``[contracted, kept]`` matrix of its
+    MatMul form: transposed to ``contracted + kept`` where its axes are in another order
+    (:func:`kernel_order`), then reshaped."""
+    kernel = layer_value(layer.kernel)
+    order = kernel_order(layer.equation)
+    if order is not None:
+        kernel = tf.transpose(kernel, order)
+    width = math.prod(kept_dims(layer))
+    return tf.reshape(kernel, [math.prod(kernel.shape.as_list()) // width, width])
 
 
 def has_flat_bias(layer: Any) -> bool:
     """Whether ``layer`` (an ``EinsumDense`` :func:`split_equation` accepts) has a bias over
     all its kept kernel axes: one per output column of its MatMul form."""
-    _, contracted, _ = split_equation(layer.equation)
-    return layer.bias is not None and \
-        tuple(layer.bias.shape) == tuple(layer.kernel.shape[len(contracted):])
+    return layer.bias is not None and tuple(layer.bias.shape) == tuple(kept_dims(layer))
 
 
 def find_einsum_dense(layer: Any, inputs: Any) -> str | None:
     """Why this call keeps Keras's Einsum, or None if the stage can emit its MatMul form."""
     if getattr(layer, "quantization_mode", None):
         return f"quantized layer ({layer.quantization_mode})"
-    if split_equation(layer.equation) is None:
-        return (f"equation {layer.equation!r} is not a tensordot (trailing axes of the input "
-                "with leading axes of the kernel, the rest kept in order)")
+    problem = equation_problem(layer.equation)
+    if problem is not None:
+        return (f"equation {layer.equation!r} is not one MatMul of the input's trailing axes "
+                f"with the kernel's: {problem}")
     if inputs.shape.rank is None or None in tuple(layer.kernel.shape):
         return "input of unknown rank or kernel of unknown shape"
     if inputs.dtype.name not in ("float32", "float16", "bfloat16"):
@@ -139,9 +222,10 @@ def check(layer: Any, inputs: tf.Tensor) -> str | None:
 
 def check_projections(layer: Any, query: Any, value: Any, key: Any) -> str | None:
     """Why this ``MultiHeadAttention`` call keeps three projections, or None when its query,
-    key and value are one tensor projected by three ``EinsumDense`` of one tensordot equation
-    with flat biases (all or none), no activation and the input's dtype: one MatMul of the
-    input with the three kernels side by side computes all three.
+    key and value are one tensor projected by three ``EinsumDense`` of one equation that
+    :func:`split_equation` accepts, with flat biases (all or none), no activation and the
+    input's dtype: one MatMul of the input with the three kernels side by side computes all
+    three.
 
     >>> import keras
     >>> mha = keras.layers.MultiHeadAttention(2, 3)
@@ -161,7 +245,6 @@ def check_projections(layer: Any, query: Any, value: Any, key: Any) -> str | Non
             return why
     if len({d.equation for d in denses}) != 1:
         return "the projections' equations differ"
-    _, contracted, _ = split_equation(denses[0].equation)
     biases = [d.bias is not None for d in denses]
     if len(set(biases)) != 1:
         return "some projections have a bias and some not"
@@ -172,8 +255,7 @@ def check_projections(layer: Any, query: Any, value: Any, key: Any) -> str | Non
         kernel = layer_value(dense.kernel)
         if kernel.dtype != query.dtype:
             return f"input {query.dtype.name} and kernel {kernel.dtype.name} differ"
-        if dense.bias is not None and \
-                dense.bias.shape != kernel.shape[len(contracted):]:
+        if dense.bias is not None and not has_flat_bias(dense):
             return "a bias over some of the kept axes only"
     return None
 
@@ -184,7 +266,8 @@ CONSERVATIVE = conservative("einsum", "Keras's Einsum")
 SEPARATE = conservative("separate", "three MatMuls")
 """A ``MultiHeadAttention``'s three projections as Keras runs them."""
 _MATMULS = frozenset({"MatMul", "_FusedMatMul"})
-MATMUL = Form("matmul", "EinsumDense: Reshape + MatMul (+ BiasAdd) in place of Einsum",
+MATMUL = Form("matmul", "EinsumDense: Reshape + MatMul (+ BiasAdd; a Transpose of the kernel "
+              "where its axes need it) in place of Einsum",
               marks=_MATMULS, emits=frozenset({"BiasAdd", "MatMul", "Transpose"}))
 SHARED = Form("shared", "MultiHeadAttention: query, key and value projections as one MatMul",
               marks=_MATMULS,
@@ -205,16 +288,23 @@ def _pending(graph: Any) -> dict:
 
 def as_matmul(layer: Any, inputs: tf.Tensor, product: Callable | None = None) -> tf.Tensor:
     """``layer``'s output (an ``EinsumDense`` whose equation :func:`split_equation` accepts)
-    as ``Reshape`` + ``MatMul`` (+ ``BiasAdd``) + activation + ``Reshape``; with ``product``
-    (a contributed :class:`fusion.forms.AffineForm`'s) a bias over all the kept axes is
-    computed with the MatMul by that product instead."""
+    as ``Reshape`` + ``MatMul`` (+ ``BiasAdd``) + activation + ``Reshape``, the kernel
+    transposed first where its axes are not in ``contracted + kept`` order
+    (:func:`matmul_kernel`); with ``product`` (a contributed
+    :class:`fusion.forms.AffineForm`'s) a bias over all the kept axes is computed with the
+    MatMul by that product instead.
+
+    >>> import keras, numpy as np
+    >>> layer = keras.layers.EinsumDense("btd,ndh->btnh", (5, 2, 3), bias_axes="nh")
+    >>> x = tf.random.normal([2, 5, 4], seed=1)
+    >>> expected = layer(x)
+    >>> bool(np.allclose(as_matmul(layer, x), expected, atol=1e-6))
+    True
+    """
     _, contracted, kept = split_equation(layer.equation)
-    kernel = layer_value(layer.kernel)
-    shape = kernel.shape.as_list()
-    cols = math.prod(shape[: len(contracted)])
-    kept_dims = shape[len(contracted):]
-    rows = tf.reshape(inputs, [-1, cols])
-    flat_kernel = tf.reshape(kernel, [cols, math.prod(kept_dims)])
+    flat_kernel = matmul_kernel(layer)
+    dims = kept_dims(layer)
+    rows = tf.reshape(inputs, [-1, flat_kernel.shape[0]])
     bias = None if layer.bias is None else layer_value(layer.bias)
     flat_bias = has_flat_bias(layer)
     if flat_bias:
@@ -225,8 +315,8 @@ def as_matmul(layer: Any, inputs: tf.Tensor, product: Callable | None = None) ->
     if early:  # on the last axis, which the reshape keeps: the contraction family fuses it
         y = layer.activation(y)
     leading = tf.shape(inputs)[: inputs.shape.rank - len(contracted)]
-    y = tf.reshape(y, tf.concat([leading, kept_dims], 0))
-    y.set_shape(inputs.shape[: inputs.shape.rank - len(contracted)].concatenate(kept_dims))
+    y = tf.reshape(y, tf.concat([leading, dims], 0))
+    y.set_shape(inputs.shape[: inputs.shape.rank - len(contracted)].concatenate(dims))
     if bias is not None and not flat_bias:
         y = y + bias  # Keras's broadcast add (a bias over some of the kept axes)
     if layer.activation is not None and not early:
@@ -253,12 +343,11 @@ def shared_projection(layer: Any, x: tf.Tensor,
     """
     denses = _projections(layer)
     _, contracted, _ = split_equation(denses[0].equation)
-    kernels = [layer_value(d.kernel) for d in denses]
-    cols = math.prod(kernels[0].shape.as_list()[: len(contracted)])
-    kept = [k.shape.as_list()[len(contracted):] for k in kernels]
+    kernels = [matmul_kernel(d) for d in denses]
+    kept = [kept_dims(d) for d in denses]
     widths = [math.prod(dims) for dims in kept]
-    rows = tf.reshape(x, [-1, cols])
-    kernel = tf.concat([tf.reshape(k, [cols, n]) for k, n in zip(kernels, widths)], 1)
+    rows = tf.reshape(x, [-1, kernels[0].shape[0]])
+    kernel = tf.concat(kernels, 1)
     bias = None if denses[0].bias is None else \
         tf.concat([tf.reshape(layer_value(d.bias), [-1]) for d in denses], 0)
     y = tf.matmul(rows, kernel) if bias is None else affine(rows, kernel, bias, product)
@@ -330,10 +419,9 @@ def fused_attention_call(ctx: StageContext, original: Callable, layer: Any, quer
     def signature() -> str:
         from fusion.fragment import shape_text
 
-        contracted = len(split_equation(denses[0].equation)[1])
         return (f"MultiHeadAttention projections {denses[0].equation} input "
                 f"{shape_text(x.shape)} {x.dtype.name} widths "
-                f"{[math.prod(d.kernel.shape[contracted:]) for d in denses]}")
+                f"{[math.prod(kept_dims(d)) for d in denses]}")
 
     def candidates() -> dict:
         variables = [v for d in denses for v in d.trainable_variables]
@@ -371,7 +459,8 @@ def fused_attention_call(ctx: StageContext, original: Callable, layer: Any, quer
 DECLARED = declare(Family(
     FAMILY,
     "Keras EinsumDense (MultiHeadAttention's projections) -> Reshape + MatMul (+ BiasAdd, "
-    "which the contraction family fuses) where the equation is a tensordot and measured faster",
+    "which the contraction family fuses; the kernel transposed where its axes are in another "
+    "order) where the equation contracts the input's trailing axes and it measures faster",
     hooks=(Hook.on(MATCHES[0], fused_einsum_dense_call),
            Hook.on(MATCHES[1], fused_attention_call)),
     forms=FORMS,
