@@ -269,16 +269,18 @@ def needs_onednn(state: str):
 
 
 def fit_stock_and_tfmx(build, x, y, patterns: list[str], epochs: int = 2,
-                       batch_size: int = 8) -> tuple[dict, list]:
+                       batch_size: int = 8, **options) -> tuple[dict, list]:
     """Train ``build()`` (a compiled model, seeded so every build starts from the same
-    weights) on ``x``, ``y`` with tfmx off and then on with ``patterns`` (cpu, no guard):
-    ({False: stock model, True: tfmx model}, the initial weights)."""
+    weights) on ``x``, ``y`` with tfmx off and then on with ``patterns`` (cpu, no guard; the
+    rest of ``tfmx.enable``'s ``options`` as given): ({False: stock model, True: tfmx model},
+    the initial weights)."""
     import tfmx
 
     initial = [v.numpy() for v in build().weights]
     models = {}
     for on in (False, True):
-        tfmx.enable(backend="cpu", patterns=patterns, guard=False) if on else tfmx.disable()
+        tfmx.enable(backend="cpu", patterns=patterns, **{"guard": False, **options}) if on \
+            else tfmx.disable()
         models[on] = build()
         models[on].fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, shuffle=False)
     return models, initial

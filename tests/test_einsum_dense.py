@@ -225,14 +225,7 @@ def test_fit_matches_stock_with_fused_matmuls_in_the_graph_that_ran():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((24, T, D)).astype("float32")
     y = rng.integers(0, 3, 24)
-    models = {}
-    initial = [v.numpy() for v in _model().weights]
-    for on in (False, True):
-        tfmx.enable(backend="cpu", patterns=["einsum_dense", "contraction"]) if on else \
-            tfmx.disable()
-        model = _model()
-        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
-        models[on] = model
+    models, initial = fit_stock_and_tfmx(_model, x, y, ["einsum_dense", "contraction"])
     ran = ops_that_ran(models[True].train_function)
     assert "_FusedMatMul" in ran  # the projections' MatMul + BiasAdd (+ Relu), fused
     # Einsum is left only in the attention itself (its own stage is off here): 2 forward
@@ -263,14 +256,8 @@ def test_mixed_bfloat16_fit_matches_stock_with_bfloat16_matmuls():
     y = rng.integers(0, 3, 24)
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     try:
-        initial = [v.numpy() for v in _model().weights]
-        models = {}
-        for on in (False, True):
-            tfmx.enable(backend="cpu", patterns=["einsum_dense", "contraction",
-                                                 "bias_grad"]) if on else tfmx.disable()
-            model = _model()
-            model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
-            models[on] = model
+        models, initial = fit_stock_and_tfmx(_model, x, y,
+                                             ["einsum_dense", "contraction", "bias_grad"])
     finally:
         keras.mixed_precision.set_global_policy("float32")
     stats = tfmx.report().patterns["einsum_dense"]
@@ -414,12 +401,7 @@ def test_a_failing_stage_leaves_keras_einsum(monkeypatch, where):
     bit for bit."""
     x, y = _data()
     failing(monkeypatch.setattr, "einsum_dense", where)
-    models = {}
-    for on in (False, True):
-        tfmx.enable(backend="cpu", patterns=["einsum_dense"], guard=False,
-                    strict=False) if on else tfmx.disable()
-        models[on] = _permuted_model()
-        models[on].fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    models, _ = fit_stock_and_tfmx(_permuted_model, x, y, ["einsum_dense"], strict=False)
     stats = tfmx.report().patterns["einsum_dense"]
     assert stats.fused == 0 and len(stats.errors) == 3, stats.as_dict()
     assert "injected failure" in stats.errors[0]
