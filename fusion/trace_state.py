@@ -3,11 +3,11 @@
 tfmx's stages and its tracing (``fusion.stage``, ``tfmx.staging``) keep state that belongs to
 the graph being traced, one :class:`TraceState` per graph: the stage context a
 ``fusion.stage.tracing`` block set on it, the statistics its stages recorded for the report
-and whether they reached it, the names of the ops abandoned stage attempts made (read when the
-traced function is rewritten), and one slot per family (or contributing module) that keeps
-something of its own about the graph (:func:`slot`, :func:`scoped_slot`). The states live in
-a registry keyed weakly by the graph: nothing is set on TensorFlow's objects, and a graph's
-state goes when the graph is garbage collected.
+and whether they reached it, the names of the ops abandoned stage attempts made and of those a
+stage took over (both read when the traced function is rewritten), and one slot per family (or
+contributing module) that keeps something of its own about the graph (:func:`slot`,
+:func:`scoped_slot`). The states live in a registry keyed weakly by the graph: nothing is set
+on TensorFlow's objects, and a graph's state goes when the graph is garbage collected.
 
 Example:
     >>> import tensorflow as tf
@@ -49,8 +49,8 @@ class TraceState:
     """What tfmx keeps about one traced graph (see the module doc); found by :func:`of`.
 
     >>> state = TraceState()
-    >>> state.stage_context, state.committed, state.abandoned
-    (UNSET, False, set())
+    >>> state.stage_context, state.committed, state.abandoned, state.superseded
+    (UNSET, False, set(), set())
     """
 
     stage_context: Any = UNSET
@@ -61,8 +61,11 @@ class TraceState:
     committed: bool = False
     """Whether :attr:`stage_stats` reached the report (``tfmx.staging.commit``)."""
     abandoned: set[str] = dataclasses.field(default_factory=set)
-    """The names of the ops that failed stage attempts made in the graph, and of those a stage
-    took over from an earlier call (an activation a gated product computes itself)."""
+    """The names of the ops that failed stage attempts made in the graph."""
+    superseded: set[str] = dataclasses.field(default_factory=set)
+    """The names of the ops a stage took over from an earlier call that succeeded (an
+    activation a gated product computes itself): read by nobody once the stage's form is
+    emitted."""
     slots: dict[str, Any] = dataclasses.field(default_factory=dict)
     """What a family (or a contributing module) keeps about the graph, by its owner's name
     (:func:`slot`): only that owner reads or writes its slot."""

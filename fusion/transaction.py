@@ -138,6 +138,22 @@ def abandoned(graph: Any) -> frozenset[str]:
     return frozenset(held.abandoned) if held is not None else frozenset()
 
 
+def superseded(graph: Any) -> frozenset[str]:
+    """The names of the ops in ``graph`` (a FuncGraph) that a stage took over from an earlier
+    call (``fusion.trace_state.TraceState.superseded``), kept apart from the failed attempts'
+    (:func:`abandoned`); :func:`without_abandoned` takes both out of the step.
+
+    >>> import tensorflow as tf
+    >>> from fusion import trace_state
+    >>> graph = tf.Graph()
+    >>> trace_state.of(graph, create=True).superseded.add("taken over")
+    >>> superseded(graph), abandoned(graph)
+    (frozenset({'taken over'}), frozenset())
+    """
+    held = trace_state.of(graph)
+    return frozenset(held.superseded) if held is not None else frozenset()
+
+
 def without_abandoned(graph_def: Any, names: frozenset[str]) -> tuple[Any, int]:
     """``graph_def`` with the abandoned ops ``names`` taken out, and how many were: each
     becomes a ``NoOp`` of its name (a control edge or control output that names it stays
@@ -209,4 +225,4 @@ def _called(nodes: Any, library: dict[str, Any]) -> set[str]:
     return found
 
 
-__all__ = ["WRITES", "Attempt", "abandoned", "without_abandoned"]
+__all__ = ["WRITES", "Attempt", "abandoned", "superseded", "without_abandoned"]

@@ -316,6 +316,31 @@ def test_the_product_wins_over_the_activation_stages_and_an_activation_alone_kee
     assert_models_within_rounding(models[False], models[True], initial, FIT_TERMS)
 
 
+def test_an_activation_taken_into_its_product_is_held_apart_from_failed_attempts(monkeypatch):
+    """The block's activation (the swish stage's form), taken out of the step once its product
+    is emitted, is held as taken over, not among the ops of failed stage attempts (none failed
+    here), and none of it runs."""
+    from fusion import transaction
+    from tfmx import fused_function
+
+    traced = []
+    build_entry = fused_function.build_entry
+
+    def spied(concrete, *args, **kwargs):
+        traced.append(concrete.graph)
+        return build_entry(concrete, *args, **kwargs)
+
+    monkeypatch.setattr(fused_function, "build_entry", spied)
+    build, x, y = _user_model(ways=("operator",), alone=False)
+    models, _ = fit_stock_and_tfmx(build, x, y, [FAMILY, "swish"])
+    assert tfmx.report().patterns[FAMILY].fused == 1
+    taken = {name for graph in traced for name in transaction.superseded(graph)}
+    assert taken and not {name for graph in traced for name in transaction.abandoned(graph)}
+    ran = {n.name: n.op for n in nodes_that_ran(models[True].train_function)}
+    assert any("tfmx_swish" in name and ran.get(name) == "NoOp" for name in taken), taken
+    assert not {ran[name] for name in taken if name in ran} - {"NoOp"}
+
+
 @pytest.mark.parametrize("policy,name,form", [
     ("mixed_bfloat16", "llama", "custom"), ("mixed_bfloat16", "llama", XLA),
     ("mixed_bfloat16", "llama", stage.XLA_BACKWARD.name),

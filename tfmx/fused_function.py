@@ -40,7 +40,7 @@ from tensorflow.python.framework.ops import EagerTensor
 from tensorflow.python.util import tf_decorator
 
 from fusion.graph import op_histogram
-from fusion.transaction import abandoned, without_abandoned
+from fusion.transaction import abandoned, superseded, without_abandoned
 from tfmx import background_trace, guard, staging, state, xla_support
 from tfmx.errors import BackendUnavailableError
 from tfmx.rebuild import rebuild
@@ -446,8 +446,10 @@ def build_entry(concrete: Any, opts: state.Options, name: str) -> _Entry:
     rec.ops_before = op_histogram(graph_def)
     stats = None
     entry = _Entry(stock=concrete, fused=concrete, record=rec)
-    # what stages that failed while tracing emitted: taken out, so that none of it runs
-    graph_def, dropped = without_abandoned(graph_def, abandoned(concrete.graph))
+    # what stages that failed while tracing emitted, and the ops a stage took over from an
+    # earlier call: taken out, so that none of it runs
+    graph_def, dropped = without_abandoned(
+        graph_def, abandoned(concrete.graph) | superseded(concrete.graph))
     try:
         result = rewrite_traced(concrete, opts, graph_def)
         stats = result.stats

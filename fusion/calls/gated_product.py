@@ -29,9 +29,10 @@ dtype), emit the product from the gate and ``up``:
   backward`` the same with the gradients computed by a second region.
 
 The activation's own call has run by then (Keras's, or the swish or gelu stage's form): read by
-nobody once the product is emitted, its ops are taken out of the step with the failed stage
-attempts' (``fusion.transaction.without_abandoned``), and what its stage counted fused there is
-counted declined, with the reason: where only the activation is there, its stage's form stays.
+nobody once the product is emitted, its ops are taken out of the step (held apart from the
+failed stage attempts' ops: ``fusion.transaction.superseded``), and what its stage counted
+fused there is counted declined, with the reason: where only the activation is there, its
+stage's form stays.
 Every product is a tuner decision (forward and backward at its shapes) against the activation
 (as its stage emits it) and the product, the conservative form. Without a gradient tape
 recording (inference) nothing is noted. Declined, with the reason in the report: gates or
@@ -354,9 +355,10 @@ def _taken(stats: PatternStats, reason: str) -> None:
 def _supersede(product: Product) -> None:
     """The activation call's ops, and the casts between it and the product, taken out of the
     step (read by nobody now: ``fusion.transaction.without_abandoned`` keeps any a kept op
-    reads); its stage's count of it moved to its declines."""
+    reads), held apart from the failed stage attempts' ops; its stage's count of it moved to
+    its declines."""
     graph = product.gate.out.graph
-    held = trace_state.of(graph, create=True).abandoned
+    held = trace_state.of(graph, create=True).superseded
     held.update(product.gate.made)
     held.update(op.name for op in product.between)
     for stats in product.gate.stats:
