@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import fusion
 import tfmx
 from fusion.fragment import FragmentError, cut, make_inputs, runner, variant
 from fusion.graph import GraphView, op_histogram
+from tfmx import fit_plan
 from tfmx import tuner as tuner_mod
 from tfmx.backends import get_backend
 from tfmx.tuner import Tuner, TuningCache
@@ -486,3 +488,70 @@ def test_a_fit_with_no_budget_runs_the_swish_form_its_family_keeps_here(cache_di
     scope = f"/{swish.FORMS.scope_of(swish.CUSTOM)}/"
     assert any(scope in n.name for n in nodes_that_ran(models[True].train_function))
     assert_models_within_rounding(models[False], models[True], initial, 4 * (16 * 8 + 60))
+
+
+# -- measuring that pays for itself within a planned fit ----------------------------------------
+def _sleeping(seconds, build=0.0):
+    """A form's factory: building it takes ``build`` s, a call ``seconds``."""
+    def factory():
+        time.sleep(build)
+        return lambda: time.sleep(seconds)
+
+    return factory
+
+
+def _seed_family(cache, family, times):
+    """Three measured decisions of ``family`` here, with the injected ``times``."""
+    seeding = Tuner("auto", cache, _timer(times))
+    for n in (8, 16, 32):
+        seeding.choose(family, f"float32 {n}", dict.fromkeys(times), "stock")
+
+
+def test_past_the_fits_share_a_decision_is_measured_where_its_family_says_it_pays(cache_dir):
+    """The fit's share spent: a decision of a family whose measured decisions here saved half
+    the conservative form's time is measured (a 2 ms form, 1000 steps: ~1 s to save), its note
+    says why; one of a family never measured here is left for a later run."""
+    cache = TuningCache.for_backend("cpu")
+    _seed_family(cache, "paying", {"stock": 2.0, "fast": 1.0})
+    tuner = Tuner("auto", cache)
+    tuner.step_hint = lambda: 0.004  # a 4 ms step known from a previous fit
+    forms = {"stock": _sleeping(0.002), "fast": _sleeping(0.001)}
+    with fit_plan.fitting(10, 100):  # 1000 steps x 4 ms: the 2% share is 0.08 s
+        tuner._sync_plan()
+        tuner._plan_spent = 0.08
+        unknown = tuner.choose("new", "float32 64", forms, "stock")
+        paying = tuner.choose("paying", "float32 64", forms, "stock")
+    assert unknown.source.startswith("conservative (measuring budget spent: 2% of the planned")
+    assert (paying.source, paying.choice) == ("measured", "fast"), paying.describe()
+    assert ("measured beyond the fit's 2% share: its 3 measured paying decisions here saved "
+            "50% of the conservative form's time on average") in paying.note
+    assert 0.08 < tuner._plan_spent < 0.4  # within the cap: 10% of the run
+
+
+def test_a_decision_that_cannot_pay_for_its_measuring_is_left_and_the_attempt_counted(
+        cache_dir):
+    """Past the share, the same family: a form of microseconds built in 40 ms saves too little
+    over the run to pay for building it, and a 2 ms form over 10 steps too little to pay for
+    its rounds; neither is measured, each says so, and once such attempts used up the share
+    none is tried."""
+    cache = TuningCache.for_backend("cpu")
+    _seed_family(cache, "paying", {"stock": 2.0, "fast": 1.0})
+    tuner = Tuner("auto", cache)
+    tuner.step_hint = lambda: 0.004
+    tiny = {"stock": _sleeping(0.0, build=0.04), "fast": _sleeping(0.0, build=0.04)}
+    with fit_plan.fitting(10, 100):
+        tuner._sync_plan()
+        tuner._plan_spent = 0.08
+        left = tuner.choose("paying", "float32 64", tiny, "stock")
+        assert 0 < tuner._plan_waste < 0.08
+        tuner._plan_waste = 0.08  # attempts that could not pay used up the share
+        untried = tuner.choose("paying", "float32 128", {"stock": _fail, "fast": _fail}, "stock")
+    with fit_plan.fitting(1, 10):
+        tuner._sync_plan()
+        tuner._plan_spent = 0.002
+        short = tuner.choose("paying", "float32 256",
+                             {"stock": _sleeping(0.002), "fast": _sleeping(0.001)}, "stock")
+    for d in (left, short):  # the family's form on this machine's prior, not measured
+        assert d.source == "prior" and "not enough to pay for measuring it" in d.why(), d.why()
+    assert untried.source == "prior" and "not enough to pay" not in untried.why()
+    assert TuningCache.for_backend("cpu").get("paying|float32 64") is None

@@ -69,6 +69,7 @@ from tfmx import background_trace, fit_plan
 from tfmx.env import plan_share, share_from_env
 from tfmx.notice import announce, fit_key
 from tfmx.timing import (
+    MAX_ROUNDS,
     MIN_ROUNDS,
     SIGNIFICANCE,
     OverBudget,
@@ -91,7 +92,7 @@ from tfmx.tuning_cache import (
     fingerprint,
     import_cache,
 )
-from tfmx.tuning_prior import family_prior
+from tfmx.tuning_prior import Gain, family_gain, family_prior
 
 MODES = ("auto", "cached", "off")
 ENV_MODE = "TFMX_TUNE"
@@ -108,6 +109,19 @@ DECISION_SECONDS = 0.075
 0.15 s for two forms, 0.45 s for six. A fixed time whatever the candidates would leave a
 decision between six forms at its minimum rounds, too few to tell a faster form from noise."""
 
+
+GAIN_PAYBACK = 0.5
+"""Within a planned fit, a decision is measured beyond the fit's share (``tfmx.env.PLAN_SHARE``)
+where this share of what it is expected to save over the planned steps covers its measuring:
+its family's measured decisions here (``tfmx.tuning_prior.family_gain``, at least 3) saved a
+mean share of their conservative form's time, and its conservative form's call, timed first,
+says how much time that share is of. A family that rarely wins is measured within the share
+alone; one that often wins is measured where the fit is long enough to pay for it."""
+
+GAIN_CAP = 0.10
+"""The most of a planned run the tuner spends measuring decisions that pay for themselves
+(:data:`GAIN_PAYBACK`); a decision whose conservative form, once timed, shows it cannot pay is
+left unmeasured, and such starts are paid from the fit's share alone."""
 
 
 def resolve_mode(mode: str | None) -> str:
@@ -174,6 +188,7 @@ class Tuner:
         self._plan_spent = 0.0  # seconds measured in that fit
         self._plan_step = 0.0  # the conservative forms' medians measured in it (seconds)
         self._plan_decisions = 0
+        self._plan_waste = 0.0  # seconds of measuring stopped because it could not pay
         self._depth = 0  # decisions being measured (nested: one inside another's candidates)
 
     def choose(self, family: str, signature: str, candidates: Mapping[str, RunFactory | None],
@@ -226,36 +241,40 @@ class Tuner:
         timer, timed = self.timer, candidates
         # fuse='always' is asked for fits known to be long: the tuner's own budget bounds its
         # measuring, not a share of the fit under way
-        planned = None if self.fused else self._plan_left()
+        rounds_s = min(DECISION_SECONDS * len(candidates), max(left, 0.0))
+        planned = None if self.fused else self._plan_left(
+            self._gain(family, signature, candidates, conservative), rounds_s, len(candidates))
         if planned is not None:
-            allowed, why = planned
-            if allowed(0.0) <= 0:
-                return self._deferred(family, signature, candidates, conservative, why(0.0))
+            if not planned.may_try():
+                return self._deferred(family, signature, candidates, conservative,
+                                      planned.why(0.0))
             if timer is measure:  # conservative form first: its call time sizes the run
-                timer = functools.partial(measure, allowance=allowed)
+                timer = functools.partial(measure, allowance=planned.allowed)
                 timed = {conservative: candidates[conservative],
                          **{n: f for n, f in candidates.items() if n != conservative}}
         if self._depth == 0:  # the first measuring of a fit says so once (tfmx.notice)
-            bound = allowed(0.0) if planned is not None else math.inf
+            bound = planned.bound() if planned is not None else math.inf
             announce(fit_key("tuner"), None, min(left, bound), bound=True)
-        start = time.perf_counter()
+        share_left = planned.share_left(0.0) if planned is not None else math.inf
+        start, stopped = time.perf_counter(), False
         self._depth += 1  # a decision made while building another's candidates is nested
         try:
-            seconds = _outside_trace(timer, timed,
-                                     min(DECISION_SECONDS * len(candidates), max(left, 0.0)))
+            seconds = _outside_trace(timer, timed, rounds_s)
             times = {n: float(seconds[n]) * 1e3 for n in names}
         except OverBudget as exc:  # the conservative form's call still tells of the step
+            stopped = True
             self._plan_step += exc.call_s
             return self._deferred(family, signature, candidates, conservative,
-                                  f"{planned[1](0.0)} ({exc})")
+                                  f"{planned.why(exc.call_s)} ({exc})")
         except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is not chosen
             return fallback(f"measuring failed: {type(exc).__name__}: {exc}"[:200])
         finally:
             self._depth -= 1
+            took = time.perf_counter() - start
             if self._depth == 0:  # a nested decision's time is in the outer one's
-                took = time.perf_counter() - start
                 self.spent += took
                 self._plan_spent += took
+                self._plan_waste += took if stopped else 0.0
         self._plan_decisions += 1
         first = {n: float(v) * 1e3 for n, v in getattr(seconds, "first", {}).items()
                  if n in candidates}
@@ -276,11 +295,32 @@ class Tuner:
             notes.append(f"{best} faster in {noise[0]} of {noise[1]} rounds only: within "
                          f"noise, {conservative} kept")
             best = conservative
+        if planned is not None and planned.gain is not None and took > share_left:
+            notes.append(f"measured beyond the fit's {planned.share * 100:g}% share: "
+                         f"{planned.gain.describe()}")
         note = "; ".join(notes)
         decision = Decision(family, signature, best, names, times, "measured", note, first)
         if self.cache is not None:
             self.cache.put(decision)
         return decision
+
+    def _cached_decisions(self) -> list[Mapping[str, object]]:
+        """The cache's decisions as records (none without a cache or where it cannot be read)."""
+        if self.cache is None:
+            return []
+        try:
+            return list(self.cache.contents()["decisions"].values())
+        except Exception:  # noqa: BLE001 - a cache it cannot read tells nothing
+            return []
+
+    def _gain(self, family: str, signature: str, candidates: Mapping[str, RunFactory | None],
+              conservative: str) -> Gain | None:
+        """What measuring this decision is expected to save (``tfmx.tuning_prior.family_gain``)."""
+        try:
+            return family_gain(self._cached_decisions(), family, signature, candidates,
+                               conservative)
+        except Exception:  # noqa: BLE001 - figures it cannot read leave the share alone
+            return None
 
     def _deferred(self, family: str, signature: str, candidates: Mapping[str, RunFactory | None],
                   conservative: str, why: str) -> Decision:
@@ -289,13 +329,11 @@ class Tuner:
         conservative one; measured on a later run either way."""
         self.deferred += 1
         names = tuple(candidates)
-        prior = None
-        if self.cache is not None:
-            try:
-                prior = family_prior(self.cache.contents()["decisions"].values(), family,
-                                     signature, names, conservative)
-            except Exception:  # noqa: BLE001 - a cache it cannot read leaves Keras's form
-                prior = None
+        try:
+            prior = family_prior(self._cached_decisions(), family, signature, names,
+                                 conservative)
+        except Exception:  # noqa: BLE001 - figures it cannot read leave Keras's form
+            prior = None
         if prior is None:
             return Decision(family, signature, conservative, names, {}, f"conservative ({why})")
         return Decision(family, signature, prior.form, names, {}, "prior",
@@ -307,12 +345,13 @@ class Tuner:
         serial = plan.serial if plan is not None else None
         if serial != self._plan_serial:
             self._plan_serial, self._plan_spent = serial, 0.0
-            self._plan_step, self._plan_decisions = 0.0, 0
+            self._plan_step, self._plan_decisions, self._plan_waste = 0.0, 0, 0.0
 
-    def _plan_left(self) -> tuple[Callable[[float], float], Callable[[float], str]] | None:
-        """Within a planned fit (see ``tfmx.env.PLAN_SHARE``): a function from the time per call of
-        the decision's conservative form (0 before it is timed) to the seconds left to measure
-        in this fit, and one saying why there are none; None outside a fit (or without a
+    def _plan_left(self, gain: Gain | None = None, rounds_s: float = 0.0,
+                   forms: int = 2) -> _FitBudget | None:
+        """Within a planned fit (see ``tfmx.env.PLAN_SHARE``): what the fit leaves a decision to
+        measure, given what measuring it is expected to save (``gain``, see
+        :data:`GAIN_PAYBACK`) and its rounds' seconds; None outside a fit (or without a
         share)."""
         share = plan_share()
         plan = fit_plan.active_plan()
@@ -320,23 +359,78 @@ class Tuner:
             return None
         self._sync_plan()
         hint = (self.step_hint() if self.step_hint is not None else None) or 0.0
+        return _FitBudget(self, share, plan.steps, hint, gain, rounds_s, forms)
 
-        def step(call_s: float) -> float:
-            return max(self._plan_step + call_s, hint)
 
-        def allowed(call_s: float) -> float:
-            if call_s <= 0 and step(0.0) <= 0:
-                return math.inf  # nothing known yet: the conservative form's call will say
-            return share * plan.steps * step(call_s) - self._plan_spent
+@dataclasses.dataclass(frozen=True)
+class _FitBudget:
+    """What a planned fit of ``steps`` steps leaves one decision to measure: ``share`` of the
+    run, and beyond it what the decision is expected to save (``gain``, :data:`GAIN_PAYBACK`,
+    :data:`GAIN_CAP`). Amounts are functions of the decision's conservative form's time per
+    call (0 before it is timed)."""
 
-        def why(call_s: float) -> str:
-            how = ("known from a previous fit" if hint > 0 and hint >= self._plan_step + call_s
-                   else "the conservative forms measured in this fit")
-            return (f"measuring budget spent: {share:.0%} of the planned run, {plan.steps} "
-                    f"steps x {step(call_s) * 1e3:.1f} ms a step ({how}) = "
-                    f"{share * plan.steps * step(call_s):.2f} s; measured on a later run")
+    tuner: Tuner
+    share: float
+    steps: int
+    hint: float  # a step's time known from a previous fit of it (s), else 0
+    gain: Gain | None
+    rounds_s: float = 0.0  # the decision's timed rounds, after its candidates are built
+    forms: int = 2  # its candidates
 
-        return allowed, why
+    def step(self, call_s: float) -> float:
+        """The planned step's time known so far (s)."""
+        return max(self.tuner._plan_step + call_s, self.hint)
+
+    def share_left(self, call_s: float) -> float:
+        """Seconds the fit's share leaves (inf while nothing tells the step's time)."""
+        if call_s <= 0 and self.step(0.0) <= 0:
+            return math.inf  # nothing known yet: the conservative form's call will say
+        return self.share * self.steps * self.step(call_s) - self.tuner._plan_spent
+
+    def paying(self, call_s: float) -> float:
+        """Seconds a decision may spend building its candidates because of what it is
+        expected to save (its rounds' seconds are spent after)."""
+        if self.gain is None:
+            return -math.inf
+        cap = GAIN_CAP * self.steps * self.step(call_s) - self.tuner._plan_spent
+        rounds = min(self.rounds_s, MAX_ROUNDS * self.forms * call_s)
+        return min(GAIN_PAYBACK * self.gain.saving(call_s, self.steps), cap) - rounds
+
+    def allowed(self, call_s: float) -> float:
+        """Seconds this decision may spend measuring (``tfmx.timing.measure``'s allowance)."""
+        return max(self.share_left(call_s), self.paying(call_s))
+
+    def may_try(self) -> bool:
+        """Whether to start measuring: the share is not spent, or the family's figures say the
+        decision may pay for itself, the cap is not reached and starts that could not pay have
+        not used up the share."""
+        if self.share_left(0.0) > 0:
+            return True
+        if self.gain is None:
+            return False
+        run = self.steps * self.step(0.0)
+        return (GAIN_CAP * run > self.tuner._plan_spent
+                and self.share * run > self.tuner._plan_waste)
+
+    def bound(self) -> float:
+        """The most this fit may still spend measuring (for the first-run notice)."""
+        run = self.steps * self.step(0.0)
+        cap = GAIN_CAP * run if self.gain is not None else self.share * run
+        return max(self.share_left(0.0), cap - self.tuner._plan_spent)
+
+    def why(self, call_s: float) -> str:
+        """Why a decision is left unmeasured."""
+        step = self.step(call_s)
+        how = ("known from a previous fit"
+               if self.hint > 0 and self.hint >= self.tuner._plan_step + call_s
+               else "the conservative forms measured in this fit")
+        text = (f"measuring budget spent: {self.share * 100:g}% of the planned run, {self.steps} "
+                f"steps x {step * 1e3:.1f} ms a step ({how}) = "
+                f"{self.share * self.steps * step:.2f} s")
+        if self.gain is not None and call_s > 0:
+            text += (f"; {self.gain.describe()}: {self.gain.saving(call_s, self.steps):.2f} s "
+                     f"expected over the run, not enough to pay for measuring it")
+        return text + "; measured on a later run"
 
 
 def planned_steps() -> int | None:
@@ -426,8 +520,9 @@ def _outside_trace(timer: Timer, candidates: Mapping[str, RunFactory],
         return pool.submit(timed).result()
 
 
-__all__ = ["CODE_PACKAGES", "DECISION_SECONDS", "Decision", "MIN_ROUNDS", "MODES", "OverBudget",
-           "SIGNIFICANCE", "Timings", "Tuner", "TuningCache", "always_fused", "budget_seconds",
+__all__ = ["CODE_PACKAGES", "DECISION_SECONDS", "Decision", "GAIN_CAP", "GAIN_PAYBACK",
+           "MIN_ROUNDS", "MODES", "OverBudget", "SIGNIFICANCE", "Timings", "Tuner", "TuningCache",
+           "always_fused", "budget_seconds",
            "cache_dir", "code_digest", "export_cache", "fingerprint", "for_plan", "import_cache",
            "is_region", "measure", "plan_share", "planned_steps", "resolve_mode",
            "share_from_env", "sign_test", "sync", "within_noise"]

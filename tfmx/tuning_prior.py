@@ -90,12 +90,7 @@ def family_prior(decisions: Iterable[Mapping[str, Any]], family: str, signature:
     measured ``decisions`` (the tuning cache's records), or None where they say nothing firm
     (see module doc)."""
     names = frozenset(candidates)
-    dtypes = dtype_words(signature)
-    alike = [d for d in decisions
-             if d.get("family") == family and d.get("source", "measured") == "measured"
-             and frozenset(d.get("candidates") or ()) == names
-             and d.get("signature") != signature
-             and dtype_words(str(d.get("signature", ""))) == dtypes]
+    alike = _alike(decisions, family, signature, names)
     if len(alike) < PRIOR_MIN:
         return None
     form, won = Counter(str(d.get("choice")) for d in alike).most_common(1)[0]
@@ -117,4 +112,79 @@ def family_prior(decisions: Iterable[Mapping[str, Any]], family: str, signature:
     return Prior(form, won, len(alike), ratio, family)
 
 
-__all__ = ["PRIOR_AGREEMENT", "PRIOR_MIN", "Prior", "dtype_words", "family_prior"]
+@dataclasses.dataclass(frozen=True)
+class Gain:
+    """What measuring a family's decisions has saved on this machine: ``share``, the mean over
+    ``of`` measured decisions of the share of the conservative form's time their kept form
+    saved (0 where the conservative form was kept); ``build_s``, the median of their candidates'
+    first calls together (what building one decision's forms costs)."""
+
+    share: float
+    of: int
+    build_s: float
+    family: str = ""
+
+    def saving(self, call_s: float, steps: int) -> float:
+        """Seconds a decision whose conservative form takes ``call_s`` a call is expected to
+        save over ``steps`` steps once measured."""
+        return self.share * max(call_s, 0.0) * max(steps, 0)
+
+    def describe(self) -> str:
+        """One line for the report: the figures the expectation rests on."""
+        return (f"its {self.of} measured {self.family} decisions here saved "
+                f"{self.share:.0%} of the conservative form's time on average")
+
+
+def family_gain(decisions: Iterable[Mapping[str, Any]], family: str, signature: str,
+                candidates: Iterable[str], conservative: str) -> Gain | None:
+    """What measuring decision ``family``/``signature`` is expected to save, from the family's
+    measured ``decisions`` here (same candidates and dtypes, at least :data:`PRIOR_MIN`): the
+    tuner measures beyond its share of a fit where that pays (``tfmx.tuner``). None where too
+    few were measured.
+
+    >>> measured = [{"family": "adam", "signature": f"float32 {n}", "choice": c,
+    ...              "candidates": ["keras", "kernel"], "source": "measured",
+    ...              "times_ms": {"keras": 1.0, "kernel": k},
+    ...              "first_ms": {"keras": 90, "kernel": 110}}
+    ...             for n, c, k in ((8, "kernel", 0.6), (16, "keras", 1.2), (32, "kernel", 0.8))]
+    >>> gain = family_gain(measured, "adam", "float32 64", ("keras", "kernel"), "keras")
+    >>> round(gain.share, 2), gain.of, gain.build_s
+    (0.2, 3, 0.2)
+    >>> round(gain.saving(call_s=0.002, steps=1000), 3)
+    0.4
+    """
+    alike = _alike(decisions, family, signature, frozenset(candidates))
+    saved, builds = [], []
+    for d in alike:
+        times = d.get("times_ms") or {}
+        kept, base = times.get(d.get("choice")), times.get(conservative)
+        if not (_number(kept) and _number(base)) or base <= 0:
+            continue
+        saved.append(max(0.0, 1.0 - float(kept) / float(base)))
+        first = [float(v) for v in (d.get("first_ms") or {}).values() if _number(v)]
+        if first:
+            builds.append(sum(first) / 1e3)
+    if len(saved) < PRIOR_MIN:
+        return None
+    return Gain(statistics.fmean(saved), len(saved),
+                statistics.median(builds) if builds else 0.0, family)
+
+
+def _alike(decisions: Iterable[Mapping[str, Any]], family: str, signature: str,
+           names: frozenset[str]) -> list[Mapping[str, Any]]:
+    """The measured decisions of ``family`` between ``names`` with ``signature``'s dtypes, other
+    than ``signature`` itself."""
+    dtypes = dtype_words(signature)
+    return [d for d in decisions
+            if d.get("family") == family and d.get("source", "measured") == "measured"
+            and frozenset(d.get("candidates") or ()) == names
+            and d.get("signature") != signature
+            and dtype_words(str(d.get("signature", ""))) == dtypes]
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+__all__ = ["PRIOR_AGREEMENT", "PRIOR_MIN", "Gain", "Prior", "dtype_words", "family_gain",
+           "family_prior"]
