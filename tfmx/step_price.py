@@ -101,6 +101,8 @@ def learn_price(key: str, cache: Any = None, **figures: float | None) -> None:
         return
     new = {k: float(v) for k, v in figures.items()
            if v is not None and math.isfinite(float(v))
+           # zero: not measured (a first call, a median, ops), but for fused_deferred: every
+           # tuner decision measured, a figure that must replace an earlier provisional one
            and (float(v) > 0 or (k == "fused_deferred" and float(v) == 0))}
     if not new:
         return
@@ -250,6 +252,15 @@ def price_gate(figures: Mapping[str, float], calls: int | None,
         pays = math.floor(extra / per_call_s) + 1 if run == "stock" and per_call_s > 0 else 0
         return GateDecision(run, why, *expected, extra_s=extra, pays_from=pays)
 
+    def on_prior(outcome: GateDecision, prior: tuple[bool, str, int], why: str) -> GateDecision:
+        # tfmx where the gain expected on this machine's prior pays (pays_on_prior), else
+        # stock's ``outcome``, told the fit's length from which the prior pays where sooner
+        if prior[0]:
+            return verdict("tfmx", why)
+        if prior[2] and (not outcome.pays_from or prior[2] < outcome.pays_from):
+            return dataclasses.replace(outcome, pays_from=prior[2])
+        return outcome
+
     if stock_ms and fused_ms:
         saved = calls * (stock_ms - fused_ms) / 1e3
         steps = (f"the fit's {calls} calls ({saved:.2f} s: fused {fused_ms:.2f} ms, stock "
@@ -266,11 +277,7 @@ def price_gate(figures: Mapping[str, float], calls: int | None,
         prior = pays_on_prior(extra, calls, stock_ms, cache, "a step tuned to its end")
         left = (f"the fused step was measured with {deferred} of the tuner's decisions left "
                 "unmeasured")
-        if prior[0]:
-            return verdict("tfmx", f"{first}; {left}; {prior[1]}")
-        if prior[2] and (not outcome.pays_from or prior[2] < outcome.pays_from):
-            return dataclasses.replace(outcome, pays_from=prior[2])
-        return outcome
+        return on_prior(outcome, prior, f"{first}; {left}; {prior[1]}")
     known_ms = fused_ms or stock_ms
     whose = "stock's step not measured" if fused_ms else "the fused step not measured yet"
     run_s = calls * known_ms / 1e3
@@ -279,15 +286,11 @@ def price_gate(figures: Mapping[str, float], calls: int | None,
                                f"the planned ~{run_s:.1f} s); {whose}")
     prior = (pays_on_prior(extra, calls, stock_ms, cache) if stock_ms
              else (False, "", 0))
-    if prior[0]:
-        return verdict("tfmx", f"{first}; {prior[1]}")
     outcome = verdict("stock", f"{first}, more than the trial's budget ({share:.0%} of the "
                                f"planned ~{run_s:.1f} s), and {whose} to show a gain"
                                f"{'; ' + prior[1] if prior[1] else ''}: stock runs and is "
                                "measured", share * known_ms / 1e3)
-    if prior[2] and prior[2] < outcome.pays_from:
-        return dataclasses.replace(outcome, pays_from=prior[2])
-    return outcome
+    return on_prior(outcome, prior, f"{first}; {prior[1]}")
 
 
 _expected: dict[str, tuple[float, str]] = {}  # price key -> tfmx's first call, as estimated
