@@ -151,6 +151,22 @@ def what_holds(result: Mapping[str, Any] | None, model: str, state: str,
     return f"not profiled here: `{command.format(model=model)}`"
 
 
+def _floor_needed(result: Mapping[str, Any], best_ms: float | None) -> str:
+    """Where ``result`` has a contraction floor: how close to it tfmx's step must come to
+    meet the step target against a best alternative of ``best_ms``.
+
+    >>> _floor_needed({"floor": {"ms": 36.0}}, 45.0)
+    '; meeting it needs tfmx within 1.062 x the contraction floor (36.00 ms)'
+    >>> _floor_needed({}, 45.0)
+    ''
+    """
+    floor = _floor_of(result)
+    if floor is None or not best_ms:
+        return ""
+    return (f"; meeting it needs tfmx within {STEP_VS_BEST * best_ms / floor['ms']:.3f} x the "
+            f"contraction floor ({floor['ms']:.2f} ms)")
+
+
 def _over(value: float, target: float) -> str:
     gap = value - target
     return f"{gap:.3f} over {target:g}" if gap >= 0.0005 else f"under 0.001 over {target:g}"
@@ -201,7 +217,8 @@ def step_targets(results: Sequence[Mapping[str, Any]], composites: Sequence[Mapp
             named = f"{'XLA' if alt['mode'] == 'xla' else alt['mode']} {alt['onednn']}"
             best[1].append(f"{name}: {ratio:.3f} x best ({named}), "
                            f"{_over(ratio, STEP_VS_BEST)}; what holds the time: "
-                           f"{what_holds(result, first['model'], state, env, composites)}")
+                           f"{what_holds(result, first['model'], state, env, composites)}"
+                           f"{_floor_needed(result, alt.get('ms'))}")
         if not is_transformer(first["model"]):
             continue
         transformers += 1

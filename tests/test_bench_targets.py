@@ -82,7 +82,8 @@ def test_a_composite_record_of_the_same_processor_names_the_largest_patterns(tmp
     text = targets.format_targets(records(tmp_path, llama), [found])
     assert ("- zoo_llama: 1.027 x best (XLA on), 0.177 over 0.85; what holds the time: "
             "composite grouped query attention 20.6%, SwiGLU 11.2%, RMSNorm 10.6% of tfmx's step "
-            "(profiled 2026-01-02)") in lines(text)
+            "(profiled 2026-01-02); meeting it needs tfmx within 1.077 x the contraction floor "
+            "(30.00 ms)") in lines(text)
     assert "rotary" not in text  # the three largest only
     # the floor target's miss names the same patterns, not its own figure again
     assert ("- zoo_llama: 1.300 x the floor, under 0.001 over 1.3; what holds the time: "
@@ -97,7 +98,8 @@ def test_a_composite_record_of_another_processor_or_state_is_not_used(tmp_path, 
     text = targets.format_targets(records(tmp_path, llama), [elsewhere])
     assert "RMSNorm" not in text
     assert ("- zoo_llama: 1.027 x best (XLA on), 0.177 over 0.85; what holds the time: "
-            "contractions 75.0% of stock's profiled step, tfmx 1.300 x that floor") in lines(text)
+            "contractions 75.0% of stock's profiled step, tfmx 1.300 x that floor; meeting it "
+            "needs tfmx within 1.077 x the contraction floor (30.00 ms)") in lines(text)
 
 
 def test_without_composite_or_floor_a_zoo_model_gets_the_composite_command(tmp_path):
