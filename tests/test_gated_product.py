@@ -392,6 +392,28 @@ def test_a_failing_stage_on_llama_trains_as_stock(monkeypatch):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
 
 
+def test_a_product_failing_after_its_activation_was_taken_leaves_the_activations_count(
+        monkeypatch):
+    """The failure raised once the activation's ops were marked for removal: the activation
+    stays in the step, read by Keras's product, and the swish stage counts its form fused and
+    observed, not taken into a product."""
+    build, x, y = _user_model(ways=("operator",), alone=False)
+    supersede = stage._supersede
+
+    def broken(product):
+        supersede(product)
+        raise InjectedFault("gated_product: injected failure at emit")
+
+    monkeypatch.setattr(stage, "_supersede", broken)
+    models, initial = fit_stock_and_tfmx(build, x, y, [FAMILY, "swish"], strict=False)
+    gated, swish = (tfmx.report().patterns[name] for name in (FAMILY, "swish"))
+    assert gated.fused == 0 and "injected failure" in gated.errors[0], gated.as_dict()
+    label = "swish: closed-form derivative, sigmoid kept (custom gradient)"
+    assert swish.fused_kinds == {label: 1} and not swish.declined, swish.as_dict()
+    assert swish.observed[label] == 1, swish.as_dict()
+    assert_models_within_rounding(models[False], models[True], initial, FIT_TERMS)
+
+
 class _Broadcast(Gated):
     """``up`` averaged over the tokens: one row per example, broadcast over them."""
 

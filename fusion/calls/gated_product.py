@@ -355,14 +355,14 @@ def _taken(stats: PatternStats, reason: str) -> None:
 def _supersede(product: Product) -> None:
     """The activation call's ops, and the casts between it and the product, taken out of the
     step (read by nobody now: ``fusion.transaction.without_abandoned`` keeps any a kept op
-    reads), held apart from the failed stage attempts' ops; its stage's count of it moved to
-    its declines."""
+    reads), held apart from the failed stage attempts' ops. Its stage's count of it is moved
+    to its declines once the product's call has returned (:func:`fused_product`): where it
+    fails after this, the activation stays, read by Keras's product, and counted as its stage
+    emitted it."""
     graph = product.gate.out.graph
     held = trace_state.of(graph, create=True).superseded
     held.update(product.gate.made)
     held.update(op.name for op in product.between)
-    for stats in product.gate.stats:
-        _taken(stats, f"taken into its product with up ({FAMILY})")
 
 
 def _noted(ctx: StageContext, call: Callable[[], Any], x: Any, kind: str) -> Any:
@@ -439,13 +439,19 @@ def fused_product(ctx: StageContext, original: Callable, a: Any, b: Any, *rest: 
         else:
             out = next(fn for known, fn in forms.items() if known.name == form.name)(gate, up)
         _supersede(product)
+        taken.append(product.gate)
         return out
 
-    return rewrite_call(ctx, CallSite(
+    taken: list[Gate] = []
+    out = rewrite_call(ctx, CallSite(
         DECLARED, tuple(forms), keras=lambda: original(a, b, *rest, **kwargs), emit=emit,
         what=f"gated product ({kind})", why=why, dtype=up.dtype, candidates=candidates,
         signature=lambda: (f"gated product {kind} gate {shape_text(gate.shape)} "
                            f"{gate.dtype.name} up {shape_text(up.shape)} {up.dtype.name}")))
+    for noted in taken:
+        for stats in noted.stats:
+            _taken(stats, f"taken into its product with up ({FAMILY})")
+    return out
 
 
 # -- declaration ----------------------------------------------------------------------------------
