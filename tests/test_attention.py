@@ -117,6 +117,28 @@ def test_fit_matches_stock_with_batched_matmuls_in_the_graph_that_ran(monkeypatc
     _assert_weights_within(models, FIT)
 
 
+def test_timing_the_dropout_forms_leaves_the_layers_random_stream_where_it_was():
+    """The tuner's candidates (Keras's attention and the dropout form, training) draw their
+    masks from a fixed seed: timing them never moves the layer's seed generator, so a fit
+    whose decision is measured draws the stock fit's masks."""
+    tfmx.disable()
+    layer = keras.layers.MultiHeadAttention(HEADS, KEY_DIM, dropout=0.5, seed=3)
+    layer(np.zeros((2, T, D), "float32"), np.zeros((2, T, D), "float32"))
+    shape = [2, T, HEADS, KEY_DIM]
+    candidates = stage._candidates(None, layer,
+                                   keras.layers.MultiHeadAttention._compute_attention,
+                                   [shape] * 3, tf.float32, False, [stage.BMM_DROPOUT])
+    seed = layer._dropout_layer.seed_generator
+    before = seed.state.numpy()
+    assert set(candidates) == {stage.CONSERVATIVE.name, stage.BMM_DROPOUT.name}
+    for make in candidates.values():
+        run = make()
+        run()
+        run()
+    np.testing.assert_array_equal(seed.state.numpy(), before)
+    assert layer._dropout_layer.seed_generator is seed
+
+
 def test_forms_match_keras_dot_product_attention_and_its_gradient():
     _dot_product_attention_xla = private_api.get("keras.dot_product_attention_xla")
 

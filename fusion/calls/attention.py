@@ -51,8 +51,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -334,15 +335,35 @@ def _candidates(ctx: StageContext, layer: Any, original: Callable, shapes: list,
     by XLA as one region where XLA may run."""
 
     def forward(form: Form | None) -> Callable[..., Any]:
-        if form is None:
-            return lambda q, k, v: original(layer, q, k, v, None, True, False, causal)[0]
-        return lambda q, k, v: _emit(form, layer, q, k, v, None, True, causal)
+        def run(q: Any, k: Any, v: Any) -> Any:
+            with _stand_in_seed(layer):
+                if form is None:
+                    return original(layer, q, k, v, None, True, False, causal)[0]
+                return _emit(form, layer, q, k, v, None, True, causal)
+
+        return run
 
     timed = {name: timed_form(forward(form), shapes, dtype)
              for name, form in ((CONSERVATIVE.name, None), *((f.name, f) for f in forms))}
     if BMM_DROPOUT in forms:
         return timed
     return with_xla(ctx, timed, xla_region(forward(None)), shapes, dtype)
+
+
+@contextlib.contextmanager
+def _stand_in_seed(layer: Any) -> Iterator[None]:
+    """While a tuner candidate is traced in a function of its own: the layer's dropout draws
+    its mask from a fixed seed (the same kernels), never from the layer's seed generator, whose
+    state each timed run would move on (the training's random stream would no longer be the
+    stock one). A :func:`fusion.patches.temporarily` swap, undone on the way out."""
+    from fusion import patches
+
+    dropout = getattr(layer, "_dropout_layer", None)
+    if dropout is None or not hasattr(dropout, "seed_generator"):
+        yield
+        return
+    with patches.temporarily(dropout, "seed_generator", 1):
+        yield
 
 
 def _xla(layer: Any, original: Callable, query: Any, key: Any, value: Any, mask: Any,
