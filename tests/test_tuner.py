@@ -555,3 +555,25 @@ def test_a_decision_that_cannot_pay_for_its_measuring_is_left_and_the_attempt_co
         assert d.source == "prior" and "not enough to pay for measuring it" in d.why(), d.why()
     assert untried.source == "prior" and "not enough to pay" not in untried.why()
     assert TuningCache.for_backend("cpu").get("paying|float32 64") is None
+
+
+def test_a_fits_allowance_measures_the_forms_it_covers_and_leaves_the_regions_for_later(
+        cache_dir):
+    """A fit whose share covers building Keras's form and one kernel form but not an XLA
+    region: the two are measured and the faster kept, the region left out (named in the note);
+    the partial decision is reused by a later fit and completed where no fit bounds it."""
+    forms = {"xla": _sleeping(0.0005, build=0.06), "stock": _sleeping(0.002, build=0.06),
+             "fast": _sleeping(0.001, build=0.06)}
+    tuner = Tuner("auto", TuningCache.for_backend("cpu"))
+    tuner.step_hint = lambda: 0.0075  # 2% of 1000 steps x 7.5 ms: 0.15 s, two builds' worth
+    with fit_plan.fitting(10, 100):
+        d = tuner.choose("f", "float32 8", forms, "stock")
+    assert (d.source, d.choice, set(d.times_ms)) == ("measured", "fast", {"stock", "fast"})
+    assert "not measured: xla (building them would take it past this fit's allowance" in d.note
+    assert tuner_mod.is_partial(d)
+    later = Tuner("auto", TuningCache.for_backend("cpu"), _fail)
+    with fit_plan.fitting(10, 100):
+        assert later.choose("f", "float32 8", forms, "stock").source == "cached"
+    whole = Tuner("auto", TuningCache.for_backend("cpu")).choose("f", "float32 8", forms, "stock")
+    assert (whole.source, set(whole.times_ms)) == ("measured", {"stock", "fast", "xla"})
+    assert whole.choice in ("fast", "xla") and not tuner_mod.is_partial(whole)

@@ -86,13 +86,16 @@ class Timings(dict):
     """Median seconds per candidate (the dict), and every round's sample of each
     (``samples[name][i]``: round ``i``, the rounds of all candidates aligned), so that a choice
     can be tested against the noise (:func:`sign_test`); ``first``: each candidate's first
-    call in seconds (building it and running it once), where measured."""
+    call in seconds (building it and running it once), where measured; ``skipped``: the
+    candidates left out for the allowance (:func:`measure`'s ``partial``)."""
 
     def __init__(self, samples: Mapping[str, list[float]],
-                 first: Mapping[str, float] | None = None) -> None:
+                 first: Mapping[str, float] | None = None,
+                 skipped: list[str] | None = None) -> None:
         super().__init__({name: statistics.median(s) for name, s in samples.items()})
         self.samples = {name: list(s) for name, s in samples.items()}
         self.first = dict(first or {})
+        self.skipped = list(skipped or [])
 
 
 def sign_test(wins: int, rounds: int) -> float:
@@ -165,7 +168,8 @@ class OverBudget(Exception):
 
 
 def measure(candidates: Mapping[str, RunFactory], seconds: float,
-            allowance: Callable[[float], float] | None = None) -> Timings:
+            allowance: Callable[[float], float] | None = None,
+            partial: bool = False) -> Timings:
     """Median seconds per candidate, with every round's samples (:class:`Timings`): each is
     built and run once (graph optimization, first-run allocation: its first call, timed apart
     in ``first``), then the candidates run interleaved (order rotated every round) for
@@ -174,7 +178,9 @@ def measure(candidates: Mapping[str, RunFactory], seconds: float,
     ``allowance`` bounds what building the candidates may take: called with the first
     candidate's time per call (timed once more after its first call), it returns the seconds
     the decision may spend; a candidate whose build (expected to take as long as the longest
-    so far) would take it past them is not built, and :class:`OverBudget` is raised.
+    so far) would take it past them is not built, and :class:`OverBudget` is raised; with
+    ``partial``, once two candidates are built the others that would take it past them are
+    left out instead (``Timings.skipped``, in ``candidates``' order: put the costliest last).
 
     >>> import time
     >>> t = measure({"fast": lambda: (lambda: None), "slow": lambda: (lambda: time.sleep(0.002))},
@@ -187,13 +193,16 @@ def measure(candidates: Mapping[str, RunFactory], seconds: float,
     ...
     tfmx.timing.OverBudget: building the candidates would take ~0.0... s, over the 0.00 s allowed
     """
-    runs, first = {}, {}
+    runs, first, skipped = {}, {}, []
     start = time.perf_counter()
     limit, call_s = math.inf, 0.0
     for name, factory in candidates.items():
         spent = time.perf_counter() - start
         expected = spent + max(first.values(), default=0.0)
         if first and expected > limit:
+            if partial and len(first) >= 2:
+                skipped = [n for n in candidates if n not in first]
+                break
             raise OverBudget(f"building the candidates would take ~{expected:.2f} s, over the "
                              f"{max(limit, 0.0):.2f} s allowed", call_s)
         t0 = time.perf_counter()
@@ -215,7 +224,7 @@ def measure(candidates: Mapping[str, RunFactory], seconds: float,
             runs[name]()
             samples[name].append(time.perf_counter() - t0)
         rounds += 1
-    return Timings(samples, first)
+    return Timings(samples, first, skipped)
 
 
 __all__ = ["MAX_ROUNDS", "MIN_ROUNDS", "NOISE_FLOOR", "SIGNIFICANCE", "OverBudget", "RunFactory",

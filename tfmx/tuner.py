@@ -229,8 +229,10 @@ class Tuner:
             return fallback(self.off_reason)
         if self.cache is not None:
             cached = self.cache.get(f"{family}|{signature}")
-            # a decision made between other forms (a newer tfmx offers more) is made again
-            if cached is not None and set(cached.candidates) == set(candidates):
+            # a decision made between other forms (a newer tfmx offers more) is made again, and
+            # one a fit's allowance left partial is completed where no fit's share bounds it
+            if (cached is not None and set(cached.candidates) == set(candidates)
+                    and not (is_partial(cached) and self._unbounded())):
                 return cached
         if self.mode == "cached":
             return fallback("not in the cache; tune=cached")
@@ -248,10 +250,12 @@ class Tuner:
             if not planned.may_try():
                 return self._deferred(family, signature, candidates, conservative,
                                       planned.why(0.0))
-            if timer is measure:  # conservative form first: its call time sizes the run
-                timer = functools.partial(measure, allowance=planned.allowed)
+            if timer is measure:  # conservative form first: its call time sizes the run;
+                # XLA regions (the costliest builds) last: left out where the allowance ends
+                timer = functools.partial(measure, allowance=planned.allowed, partial=True)
+                others = sorted((n for n in candidates if n != conservative), key=is_region)
                 timed = {conservative: candidates[conservative],
-                         **{n: f for n, f in candidates.items() if n != conservative}}
+                         **{n: candidates[n] for n in others}}
         if self._depth == 0:  # the first measuring of a fit says so once (tfmx.notice)
             bound = planned.bound() if planned is not None else math.inf
             announce(fit_key("tuner"), None, min(left, bound), bound=True)
@@ -260,7 +264,7 @@ class Tuner:
         self._depth += 1  # a decision made while building another's candidates is nested
         try:
             seconds = _outside_trace(timer, timed, rounds_s)
-            times = {n: float(seconds[n]) * 1e3 for n in names}
+            times = {n: float(seconds[n]) * 1e3 for n in names if n in seconds}
         except OverBudget as exc:  # the conservative form's call still tells of the step
             stopped = True
             self._plan_step += exc.call_s
@@ -280,9 +284,13 @@ class Tuner:
                  if n in candidates}
         # Ties go to the conservative form; otherwise the fastest median wins, if it won
         # enough of its rounds against the conservative form to be more than noise.
-        best = min(names, key=lambda n: (times[n], n != conservative))
+        best = min(times, key=lambda n: (times[n], n != conservative))
         notes = []
-        kernels = [n for n in names if not is_region(n)]
+        skipped = getattr(seconds, "skipped", [])
+        if skipped:
+            notes.append(f"not measured: {', '.join(skipped)} (building them would take it past "
+                         "this fit's allowance; measured where no fit's share bounds it)")
+        kernels = [n for n in times if not is_region(n)]
         if is_region(best) and kernels:
             rival = min(kernels, key=lambda n: (times[n], n != conservative))
             noise = within_noise(seconds, best, rival)
@@ -303,6 +311,12 @@ class Tuner:
         if self.cache is not None:
             self.cache.put(decision)
         return decision
+
+    def _unbounded(self) -> bool:
+        """Whether measuring is bounded by the budget alone: no planned fit's share
+        (``tfmx.env.PLAN_SHARE``) applies, or ``fuse="always"``."""
+        plan = fit_plan.active_plan()
+        return (self.fused or plan_share() is None or plan is None or not plan.steps)
 
     def _cached_decisions(self) -> list[Mapping[str, object]]:
         """The cache's decisions as records (none without a cache or where it cannot be read)."""
@@ -433,6 +447,18 @@ class _FitBudget:
         return text + "; measured on a later run"
 
 
+def is_partial(decision: Decision) -> bool:
+    """Whether ``decision`` was measured between some of its candidates only (a fit's
+    allowance left the others out).
+
+    >>> is_partial(Decision("f", "s", "a", ("a", "b", "xla"), {"a": 1.0, "b": 0.9}))
+    True
+    >>> is_partial(Decision("f", "s", "a", ("a", "b"), {}, "conservative (tune=off)"))
+    False
+    """
+    return bool(decision.times_ms) and not set(decision.candidates) <= set(decision.times_ms)
+
+
 def planned_steps() -> int | None:
     """The steps the ``fit`` under way plans (``tfmx.fit_plan.active_plan``), None outside one.
 
@@ -524,5 +550,5 @@ __all__ = ["CODE_PACKAGES", "DECISION_SECONDS", "Decision", "GAIN_CAP", "GAIN_PA
            "MIN_ROUNDS", "MODES", "OverBudget", "SIGNIFICANCE", "Timings", "Tuner", "TuningCache",
            "always_fused", "budget_seconds",
            "cache_dir", "code_digest", "export_cache", "fingerprint", "for_plan", "import_cache",
-           "is_region", "measure", "plan_share", "planned_steps", "resolve_mode",
+           "is_partial", "is_region", "measure", "plan_share", "planned_steps", "resolve_mode",
            "share_from_env", "sign_test", "sync", "within_noise"]
