@@ -131,6 +131,11 @@ XLA = "xla"  # the name of the XLA-compiled form of a region among a decision's 
 XLA_CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})  # how a region is called
 
 
+REGION_NAME = "tfmx_xla_region"
+"""The Python name of every :func:`xla_region`'s traced function: its FunctionDef's name (and
+its gradient's) holds it, so the graph passes tell tfmx's own XLA forms from the user's."""
+
+
 def xla_region(fn: Callable[..., Any], bfloat16_bits: bool = False) -> Callable[..., Any]:
     """``fn`` as one function compiled by XLA (``jit_compile=True``; TensorFlow compiles its
     gradient function too), traced with no stage active: XLA fuses the region itself, and
@@ -158,6 +163,7 @@ def xla_region(fn: Callable[..., Any], bfloat16_bits: bool = False) -> Callable[
             out = fn(*args)
         return tf.nest.map_structure(edges.encoded, out) if edges else out
 
+    body.__name__ = REGION_NAME  # its functions' names (and its gradient's) hold it
     compiled = tf.function(body, jit_compile=True, autograph=False)
     if edges is None:
         return compiled

@@ -229,7 +229,12 @@ XLA_REASON = ("in a function XLA must compile (jit_compile=True, as Keras compil
 def _left_to_xla(fdef: function_pb2.FunctionDef, selected: list[Family],
                  stats: dict[str, PatternStats]) -> None:
     """Each family whose anchor ops a function XLA must compile holds declines them there,
-    with :data:`XLA_REASON`."""
+    with :data:`XLA_REASON`; a region that is one of tfmx's own XLA forms
+    (:func:`fusion.forms.xla_region`) is its family's fused form, no other family's decline."""
+    from fusion.forms import REGION_NAME
+
+    if REGION_NAME in fdef.signature.name:
+        return
     ops = {n.op for n in fdef.node_def}
     for pattern in selected:
         found = sorted(ops & pattern.anchors)

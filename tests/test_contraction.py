@@ -564,3 +564,27 @@ def test_a_contraction_in_a_function_xla_must_compile_is_declined_with_the_reaso
     assert any(d.startswith("Conv2D in a function XLA must compile") for d in declined), declined
     (fdef,) = [f for f in result.graph_def.library.function if "grouped" in f.signature.name]
     assert [n.op for n in fdef.node_def if n.op.startswith("_Fused")] == []
+
+
+def test_a_region_of_tfmx_own_xla_forms_is_no_decline(cpu):
+    """A region tfmx itself compiles with XLA (a family's fused form, and its gradient) is
+    that family's: the contraction pass leaves it as it is without declining its ops."""
+    from fusion.forms import xla_region
+
+    region = xla_region(lambda x, w: tf.nn.conv2d(x, w, 1, "SAME"))
+
+    @tf.function(autograph=False)
+    def f(x, w, b):
+        with tf.GradientTape() as tape:
+            tape.watch(w)
+            y = tf.nn.relu(tf.nn.bias_add(region(x, w), b))
+        return y, tape.gradient(y, w)
+
+    concrete = f.get_concrete_function(X4, W4, B3)
+    result = fusion.rewrite(concrete.graph.as_graph_def(add_shapes=True), cpu, ["contraction"],
+                            protected_names(concrete))
+    assert not any("XLA must compile" in d for d in result.stats["contraction"].declined), \
+        result.stats["contraction"].declined
+    compiled = [f for f in result.graph_def.library.function if f.attr["_XlaMustCompile"].b]
+    assert compiled and all("Conv2D" in {n.op for n in f.node_def} or "Conv2DBackpropFilter"
+                            in {n.op for n in f.node_def} for f in compiled)
