@@ -268,9 +268,10 @@ def report(reset: bool = False) -> Report:
     >>> isinstance(tfmx.report(), tfmx.Report)
     True
     """
-    from tfmx import state
+    from tfmx import epoch_data, state
 
     current = state.report()
+    epoch_data.note(current, refresh=True)  # deletions that ended after the fit
     if reset:
         state.reset_report()
     return current

@@ -179,15 +179,22 @@ def released(dataset: Any) -> Any:
     return ReleasedDataset(dataset) if on else dataset
 
 
-def note(report: Any, releaser: Releaser | None = None) -> None:
-    """Say in ``report`` (a ``tfmx.reporting.Report``) what the releaser did so far."""
+def note(report: Any, releaser: Releaser | None = None, refresh: bool = False) -> None:
+    """Say in ``report`` (a ``tfmx.reporting.Report``) what the releaser did so far: at a
+    fit's end (its iterators may still be held, their deletions under way), or with
+    ``refresh`` where ``report`` already says it (its figures brought up to date)."""
     releaser = releaser or _RELEASER
-    if not releaser.released or report is None:
+    if report is None:
+        return
+    said = [n for n in report.notes if n.startswith(NOTE)]
+    held = releaser.pending()
+    if (refresh and not said) or not (releaser.released or held):
         return
     report.notes[:] = [n for n in report.notes if not n.startswith(NOTE)]
+    more = f", {held} more held to be deleted there" if held else ""
     report.note(f"{NOTE}{releaser.released} tf.data iterator(s) Keras dropped were deleted on "
-                f"a thread of their own, {releaser.seconds:.2f} s the fit did not wait for "
-                f"(the longest {releaser.longest:.2f} s; {ENV_RELEASE}=0 deletes them where "
+                f"a thread of their own{more}, {releaser.seconds:.2f} s the fit did not wait "
+                f"for (the longest {releaser.longest:.2f} s; {ENV_RELEASE}=0 deletes them where "
                 "Keras drops them)")
 
 
