@@ -26,6 +26,7 @@ from typing import Any
 import tensorflow as tf
 
 from fusion import private_api
+from fusion.pattern import REGION_NAME
 from fusion.stage_context import StageContext, active, tracing
 
 
@@ -129,11 +130,6 @@ def timed_form(forward: Callable[..., Any], shapes: list, dtype: Any, variables:
 
 XLA = "xla"  # the name of the XLA-compiled form of a region among a decision's candidates
 XLA_CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})  # how a region is called
-
-
-REGION_NAME = "tfmx_xla_region"
-"""The Python name of every :func:`xla_region`'s traced function: its FunctionDef's name (and
-its gradient's) holds it, so the graph passes tell tfmx's own XLA forms from the user's."""
 
 
 def xla_region(fn: Callable[..., Any], bfloat16_bits: bool = False) -> Callable[..., Any]:

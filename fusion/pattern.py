@@ -23,6 +23,11 @@ from typing import Protocol, TypeVar
 
 from fusion.graph import GraphView
 
+REGION_NAME = "tfmx_xla_region"
+"""The Python name of every ``fusion.forms.xla_region``'s traced function: its FunctionDef's
+name (and its gradient's) holds it, so the graph passes tell tfmx's own XLA forms from the
+user's."""
+
 C = TypeVar("C")
 
 

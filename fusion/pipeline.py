@@ -33,6 +33,7 @@ from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2, n
 from fusion.family import Family, passes
 from fusion.graph import FunctionBody, GraphView
 from fusion.pattern import (
+    REGION_NAME,
     Chooser,
     PatternStats,
     RewriteAlways,
@@ -231,8 +232,6 @@ def _left_to_xla(fdef: function_pb2.FunctionDef, selected: list[Family],
     """Each family whose anchor ops a function XLA must compile holds declines them there,
     with :data:`XLA_REASON`; a region that is one of tfmx's own XLA forms
     (:func:`fusion.forms.xla_region`) is its family's fused form, no other family's decline."""
-    from fusion.forms import REGION_NAME
-
     if REGION_NAME in fdef.signature.name:
         return
     ops = {n.op for n in fdef.node_def}
