@@ -140,8 +140,8 @@ def abandoned(graph: Any) -> frozenset[str]:
 
 def superseded(graph: Any) -> frozenset[str]:
     """The names of the ops in ``graph`` (a FuncGraph) that a stage took over from an earlier
-    call (``fusion.trace_state.TraceState.superseded``), kept apart from the failed attempts'
-    (:func:`abandoned`); :func:`without_abandoned` takes both out of the step.
+    call (its ``superseded`` set in ``fusion.trace_state.TraceState``), kept apart from the
+    failed attempts' (:func:`abandoned`); :func:`without_abandoned` takes both out of the step.
 
     >>> import tensorflow as tf
     >>> from fusion import trace_state
