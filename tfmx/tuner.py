@@ -315,8 +315,7 @@ class Tuner:
     def _unbounded(self) -> bool:
         """Whether measuring is bounded by the budget alone: no planned fit's share
         (``tfmx.env.PLAN_SHARE``) applies, or ``fuse="always"``."""
-        plan = fit_plan.active_plan()
-        return (self.fused or plan_share() is None or plan is None or not plan.steps)
+        return self.fused or self._plan_left() is None
 
     def _cached_decisions(self) -> list[Mapping[str, object]]:
         """The cache's decisions as records (none without a cache or where it cannot be read)."""
