@@ -102,7 +102,7 @@ def family_prior(decisions: Iterable[Mapping[str, Any]], family: str, signature:
     for d in alike:
         times = d.get("times_ms") or {}
         mine, theirs = times.get(form), times.get(conservative)
-        if isinstance(mine, (int, float)) and isinstance(theirs, (int, float)) and theirs > 0:
+        if _number(mine) and _number(theirs) and theirs > 0:
             ratios.append(math.log(max(float(mine), 1e-9) / float(theirs)))
     if not ratios:
         return None
@@ -116,12 +116,10 @@ def family_prior(decisions: Iterable[Mapping[str, Any]], family: str, signature:
 class Gain:
     """What measuring a family's decisions has saved on this machine: ``share``, the mean over
     ``of`` measured decisions of the share of the conservative form's time their kept form
-    saved (0 where the conservative form was kept); ``build_s``, the median of their candidates'
-    first calls together (what building one decision's forms costs)."""
+    saved (0 where the conservative form was kept)."""
 
     share: float
     of: int
-    build_s: float
     family: str = ""
 
     def saving(self, call_s: float, steps: int) -> float:
@@ -144,30 +142,25 @@ def family_gain(decisions: Iterable[Mapping[str, Any]], family: str, signature: 
 
     >>> measured = [{"family": "adam", "signature": f"float32 {n}", "choice": c,
     ...              "candidates": ["keras", "kernel"], "source": "measured",
-    ...              "times_ms": {"keras": 1.0, "kernel": k},
-    ...              "first_ms": {"keras": 90, "kernel": 110}}
+    ...              "times_ms": {"keras": 1.0, "kernel": k}}
     ...             for n, c, k in ((8, "kernel", 0.6), (16, "keras", 1.2), (32, "kernel", 0.8))]
     >>> gain = family_gain(measured, "adam", "float32 64", ("keras", "kernel"), "keras")
-    >>> round(gain.share, 2), gain.of, gain.build_s
-    (0.2, 3, 0.2)
+    >>> round(gain.share, 2), gain.of
+    (0.2, 3)
     >>> round(gain.saving(call_s=0.002, steps=1000), 3)
     0.4
     """
     alike = _alike(decisions, family, signature, frozenset(candidates))
-    saved, builds = [], []
+    saved = []
     for d in alike:
         times = d.get("times_ms") or {}
         kept, base = times.get(d.get("choice")), times.get(conservative)
         if not (_number(kept) and _number(base)) or base <= 0:
             continue
         saved.append(max(0.0, 1.0 - float(kept) / float(base)))
-        first = [float(v) for v in (d.get("first_ms") or {}).values() if _number(v)]
-        if first:
-            builds.append(sum(first) / 1e3)
     if len(saved) < PRIOR_MIN:
         return None
-    return Gain(statistics.fmean(saved), len(saved),
-                statistics.median(builds) if builds else 0.0, family)
+    return Gain(statistics.fmean(saved), len(saved), family)
 
 
 def _alike(decisions: Iterable[Mapping[str, Any]], family: str, signature: str,
