@@ -792,8 +792,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ...
     SystemExit: not a zoo workload: 'mlp'; choose from ['zoo_mobilenet_v3_small', \
 'zoo_efficientnet_b0', 'zoo_convnext_tiny', 'zoo_densenet121', 'zoo_efficientnet_v2_b0', \
-'zoo_resnet50_v2', 'zoo_bert', 'zoo_gpt2', 'zoo_llama', 'zoo_mixtral', 'zoo_qwen_moe', \
-'zoo_gemma', 'zoo_qwen3'] or 'zoo'
+'zoo_resnet50_v2', 'zoo_xception', 'zoo_bert', 'zoo_gpt2', 'zoo_llama', 'zoo_mixtral', \
+'zoo_qwen_moe', 'zoo_gemma', 'zoo_qwen3'] or 'zoo'
     """
     from bench.workloads import expand_models
 

@@ -5,7 +5,7 @@ Each :class:`ZooModel` builds at two sizes:
 
 - ``"bench"``: the published architecture (``keras.applications.MobileNetV3Small``,
   ``EfficientNetB0``, ``ConvNeXtTiny``, ``DenseNet121``, ``EfficientNetV2B0``,
-  ``ResNet50V2``) at a small input, or a keras_hub
+  ``ResNet50V2``, ``Xception``) at a small input, or a keras_hub
   backbone configured small (2 layers, width 128, 64 tokens). ``tfmx bench --model zoo``
   measures these (:mod:`bench.workloads` registers them as workloads ``zoo_<name>``).
 - ``"tiny"``: the same building blocks, as few as show each kind once, at a tiny input: the
@@ -29,6 +29,10 @@ What each brings that tfmx's own workloads do not:
   input normalized once for both the shortcut and the residual branch), a residual Add of two
   biased convolutions (the 1x1 convolution shortcut and the branch's last 1x1), 1x1 max-pool
   shortcuts on the stride-2 blocks, a BN-ReLU after the last block.
+- ``xception``: separable convolutions (``SeparableConv2D``: a 3x3 depthwise convolution, then a
+  pointwise 1x1 projection, no bias) each followed by batch norm, ReLU between them, residual
+  Adds of strided 1x1 convolution shortcuts, max pooling. Keras writes its blocks inline, so
+  the tiny size is the whole network at its smallest input (71 x 71).
 - ``bert``: keras_hub's BertBackbone: token, position and segment embeddings, post-norm
   TransformerEncoder blocks (attention with a padding mask, LayerNorm, GELU feed-forward).
 - ``gpt2``: keras_hub's GPT2Backbone: pre-norm causal TransformerDecoder blocks.
@@ -262,6 +266,14 @@ def _resnet50_v2(size: str, num_classes: int) -> Any:
     return _cnn("resnet50_v2", size, num_classes, "ResNet50V2", tiny)
 
 
+def _xception(size: str, num_classes: int) -> Any:
+    import keras
+
+    # Keras writes Xception's blocks inline (no builder of fewer blocks): the whole network at
+    # both sizes, the tiny one at the smallest input it takes
+    return _cnn("xception", size, num_classes, "Xception", keras.applications.Xception)
+
+
 # -- transformer backbones: keras_hub ------------------------------------------------------------
 # (layers, heads, key/value heads, width, feed-forward width) per size
 _TRANSFORMER_SIZES = {"bench": (2, 4, 2, 128, 512), "tiny": (1, 2, 1, 16, 32)}
@@ -342,10 +354,11 @@ def _qwen3(size: str, num_classes: int) -> Any:
 
 def _application(name: str, cls: str, side: int, what: str,
                  builder: Callable[[str, int], Any], families: tuple[str, ...],
-                 composite: tuple[str, ...], batch_size: int = 16, rounds: int = 6) -> ZooModel:
-    """A keras.applications CNN's entry: ``side`` x ``side`` x 3 images (32 x 32 tiny)."""
+                 composite: tuple[str, ...], batch_size: int = 16, rounds: int = 6,
+                 tiny_side: int = 32) -> ZooModel:
+    """A keras.applications CNN's entry: ``side`` x ``side`` x 3 images (``tiny_side`` tiny)."""
     return ZooModel(name, f"keras.applications.{cls}(weights=None), {side}x{side}x3: {what}",
-                    builder, (side, side, 3), (32, 32, 3), families=families,
+                    builder, (side, side, 3), (tiny_side, tiny_side, 3), families=families,
                     composite=composite, batch_size=batch_size, rounds=rounds, steps=3)
 
 
@@ -381,6 +394,10 @@ MODELS: dict[str, ZooModel] = {
         _application("resnet50_v2", "ResNet50V2", 32,
                      "pre-activation bottlenecks (BN-ReLU-Conv), max-pool shortcuts",
                      _resnet50_v2, ("batch_norm", "contraction"), ("pre-activation ReLU",)),
+        _application("xception", "Xception", 71,
+                     "separable convolutions (depthwise, then a pointwise 1x1 projection) with "
+                     "batch norm, 1x1 convolution shortcuts", _xception,
+                     ("batch_norm", "separable"), ("depthwise convolution",), tiny_side=71),
         _hub_model("bert", "BertBackbone, 2 layers x 128, 4 heads, FFN 512", "pooled",
                    _classic("bert", "BertBackbone"),
                    ("layer_norm", "attention", "gelu"), ("embeddings",)),
@@ -421,7 +438,7 @@ def build(name: str, size: str = "bench", num_classes: int = 10, seed: int | Non
     ...
     ValueError: unknown zoo model 'resnet'; choose from ('mobilenet_v3_small', \
 'efficientnet_b0', 'convnext_tiny', 'densenet121', 'efficientnet_v2_b0', 'resnet50_v2', \
-'bert', 'gpt2', 'llama', 'mixtral', 'qwen_moe', 'gemma', 'qwen3')
+'xception', 'bert', 'gpt2', 'llama', 'mixtral', 'qwen_moe', 'gemma', 'qwen3')
     >>> build("llama", size="tiny").output_shape  # doctest: +SKIP
     (None, 10)
     """

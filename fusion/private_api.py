@@ -73,7 +73,7 @@ PRIVATE: tuple[Private, ...] = (
        (K315, "keras.src.callbacks.callback_list:CallbackList")),
     _p("keras.tree", "the multi-worker fixes of Keras's trainer", (K315, "keras.src:tree")),
     # Keras: helpers the families call
-    _p("keras.standardize_data_format", "the depthwise family",
+    _p("keras.standardize_data_format", "the depthwise and separable families",
        (K315, "keras.src.backend:standardize_data_format"),
        (K316, "keras.src.backend.config:standardize_data_format")),
     _p("keras.activations", "the rnn family", (K315, "keras.src:activations")),

@@ -286,6 +286,41 @@ def fit_stock_and_tfmx(build, x, y, patterns: list[str], epochs: int = 2,
     return models, initial
 
 
+def fit_conv_block_with_form(family: str, form: str, block, monkeypatch, side: int = 8,
+                             channels: int = 4, seed: int = 0) -> tuple[dict, list]:
+    """A convolution family's fit with ``form`` picked for every call of ``family``
+    (``monkeypatch``: the test's): ``side`` x ``side`` x ``channels`` images through a 1x1
+    ``Conv2D``, ``block(x)`` (the family's layers), a global pool and ``Dense(3)``, trained
+    with momentum on MSE stock and with tfmx (:func:`fit_stock_and_tfmx`)."""
+    import keras
+    import numpy as np
+
+    from tfmx import state
+
+    monkeypatch.setattr(state, "tuner", lambda: PickForm(form, family, strict=True))
+
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(seed)
+        inp = keras.Input((side, side, channels))
+        x = block(keras.layers.Conv2D(channels, 1)(inp))
+        model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(x)))
+        model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse")
+        return model
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((16, side, side, channels)).astype("float32")
+    y = rng.standard_normal((16, 3)).astype("float32")
+    return fit_stock_and_tfmx(build, x, y, [family])
+
+
+def form_units(model, forms, form: str) -> list:
+    """The nodes of ``form``'s scope (in ``forms``, a family's ``fusion.family.Forms``) in the
+    graph ``model``'s step ran, the gradient's copies aside."""
+    scope = forms.scope_of(forms[form])
+    return [n for n in nodes_that_ran(model.train_function)
+            if scope in n.name and not n.name.startswith("gradient_tape")]
+
+
 def weight_scales(model, initial) -> list[float]:
     """Each weight's scale for comparing two fits from ``initial`` (a list in ``weights``
     order): its magnitude in ``model``, or the largest change of a weight of its layer if

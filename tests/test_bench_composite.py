@@ -71,7 +71,8 @@ OTHERS = [("efficientnet_b0", "swish"),  # tf.nn.silu's custom gradient
           ("convnext_tiny", "depthwise convolution"),  # Keras's XLA-compiled grouped conv
           ("densenet121", None), ("bert", None), ("gpt2", None),
           ("mixtral", "MoE experts"), ("qwen_moe", "MoE experts"),  # the experts' SiLU
-          ("efficientnet_v2_b0", None), ("resnet50_v2", None), ("gemma", None),
+          ("efficientnet_v2_b0", None), ("resnet50_v2", None), ("xception", None),
+          ("gemma", None),
           ("qwen3", None)]
 
 

@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from helpers import (
-    PickForm,
     StageExample,
     assert_models_within_rounding,
     assert_within_rounding,
-    fit_stock_and_tfmx,
-    nodes_that_ran,
+    fit_conv_block_with_form,
+    form_units,
     xla_functions,
 )
 
@@ -40,34 +39,16 @@ DepthwiseConv2dNative (the XLA region with them)."""
 
 
 def _fit(layer: keras.layers.Layer, form: str, monkeypatch, seed: int = 0):
-    """A model with ``layer`` between two small layers trained stock and with ``form`` picked
-    for every call of the family (``monkeypatch``: the test's): the models and the initial
-    weights."""
-    from tfmx import state
+    """A model with ``layer`` (then a ReLU) between two small layers trained stock and with
+    ``form`` picked for every call of the family: the models and the initial weights."""
+    def block(x):
+        return keras.layers.Activation("relu")(type(layer).from_config(layer.get_config())(x))
 
-    monkeypatch.setattr(state, "tuner", lambda: PickForm(form, stage.FAMILY, strict=True))
-
-    def build() -> keras.Model:
-        keras.utils.set_random_seed(seed)
-        inp = keras.Input((H, H, C))
-        x = keras.layers.Conv2D(C, 1)(inp)
-        x = keras.layers.Activation("relu")(type(layer).from_config(layer.get_config())(x))
-        model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(x)))
-        model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse")
-        return model
-
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((16, H, H, C)).astype("float32")
-    y = rng.standard_normal((16, 3)).astype("float32")
-    return fit_stock_and_tfmx(build, x, y, [stage.FAMILY])
+    return fit_conv_block_with_form(stage.FAMILY, form, block, monkeypatch, H, C, seed)
 
 
 def _units(model: keras.Model, form: str) -> list:
-    """The nodes of ``form``'s scope in the graph that ran (the gradient's copies aside)."""
-    scope = stage.FORMS.scope_of(stage.FORMS[form])
-    return [n for n in nodes_that_ran(model.train_function)
-            if n.name.split("/")[-2:-1] and scope in n.name and not n.name.startswith(
-                "gradient_tape")]
+    return form_units(model, stage.FORMS, form)
 
 
 # 4 steps of: the kernel's gradient (a sum over 8 x 8 x 8 pixels), a 3x3 tap sum, the 1x1

@@ -199,6 +199,7 @@ DECLINES = {
     "efficientnet_v2_b0": "Sigmoid left apart",  # as efficientnet_b0's
     # the convolution shortcut and the last 1x1 convolution of a block meet in one Add
     "resnet50_v2": "the other addend's chain fused it",
+    "xception": "FusedBatchNormV3+Relu",  # a separable convolution's batch norm, then ReLU
     "gemma": "sparse gradient",
     "qwen3": "sparse gradient",
 }

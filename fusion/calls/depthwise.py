@@ -70,8 +70,12 @@ MATCHES = ("keras.src.backend.tensorflow:nn.depthwise_conv",
 takes the grouped ones."""
 
 
-def _pair(value: Any) -> tuple[int, ...]:
-    """An int or a sequence of ints as a tuple (``strides``, ``dilation_rate``)."""
+def pair(value: Any) -> tuple[int, ...]:
+    """An int or a sequence of ints as a tuple (``strides``, ``dilation_rate``).
+
+    >>> pair(2), pair([1, 3])
+    ((2, 2), (1, 3))
+    """
     return (int(value),) * 2 if isinstance(value, int) else tuple(int(v) for v in value)
 
 
@@ -114,11 +118,11 @@ def check_native(x: Any, groups: int, strides: Any, dilation_rate: Any,
         return "channels_first: TensorFlow's CPU depthwise kernel takes NHWC"
     if groups != x.shape[-1]:
         return f"groups {groups} of {x.shape[-1]} channels: not a depthwise convolution"
-    strides = _pair(strides)
+    strides = pair(strides)
     if strides[0] != strides[1]:
         return f"strides {strides}: the depthwise kernel takes equal strides"
-    if _pair(dilation_rate) != (1, 1):
-        return f"dilation {_pair(dilation_rate)}: not taken by the native form"
+    if pair(dilation_rate) != (1, 1):
+        return f"dilation {pair(dilation_rate)}: not taken by the native form"
     return None
 
 
@@ -149,7 +153,7 @@ def grouped_as_depthwise(x: tf.Tensor, kernel: tf.Tensor, strides: Sequence[int]
     kh, kw, _, out = kernel.shape
     channels = x.shape[-1]
     per_channel = tf.reshape(kernel, [kh, kw, channels, out // channels])
-    stride = _pair(strides)[0]
+    stride = pair(strides)[0]
     return tf.nn.depthwise_conv2d(x, per_channel, [1, stride, stride, 1], padding.upper())
 
 
@@ -204,7 +208,7 @@ def fused_depthwise_conv(ctx: StageContext, original: Callable, inputs: Any, ker
     def keras(v: Any, k: Any) -> Any:
         return original(v, k, strides, padding, data_format, dilation_rate)
 
-    detail = (f"strides {_pair(strides)} {padding} dilation {_pair(dilation_rate)} "
+    detail = (f"strides {pair(strides)} {padding} dilation {pair(dilation_rate)} "
               f"{data_format or 'default format'}")
     return _site(ctx, "DepthwiseConv2D", keras, x, kernel, detail, None,
                  check(x), None)
