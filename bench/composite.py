@@ -159,6 +159,12 @@ MATCHERS: dict[str, Matcher] = {
         (Rule(scope=r"(token|position|segment)_embedding(_\d+)*/"),
          Rule(scope=r"embeddings_add(_\d+)*/"),
          Rule(ops=r"UnsortedSegmentSum"))),
+    "dropout": Matcher(
+        "the Dropout layers and attention's dropout: the stateless uniform draw, its comparison "
+        "with the rate, the kept values' select and scale, and their gradients (the draw is "
+        "what sets the masks: a form that kept stock's masks would draw the same numbers)",
+        (Rule(ops=r"StatelessRandom\w*"),
+         Rule(scope=r"(^|/|_)dropout(_\d+)*/"))),
     "rotary embedding": Matcher(
         "the rotary position embedding of queries and keys",
         (Rule(scope=r"rotary_embedding(_\d+)*/"),)),

@@ -36,6 +36,8 @@ What each brings that tfmx's own workloads do not:
 - ``bert``: keras_hub's BertBackbone: token, position and segment embeddings, post-norm
   TransformerEncoder blocks (attention with a padding mask, LayerNorm, GELU feed-forward).
 - ``gpt2``: keras_hub's GPT2Backbone: pre-norm causal TransformerDecoder blocks.
+- Both keep keras_hub's dropout of 0.1 (embeddings, attention, residuals): a training step draws
+  a uniform number for every attention score and every activation it drops from.
 - ``llama``: keras_hub's LlamaBackbone: rotary position embeddings, RMSNorm (its own
   LlamaLayerNorm), grouped-query attention (4 query heads, 2 key/value heads), SwiGLU.
 - ``mixtral``: keras_hub's MixtralBackbone: Llama's blocks with a mixture of 4 SwiGLU experts
@@ -400,10 +402,10 @@ MODELS: dict[str, ZooModel] = {
                      ("batch_norm", "separable"), ("depthwise convolution",), tiny_side=71),
         _hub_model("bert", "BertBackbone, 2 layers x 128, 4 heads, FFN 512", "pooled",
                    _classic("bert", "BertBackbone"),
-                   ("layer_norm", "attention", "gelu"), ("embeddings",)),
+                   ("layer_norm", "attention", "gelu"), ("embeddings", "dropout")),
         _hub_model("gpt2", "GPT2Backbone, 2 layers x 128, 4 heads, FFN 512", "last token",
                    _classic("gpt2", "GPT2Backbone"), ("layer_norm", "attention", "gelu"),
-                   ("embeddings",)),
+                   ("embeddings", "dropout")),
         _hub_model("llama", "LlamaBackbone, 2 layers x 128, 4 query / 2 key-value heads, "
                    "SwiGLU 512, rotary, RMSNorm", "last token", _llama,
                    ("einsum_dense", "rms_norm", "gated_product"),
