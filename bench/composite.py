@@ -164,7 +164,7 @@ MATCHERS: dict[str, Matcher] = {
         "with the rate, the kept values' select and scale, and their gradients (the draw is "
         "what sets the masks: a form that kept stock's masks would draw the same numbers)",
         (Rule(ops=r"StatelessRandom\w*"),
-         Rule(scope=r"(^|/|_)dropout(_\d+)*/"))),
+         Rule(scope=r"(^|/)(?!tfmx_)\w*dropout(_\d+)*/"))),  # not tfmx's attention forms
     "rotary embedding": Matcher(
         "the rotary position embedding of queries and keys",
         (Rule(scope=r"rotary_embedding(_\d+)*/"),)),
