@@ -167,10 +167,10 @@ def fused_separable_conv(ctx: StageContext, original: Callable, inputs: Any,
         forms.append(REGION)
     if why is None and not forms:
         why = why_matmul
-    inputs_ = (x, depthwise, pointwise)
+    operands = (x, depthwise, pointwise)
 
     def candidates() -> dict:
-        shapes = [v.shape for v in inputs_]
+        shapes = [v.shape for v in operands]
         timed = {CONSERVATIVE.name: timed_form(keras, shapes, x.dtype, backward=True)}
         if MATMUL in forms:
             timed[MATMUL.name] = timed_form(matmul, shapes, x.dtype, backward=True)
@@ -179,13 +179,13 @@ def fused_separable_conv(ctx: StageContext, original: Callable, inputs: Any,
         return timed
 
     def emit(form: Form) -> Any:
-        return xla_region(keras)(*inputs_) if form.name == XLA else matmul(*inputs_)
+        return xla_region(keras)(*operands) if form.name == XLA else matmul(*operands)
 
     detail = (f"strides {pair(strides)} {padding} dilation {pair(dilation_rate)} "
               f"{data_format or 'default format'}")
     return rewrite_call(ctx, CallSite(
         DECLARED, tuple(f for f in forms if f is not REGION) or tuple(forms),
-        keras=lambda: keras(*inputs_), emit=emit, what="SeparableConv2D", why=why,
+        keras=lambda: keras(*operands), emit=emit, what="SeparableConv2D", why=why,
         dtype=x.dtype, candidates=candidates,
         signature=lambda: _signature(x, depthwise, pointwise, detail)))
 
