@@ -164,36 +164,57 @@ def _signature(what: str, x: tf.Tensor, kernel: tf.Tensor, detail: str, training
             f"{x.dtype.name} {detail}{'' if training else ' inference'}")
 
 
+def convolution_site(ctx: StageContext, family: Family, what: str, keras: Callable[..., Any],
+                     operands: Sequence[tf.Tensor], kernel_form: Form,
+                     kernel: Callable[..., Any] | None, why: str | None,
+                     why_kernel: str | None, signature: Callable[[], str],
+                     backward: bool = True) -> Any:
+    """The flow of a convolution family's call (this one's and ``fusion.calls.separable``'s):
+    Keras's convolution ``keras(*operands)`` against ``kernel_form`` (emitted by ``kernel``,
+    where it is one and ``why_kernel`` is None) and ``family``'s XLA region of Keras's
+    convolution where ``ctx`` offers XLA, timed with ``operands`` as inputs (forward, and
+    backward where ``backward``).
+
+    >>> callable(convolution_site)
+    True
+    """
+    region = family.forms[XLA]
+    forms = [kernel_form] if kernel is not None and why_kernel is None else []
+    if ctx.xla:
+        forms.append(region)
+    if why is None and not forms:
+        why = why_kernel or "no form here without XLA"
+    dtype = operands[0].dtype
+
+    def candidates() -> dict:
+        shapes = [v.shape for v in operands]
+        timed = {family.forms.conservative.name: timed_form(keras, shapes, dtype,
+                                                             backward=backward)}
+        if kernel_form in forms:
+            timed[kernel_form.name] = timed_form(kernel, shapes, dtype, backward=backward)
+        if region in forms:
+            timed[XLA] = timed_form(xla_region(keras), shapes, dtype, backward=backward)
+        return timed
+
+    def emit(form: Form) -> Any:
+        return xla_region(keras)(*operands) if form.name == XLA else kernel(*operands)
+
+    return rewrite_call(ctx, CallSite(
+        family, tuple(f for f in forms if f is not region) or tuple(forms),
+        keras=lambda: keras(*operands), emit=emit, what=what, why=why, dtype=dtype,
+        candidates=candidates, signature=signature))
+
+
 def _site(ctx: StageContext, what: str, keras: Callable[[Any, Any], Any], x: tf.Tensor,
           kernel: tf.Tensor, detail: str, native: Callable[[Any, Any], Any] | None,
           why: str | None, why_native: str | None) -> Any:
-    """The flow both hooks share: Keras's convolution ``keras(x, kernel)`` against the native
-    form (``native``, where it is one) and the XLA region, timed with ``x`` and ``kernel`` as
-    inputs (forward, and backward where a tape records)."""
+    """A depthwise or grouped convolution's call (:func:`convolution_site`): Keras's
+    convolution ``keras(x, kernel)`` against the native form (``native``, where it is one) and
+    the XLA region, backward timed where a tape records."""
     training = execute.must_record_gradient()
-    forms = [NATIVE] if native is not None and why_native is None else []
-    if ctx.xla:
-        forms.append(REGION)
-    if why is None and not forms:
-        why = why_native or "no form here without XLA"
-
-    def candidates() -> dict:
-        shapes = [x.shape, kernel.shape]
-        timed = {CONSERVATIVE.name: timed_form(keras, shapes, x.dtype, backward=training)}
-        if NATIVE in forms:
-            timed[NATIVE.name] = timed_form(native, shapes, x.dtype, backward=training)
-        if not ctx.xla:
-            return timed
-        return {**timed, XLA: timed_form(xla_region(keras), shapes, x.dtype, backward=training)}
-
-    def emit(form: Form) -> Any:
-        return xla_region(keras)(x, kernel) if form.name == XLA else native(x, kernel)
-
-    return rewrite_call(ctx, CallSite(
-        DECLARED, tuple(f for f in forms if f is not REGION) or tuple(forms),
-        keras=lambda: keras(x, kernel), emit=emit, what=what, why=why, dtype=x.dtype,
-        candidates=candidates,
-        signature=lambda: _signature(what, x, kernel, detail, training)))
+    return convolution_site(
+        ctx, DECLARED, what, keras, (x, kernel), NATIVE, native, why, why_native,
+        lambda: _signature(what, x, kernel, detail, training), backward=training)
 
 
 def fused_depthwise_conv(ctx: StageContext, original: Callable, inputs: Any, kernel: Any,

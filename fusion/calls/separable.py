@@ -43,19 +43,15 @@ import tensorflow as tf
 from tensorflow.python.eager import execute
 
 from fusion import private_api
-from fusion.calls import depthwise
+from fusion.calls import depthwise as depthwise_stage
 from fusion.calls.depthwise import pair
 from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Form, Forms, conservative, declare
 from fusion.stage import (
     XLA,
     XLA_CALLS,
-    CallSite,
     Hook,
     StageContext,
     layer_value,
-    rewrite_call,
-    timed_form,
-    xla_region,
 )
 
 # -- match: the Keras call it hooks, and what it finds in it --------------------------------------
@@ -76,7 +72,7 @@ def check(x: Any) -> str | None:
     >>> check(tf.zeros([2, 8, 3])), check(tf.zeros([1, 4, 4, 2], tf.int32))
     ('input of rank 3: only 2D convolutions', 'input dtype int32')
     """
-    return depthwise.check(x)  # the same inputs as a depthwise convolution's
+    return depthwise_stage.check(x)  # the same inputs as a depthwise convolution's
 
 
 def check_matmul(strides: Any, dilation_rate: Any, data_format: str | None) -> str | None:
@@ -162,32 +158,12 @@ def fused_separable_conv(ctx: StageContext, original: Callable, inputs: Any,
 
     why = check(x)
     why_matmul = None if why is not None else check_matmul(strides, dilation_rate, data_format)
-    forms = [MATMUL] if why_matmul is None else []
-    if ctx.xla:
-        forms.append(REGION)
-    if why is None and not forms:
-        why = why_matmul
-    operands = (x, depthwise, pointwise)
-
-    def candidates() -> dict:
-        shapes = [v.shape for v in operands]
-        timed = {CONSERVATIVE.name: timed_form(keras, shapes, x.dtype, backward=True)}
-        if MATMUL in forms:
-            timed[MATMUL.name] = timed_form(matmul, shapes, x.dtype, backward=True)
-        if REGION in forms:
-            timed[XLA] = timed_form(xla_region(keras), shapes, x.dtype, backward=True)
-        return timed
-
-    def emit(form: Form) -> Any:
-        return xla_region(keras)(*operands) if form.name == XLA else matmul(*operands)
-
     detail = (f"strides {pair(strides)} {padding} dilation {pair(dilation_rate)} "
               f"{data_format or 'default format'}")
-    return rewrite_call(ctx, CallSite(
-        DECLARED, tuple(f for f in forms if f is not REGION) or tuple(forms),
-        keras=lambda: keras(*operands), emit=emit, what="SeparableConv2D", why=why,
-        dtype=x.dtype, candidates=candidates,
-        signature=lambda: _signature(x, depthwise, pointwise, detail)))
+    return depthwise_stage.convolution_site(
+        ctx, DECLARED, "SeparableConv2D", keras, (x, depthwise, pointwise),
+        MATMUL, matmul, why, why_matmul,
+        lambda: _signature(x, depthwise, pointwise, detail))
 
 
 # -- declaration ----------------------------------------------------------------------------------
