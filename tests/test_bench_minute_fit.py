@@ -60,6 +60,11 @@ def test_the_probe_sizes_the_fit_and_the_warm_fit_comes_first(rows):
     timed = [s["mode"] for s in specs[2:]]
     assert timed == ["stock", "tfmx", "xla", "tfmx", "xla", "stock"]
     assert all(s["epochs"] == row["epochs"] for s in specs[2:])
+    # XLA's fits, and only they, stop at XLA_CAP x stock's predicted fit
+    predicted = row["sizing"]["predicted_s"]
+    for s in specs[2:]:
+        assert s.get("limit_s") == (pytest.approx(minute_fit.XLA_CAP * predicted)
+                                    if s["mode"] == "xla" else None), s
 
 
 def test_medians_ratios_and_the_tuning_cache_in_use(rows):
@@ -128,3 +133,26 @@ def test_a_fit_runs_in_a_process_of_its_own_in_the_default_onednn_state(tmp_path
     out = minute_fit.launch(spec, cache_dir=str(tmp_path))
     assert out["mode"] == "stock" and out["seconds"] > 0
     assert out["env"]["onednn_env"] is None  # the variable unset: TensorFlow's default
+
+
+def test_a_fit_past_its_limit_stops_and_its_median_is_a_lower_bound(monkeypatch):
+    tiny = Workload("two_dense", "Dense(16, relu) -> Dense(4)", _two_dense, (8,), 4,
+                    batch_size=32, rounds=1, steps=1)
+    monkeypatch.setitem(WORKLOADS, tiny.name, tiny)
+    with tfmx_restored():
+        out = minute_fit.fit_in_process({"workload": tiny.name, "mode": "stock", "epochs": 3,
+                                         "limit_s": 0.0, **TINY})
+        whole = minute_fit.fit_in_process({"workload": tiny.name, "mode": "stock", "epochs": 1,
+                                           "limit_s": 1e6, **TINY})
+    assert out["stopped"] == {"limit_s": 0.0, "seconds": out["seconds"], "steps": 1,
+                              "of_steps": 6}
+    assert "stopped" not in whole  # finished within its limit
+    stopped = {"seconds": 9.0, "stopped": {"steps": 3, "of_steps": 40}}
+    fits = {"stock": [{"seconds": 4.0}] * 3, "tfmx": [{"seconds": 3.0}] * 3,
+            "xla": [stopped, stopped, {"seconds": 8.5}]}
+    assert minute_fit.lower_bounds(fits) == ["xla"]
+    assert minute_fit.lower_bounds({**fits, "xla": [stopped, {"seconds": 8.5}] * 1}) == []
+    median = {"stock": 4.0, "xla": 9.0, "tfmx": 3.0}
+    row = {"workload": "w", "epochs": 2, "samples": 64, "batch_size": 32, "steps": 4,
+           "median_s": median, "verdict": minute_fit.verdict(median), "lower_bounds": ["xla"]}
+    assert "| 4.0 | > 9.0 | 3.0 | 0.750 | 0.750 (stock) |" in minute_fit.format_row(row)
