@@ -290,7 +290,7 @@ def lower_bounds(fits: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
     ['xla']
     """
     return [m for m, runs in fits.items()
-            if runs and 2 * sum(1 for f in runs if f.get("stopped")) > len(runs)]
+            if runs and 2 * sum(1 for f in runs if "stopped" in f) > len(runs)]
 
 
 # -- records and tables ----------------------------------------------------------------------------
