@@ -504,3 +504,16 @@ def value_and_gradient(fn, x) -> list:
 def form_names(forms) -> list[str]:
     """The names of a stage's ``forms`` (its ``Form`` objects), in order."""
     return [form.name for form in forms]
+
+
+def value_and_gradients(fn, *operands) -> list:
+    """``fn(*operands)`` and the gradients of ``sum(y * sin(y))`` (a loss whose gradient
+    depends on every output's value) w.r.t. each of ``operands``: a form's values and
+    gradients, to compare with another form's."""
+    import tensorflow as tf
+
+    with tf.GradientTape() as tape:
+        tape.watch(list(operands))
+        y = fn(*operands)
+        loss = tf.reduce_sum(y * tf.sin(y))
+    return [y, *tape.gradient(loss, list(operands))]

@@ -14,6 +14,7 @@ from helpers import (
     fit_conv_block_with_form,
     form_units,
     nodes_that_ran,
+    value_and_gradients,
     xla_functions,
 )
 
@@ -133,17 +134,11 @@ def test_pointwise_as_matmul_is_keras_separable_convolution(multiplier, strides,
     x = tf.random.stateless_normal([2, 9, 9, C], seed=[1, 2])
     depthwise = tf.random.stateless_normal([3, 3, C, multiplier], seed=[3, 4])
     pointwise = tf.random.stateless_normal([1, 1, C * multiplier, 5], seed=[5, 6])
-
-    def value_and_gradients(fn):
-        with tf.GradientTape() as tape:
-            tape.watch([x, depthwise, pointwise])
-            y = fn(x, depthwise, pointwise)
-            loss = tf.reduce_sum(y * tf.sin(y))
-        return [y, *tape.gradient(loss, [x, depthwise, pointwise])]
-
+    operands = (x, depthwise, pointwise)
     got = value_and_gradients(lambda v, d, p: stage.pointwise_as_matmul(v, d, p, strides,
-                                                                        padding))
-    want = value_and_gradients(lambda v, d, p: nn.separable_conv(v, d, p, strides, padding))
+                                                                        padding), *operands)
+    want = value_and_gradients(lambda v, d, p: nn.separable_conv(v, d, p, strides, padding),
+                               *operands)
     for i, (g, w) in enumerate(zip(got, want)):
         assert_within_rounding(g.numpy(), w.numpy(), 9 + C * multiplier + 2 * 9 * 9 * 5,
                                what=f"output {i}")

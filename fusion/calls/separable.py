@@ -162,8 +162,7 @@ def fused_separable_conv(ctx: StageContext, original: Callable, inputs: Any,
               f"{data_format or 'default format'}")
     return depthwise_stage.convolution_site(
         ctx, DECLARED, "SeparableConv2D", keras, (x, depthwise, pointwise),
-        MATMUL, matmul, why, why_matmul,
-        lambda: _signature(x, depthwise, pointwise, detail))
+        [(MATMUL, matmul, why_matmul)], why, lambda: _signature(x, depthwise, pointwise, detail))
 
 
 # -- declaration ----------------------------------------------------------------------------------
