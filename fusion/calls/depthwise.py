@@ -19,8 +19,9 @@ convolution, the conservative form, and:
   of the kernel read only padding (a late stage's map smaller than its kernel: a 7x7 kernel
   over a 2x2 map, "same", has 9 of its 49 taps on data): TensorFlow's depthwise kernel on the
   taps that read data, the kernel cropped to them and the input padded for them alone; where
-  one tap is left, a per-channel multiply. The same products summed the same way, forward; the
-  kernel's gradient zero on the taps left out, as it is;
+  one tap is left, a per-channel multiply. The products are those of the whole kernel's taps
+  that read data (the others only add zeros); the kernel's gradient is zero on the taps left
+  out, as stock's is;
 - ``xla`` (cpu and cuda with ``tfmx.enable(xla=True)``, never metal): Keras's convolution and
   its gradient as one XLA-compiled region (``fusion.stage.xla_region``).
 
