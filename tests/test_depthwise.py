@@ -40,13 +40,14 @@ Conv2D whose groups are its channels, whose forms are offered only where the bac
 DepthwiseConv2dNative (the XLA region with them)."""
 
 
-def _fit(layer: keras.layers.Layer, form: str, monkeypatch, seed: int = 0):
-    """A model with ``layer`` (then a ReLU) between two small layers trained stock and with
-    ``form`` picked for every call of the family: the models and the initial weights."""
+def _fit(layer: keras.layers.Layer, form: str, monkeypatch, seed: int = 0, side: int = H):
+    """A model with ``layer`` (then a ReLU) between two small layers, on ``side`` x ``side``
+    maps, trained stock and with ``form`` picked for every call of the family: the models and
+    the initial weights."""
     def block(x):
         return keras.layers.Activation("relu")(type(layer).from_config(layer.get_config())(x))
 
-    return fit_conv_block_with_form(stage.FAMILY, form, block, monkeypatch, H, C, seed)
+    return fit_conv_block_with_form(stage.FAMILY, form, block, monkeypatch, side, C, seed)
 
 
 def _units(model: keras.Model, form: str) -> list:
@@ -151,14 +152,10 @@ def test_declines_what_it_cannot_take():
 
 def _small_map_fit(layer: keras.layers.Layer, side: int, monkeypatch, xla: bool = True):
     """``layer`` (then a ReLU) on ``side`` x ``side`` maps, trained stock and with the cropped
-    form picked for every call of the family."""
-    def block(x):
-        return keras.layers.Activation("relu")(type(layer).from_config(layer.get_config())(x))
-
+    form picked for every call of the family (:func:`_fit`)."""
     if not xla:
         monkeypatch.setenv("TFMX_XLA", "0")
-    return fit_conv_block_with_form(stage.FAMILY, stage.CROPPED.name, block, monkeypatch, side,
-                                    C)
+    return _fit(layer, stage.CROPPED.name, monkeypatch, side=side)
 
 
 @pytest.mark.parametrize("layer,side,op", [
