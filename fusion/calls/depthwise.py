@@ -262,11 +262,20 @@ def grouped_as_depthwise(x: tf.Tensor, kernel: tf.Tensor, strides: Sequence[int]
     >>> y.shape.as_list(), y.numpy().ravel().tolist()
     ([1, 1, 1, 4], [9.0, 9.0, 9.0, 9.0])
     """
-    kh, kw, _, out = kernel.shape
-    channels = x.shape[-1]
-    per_channel = tf.reshape(kernel, [kh, kw, channels, out // channels])
     stride = pair(strides)[0]
-    return tf.nn.depthwise_conv2d(x, per_channel, [1, stride, stride, 1], padding.upper())
+    return tf.nn.depthwise_conv2d(x, per_channel_kernel(kernel, x.shape[-1]),
+                                  [1, stride, stride, 1], padding.upper())
+
+
+def per_channel_kernel(kernel: tf.Tensor, channels: int) -> tf.Tensor:
+    """A grouped convolution's kernel (``[kh, kw, 1, C * m]``, groups equal to its ``C``
+    channels) read as a depthwise kernel ``[kh, kw, C, m]``.
+
+    >>> per_channel_kernel(tf.zeros([3, 3, 1, 8]), 4).shape.as_list()
+    [3, 3, 4, 2]
+    """
+    kh, kw, _, out = kernel.shape
+    return tf.reshape(kernel, [kh, kw, channels, out // channels])
 
 
 def _signature(what: str, x: tf.Tensor, kernel: tf.Tensor, detail: str, training: bool) -> str:
@@ -380,10 +389,8 @@ def fused_convolution_op(ctx: StageContext, original: Callable, layer: Any, inpu
         layer.data_format)
 
     def cropped(v: Any, k: Any) -> Any:
-        kh, kw, _, out = k.shape
-        per_channel = tf.reshape(k, [kh, kw, v.shape[-1], out // v.shape[-1]])
-        return cropped_depthwise(v, per_channel, layer.strides, layer.padding,
-                                 layer.dilation_rate)
+        return cropped_depthwise(v, per_channel_kernel(k, v.shape[-1]), layer.strides,
+                                 layer.padding, layer.dilation_rate)
 
     def native(v: Any, k: Any) -> Any:
         return grouped_as_depthwise(v, k, layer.strides, layer.padding)
