@@ -3,6 +3,9 @@ thread, the fit's batches and steps unchanged."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -91,3 +94,37 @@ def test_a_fit_deletes_the_iterators_keras_drops_off_its_thread_and_trains_the_s
         np.testing.assert_array_equal(a, b)  # the same batches in the same order
     notes = [n for n in tfmx.report().notes if n.startswith(epoch_data.NOTE)]
     assert len(notes) == 1 and "deleted on a thread of their own" in notes[0], notes
+
+
+EXIT_SCRIPT = """
+import threading, time
+import tensorflow as tf
+from tfmx.epoch_data import Releaser
+
+class Slow:
+    def __del__(self):
+        time.sleep(0.5)
+        print("deleted on", threading.current_thread().name, flush=True)
+
+releaser = Releaser(poll_s=0.01)
+data = tf.data.Dataset.range(10**6).map(lambda v: v * 2, num_parallel_calls=tf.data.AUTOTUNE)
+iterator = iter(data.prefetch(tf.data.AUTOTUNE))
+next(iterator)
+kept = iter(data)
+for held in (iterator, Slow(), kept):
+    releaser.hold(held)
+del iterator, held
+print("exiting", flush=True)
+"""
+
+
+def test_the_interpreters_exit_waits_for_the_deletions_under_way(tmp_path):
+    """A process that drops iterators just before it exits ends normally: the deletions under
+    way finish on the releaser's thread first (a thread cut inside TensorFlow's runtime at exit
+    aborts the process), and what others still hold is left to them."""
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:2] == ["exiting", "deleted on tfmx-release"], proc.stdout

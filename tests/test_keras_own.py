@@ -234,6 +234,7 @@ def child_env(cache: Path) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")) if p)
     env["TFMX_CACHE_DIR"] = str(cache)
+    env["PYTHONFAULTHANDLER"] = "1"  # a crash prints every thread's Python stack
     return env
 
 

@@ -75,8 +75,9 @@ class Releaser:
                 return
             self._held.append(obj)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="tfmx-release",
-                                                daemon=True)
+                # not a daemon: the interpreter's exit waits for the deletion under way (a
+                # daemon thread cut inside TensorFlow's runtime at exit aborts the process)
+                self._thread = threading.Thread(target=self._run, name="tfmx-release")
                 self._thread.start()
 
     def pending(self) -> int:
@@ -98,6 +99,9 @@ class Releaser:
     def close(self, timeout: float = 5.0) -> None:
         """Drop what nobody else holds now, then stop (at interpreter exit: no deletion left
         running on a thread while TensorFlow shuts down)."""
+        with self._lock:
+            if self._closed:
+                return
         self.drain(timeout)
         with self._lock:
             self._closed = True
@@ -107,11 +111,16 @@ class Releaser:
 
     def _run(self) -> None:
         idle_since = time.monotonic()
+        main = threading.main_thread()
         while True:
             with self._lock:
                 if self._closed:
                     return
                 free = [i for i in range(len(self._held)) if _only_ours(self._held, i)]
+                if not free and not main.is_alive():
+                    # the interpreter exits: what others still hold is deleted where they drop it
+                    self._closed, self._thread = True, None
+                    return
                 if not free:
                     if not self._held and time.monotonic() - idle_since > 20 * self.poll_s:
                         self._thread = None  # idle: the next hold starts another
