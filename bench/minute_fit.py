@@ -127,6 +127,16 @@ def _tuning(backend: str | None) -> dict[str, Any]:
     return {"cache_dir": str(cache_dir()), "held": held}
 
 
+def planned_steps(epochs: int, samples: int, batch_size: int) -> int:
+    """The steps a fit of ``epochs`` over ``samples`` in batches of ``batch_size`` runs (the last
+    batch of an epoch may be short).
+
+    >>> planned_steps(3, 100, 32)
+    12
+    """
+    return epochs * -(-samples // batch_size)
+
+
 def fit_in_process(spec: Mapping[str, Any]) -> dict[str, Any]:
     """One fit as ``spec`` says (``workload``, ``mode``: one of :data:`MODES`, ``probe`` or
     ``warm``, ``epochs``, ``samples``, ``batch_size``), in this process; what it measured:
@@ -176,7 +186,7 @@ def fit_in_process(spec: Mapping[str, Any]) -> dict[str, Any]:
     model.fit(x, y, epochs=epochs, batch_size=int(spec["batch_size"]), verbose=0,
               callbacks=callbacks or None)
     out["seconds"] = time.perf_counter() - start
-    planned = epochs * -(-len(x) // int(spec["batch_size"]))
+    planned = planned_steps(epochs, len(x), int(spec["batch_size"]))
     if limit is not None and steps[0] < planned:
         out["stopped"] = {"limit_s": float(limit), "seconds": out["seconds"],
                           "steps": steps[0], "of_steps": planned}
@@ -267,7 +277,7 @@ def run_minute_fits(models: Sequence[str], target_s: float = TARGET_S, samples: 
                          if stopped else ""), file=sys.stderr, flush=True)
         medians = {m: statistics.median(f["seconds"] for f in fits[m]) for m in MODES}
         row = {"workload": name, "target_s": target_s, "epochs": epochs, "samples": samples,
-               "batch_size": batch_size, "steps": epochs * -(-samples // batch_size),
+               "batch_size": batch_size, "steps": planned_steps(epochs, samples, batch_size),
                "rounds": rounds,
                "sizing": {k: probe.get(k) for k in ("first_epoch_s", "epoch_s", "seconds")}
                | {"predicted_s": predicted},
