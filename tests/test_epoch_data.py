@@ -99,14 +99,13 @@ def test_a_fit_deletes_the_iterators_keras_drops_off_its_thread_and_trains_the_s
 EXIT_SCRIPT = """
 import threading, time
 import tensorflow as tf
-from tfmx.epoch_data import Releaser
+from tfmx.epoch_data import _RELEASER as releaser
 
 class Slow:
     def __del__(self):
         time.sleep(0.5)
         print("deleted on", threading.current_thread().name, flush=True)
 
-releaser = Releaser(poll_s=0.01)
 data = tf.data.Dataset.range(10**6).map(lambda v: v * 2, num_parallel_calls=tf.data.AUTOTUNE)
 iterator = iter(data.prefetch(tf.data.AUTOTUNE))
 next(iterator)
@@ -120,11 +119,20 @@ print("exiting", flush=True)
 
 def test_the_interpreters_exit_waits_for_the_deletions_under_way(tmp_path):
     """A process that drops iterators just before it exits ends normally: the deletions under
-    way finish on the releaser's thread first (a thread cut inside TensorFlow's runtime at exit
-    aborts the process), and what others still hold is left to them."""
+    way finish on the releaser's thread first (a daemon thread cut inside TensorFlow's runtime
+    by the exit aborts the process), and what others still hold is left to them."""
     script = tmp_path / "exit.py"
     script.write_text(EXIT_SCRIPT)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[:2] == ["exiting", "deleted on tfmx-release"], proc.stdout
+
+
+def test_a_distribution_strategys_dataset_keeps_keras_deletions():
+    import tensorflow as tf
+
+    data = tf.data.Dataset.range(4).batch(2)
+    distributed = tf.distribute.OneDeviceStrategy("/cpu:0").experimental_distribute_dataset(data)
+    assert epoch_data.released(distributed) is distributed
+    assert isinstance(epoch_data.released(data), ReleasedDataset)

@@ -11,7 +11,11 @@ With tfmx enabled, the datasets Keras's epoch iterators read (``TFEpochIterator`
 ``tfmx.keras_hook`` through ``tfmx.step_loop``) hand each iterator they make to a
 :class:`Releaser` as well: once nothing else holds it, the releaser's thread drops it, and the
 deletion, however long it takes, runs there while the fit goes on. The batches, their order
-and every step are Keras's; only where an exhausted iterator is deleted changes.
+and every step are Keras's; only where an exhausted iterator is deleted changes. A distribution
+strategy's datasets (``tf.distribute.DistributedDataset``) keep Keras's deletions: deleting
+their iterators off the fit's thread was measured to take up to tens of seconds, and it once
+never returned. The interpreter's exit waits for a deletion under way (at most
+:data:`EXIT_WAIT_S`).
 
 ``TFMX_ITERATOR_RELEASE=0`` leaves the deletions where Keras makes them. The report's note
 ``epoch data: ...`` counts the iterators released and the seconds their deletions took (time
@@ -50,6 +54,10 @@ POLL_S = 0.05
 
 NOTE = "epoch data: "
 
+EXIT_WAIT_S = 60.0
+"""How long the interpreter's exit waits for the deletions under way (one waits for its
+pipeline's threads to stop: up to a few seconds)."""
+
 
 class Releaser:
     """Holds objects and drops each on a thread of its own once nobody else holds it."""
@@ -75,9 +83,8 @@ class Releaser:
                 return
             self._held.append(obj)
             if self._thread is None:
-                # not a daemon: the interpreter's exit waits for the deletion under way (a
-                # daemon thread cut inside TensorFlow's runtime at exit aborts the process)
-                self._thread = threading.Thread(target=self._run, name="tfmx-release")
+                self._thread = threading.Thread(target=self._run, name="tfmx-release",
+                                                daemon=True)
                 self._thread.start()
 
     def pending(self) -> int:
@@ -96,9 +103,11 @@ class Releaser:
             time.sleep(self.poll_s / 2)
         return False
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = EXIT_WAIT_S) -> None:
         """Drop what nobody else holds now, then stop (at interpreter exit: no deletion left
-        running on a thread while TensorFlow shuts down)."""
+        running on a thread while TensorFlow shuts down; a daemon thread cut inside TensorFlow's
+        runtime by the exit aborts the process). Waits at most ``timeout`` seconds for the
+        deletions, and as long again for the thread to end."""
         with self._lock:
             if self._closed:
                 return
@@ -111,16 +120,11 @@ class Releaser:
 
     def _run(self) -> None:
         idle_since = time.monotonic()
-        main = threading.main_thread()
         while True:
             with self._lock:
                 if self._closed:
                     return
                 free = [i for i in range(len(self._held)) if _only_ours(self._held, i)]
-                if not free and not main.is_alive():
-                    # the interpreter exits: what others still hold is deleted where they drop it
-                    self._closed, self._thread = True, None
-                    return
                 if not free:
                     if not self._held and time.monotonic() - idle_since > 20 * self.poll_s:
                         self._thread = None  # idle: the next hold starts another
@@ -185,7 +189,15 @@ def released(dataset: Any) -> Any:
         on = enabled_by_env(ENV_RELEASE)
     except ValueError:  # a switch it cannot read leaves Keras's deletions as they are
         on = False
-    return ReleasedDataset(dataset) if on else dataset
+    return ReleasedDataset(dataset) if on and not _distributed(dataset) else dataset
+
+
+def _distributed(dataset: Any) -> bool:
+    """Whether ``dataset`` is a distribution strategy's: its iterators are left to Keras (one
+    deleted off the fit's thread waited for its devices' pipelines for many seconds, measured,
+    and at times never returned)."""
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and isinstance(dataset, tf.distribute.DistributedDataset)
 
 
 def note(report: Any, releaser: Releaser | None = None, refresh: bool = False) -> None:
