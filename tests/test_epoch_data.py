@@ -107,26 +107,37 @@ class Slow:
         print("deleted on", threading.current_thread().name, flush=True)
 
 data = tf.data.Dataset.range(10**6).map(lambda v: v * 2, num_parallel_calls=tf.data.AUTOTUNE)
-iterator = iter(data.prefetch(tf.data.AUTOTUNE))
-next(iterator)
-kept = iter(data)
-for held in (iterator, Slow(), kept):
+kept = iter(data.prefetch(tf.data.AUTOTUNE))
+next(kept)
+for held in (kept, Slow()):
     releaser.hold(held)
-del iterator, held
+del held
+time.sleep(0.3)  # the releaser's thread is deleting the Slow
 print("exiting", flush=True)
 """
 
 
-def test_the_interpreters_exit_waits_for_the_deletions_under_way(tmp_path):
-    """A process that drops iterators just before it exits ends normally: the deletions under
-    way finish on the releaser's thread first (a daemon thread cut inside TensorFlow's runtime
-    by the exit aborts the process), and what others still hold is left to them."""
+def test_the_interpreters_exit_waits_for_the_deletion_under_way_and_deletes_no_more(tmp_path):
+    """A process that exits while the releaser deletes an object ends normally once that
+    deletion is done (a daemon thread cut inside TensorFlow's runtime by the exit aborts the
+    process); an iterator the releaser still holds at exit is not deleted through it."""
     script = tmp_path / "exit.py"
     script.write_text(EXIT_SCRIPT)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[:2] == ["exiting", "deleted on tfmx-release"], proc.stdout
+
+
+def test_closing_keeps_what_is_still_held_from_being_deleted():
+    seen: list[str] = []
+    releaser = Releaser(poll_s=0.01)
+    kept = _Slow(seen, 0.0)
+    releaser.hold(kept)
+    releaser.close()
+    assert releaser.pending() == 0
+    del kept  # its last reference but the one close() keeps
+    assert seen == []
 
 
 def test_a_distribution_strategys_dataset_keeps_keras_deletions():

@@ -15,7 +15,8 @@ and every step are Keras's; only where an exhausted iterator is deleted changes.
 strategy's datasets (``tf.distribute.DistributedDataset``) keep Keras's deletions: deleting
 their iterators off the fit's thread was measured to take up to tens of seconds, and it once
 never returned. The interpreter's exit waits for a deletion under way (at most
-:data:`EXIT_WAIT_S`).
+:data:`EXIT_WAIT_S`) and deletes none of the iterators still held (see
+:meth:`Releaser.close`).
 
 ``TFMX_ITERATOR_RELEASE=0`` leaves the deletions where Keras makes them. The report's note
 ``epoch data: ...`` counts the iterators released and the seconds their deletions took (time
@@ -41,6 +42,7 @@ Example:
 from __future__ import annotations
 
 import atexit
+import ctypes
 import sys
 import threading
 import time
@@ -55,7 +57,7 @@ POLL_S = 0.05
 NOTE = "epoch data: "
 
 EXIT_WAIT_S = 60.0
-"""How long the interpreter's exit waits for the deletions under way (one waits for its
+"""How long the interpreter's exit waits for the deletion under way (one waits for its
 pipeline's threads to stop: up to a few seconds)."""
 
 
@@ -104,19 +106,23 @@ class Releaser:
         return False
 
     def close(self, timeout: float = EXIT_WAIT_S) -> None:
-        """Drop what nobody else holds now, then stop (at interpreter exit: no deletion left
-        running on a thread while TensorFlow shuts down; a daemon thread cut inside TensorFlow's
-        runtime by the exit aborts the process). Waits at most ``timeout`` seconds for the
-        deletions, and as long again for the thread to end."""
+        """Stop (at interpreter exit): the deletion under way finishes (waited for at most
+        ``timeout`` seconds: a daemon thread cut inside TensorFlow's runtime by the exit aborts
+        the process), and nothing the releaser still holds is deleted through it afterwards.
+        Deleting a ``tf.data`` iterator while the interpreter shuts down was seen never to
+        return; the process's end frees their memory all the same."""
         with self._lock:
             if self._closed:
                 return
-        self.drain(timeout)
-        with self._lock:
             self._closed = True
             thread = self._thread
+            self._wake.notify_all()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+        with self._lock:
+            kept, self._held = self._held, []
+        for obj in kept:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))  # never freed through us
 
     def _run(self) -> None:
         idle_since = time.monotonic()
