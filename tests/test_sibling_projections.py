@@ -136,7 +136,9 @@ def test_batched_products_merge_with_their_input_gradient_and_are_timed(trace, c
     assert res.stats[FAMILY].fused == 1 and not res.stats[FAMILY].partial
     assert any(n.name.endswith(f"{SCOPE}/input_grad") for n in res.graph_def.node)
     args = [tf.constant(rng.standard_normal(s.shape), tf.float32) for s in specs]
-    assert_same_numbers(cf, res, *args, terms=40)
+    # the merged input gradient is one 16-term sum of products where stock adds two 8-term
+    # sums: its rounding scales with the products' magnitudes, which exceed the result's own
+    assert_same_numbers(cf, res, *args, terms=64)
 
 
 def _grads_of(x, w1, w2):

@@ -197,8 +197,9 @@ DECLINES = {
     "mixtral": "top-k routing kept",  # the moe family: dense dispatch, data-dependent shapes
     "qwen_moe": "top-k routing kept",
     "efficientnet_v2_b0": "Sigmoid left apart",  # as efficientnet_b0's
-    # the convolution shortcut and the last 1x1 convolution of a block meet in one Add
-    "resnet50_v2": "the other addend's chain fused it",
+    # the convolution shortcut and the last 1x1 convolution of a block meet in one Add (where
+    # the cpu fuses Conv2D+Add, the other addend's chain fused it; else none can)
+    "resnet50_v2": "residual Add left apart",
     "xception": "FusedBatchNormV3+Relu",  # a separable convolution's batch norm, then ReLU
     "gemma": "sparse gradient",
     "qwen3": "sparse gradient",
