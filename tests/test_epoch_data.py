@@ -101,8 +101,11 @@ import threading, time
 import tensorflow as tf
 from tfmx.epoch_data import _RELEASER as releaser
 
+deleting = threading.Event()
+
 class Slow:
     def __del__(self):
+        deleting.set()
         time.sleep(0.5)
         print("deleted on", threading.current_thread().name, flush=True)
 
@@ -112,7 +115,7 @@ next(kept)
 for held in (kept, Slow()):
     releaser.hold(held)
 del held
-time.sleep(0.3)  # the releaser's thread is deleting the Slow
+assert deleting.wait(60)  # the releaser's thread is deleting the Slow
 print("exiting", flush=True)
 """
 

@@ -19,7 +19,7 @@ import sys
 import keras
 import numpy as np
 import pytest
-from helpers import weight_scales
+from helpers import onednn_state, weight_scales
 
 import tfmx
 from bench import zoo
@@ -197,9 +197,11 @@ DECLINES = {
     "mixtral": "top-k routing kept",  # the moe family: dense dispatch, data-dependent shapes
     "qwen_moe": "top-k routing kept",
     "efficientnet_v2_b0": "Sigmoid left apart",  # as efficientnet_b0's
-    # the convolution shortcut and the last 1x1 convolution of a block meet in one Add (where
-    # the cpu fuses Conv2D+Add, the other addend's chain fused it; else none can)
-    "resnet50_v2": "residual Add left apart",
+    # the convolution shortcut and the last 1x1 convolution of a block meet in one Add: with
+    # oneDNN, whose Conv2D fuses an Add, the other addend's chain fused it; without, none can
+    "resnet50_v2": ("residual Add left apart: the other addend's chain fused it"
+                    if onednn_state() == "on" else "residual Add left apart: cpu runs no fused "
+                    "Conv2D+Add"),
     "xception": "FusedBatchNormV3+Relu",  # a separable convolution's batch norm, then ReLU
     "gemma": "sparse gradient",
     "qwen3": "sparse gradient",
