@@ -408,22 +408,22 @@ MODELS: dict[str, ZooModel] = {
                    ("embeddings", "dropout")),
         _hub_model("llama", "LlamaBackbone, 2 layers x 128, 4 query / 2 key-value heads, "
                    "SwiGLU 512, rotary, RMSNorm", "last token", _llama,
-                   ("einsum_dense", "rms_norm", "gated_product"),
+                   ("einsum_dense", "scaled_rms_norm", "gated_product"),
                    ("rotary embedding", "RMSNorm", "SwiGLU", "grouped-query attention")),
         _hub_model("mixtral", "MixtralBackbone, 2 layers x 128, 4 query / 2 key-value heads, "
                    "4 SwiGLU experts of 512, top-2 routing", "last token", _mixtral,
-                   ("einsum_dense", "rms_norm", "moe"), ("MoE routing", "MoE experts")),
+                   ("einsum_dense", "scaled_rms_norm", "moe"), ("MoE routing", "MoE experts")),
         _hub_model("qwen_moe", "QwenMoeBackbone, 2 layers x 128, 4 query / 2 key-value heads, "
                    "4 SwiGLU experts of 256 and a gated shared expert of 512, top-2 routing",
-                   "last token", _qwen_moe, ("einsum_dense", "rms_norm"),
+                   "last token", _qwen_moe, ("einsum_dense", "scaled_rms_norm"),
                    ("MoE routing", "MoE experts")),
         _hub_model("gemma", "GemmaBackbone, 2 layers x 128, 4 query heads / 1 key-value head, "
                    "GeGLU 512, rotary, RMSNorm (1 + scale)", "last token", _gemma,
-                   ("einsum_dense", "rms_norm", "rotary", "gated_product"),
+                   ("einsum_dense", "scaled_rms_norm", "rotary", "gated_product"),
                    ("multi-query attention",)),
         _hub_model("qwen3", "Qwen3Backbone, 2 layers x 128, 4 query / 2 key-value heads, "
                    "SwiGLU 512, rotary, RMSNorm, per-head query/key RMSNorm", "last token",
-                   _qwen3, ("einsum_dense", "rms_norm", "rotary", "grouped_attention",
+                   _qwen3, ("einsum_dense", "scaled_rms_norm", "rotary", "grouped_attention",
                            "gated_product"),
                    ("grouped-query attention",)),
     )

@@ -142,6 +142,21 @@ class PatternStats:
         if partial_reason:
             self.partial[partial_reason] += 1
 
+    def taken(self, reason: str) -> None:
+        """What these counts have fused, counted declined for ``reason`` instead: the call they
+        count was taken into a larger rewrite (another stage's).
+
+        >>> stats = PatternStats(matched=1)
+        >>> stats.fuse("closed form")
+        >>> stats.taken("taken into its product")
+        >>> stats.fused, dict(stats.declined)
+        (0, {'closed form: taken into its product': 1})
+        """
+        for label, count in list(self.fused_kinds.items()):
+            self.declined[f"{label}: {reason}"] += count
+            self.fused -= count
+        self.fused_kinds.clear()
+
     def merge(self, other: PatternStats) -> None:
         self.matched += other.matched
         self.fused += other.fused

@@ -274,6 +274,38 @@ def rewrite_call(ctx: StageContext, site: CallSite) -> Any:
     return out if site.then is None else site.then(out)
 
 
+def noted_call(ctx: StageContext, call: Callable[[], Any]) -> tuple[Any, tuple[str, ...],
+                                                                    list[PatternStats]]:
+    """``call()`` run inside ``ctx`` as it would be (the stages beneath a hook's handler, then
+    Keras's), for a stage that notes a call another stage may rewrite: its output, the names
+    of the ops it made in the default graph, and the statistics the stages it ran recorded
+    (recorded in ``ctx`` too; a stage that takes the call into a larger rewrite moves their
+    counts to its declines, :meth:`fusion.pattern.PatternStats.taken`).
+
+    >>> import tensorflow as tf
+    >>> from fusion.pattern import PlainTarget
+    >>> ctx = StageContext(PlainTarget("cpu"), record=lambda family, stats: None)
+    >>> with tf.Graph().as_default():
+    ...     x = tf.constant(1.0)
+    ...     out, made, stats = noted_call(ctx, lambda: tf.sqrt(x))
+    >>> made, stats
+    (('Sqrt',), [])
+    """
+    import tensorflow as tf
+
+    graph = tf.compat.v1.get_default_graph()
+    mark = graph.num_operations()
+    recorded: list[PatternStats] = []
+
+    def record(family: str, stats: PatternStats) -> None:
+        recorded.append(stats)
+        ctx.record(family, stats)
+
+    with tracing(dataclasses.replace(ctx, record=record)):
+        out = call()
+    return out, tuple(op.name for op in graph.get_operations()[mark:]), recorded
+
+
 def _routed(chain: list[tuple[Family, Hook]]) -> Callable[[Any], Any]:
     """The patch of one method that ``chain``'s hooks route (in registration order), run
     highest ``outer`` first, then in that order: each handler runs where its stage is on in
@@ -480,7 +512,8 @@ def unsupported_inputs(args: tuple, kwargs: dict) -> str | None:
 __all__ = [  # the stage API: hooks and their flow here, the context and the forms re-exported
     "GROUP", "XLA", "XLA_CALLS", "CallSite", "Emitted", "Hook", "StageContext", "active",
     "autocast", "autocast_dtype", "custom_gradient",
-    "functional_neighbours", "install", "integer_rounding", "layer_value", "rewrite_call",
+    "functional_neighbours", "install", "integer_rounding", "layer_value", "noted_call",
+    "rewrite_call",
     "stages", "timed_form", "tracing", "transaction", "uninstall", "unsupported_inputs",
     "widened", "with_xla", "xla_region",
 ]

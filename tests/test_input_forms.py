@@ -39,6 +39,8 @@ CORES: dict[str, tuple[tuple[int, ...], Maker]] = {
     "layer_norm": ((6, 8), lambda c: c(L.LayerNormalization)()),
     # keras.ops.rms_normalization's composite: the rms_norm stage alone finds its statistic
     "rms_norm": ((6, 8), lambda c: c(L.RMSNormalization)()),
+    # the same composite's statistic, product and scale: the scaled_rms_norm stage takes it whole
+    "scaled_rms_norm": ((6, 8), lambda c: c(L.RMSNormalization)()),
     "einsum_dense": ((6, 8), lambda c: c(L.EinsumDense)("abc,cd->abd", (None, 16),
                                                         bias_axes="d")),
     "attention": ((6, 8), lambda c: _self_attention(c(L.MultiHeadAttention)(2, 4))),

@@ -326,11 +326,11 @@ HUB_NORMS = {  # keras_hub 0.32's RMS norm layers: module, class, constructor ar
 }
 
 
-@pytest.mark.parametrize("name", sorted(HUB_NORMS))
-def test_every_keras_hub_rms_norm_is_found_and_trains_as_stock(monkeypatch, name):
-    """Each of keras_hub's own RMS norm layers, on a per-head tensor [batch, tokens, heads,
-    head dim] (the query and key norms' shape; the others normalize the last axis alike):
-    fused once with the closed form, the fit within rounding of stock's."""
+def hub_norm_case(name: str):
+    """``(build, x, y)``: one of keras_hub's RMS norm layers (:data:`HUB_NORMS`) between two
+    Dense layers, on a per-head tensor [batch, tokens, heads, head dim] (the query and key
+    norms' shape; the others normalize the last axis alike); the calling test skipped where
+    keras_hub is unavailable."""
     import importlib
 
     optional.keras_hub()
@@ -346,7 +346,15 @@ def test_every_keras_hub_rms_norm_is_found_and_trains_as_stock(monkeypatch, name
         return model
 
     rng = np.random.default_rng(1)
-    x, y = rng.standard_normal((16, 3, 2, 8)).astype("float32"), rng.standard_normal((16, 4))
+    return build, rng.standard_normal((16, 3, 2, 8)).astype("float32"), rng.standard_normal(
+        (16, 4))
+
+
+@pytest.mark.parametrize("name", sorted(HUB_NORMS))
+def test_every_keras_hub_rms_norm_is_found_and_trains_as_stock(monkeypatch, name):
+    """Each of keras_hub's own RMS norm layers (:func:`hub_norm_case`): fused once with the
+    closed form, the fit within rounding of stock's."""
+    build, x, y = hub_norm_case(name)
     models, initial = fit_stock_and_tfmx(build, x, y, ["rms_norm"])
     _assert_fused(models, "custom", 1)
     assert_models_within_rounding(models[False], models[True], initial, 4 * (_terms(8) + 48))

@@ -74,6 +74,7 @@ from fusion.stage import (
     Hook,
     StageContext,
     custom_gradient,
+    noted_call,
     rewrite_call,
     timed_form,
     tracing,
@@ -343,15 +344,6 @@ def gated_xla(g: tf.Tensor, u: tf.Tensor, kind: str, backward_region: bool = Fal
     return gated(g, u)
 
 
-def _taken(stats: PatternStats, reason: str) -> None:
-    """``stats`` of an activation's own stage, its call taken into a gated product: what it
-    counted fused there counted declined, for ``reason``."""
-    for label, count in list(stats.fused_kinds.items()):
-        stats.declined[f"{label}: {reason}"] += count
-        stats.fused -= count
-    stats.fused_kinds.clear()
-
-
 def _supersede(product: Product) -> None:
     """The activation call's ops, and the casts between it and the product, taken out of the
     step (read by nobody now: ``fusion.transaction.without_abandoned`` keeps any a kept op
@@ -369,18 +361,9 @@ def _noted(ctx: StageContext, call: Callable[[], Any], x: Any, kind: str) -> Any
     """An activation call while a step is traced with a tape recording: run as it would be (its
     own stage's, then Keras's), its input, output, ops and statistics noted in the graph's
     state for a product that may read it."""
-    graph = tf.compat.v1.get_default_graph()
-    mark = graph.num_operations()
-    recorded: list[PatternStats] = []
-
-    def record(family: str, stats: PatternStats) -> None:
-        recorded.append(stats)
-        ctx.record(family, stats)
-
-    with tracing(dataclasses.replace(ctx, record=record)):
-        out = call()
+    out, made, recorded = noted_call(ctx, call)
     if tf.is_tensor(out) and tf.is_tensor(x):
-        made = tuple(op.name for op in graph.get_operations()[mark:])
+        graph = tf.compat.v1.get_default_graph()
         trace_state.slot(graph, FAMILY)[out.ref()] = Gate(x, kind, out, made, recorded)
     return out
 
@@ -450,7 +433,7 @@ def fused_product(ctx: StageContext, original: Callable, a: Any, b: Any, *rest: 
                            f"{gate.dtype.name} up {shape_text(up.shape)} {up.dtype.name}")))
     for noted in taken:
         for stats in noted.stats:
-            _taken(stats, f"taken into its product with up ({FAMILY})")
+            stats.taken(f"taken into its product with up ({FAMILY})")
     return out
 
 
