@@ -158,7 +158,7 @@ def _capabilities(platform: Platform) -> dict[str, Any]:
 
     >>> from fusion.platform import Platform
     >>> sorted(_capabilities(Platform("cuda")))
-    ['batch_norm', 'contraction', 'rms_norm', 'rnn', 'squeeze_excite']
+    ['batch_norm', 'contraction', 'rms_norm', 'rnn', 'scaled_rms_norm', 'squeeze_excite']
     """
     from fusion.family import families
 
