@@ -12,9 +12,12 @@ from helpers import (
     TRANSCENDENTAL,
     PickForm,
     assert_models_within_rounding,
+    assert_no_further_from_float32,
     assert_within_rounding,
     failing,
+    fit_float32_reference,
     fit_stock_and_tfmx,
+    no_further_terms,
     nodes_that_ran,
     value_and_gradients,
 )
@@ -99,6 +102,27 @@ def test_fit_matches_stock_with_the_form_in_the_graph_that_ran(monkeypatch, name
     losses = [models[on].history.history["loss"] for on in (False, True)]
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
     assert_models_within_rounding(models[False], models[True], initial, FIT_TERMS)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_mixed_precision_fit_is_no_further_from_float32_than_stock(monkeypatch, name):
+    """keras_hub's norms cast to float32 inside (the whole norm float32 as in a float32 fit,
+    its output cast back by the layer) under mixed_bfloat16: taken whole, the fit no further
+    from a float32 fit than stock's."""
+    from tfmx import state
+
+    monkeypatch.setattr(state, "tuner", lambda: PickForm("custom", stage.FAMILY, strict=True))
+    make, count = MODELS[name]
+    build, x, y = make()
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        models, initial = fit_stock_and_tfmx(build, x, y, ["rms_norm", stage.FAMILY])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    _assert_fused(models[True], "custom", count)
+    reference = fit_float32_reference(build, x, y)
+    assert_no_further_from_float32(reference, models[False], models[True], initial,
+                                   no_further_terms(4, extra=2), dtype="bfloat16")
 
 
 @pytest.mark.parametrize("name", sorted(HUB_NORMS))

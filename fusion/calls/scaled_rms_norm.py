@@ -112,10 +112,14 @@ class Normalized:
 
 @dataclasses.dataclass
 class Scaled:
-    """A whole RMS norm found at a multiplication: the :class:`Normalized` tensor and the
-    vector it is multiplied by (``scale``, a tensor, or a Keras variable until it is read)."""
+    """A whole RMS norm found at a multiplication: the :class:`Normalized` tensor, the operand
+    the product reads (``read``: that tensor, or a cast of it), the ops between (``between``)
+    and the vector it is multiplied by (``scale``, a tensor, or a Keras variable until it is
+    read), of ``read``'s dtype."""
 
     normalized: Normalized
+    read: tf.Tensor
+    between: tuple[tf.Operation, ...]
     scale: Any
 
 
@@ -165,10 +169,14 @@ def _vector(t: Any) -> tf.TensorShape | None:
     return shape if shape.rank == 1 else None
 
 
-def find_scaled(a: Any, b: Any) -> Scaled | None:
-    """The whole norm ``a * b`` is, where one operand is a noted normalized tensor and the other
-    a vector as long as its last axis (not known when traced: matched, then declined); else
-    None.
+def find_scaled(a: Any, b: Any, promotes: bool = False) -> Scaled | None:
+    """The whole norm ``a * b`` is, where one operand is a noted normalized tensor (or a
+    ``Cast`` or ``Identity`` of it, up to two) and the other a vector of its dtype as long as
+    its last axis (not known when traced: matched, then declined); else None. With
+    ``promotes`` (``keras.ops.multiply``, which casts both operands to their result dtype) a
+    16-bit vector of a float32 tensor too. TensorFlow's operator does not promote: it leaves such
+    a product to the vector's own (a Keras variable autocast to 16 bits under a mixed policy
+    calls ``keras.ops.multiply``), which is taken in turn.
 
     >>> find_scaled(tf.constant([1.0]), 2.0) is None
     True
@@ -177,22 +185,37 @@ def find_scaled(a: Any, b: Any) -> Scaled | None:
         if not _graph_tensor(n):
             continue
         noted = trace_state.held(n.graph, FAMILY)
-        normalized = None if not noted else noted["normalized"].get(n.ref())
+        hit = None if not noted else _through(n, noted["normalized"])
         shape = _vector(s)
-        if normalized is None or shape is None:
+        dtype = _dtype(s)
+        promoted = promotes and n.dtype == tf.float32 and dtype in (tf.float16, tf.bfloat16)
+        if hit is None or shape is None or (dtype != n.dtype and not promoted):
             continue
         last = n.shape[-1] if n.shape.rank else None
         if shape[0] is None or last is None or shape[0] == last:
-            return Scaled(normalized, s)
+            return Scaled(hit[0], n, tuple(reversed(hit[1])), s)
     return None
 
 
-def _wanted(a: Any, b: Any, *rest: Any, **kwargs: Any) -> bool:
+def _dtype(t: Any) -> tf.DType | None:
+    """The dtype of a tensor or a Keras variable (as its product would read it)."""
+    try:
+        return tf.as_dtype(getattr(t, "dtype", None))
+    except TypeError:
+        return None
+
+
+def _wanted(a: Any, b: Any, *rest: Any, promotes: bool = False, **kwargs: Any) -> bool:
     """Whether a multiplication is one the stage takes (its hook's ``when``): never raises."""
     try:
-        return _statistic_product(a, b) is not None or find_scaled(a, b) is not None
+        return _statistic_product(a, b) is not None or find_scaled(a, b, promotes) is not None
     except Exception:  # noqa: BLE001 - an operand of a kind not foreseen: not the stage's
         return False
+
+
+def _wanted_promoted(a: Any, b: Any, *rest: Any, **kwargs: Any) -> bool:
+    """:func:`_wanted` for ``keras.ops.multiply``, which promotes its operands' dtypes."""
+    return _wanted(a, b, *rest, promotes=True, **kwargs)
 
 
 # -- check: why a call keeps Keras's own form (None: it need not) ---------------------------------
@@ -204,19 +227,21 @@ def check(scaled: Scaled, scale: tf.Tensor) -> str | None:
     ...                            rms_norm.RSQRT, tf.float16)
     >>> statistic = NotedStatistic(found, tf.zeros([2, 1], tf.float16), (), [])
     >>> n = Normalized(statistic, tf.zeros([2, 4], tf.float16), ())
-    >>> check(Scaled(n, None), tf.zeros([4], tf.float16))
+    >>> check(Scaled(n, n.out, (), None), tf.zeros([4], tf.float16))
     'a float16 normalized input'
     """
     normalized = scaled.normalized
     x = normalized.statistic.found.x
     if x.dtype != tf.float32:
         return f"a {x.dtype.name} normalized input"
-    if scale.dtype != x.dtype:
-        return f"a {scale.dtype.name} scale of a {x.dtype.name} input"
+    if scale.dtype not in (tf.float32, tf.float16, tf.bfloat16) or scale.dtype != scaled.read.dtype:
+        return f"a {scale.dtype.name} scale of a {scaled.read.dtype.name} product"
     if x.shape.rank is None or x.shape[-1] is None or scale.shape[0] != x.shape[-1]:
         return "the normalized axis' length not known when traced"
-    made = set(normalized.made) | set(normalized.statistic.made)
-    for what, t in (("statistic", normalized.statistic.inv), ("normalized tensor", normalized.out)):
+    made = {*normalized.made, *normalized.statistic.made, *(op.name for op in scaled.between)}
+    chain = [("statistic", normalized.statistic.inv), ("normalized tensor", normalized.out),
+             *(("normalized tensor", op.outputs[0]) for op in scaled.between)]
+    for what, t in chain:
         if any(op.name not in made for op in t.consumers()):
             return f"the {what} is read by another op too"
     return None
@@ -263,20 +288,33 @@ def _inverse(x: tf.Tensor, epsilon: float) -> tf.Tensor:
     return tf.math.rsqrt(tf.reduce_mean(x * x, -1, keepdims=True) + epsilon)
 
 
+def _wide(t: tf.Tensor) -> tf.Tensor:
+    return t if t.dtype == tf.float32 else tf.cast(t, tf.float32)
+
+
+def _forward(x: tf.Tensor, scale: tf.Tensor, epsilon: float) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(x * inv * scale, inv)``: computed in float32, the output in ``scale``'s dtype."""
+    inv = _inverse(x, epsilon)
+    y = x * inv * _wide(scale)
+    return (y if scale.dtype == y.dtype else tf.cast(y, scale.dtype)), inv
+
+
 def _gradients(x: tf.Tensor, scale: tf.Tensor, inv: tf.Tensor,
                dy: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-    """``(dx, dscale)`` of ``x * inv * scale`` (``inv`` the statistic of ``x``) in closed form."""
-    xhat = x * inv
-    scaled = dy * scale
+    """``(dx, dscale)`` of ``x * inv * scale`` (``inv`` the statistic of ``x``) in closed form,
+    computed in float32, ``dscale`` given in ``scale``'s dtype."""
+    xhat, dy = x * inv, _wide(dy)
+    scaled = dy * _wide(scale)
     dscale = tf.reduce_sum(dy * xhat, list(range(x.shape.rank - 1)))
     dx = inv * (scaled - xhat * tf.reduce_mean(scaled * xhat, -1, keepdims=True))
-    return dx, dscale
+    return dx, (dscale if dscale.dtype == scale.dtype else tf.cast(dscale, scale.dtype))
 
 
 def scaled_custom(x: tf.Tensor, scale: tf.Tensor, epsilon: float) -> tf.Tensor:
-    """``x * rsqrt(mean(x^2, axis=-1, keepdims=True) + epsilon) * scale`` with both gradients in
-    closed form: ``dscale = sum(dy * xhat)`` over every axis but the last, ``dx = inv * (dy *
-    scale - xhat * mean(dy * scale * xhat))``.
+    """``x * rsqrt(mean(x^2, axis=-1, keepdims=True) + epsilon) * scale`` (``x`` float32;
+    computed in float32, given in ``scale``'s dtype) with both gradients in closed form:
+    ``dscale = sum(dy * xhat)`` over every axis but the last, ``dx = inv * (dy * scale - xhat *
+    mean(dy * scale * xhat))``.
 
     >>> x, s = tf.constant([[3.0, 4.0]]), tf.constant([1.0, 2.0])
     >>> [round(float(v), 4) for v in scaled_custom(x, s, 0.0)[0]]
@@ -284,12 +322,12 @@ def scaled_custom(x: tf.Tensor, scale: tf.Tensor, epsilon: float) -> tf.Tensor:
     """
     @custom_gradient
     def norm(x: tf.Tensor, scale: tf.Tensor) -> Any:
-        inv = _inverse(x, epsilon)
+        y, inv = _forward(x, scale, epsilon)
 
         def gradient(dy: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
             return _gradients(x, scale, inv, dy)
 
-        return x * inv * scale, gradient
+        return y, gradient
 
     return norm(x, scale)
 
@@ -305,11 +343,8 @@ def scaled_xla(x: tf.Tensor, scale: tf.Tensor, epsilon: float) -> tf.Tensor:
     >>> [round(float(v), 4) for v in tape.gradient(y, s)]
     [0.8485, 1.1314]
     """
-    def forward_body(x: tf.Tensor, scale: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        inv = _inverse(x, epsilon)
-        return x * inv * scale, inv
-
-    forward, backward = xla_region(forward_body), xla_region(_gradients)
+    forward = xla_region(lambda x, scale: _forward(x, scale, epsilon))
+    backward = xla_region(_gradients)
 
     @custom_gradient
     def norm(x: tf.Tensor, scale: tf.Tensor) -> Any:
@@ -379,20 +414,23 @@ def noted_reciprocal(ctx: StageContext, original: Callable, x: Any) -> Any:
     return _noted(ctx, original, x, rms_norm.RECIPROCAL_SQRT)
 
 
-def _supersede(normalized: Normalized) -> None:
-    """The statistic's and the normalized product's ops taken out of the step (read by nobody
-    now: ``fusion.transaction.without_abandoned`` keeps any a kept op reads)."""
+def _supersede(normalized: Normalized, between: tuple[tf.Operation, ...]) -> None:
+    """The statistic's and the normalized product's ops, and the casts between it and the
+    scale's product, taken out of the step (read by nobody now:
+    ``fusion.transaction.without_abandoned`` keeps any a kept op reads)."""
     held = trace_state.of(normalized.out.graph, create=True).superseded
     held.update(normalized.statistic.made)
     held.update(normalized.made)
+    held.update(op.name for op in between)
 
 
 def fused_product(ctx: StageContext, original: Callable, a: Any, b: Any, *rest: Any,
-                  **kwargs: Any) -> Any:
+                  promotes: bool = False, **kwargs: Any) -> Any:
     """A multiplication while tfmx traces (``keras.ops.multiply``, ``*``): a noted statistic's
     ``x`` times its output, noted; a noted normalized tensor times a vector, the whole norm in
     closed form or as XLA regions where the tuner measures it faster than the step's own
-    calls; else Keras's call."""
+    calls; else Keras's call. ``promotes``: the call casts a 16-bit vector to the float32
+    tensor's dtype (``keras.ops.multiply``), and so does the whole norm."""
     from fusion.fragment import shape_text
 
     graph = tf.compat.v1.get_default_graph()
@@ -406,30 +444,38 @@ def fused_product(ctx: StageContext, original: Callable, a: Any, b: Any, *rest: 
             trace_state.slot(graph, FAMILY)["normalized"][out.ref()] = Normalized(
                 statistic, out, made)
         return out
-    scaled = find_scaled(a, b)
+    scaled = find_scaled(a, b, promotes)
     if scaled is None:
         return original(a, b, *rest, **kwargs)
     normalized = scaled.normalized
     trace_state.slot(graph, FAMILY)["normalized"].pop(normalized.out.ref(), None)
     scale = scaled.scale if _graph_tensor(scaled.scale) else tf.convert_to_tensor(scaled.scale)
+    if promotes and scale.dtype != scaled.read.dtype:
+        scale = tf.cast(scale, scaled.read.dtype)  # as keras.ops.multiply casts it
     found = normalized.statistic.found
     x, epsilon = found.x, found.epsilon
     why = check(scaled, scale)
     shapes = [x.shape, scale.shape]
     statistic = _statistic_as_emitted(normalized.statistic)
 
+    def stock(v: tf.Tensor, s: tf.Tensor) -> tf.Tensor:  # the step's calls, the scale's dtype
+        return tf.cast(v * statistic(v), scale.dtype) * s
+
+    def timed(fn: Callable[[tf.Tensor, tf.Tensor], tf.Tensor]) -> Any:
+        # inputs made in float32, the scale cast to its own dtype
+        return lambda v, s: fn(v, tf.cast(s, scale.dtype))
+
     def candidates() -> dict:
-        timed = {CONSERVATIVE.name: timed_form(lambda v, s: v * statistic(v) * s, shapes,
-                                               x.dtype),
-                 CUSTOM.name: timed_form(lambda v, s: scaled_custom(v, s, epsilon), shapes,
-                                         x.dtype)}
-        return with_xla(ctx, timed, lambda v, s: scaled_xla(v, s, epsilon), shapes, x.dtype,
-                        name=XLA_FORM.name)
+        forms = {CONSERVATIVE.name: timed_form(timed(stock), shapes, x.dtype),
+                 CUSTOM.name: timed_form(timed(lambda v, s: scaled_custom(v, s, epsilon)),
+                                         shapes, x.dtype)}
+        return with_xla(ctx, forms, timed(lambda v, s: scaled_xla(v, s, epsilon)), shapes,
+                        x.dtype, name=XLA_FORM.name)
 
     def emit(form: Form) -> tf.Tensor:
         fn = scaled_xla if form.name == XLA_FORM.name else scaled_custom
         out = fn(x, scale, epsilon)
-        _supersede(normalized)
+        _supersede(normalized, scaled.between)
         taken.append(normalized.statistic)
         return out
 
@@ -437,11 +483,19 @@ def fused_product(ctx: StageContext, original: Callable, a: Any, b: Any, *rest: 
     out = rewrite_call(ctx, CallSite(
         DECLARED, (CUSTOM,), keras=lambda: original(a, b, *rest, **kwargs), emit=emit,
         what="scaled RMS norm", why=why, dtype=x.dtype, candidates=candidates,
-        signature=lambda: f"scaled RMS norm of {shape_text(x.shape)} {x.dtype.name}"))
+        signature=lambda: (f"scaled RMS norm of {shape_text(x.shape)} {x.dtype.name}, scale "
+                           f"{scale.dtype.name}")))
     for noted in taken:
         for stats in noted.stats:
             stats.taken(f"taken into the whole norm with its scale ({FAMILY})")
     return out
+
+
+def fused_keras_product(ctx: StageContext, original: Callable, a: Any, b: Any, *rest: Any,
+                        **kwargs: Any) -> Any:
+    """``keras.ops.multiply`` while tfmx traces: :func:`fused_product`, whose operands it
+    promotes."""
+    return fused_product(ctx, original, a, b, *rest, promotes=True, **kwargs)
 
 
 # -- declaration ----------------------------------------------------------------------------------
@@ -454,7 +508,7 @@ DECLARED = declare(Family(
     # outer: it notes the root call's output, whatever the rms_norm stage emits for it
     hooks=(Hook.on(MATCHES[0], noted_rsqrt, outer=1, when=_recording),
            Hook.on(MATCHES[1], noted_reciprocal, outer=1, when=_recording),
-           Hook.on(MATCHES[2], fused_product, when=_wanted),
+           Hook.on(MATCHES[2], fused_keras_product, when=_wanted_promoted),
            Hook.on(MATCHES[3], fused_product, when=_wanted)),
     forms=FORMS,
     capability=scaled_rms_norm_forms,
