@@ -53,7 +53,7 @@ PLUGIN = "tfmx_keras_plugin"
 ENV_DIR = "TFMX_KERAS_TESTS_DIR"
 
 # Keras's test files and folders (relative to the unpacked source). What tfmx's stages and passes
-# touch: the layers it reroutes or fuses (Dense, EinsumDense, the convolutions, batch and layer
+# touch: the layers it reroutes or fuses (Dense, EinsumDense, the convolutions, batch, layer and RMS
 # normalization, multi-head attention, the recurrent layers), every optimizer (the update
 # patterns), the trainer (the step tfmx traces, rewrites and rebuilds), saving, and the callbacks
 # that save, restore or change what a step runs.
@@ -66,6 +66,7 @@ KERAS_TESTS: tuple[str, ...] = (
     "keras/src/layers/convolutional/separable_conv_test.py",
     "keras/src/layers/normalization/batch_normalization_test.py",
     "keras/src/layers/normalization/layer_normalization_test.py",
+    "keras/src/layers/normalization/rms_normalization_test.py",
     "keras/src/layers/attention/multi_head_attention_test.py",
     "keras/src/layers/rnn/lstm_test.py",
     "keras/src/layers/rnn/gru_test.py",
