@@ -204,6 +204,21 @@ def _vs_best(row: Mapping[str, Any], state: str) -> str:
     return f"{_ratio(value)}{named}"
 
 
+def _processor(env: Mapping[str, Any]) -> str:
+    """The processor a record ran on, as the README's table names it: its name, with its
+    family and model where recorded (two processors of one name differ there).
+
+    >>> _processor({"cpu": "AMD EPYC", "cpu_family": "25", "cpu_model": "1"})
+    'AMD EPYC (family 25, model 1)'
+    >>> _processor({})
+    'unknown'
+    """
+    name = env.get("cpu") or "unknown"
+    if env.get("cpu_family") and env.get("cpu_model"):
+        return f"{name} (family {env['cpu_family']}, model {env['cpu_model']})"
+    return name
+
+
 def format_readme_table(records: Sequence[Mapping[str, Any]]) -> str:
     """The README's table: per machine and workload, in TensorFlow's default oneDNN state on
     that machine (:func:`bench.environment.default_onednn`), tfmx / stock and tfmx / best
@@ -230,7 +245,7 @@ def format_readme_table(records: Sequence[Mapping[str, Any]]) -> str:
             here = states.get(default)
             stock = _ratio(here["ratios"].get("tfmx/stock")) if here else "-"
             other_cell = (f"{other}: {_vs_best(row, other)}" if other in states else "-")
-            lines.append(f"| {_workload(first['result'])} | {env.get('cpu') or 'unknown'} | "
+            lines.append(f"| {_workload(first['result'])} | {_processor(env)} | "
                          f"{_state(default)} | {stock} | "
                          f"{_vs_best(row, default) if here else '-'} | {other_cell} |")
     lines += ["", "Ratios of median step times (below 1: tfmx faster) in TensorFlow's default "

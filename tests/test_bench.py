@@ -321,8 +321,9 @@ def test_benchmarks_md_is_the_records_only(tmp_path):
     table = format_readme_table(records).splitlines()
     # TensorFlow's default state on these flags (AMX) is on: its figures first, off beside
     assert table[2:4] == [
-        "| gru (adam, batch 32) | EPYC | on | 1.250 | 1.250 (stock on) | - |",
-        "| mlp (adam, batch 32) | Xeon | on | 0.800 | 0.889 (stock off) | off: 0.944 (stock off) |"]
+        "| gru (adam, batch 32) | EPYC (family 6, model 143) | on | 1.250 | 1.250 (stock on) | - |",
+        "| mlp (adam, batch 32) | Xeon (family 6, model 143) | on | 0.800 | 0.889 (stock off) | "
+        "off: 0.944 (stock off) |"]
     assert "TF_ENABLE_ONEDNN_OPTS=0" in table[-1]
     assert "Measured on: EPYC, 2 cores (flags: amx_bf16 avx512f); TensorFlow 2.21.0" in table[-1]
 
