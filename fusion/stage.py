@@ -306,6 +306,47 @@ def noted_call(ctx: StageContext, call: Callable[[], Any]) -> tuple[Any, tuple[s
     return out, tuple(op.name for op in graph.get_operations()[mark:]), recorded
 
 
+def recording(*args: Any, **kwargs: Any) -> bool:
+    """Whether a call is traced with a gradient tape recording (a hook's ``when`` for a stage
+    that notes calls only in training steps); takes and ignores the call's arguments.
+
+    >>> recording(1.0)
+    False
+    """
+    import tensorflow as tf
+    from tensorflow.python.eager import execute
+
+    return tf.inside_function() and execute.must_record_gradient()
+
+
+THROUGH = ("Cast", "Identity")  # ops a noted output may pass through before a product reads it
+
+
+def noted_through(t: Any, noted: Mapping[Any, Any]) -> tuple[Any, tuple[Any, ...]] | None:
+    """``(entry, between)`` where the graph tensor ``t`` is a noted output (``noted``: entries
+    by ``tensor.ref()``) or a ``Cast`` or ``Identity`` of one, up to two: the entry and the ops
+    from the noted output to ``t``; else None.
+
+    >>> import tensorflow as tf
+    >>> with tf.Graph().as_default():
+    ...     x = tf.constant(1.0)
+    ...     y = tf.identity(tf.cast(x, tf.float16))
+    ...     entry, between = noted_through(y, {x.ref(): "noted"})
+    >>> entry, [op.type for op in between]
+    ('noted', ['Cast', 'Identity'])
+    """
+    between: list[Any] = []
+    for _ in range(3):
+        entry = noted.get(t.ref())
+        if entry is not None:
+            return entry, tuple(reversed(between))
+        if t.op.type not in THROUGH:
+            return None
+        between.append(t.op)
+        t = t.op.inputs[0]
+    return None
+
+
 def _routed(chain: list[tuple[Family, Hook]]) -> Callable[[Any], Any]:
     """The patch of one method that ``chain``'s hooks route (in registration order), run
     highest ``outer`` first, then in that order: each handler runs where its stage is on in
@@ -512,8 +553,8 @@ def unsupported_inputs(args: tuple, kwargs: dict) -> str | None:
 __all__ = [  # the stage API: hooks and their flow here, the context and the forms re-exported
     "GROUP", "XLA", "XLA_CALLS", "CallSite", "Emitted", "Hook", "StageContext", "active",
     "autocast", "autocast_dtype", "custom_gradient",
-    "functional_neighbours", "install", "integer_rounding", "layer_value", "noted_call",
-    "rewrite_call",
+    "THROUGH", "functional_neighbours", "install", "integer_rounding", "layer_value",
+    "noted_call", "noted_through", "recording", "rewrite_call",
     "stages", "timed_form", "tracing", "transaction", "uninstall", "unsupported_inputs",
     "widened", "with_xla", "xla_region",
 ]

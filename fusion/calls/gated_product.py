@@ -61,7 +61,6 @@ from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.python.eager import execute
 
 from fusion import private_api, trace_state
 from fusion.family import OBSERVED_AFTER, OBSERVED_ORDER, Family, Form, Forms, conservative, declare
@@ -75,6 +74,8 @@ from fusion.stage import (
     StageContext,
     custom_gradient,
     noted_call,
+    noted_through,
+    recording,
     rewrite_call,
     timed_form,
     tracing,
@@ -100,7 +101,6 @@ _KERNELS: dict[str, activations.Kernel] = {
     GELU_TANH: activations.gelu_tanh,
 }
 _STAGE_OF = {SILU: "swish", GELU: "gelu", GELU_TANH: "gelu"}  # the stage of each activation
-_THROUGH = ("Cast", "Identity")  # ops between the activation and the product
 
 
 @dataclasses.dataclass
@@ -128,11 +128,6 @@ class Product:
     up: tf.Tensor
 
 
-def _recording(*args: Any, **kwargs: Any) -> bool:
-    """Whether an activation call is one to note: traced with a gradient tape recording."""
-    return tf.inside_function() and execute.must_record_gradient()
-
-
 def find_product(a: Any, b: Any) -> Product | None:
     """The gated product ``a * b`` is, where one operand is a noted activation's output (or a
     ``Cast`` or ``Identity`` of it, up to two); else None.
@@ -148,15 +143,9 @@ def find_product(a: Any, b: Any) -> Product | None:
         noted = trace_state.held(graph, FAMILY)
         if not noted or not tf.is_tensor(up):
             continue
-        t, between = read, []
-        for _ in range(3):
-            gate = noted.get(t.ref())
-            if gate is not None:
-                return Product(gate, read, tuple(reversed(between)), up)
-            if t.op.type not in _THROUGH:
-                break
-            between.append(t.op)
-            t = t.op.inputs[0]
+        hit = noted_through(read, noted)
+        if hit is not None:
+            return Product(hit[0], read, hit[1], up)
     return None
 
 
@@ -444,8 +433,8 @@ DECLARED = declare(Family(
     "Qwen, Gemma; users' silu(g) * u) in training -> both gradients in closed form (custom "
     "gradient) or one XLA region, where measured faster than the activation and the product",
     # outer: it notes an activation before the swish or gelu stage rewrites it
-    hooks=(Hook.on(MATCHES[0], noted_silu, outer=1, when=_recording),
-           Hook.on(MATCHES[1], noted_gelu, outer=1, when=_recording),
+    hooks=(Hook.on(MATCHES[0], noted_silu, outer=1, when=recording),
+           Hook.on(MATCHES[1], noted_gelu, outer=1, when=recording),
            Hook.on(MATCHES[2], fused_product, when=_a_product),
            Hook.on(MATCHES[3], fused_product, when=_a_product)),
     forms=FORMS,

@@ -54,7 +54,6 @@ from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.python.eager import execute
 
 from fusion import trace_state
 from fusion.calls import rms_norm
@@ -69,6 +68,8 @@ from fusion.stage import (
     StageContext,
     custom_gradient,
     noted_call,
+    noted_through,
+    recording,
     rewrite_call,
     timed_form,
     with_xla,
@@ -84,7 +85,6 @@ MATCHES = (*rms_norm.MATCHES, "keras.src.backend.tensorflow:numpy.multiply",
 where their argument is an RMS statistic), its ``multiply`` (``keras.ops.multiply``) and
 TensorFlow's ``*`` operator on tensors, of which the stage takes the products of a noted
 statistic and of a noted normalized tensor."""
-_THROUGH = ("Cast", "Identity")  # ops between a noted output and the product reading it
 
 
 @dataclasses.dataclass
@@ -123,37 +123,17 @@ class Scaled:
     scale: Any
 
 
-def _recording(*args: Any, **kwargs: Any) -> bool:
-    """Whether a root call is one to note: traced with a gradient tape recording."""
-    return tf.inside_function() and execute.must_record_gradient()
-
-
 def _graph_tensor(t: Any) -> bool:
     return tf.is_tensor(t) and hasattr(t, "op") and hasattr(t, "graph")
 
 
-def _through(t: tf.Tensor, noted: dict) -> tuple[Any, list[tf.Operation]] | None:
-    """The noted entry ``t`` is (or a ``Cast`` or ``Identity`` of, up to two) with the ops
-    between, else None."""
-    between: list[tf.Operation] = []
-    for _ in range(3):
-        entry = noted.get(t.ref())
-        if entry is not None:
-            return entry, between
-        if t.op.type not in _THROUGH:
-            return None
-        between.append(t.op)
-        t = t.op.inputs[0]
-    return None
-
-
-def _statistic_product(a: Any, b: Any) -> tuple[NotedStatistic, list[tf.Operation]] | None:
+def _statistic_product(a: Any, b: Any) -> tuple[NotedStatistic, tuple[tf.Operation, ...]] | None:
     """``(statistic, casts)`` where ``a * b`` is a noted statistic's ``x`` times its output."""
     for inv, x in ((a, b), (b, a)):
         if not (_graph_tensor(inv) and _graph_tensor(x)):
             continue
         noted = trace_state.held(inv.graph, FAMILY)
-        hit = None if not noted else _through(inv, noted["statistics"])
+        hit = None if not noted else noted_through(inv, noted["statistics"])
         if hit is not None and hit[0].found.x.ref() == x.ref():
             return hit
     return None
@@ -185,7 +165,7 @@ def find_scaled(a: Any, b: Any, promotes: bool = False) -> Scaled | None:
         if not _graph_tensor(n):
             continue
         noted = trace_state.held(n.graph, FAMILY)
-        hit = None if not noted else _through(n, noted["normalized"])
+        hit = None if not noted else noted_through(n, noted["normalized"])
         shape = _vector(s)
         dtype = _dtype(s)
         promoted = promotes and n.dtype == tf.float32 and dtype in (tf.float16, tf.bfloat16)
@@ -193,7 +173,7 @@ def find_scaled(a: Any, b: Any, promotes: bool = False) -> Scaled | None:
             continue
         last = n.shape[-1] if n.shape.rank else None
         if shape[0] is None or last is None or shape[0] == last:
-            return Scaled(hit[0], n, tuple(reversed(hit[1])), s)
+            return Scaled(hit[0], n, hit[1], s)
     return None
 
 
@@ -506,8 +486,8 @@ DECLARED = declare(Family(
     "the traced ops of its three calls -> both gradients in closed form or two XLA regions, "
     "where measured faster than the statistic's form and the two products",
     # outer: it notes the root call's output, whatever the rms_norm stage emits for it
-    hooks=(Hook.on(MATCHES[0], noted_rsqrt, outer=1, when=_recording),
-           Hook.on(MATCHES[1], noted_reciprocal, outer=1, when=_recording),
+    hooks=(Hook.on(MATCHES[0], noted_rsqrt, outer=1, when=recording),
+           Hook.on(MATCHES[1], noted_reciprocal, outer=1, when=recording),
            Hook.on(MATCHES[2], fused_keras_product, when=_wanted_promoted),
            Hook.on(MATCHES[3], fused_product, when=_wanted)),
     forms=FORMS,
