@@ -351,10 +351,6 @@ def _statistic_as_emitted(noted: NotedStatistic) -> Callable[[tf.Tensor], tf.Ten
     return stock
 
 
-def _made_since(graph: tf.Graph, mark: int) -> tuple[str, ...]:
-    return tuple(op.name for op in graph.get_operations()[mark:])
-
-
 def _composite_ops(found: rms_norm.Statistic, inv: tf.Tensor) -> tuple[str, ...]:
     """The names of the ops from the square of ``found.x`` to ``inv`` (Keras's composite of the
     statistic, made before the root call)."""
@@ -416,13 +412,11 @@ def fused_product(ctx: StageContext, original: Callable, a: Any, b: Any, *rest: 
     graph = tf.compat.v1.get_default_graph()
     hit = _statistic_product(a, b)
     if hit is not None:
-        mark = graph.num_operations()
-        out = original(a, b, *rest, **kwargs)
+        out, made, _ = noted_call(ctx, lambda: original(a, b, *rest, **kwargs))
         if _graph_tensor(out):
             statistic, between = hit
-            made = tuple(op.name for op in between) + _made_since(graph, mark)
             trace_state.slot(graph, FAMILY)["normalized"][out.ref()] = Normalized(
-                statistic, out, made)
+                statistic, out, tuple(op.name for op in between) + made)
         return out
     scaled = find_scaled(a, b, promotes)
     if scaled is None:
