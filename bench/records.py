@@ -71,12 +71,15 @@ def record_name(result: Mapping[str, Any]) -> str:
 
 def narrow_command(command: str, model: str) -> str:
     """``command`` (a ``tfmx bench`` command line) measuring ``model`` alone: its ``--model``
-    list replaced by that workload (added where the command had none).
+    list replaced by that workload (added where the command had none), and a ``--record``
+    folder dropped (the record is reproduced into the project's own, the default).
 
     >>> narrow_command("tfmx bench --model mlp gru --onednn both --record", "gru")
     'tfmx bench --model gru --onednn both --record'
     >>> narrow_command("tfmx bench --rounds 3", "small_cnn")
     'tfmx bench --rounds 3 --model small_cnn'
+    >>> narrow_command("tfmx bench --model mlp --record /scratch/rec --rounds 3", "mlp")
+    'tfmx bench --model mlp --record --rounds 3'
     """
     words, out, skipping, found = shlex.split(command), [], False, False
     for word in words:
@@ -86,6 +89,10 @@ def narrow_command(command: str, model: str) -> str:
         if word == "--model" or word.startswith("--model="):
             out += ["--model", model]
             skipping, found = word == "--model", True
+            continue
+        if word == "--record" or word.startswith("--record="):
+            out.append("--record")
+            skipping = word == "--record"
             continue
         out.append(word)
     return shlex.join(out if found else [*out, "--model", model])
