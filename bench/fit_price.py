@@ -315,7 +315,7 @@ def make_fit_price_record(row: Mapping[str, Any], command: str,
     median = dict(row["median_s"])
     return {
         "fit_price_schema": SCHEMA,
-        "command": command,
+        "command": narrow_command(command) if command else "",
         "reproduce": narrow_command(command, row["workload"]) if command else "",
         "env": dict(env),
         "workload": row["workload"],

@@ -330,7 +330,8 @@ def write_minute_fits(rows: Iterable[Mapping[str, Any]], command: str,
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for row in rows:
-        record = {"minute_fit_schema": SCHEMA, "command": command,
+        record = {"minute_fit_schema": SCHEMA,
+                  "command": narrow_command(command) if command else "",
                   "reproduce": narrow_command(command, row["workload"]) if command else "",
                   **row}
         path = folder / record_name(row)

@@ -69,24 +69,26 @@ def record_name(result: Mapping[str, Any]) -> str:
     return re.sub(r"[^\w.-]+", "_", "-".join(str(p) for p in parts)) + ".json"
 
 
-def narrow_command(command: str, model: str) -> str:
-    """``command`` (a ``tfmx bench`` command line) measuring ``model`` alone: its ``--model``
-    list replaced by that workload (added where the command had none), and a ``--record``
-    folder dropped (the record is reproduced into the project's own, the default).
+def narrow_command(command: str, model: str | None = None) -> str:
+    """``command`` (a ``tfmx bench`` command line) as a record shows it: a ``--record`` folder
+    dropped (the record is reproduced into the project's own, the default) and, given
+    ``model``, measuring that workload alone: its ``--model`` list replaced by it (added where
+    the command had none).
 
     >>> narrow_command("tfmx bench --model mlp gru --onednn both --record", "gru")
     'tfmx bench --model gru --onednn both --record'
     >>> narrow_command("tfmx bench --rounds 3", "small_cnn")
     'tfmx bench --rounds 3 --model small_cnn'
-    >>> narrow_command("tfmx bench --model mlp --record /scratch/rec --rounds 3", "mlp")
-    'tfmx bench --model mlp --record --rounds 3'
+    >>> narrow_command("tfmx bench --model mlp gru --record /scratch/rec --rounds 3")
+    'tfmx bench --model mlp gru --record --rounds 3'
     """
-    words, out, skipping, found = shlex.split(command), [], False, False
-    for word in words:
+    out: list[str] = []
+    skipping, found = False, False
+    for word in shlex.split(command):
         if skipping and not word.startswith("-"):
             continue
         skipping = False
-        if word == "--model" or word.startswith("--model="):
+        if model is not None and (word == "--model" or word.startswith("--model=")):
             out += ["--model", model]
             skipping, found = word == "--model", True
             continue
@@ -95,7 +97,7 @@ def narrow_command(command: str, model: str) -> str:
             skipping = word == "--record"
             continue
         out.append(word)
-    return shlex.join(out if found else [*out, "--model", model])
+    return shlex.join(out if found or model is None else [*out, "--model", model])
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
@@ -125,7 +127,7 @@ def make_record(result: Mapping[str, Any], row: Mapping[str, Any] | None, comman
     over_floor = (floor.get("ratios") or {}).get("tfmx/floor")  # bench.floor.floor_ratios
     return {
         "schema": SCHEMA,
-        "command": command,
+        "command": narrow_command(command) if command else "",
         "reproduce": narrow_command(command, result["model"]) if command else "",
         "workload": {k: result.get(k) for k in ("model", "description", "optimizer",
                                                 "batch_size", "policy", "replicas", "rounds",
