@@ -1,8 +1,9 @@
 """Benchmark records: ``tfmx bench --record`` keeps each result as one JSON file.
 
-One file per workload (model, optimizer, batch, policy, replicas) and oneDNN state under
-``bench/results/`` (:data:`RESULTS_DIR`); a new measurement of the same workload and state
-replaces its file, so the folder holds the current figures only. A record holds the command
+One file per workload (model, optimizer, batch, policy, replicas), oneDNN state and processor
+under ``bench/results/`` (:data:`RESULTS_DIR`); a new measurement of the same workload and state
+on the same processor replaces its file, so the folder holds each processor's current figures
+only. A record holds the command
 that measured it (and, as ``reproduce``, the same command for its workload alone), the
 machine (processor and its flags, cores, oneDNN state and how it was set, TensorFlow, Keras
 and Python versions), per mode the median ms/step and the p25-p75 spread, the ratios
@@ -50,12 +51,33 @@ ENV_KEYS = ("date", "cpu", "cpu_vendor", "cpu_family", "cpu_model", "cpu_flags",
 TIMING_KEYS = ("median_ms", "p25_ms", "p75_ms", "min_ms", "first_call_s")
 
 
+def processor_key(env: Mapping[str, Any]) -> str:
+    """A short name of the processor ``env`` (a record's machine) was measured on: its vendor,
+    family and model; "" where the machine did not say.
+
+    >>> processor_key({"cpu_vendor": "AuthenticAMD", "cpu_family": "25", "cpu_model": "17"})
+    'amd-f25-m17'
+    >>> processor_key({"cpu": "cpu"})
+    ''
+    """
+    family, model = env.get("cpu_family"), env.get("cpu_model")
+    if family in (None, "") or model in (None, ""):
+        return ""
+    vendor = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(
+        str(env.get("cpu_vendor") or ""), str(env.get("cpu_vendor") or "cpu").lower())
+    return f"{vendor}-f{family}-m{model}"
+
+
 def record_name(result: Mapping[str, Any]) -> str:
-    """The file name of ``result``'s record: its workload and oneDNN state.
+    """The file name of ``result``'s record: its workload, oneDNN state and processor
+    (:func:`processor_key`, where known).
 
     >>> record_name({"model": "gru", "optimizer": "adamw", "batch_size": 64,
     ...              "policy": "mixed_bfloat16", "replicas": 2, "env": {"onednn": False}})
     'gru-adamw-batch64-mixed_bfloat16-2replicas-onednn-off.json'
+    >>> record_name({"model": "mlp", "batch_size": 32, "env": {
+    ...     "onednn": True, "cpu_vendor": "GenuineIntel", "cpu_family": "6", "cpu_model": "207"}})
+    'mlp-adam-batch32-onednn-on-intel-f6-m207.json'
     """
     parts = [result["model"], result.get("optimizer") or "adam"]
     if result.get("batch_size"):
@@ -66,6 +88,9 @@ def record_name(result: Mapping[str, Any]) -> str:
         parts.append(f"{result['replicas']}replicas")
     state = onednn_state(result)
     parts.append("onednn-" + ("unknown" if state == "?" else state))
+    processor = processor_key(result.get("env") or {})
+    if processor:
+        parts.append(processor)
     return re.sub(r"[^\w.-]+", "_", "-".join(str(p) for p in parts)) + ".json"
 
 
@@ -150,7 +175,7 @@ def write_records(results: Iterable[Mapping[str, Any]], command: str,
                   directory: str | Path | None = None) -> list[Path]:
     """Write one record per result (:func:`make_record`, :func:`record_name`) into
     ``directory`` (default :data:`RESULTS_DIR`, created if missing), replacing the files of
-    the same workload and state; the paths written, in order."""
+    the same workload and state measured on the same processor; the paths written, in order."""
     results = list(results)
     folder = Path(directory) if directory is not None else RESULTS_DIR
     folder.mkdir(parents=True, exist_ok=True)

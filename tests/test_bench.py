@@ -256,7 +256,7 @@ def test_tiny_real_run_measures_both_states_in_their_own_processes(tmp_path):
     records = load_records(tmp_path / "results")
     assert [r["onednn"] for r in records] == ["off", "on"]
     assert records[0]["command"].startswith("tfmx bench --model mlp --rounds 1")
-    assert records[0]["command"].endswith(f"--record {tmp_path / 'results'}")
+    assert records[0]["command"].endswith("--record")  # its folder left out
     assert records[0]["env"]["tensorflow"] and records[0]["env"]["cpu_count"] >= 1
     assert set(records[0]["modes"]["tfmx"]) >= {"median_ms", "p25_ms", "p75_ms"}
     assert records[0]["ratios"]["tfmx/stock"] > 0
@@ -277,8 +277,8 @@ def test_records_one_file_per_workload_and_state_holding_the_ratios(tmp_path):
     results = [result("on", stock=10.0, xla=12.0, tfmx=8.0),
                result("off", stock=9.0, xla=11.0, tfmx=8.5)]
     paths = write_records(results, "tfmx bench --model mlp --onednn both --record", tmp_path)
-    assert [p.name for p in paths] == ["mlp-adam-batch32-onednn-on.json",
-                                       "mlp-adam-batch32-onednn-off.json"]
+    assert [p.name for p in paths] == ["mlp-adam-batch32-onednn-on-intel-f6-m143.json",
+                                       "mlp-adam-batch32-onednn-off-intel-f6-m143.json"]
     off, on = load_records(tmp_path)
     assert on["ratios"]["tfmx/stock"] == pytest.approx(0.8)
     assert on["ratios"]["tfmx/best_alternative"] == pytest.approx(8.0 / 9.0)
@@ -292,6 +292,13 @@ def test_records_one_file_per_workload_and_state_holding_the_ratios(tmp_path):
     assert off["command"].startswith("tfmx bench")
     (tmp_path / "notes.json").write_text("[]")  # not a record: left out
     assert len(load_records(tmp_path)) == 2
+    # another processor's measurement sits beside this one's
+    other = result("on", stock=12.0, tfmx=9.0)
+    other["env"].update(cpu="EPYC", cpu_vendor="AuthenticAMD", cpu_family="25", cpu_model="1")
+    (path,) = write_records([other], "elsewhere", tmp_path)
+    assert path.name == "mlp-adam-batch32-onednn-on-amd-f25-m1.json"
+    assert sorted(r["command"] for r in load_records(tmp_path)) == ["again", "elsewhere",
+                                                                    off["command"]]
     assert record_name({"model": "gru", "optimizer": "adam"}) == "gru-adam-onednn-unknown.json"
 
 
