@@ -235,12 +235,17 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 def write_records(rows: Sequence[Mapping[str, Any]], command: str, env: Mapping[str, Any],
                   directory: str | Path = RESULTS_DIR) -> list[Path]:
-    """One JSON record per model (replacing that model's earlier one)."""
+    """One JSON record per model and processor (replacing that model's earlier one measured on
+    the same processor, :func:`bench.records.processor_key`)."""
+    from bench.records import processor_key
+
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
+    processor = processor_key(env)
     paths = []
     for row in rows:
-        path = folder / f"{row['model']}.json"
+        name = f"{row['model']}-{processor}" if processor else row["model"]
+        path = folder / f"{name}.json"
         path.write_text(json.dumps({"schema": SCHEMA, "command": command, "env": dict(env),
                                     **row}, indent=1, sort_keys=True) + "\n")
         paths.append(path)
@@ -255,25 +260,28 @@ def load_records(directory: str | Path = RESULTS_DIR) -> list[dict[str, Any]]:
 
 
 def format_loop_section(records: Sequence[Mapping[str, Any]]) -> str:
-    """BENCHMARKS.md's section of these records ("" without any)."""
+    """BENCHMARKS.md's section of these records ("" without any): a table per machine."""
     if not records:
         return ""
     from bench.environment import format_environment
+    from bench.publish import by_machine
 
-    commands = dict.fromkeys(record["command"] for record in records)
-    states = {(r["env"].get("onednn"), r["env"].get("onednn_env")) for r in records}
-    onednn = "; ".join(
-        f"oneDNN {'on' if on else 'off'} in every mode ("
-        + ("TensorFlow's default state here" if set_by is None
-           else f"TF_ENABLE_ONEDNN_OPTS={set_by}") + ")" for on, set_by in sorted(states, key=str))
-    return "\n".join([
-        "## Small models: the epoch, where Keras's per-step loop is most of it", "",
-        "Milliseconds an epoch (64 steps of 32 samples), median over interleaved rounds "
-        "(p25-p75); Keras 2 is tf_keras in a process of its own. tfmx runs several steps a "
-        f"call where its fit's trial measured it faster (tfmx.step_loop). {onednn}.", "",
-        format_table(records), "",
-        *(f"Machine: {format_environment(record['env'])}" for record in records[:1]),
-        *(f"Command: `{command}`" for command in commands), ""])
+    lines = ["## Small models: the epoch, where Keras's per-step loop is most of it", "",
+             "Milliseconds an epoch (64 steps of 32 samples), median over interleaved rounds "
+             "(p25-p75); Keras 2 is tf_keras in a process of its own. tfmx runs several steps "
+             "a call where its fit's trial measured it faster (tfmx.step_loop).", ""]
+    for group in by_machine(records).values():
+        commands = dict.fromkeys(record["command"] for record in group)
+        states = {(r["env"].get("onednn"), r["env"].get("onednn_env")) for r in group}
+        onednn = "; ".join(
+            f"oneDNN {'on' if on else 'off'} in every mode ("
+            + ("TensorFlow's default state here" if set_by is None
+               else f"TF_ENABLE_ONEDNN_OPTS={set_by}") + ")"
+            for on, set_by in sorted(states, key=str))
+        lines += [format_table(group), "",
+                  f"Machine: {format_environment(group[0]['env'])}. {onednn}.",
+                  *(f"Command: `{command}`" for command in commands), ""]
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

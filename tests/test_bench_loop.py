@@ -30,12 +30,22 @@ def test_rows_ratios_and_the_loops_choice():
 
 
 def test_records_round_trip_into_the_section(tmp_path):
+    from bench.records import processor_key
     from recipes._machine import environment
 
     row = loop.summarize("mlp", {"stock": [4.0], "tfmx": [2.0]}, None)
     command = "python -m bench.loop --model mlp --record"
-    paths = loop.write_records([row], command, environment(), tmp_path / "loop")
-    assert [p.name for p in paths] == ["mlp.json"]
+    env = environment()
+    paths = loop.write_records([row], command, env, tmp_path / "loop")
+    key = processor_key(env)
+    assert [p.name for p in paths] == [f"mlp-{key}.json" if key else "mlp.json"]
+    # another processor's record sits beside this one's, in a table of its own
+    other = {**env, "cpu": "Elsewhere", "cpu_vendor": "GenuineIntel", "cpu_family": "6",
+             "cpu_model": "207"}
+    (path,) = loop.write_records([row], command, other, tmp_path / "loop")
+    assert path.name == "mlp-intel-f6-m207.json"
+    assert "Elsewhere" in loop.format_loop_section(loop.load_records(tmp_path / "loop"))
+    path.unlink()
     records = loop.load_records(tmp_path / "loop")
     assert records[0]["modes"] == row["modes"] and records[0]["command"] == command
     section = loop.format_loop_section(records)
