@@ -405,7 +405,7 @@ def test_each_update_is_a_decision_of_its_own_at_its_shape():
     step = tf.function(model.train_step).get_concrete_function(
         (tf.TensorSpec([8, 64]), tf.TensorSpec([8, 2])))
     view = GraphView(step.graph.as_graph_def(add_shapes=True).node)
-    chooser = _KeepComposite("[64, 64]")
+    chooser = _KeepComposite("4096-8191 elements")
     matches, declined = find_updates(view, get_backend("cpu"), chooser)
 
     def size(ref):
@@ -413,9 +413,9 @@ def test_each_update_is_a_decision_of_its_own_at_its_shape():
     assert sorted(size(m.found.refs["grad"]) for m in matches) == [2, 64, 128]
     assert declined == ["Adam: ResourceApplyAdam float32 [64, 64] keeps Keras's composite: "
                         "measured faster"]
-    assert sorted(sig for _, sig, _ in chooser.asked) == [
-        "ResourceApplyAdam float32 [2]", "ResourceApplyAdam float32 [64, 2]",
-        "ResourceApplyAdam float32 [64, 64]", "ResourceApplyAdam float32 [64]"]
+    assert sorted(sig for _, sig, _ in chooser.asked) == [  # a decision per size class
+        "ResourceApplyAdam float32 128-255 elements", "ResourceApplyAdam float32 2-3 elements",
+        "ResourceApplyAdam float32 4096-8191 elements", "ResourceApplyAdam float32 64-127 elements"]
     assert {(family, stock) for family, _, stock in chooser.asked} == {
         ("optimizer_update", "composite")}
     assert len(find_updates(view, get_backend("cpu"))[0]) == 4  # no chooser: every update

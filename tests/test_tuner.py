@@ -325,30 +325,32 @@ def test_the_optimizer_family_asks_the_tuner_and_says_why():
 
 
 def test_identical_sites_of_one_graph_are_measured_once_and_share_the_decision():
-    """Three variables of one shape and dtype: three updates of one signature, one
-    measurement, one decision, every update in its form; a fourth shape is a second."""
+    """Three variables of one shape and one of another shape but as many elements: four
+    updates of one signature (an update's size class), one measurement, one decision, every
+    update in its form; a variable of another size class is a second."""
     import keras
 
-    variables = [tf.Variable(tf.ones([64, 64])) for _ in range(3)] + [tf.Variable(tf.ones([8]))]
+    variables = ([tf.Variable(tf.ones([64, 64])) for _ in range(3)]
+                 + [tf.Variable(tf.ones([32, 128])), tf.Variable(tf.ones([8]))])
     opt = keras.optimizers.Adam(0.01)
     opt.build(variables)
 
     @tf.function(autograph=False)
-    def step(g, h):
-        opt.apply([g, g, g, h], variables)
+    def step(g, f, h):
+        opt.apply([g, g, g, f, h], variables)
         return variables[0].read_value()
 
-    graph_def = step.get_concrete_function(tf.TensorSpec([64, 64]), tf.TensorSpec([8])
-                                           ).graph.as_graph_def(add_shapes=True)
+    graph_def = step.get_concrete_function(tf.TensorSpec([64, 64]), tf.TensorSpec([32, 128]),
+                                           tf.TensorSpec([8])).graph.as_graph_def(add_shapes=True)
     seen = []
     timer = _timer({"composite": 2.0, "kernel": 1.0})
     result = fusion.rewrite(graph_def, get_backend("cpu"), ["optimizer_update"],
                             tuner=Tuner("auto", None, timer, on_decision=seen.append))
-    assert result.stats["optimizer_update"].fused == 4
-    assert op_histogram(result.graph_def)["ResourceApplyAdam"] == 4
+    assert result.stats["optimizer_update"].fused == 5
+    assert op_histogram(result.graph_def)["ResourceApplyAdam"] == 5
     assert len(timer.calls) == 2
-    assert sorted(d.signature for d in seen) == ["ResourceApplyAdam float32 [64, 64]",
-                                                 "ResourceApplyAdam float32 [8]"]
+    assert sorted(d.signature for d in seen) == ["ResourceApplyAdam float32 4096-8191 elements",
+                                                 "ResourceApplyAdam float32 8-15 elements"]
 
 
 def test_fragments_of_a_real_update_run_in_both_forms():

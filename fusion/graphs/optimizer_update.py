@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 import re
 from collections.abc import Callable
 
@@ -439,16 +440,36 @@ def _why_not(view: GraphView, spec: Spec, found: Match, target: Target, dtype: i
     return None
 
 
+def size_class(shape: tuple[int, ...] | None) -> str:
+    """The elements of a variable of ``shape`` as the range of sizes one tuner decision covers:
+    from a power of two to just below the next. An update is elementwise, its cost a matter of
+    how many elements it reads and writes, not of their layout: a model's many variables of
+    like size share one measured decision rather than each paying for its own.
+
+    >>> size_class((64, 64)), size_class((3, 3, 32, 1)), size_class((1,)), size_class(None)
+    ('4096-8191 elements', '256-511 elements', '1 element', '? elements')
+    """
+    if shape is None:
+        return "? elements"
+    n = math.prod(shape)
+    if n <= 1:
+        return f"{n} element"
+    low = 1 << (n.bit_length() - 1)
+    return f"{low}-{2 * low - 1} elements"
+
+
 def _tuned_reason(ctx: RuleContext, spec: Spec, m: UpdateMatch) -> str | None:
-    """Why this update keeps the composite (the tuner measured it faster here), or None."""
+    """Why this update keeps the composite (the tuner measured it faster here), or None. The
+    decision is the kernel's, dtype's and :func:`size_class`'s: measured once per size class."""
     shape = variable_shape(ctx.view, m.found)
-    signature = (f"{spec.kernel} {tf.dtypes.as_dtype(m.dtype).name} "
-                 f"{list(shape) if shape is not None else '?'}")
+    dtype = tf.dtypes.as_dtype(m.dtype).name
+    signature = f"{spec.kernel} {dtype} {size_class(shape)}"
     kept = ctx.tuned("optimizer_update", signature, m.remove,
                      lambda v: rewrite_update(v, m), stock="composite", fused="kernel")
     if kept is None:
         return None
-    return f"{spec.optimizer}: {signature} keeps Keras's composite: {kept}"
+    shown = list(shape) if shape is not None else "?"
+    return f"{spec.optimizer}: {spec.kernel} {dtype} {shown} keeps Keras's composite: {kept}"
 
 
 def _by_name(matches: list[UpdateMatch], ctx: RuleContext
