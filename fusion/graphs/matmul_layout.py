@@ -165,7 +165,7 @@ def find_layouts(view: GraphView, target: Target, tuner: Chooser | None = None
     FAMILY,
     "MatMul(a, b, transpose_b=True) -> MatMul(a, b transposed once), where the tuner measures "
     "it faster (a float32 input gradient dy @ w^T on oneDNN)",
-    after=("contraction", "bias_grad", "einsum_dense", "sibling_projections"),
+    after=("contraction", "bias_grad", "einsum_dense", "sibling_projections", "pointwise"),
     order=("it reads the MatMuls the families that write MatMuls left; dedupe then shares a "
            "weight's transposition"),
 )
