@@ -74,7 +74,7 @@ CORE = (
     # the newer families (Keras's own ops they hook, keras_hub's layers where it imports)
     "tests/test_squeeze_excite.py", "tests/test_rms_norm.py", "tests/test_grouped_attention.py",
     "tests/test_rotary.py", "tests/test_sibling_projections.py", "tests/test_gated_product.py",
-    "tests/test_scaled_rms_norm.py",
+    "tests/test_scaled_rms_norm.py", "tests/test_pointwise.py",
     # several steps a call, the epochs' data iterators, every family's fused form at once
     "tests/test_step_loop.py", "tests/test_epoch_data.py", "tests/test_fuse_always.py",
     # the Metal plans per TensorFlow release
