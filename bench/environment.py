@@ -102,3 +102,17 @@ def machine(env: Mapping[str, Any]) -> str:
     return (f"{env.get('cpu') or 'unknown processor'}, {env.get('cpu_count')} cores "
             f"(flags: {flags}){gpus}; TensorFlow {env.get('tensorflow')}, Keras "
             f"{env.get('keras')}, Python {env.get('python')}")
+
+
+def by_machine(records: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """Records grouped by :func:`machine`, in the order first seen.
+
+    >>> env = {"cpu": "c", "cpu_count": 2, "tensorflow": "2.21.0", "keras": "3.15.1"}
+    >>> list(by_machine([{"env": env}, {"env": {**env, "cpu": "d"}}, {"env": env}]).values())
+    ... # doctest: +ELLIPSIS
+    [[{'env': {'cpu': 'c', ...}}, {'env': {'cpu': 'c', ...}}], [{'env': {'cpu': 'd', ...}}]]
+    """
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    for record in records:
+        groups.setdefault(machine(record.get("env") or {}), []).append(record)
+    return groups

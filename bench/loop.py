@@ -263,16 +263,13 @@ def format_loop_section(records: Sequence[Mapping[str, Any]]) -> str:
     """BENCHMARKS.md's section of these records ("" without any): a table per machine."""
     if not records:
         return ""
-    from bench.environment import format_environment, machine
+    from bench.environment import by_machine, format_environment
 
     lines = ["## Small models: the epoch, where Keras's per-step loop is most of it", "",
              "Milliseconds an epoch (64 steps of 32 samples), median over interleaved rounds "
              "(p25-p75); Keras 2 is tf_keras in a process of its own. tfmx runs several steps "
              "a call where its fit's trial measured it faster (tfmx.step_loop).", ""]
-    groups: dict[str, list[Mapping[str, Any]]] = {}
-    for record in records:
-        groups.setdefault(machine(record.get("env") or {}), []).append(record)
-    for group in groups.values():
+    for group in by_machine(records).values():
         commands = dict.fromkeys(record["command"] for record in group)
         states = {(r["env"].get("onednn"), r["env"].get("onednn_env")) for r in group}
         onednn = "; ".join(

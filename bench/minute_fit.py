@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.environment import format_onednn, machine
+from bench.environment import by_machine, format_onednn
 from bench.onednn import run_json_process
 from bench.records import RESULTS_DIR as RECORDS_DIR
 from bench.records import narrow_command, read_json_records
@@ -458,10 +458,7 @@ def format_minute_section(records: Sequence[Mapping[str, Any]]) -> str:
     if commands:
         lines += ["Measured with (`--record` writes a record per workload under "
                   "`bench/results/fit_price/minute/`):", "", "```", *commands, "```", ""]
-    groups: dict[str, list[Mapping[str, Any]]] = {}
-    for r in records:
-        groups.setdefault(machine(r.get("env") or {}), []).append(r)
-    for title, group in groups.items():
+    for title, group in by_machine(records).items():
         onednn = format_onednn(group)
         lines += [f"Machine: {title}." + (f" {onednn}" if onednn else ""), "", *HEADER,
                   *(format_row(r) for r in group), ""]

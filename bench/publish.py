@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.compare import compare
-from bench.environment import default_onednn, machine
+from bench.environment import by_machine, default_onednn
 from bench.floor import format_record_floors
 from bench.records import RESULTS_DIR, load_records
 from bench.targets import targets_section
@@ -91,20 +91,6 @@ def _suffix(state: str) -> str:
 
 def _state(state: str) -> str:
     return "-" if state in ("?", None) else state
-
-
-def by_machine(records: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
-    """Records grouped by :func:`machine`, in the order first seen.
-
-    >>> env = {"cpu": "c", "cpu_count": 2, "tensorflow": "2.21.0", "keras": "3.15.1"}
-    >>> list(by_machine([{"env": env}, {"env": {**env, "cpu": "d"}}, {"env": env}]).values())
-    ... # doctest: +ELLIPSIS
-    [[{'env': {'cpu': 'c', ...}}, {'env': {'cpu': 'c', ...}}], [{'env': {'cpu': 'd', ...}}]]
-    """
-    groups: dict[str, list[Mapping[str, Any]]] = {}
-    for record in records:
-        groups.setdefault(machine(record.get("env") or {}), []).append(record)
-    return groups
 
 
 def _rows(records: Sequence[Mapping[str, Any]]) -> list[tuple[Mapping[str, Any], dict]]:

@@ -3,8 +3,8 @@
 One file per workload (model, optimizer, batch, policy, replicas), oneDNN state and processor
 under ``bench/results/`` (:data:`RESULTS_DIR`); a new measurement of the same workload and state
 on the same processor replaces its file, so the folder holds each processor's current figures
-only. A record holds the command
-that measured it (and, as ``reproduce``, the same command for its workload alone), the
+only. A record holds the command that measured it (and, as ``reproduce``, the same command for
+its workload alone), the
 machine (processor and its flags, cores, oneDNN state and how it was set, TensorFlow, Keras
 and Python versions), per mode the median ms/step and the p25-p75 spread, the ratios
 tfmx/stock and tfmx/best alternative (the fastest of stock and XLA in any oneDNN state of the
