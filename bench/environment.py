@@ -50,14 +50,22 @@ def _relevant_flags() -> tuple[str, ...]:
     return RELEVANT_FLAGS
 
 
+#: How a record's ``env["host_allocator"]`` reads in a table's header.
+ALLOCATOR_WORDS = {"pool": "CPU tensors in a best-fit pool (every mode)",
+                   "malloc": "CPU tensors from malloc (every mode)"}
+
+
 def format_onednn(results: Iterable[Mapping[str, Any]]) -> str:
-    """One markdown line: each oneDNN state measured, and how the process got it.
+    """One markdown line: each oneDNN state measured, how the process got it, and the
+    allocator of its CPU tensors where the record names it (``tfmx.host_allocator``).
 
     >>> print(format_onednn([
     ...     {"env": {"onednn": True, "onednn_env": "1"}, "isolated": True},
-    ...     {"env": {"onednn": False, "onednn_env": None}}]))  # doctest: +NORMALIZE_WHITESPACE
+    ...     {"env": {"onednn": False, "onednn_env": None, "host_allocator": "pool"}}]))
+    ... # doctest: +NORMALIZE_WHITESPACE
     _oneDNN on: TF_ENABLE_ONEDNN_OPTS=1, a process of its own; oneDNN off:
-    TF_ENABLE_ONEDNN_OPTS unset (TensorFlow's default), the calling process_
+    TF_ENABLE_ONEDNN_OPTS unset (TensorFlow's default), the calling process, CPU tensors in a
+    best-fit pool (every mode)_
     """
     seen: dict[str, str] = {}
     for r in results:
@@ -68,7 +76,8 @@ def format_onednn(results: Iterable[Mapping[str, Any]]) -> str:
         how = (f"{ONEDNN_ENV}={value}" if value is not None
                else f"{ONEDNN_ENV} unset (TensorFlow's default)")
         where = "a process of its own" if r.get("isolated") else "the calling process"
-        seen[state] = f"oneDNN {state}: {how}, {where}"
+        allocator = ALLOCATOR_WORDS.get(r["env"].get("host_allocator"))
+        seen[state] = f"oneDNN {state}: {how}, {where}" + (f", {allocator}" if allocator else "")
     return f"_{'; '.join(seen.values())}_" if seen else ""
 
 

@@ -54,7 +54,8 @@ def onednn_state(result: Mapping[str, Any]) -> str:
 
 
 def child_command(state: str, models: Sequence[str], options: Mapping[str, Any],
-                  result_path: str) -> tuple[list[str], dict[str, str]]:
+                  result_path: str, environ: Mapping[str, str] | None = None,
+                  ) -> tuple[list[str], dict[str, str]]:
     """Command line and environment of the process that benchmarks ``models`` in ``state``.
 
     The child runs ``python -m bench.runner SPEC RESULT_PATH``
@@ -62,6 +63,8 @@ def child_command(state: str, models: Sequence[str], options: Mapping[str, Any],
     model with ``options`` (its keyword arguments), results written as JSON to ``result_path``.
     ``TF_ENABLE_ONEDNN_OPTS`` is ``1`` (``state`` "on") or ``0`` ("off") in its environment, so
     TensorFlow reads it when the child imports it; the child checks that it took effect.
+    ``environ``: further variables for the child (``TFMX_HOST_ALLOCATOR=keep``: TensorFlow's
+    own allocator, :mod:`tfmx.host_allocator`).
 
     >>> argv, env = child_command("off", ["mlp"], {"rounds": 2}, "/tmp/r.json")
     >>> argv[1:3], argv[4], env["TF_ENABLE_ONEDNN_OPTS"]
@@ -72,23 +75,25 @@ def child_command(state: str, models: Sequence[str], options: Mapping[str, Any],
     if state not in STATES:
         raise ValueError(f"unknown oneDNN state {state!r}; choose from {STATES}")
     spec = {"onednn": state, "models": list(models), "options": dict(options)}
-    env = dict(os.environ)
+    env = {**os.environ, **(environ or {})}
     env[ONEDNN_ENV] = "1" if state == "on" else "0"
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return [sys.executable, "-m", "bench.runner", json.dumps(spec), result_path], env
 
 
-def run_child(state: str, models: Sequence[str], options: Mapping[str, Any]) -> list[dict]:
-    """Benchmark ``models`` with ``options`` in a new process with oneDNN ``state``
-    (:func:`child_command`) and wait for it; its results, each tagged ``"isolated": True``.
-    The child's progress and output go to this process's stderr; a RuntimeError if it fails.
+def run_child(state: str, models: Sequence[str], options: Mapping[str, Any],
+              environ: Mapping[str, str] | None = None) -> list[dict]:
+    """Benchmark ``models`` with ``options`` in a new process with oneDNN ``state`` (and
+    ``environ``: :func:`child_command`) and wait for it; its results, each tagged
+    ``"isolated": True``. The child's progress and output go to this process's stderr; a
+    RuntimeError if it fails.
 
     >>> [r["model"] for r in run_child("on", ["mlp"], {"rounds": 1})]  # doctest: +SKIP
     ['mlp']
     """
     with tempfile.TemporaryDirectory(prefix="tfmx-bench-") as tmp:
         path = os.path.join(tmp, "results.json")
-        argv, env = child_command(state, models, options, path)
+        argv, env = child_command(state, models, options, path, environ)
         print(f"oneDNN {state}: a new process with {ONEDNN_ENV}={env[ONEDNN_ENV]}",
               file=sys.stderr, flush=True)
         results = run_json_process(argv, env, path, f"tfmx bench: the oneDNN {state} process")

@@ -164,19 +164,21 @@ def extra_sections(results: str | Path | None = None) -> list[str]:
     of ``results`` (default :data:`bench.records.RESULTS_DIR`): the price of a short fit
     (``fit_price/``, :mod:`bench.fit_price`), the one-minute fit (``fit_price/minute/``,
     :mod:`bench.minute_fit`), what tfmx leaves composite in the zoo models
-    (``composite/``, :mod:`bench.composite`) and small models' epochs (``loop/``,
-    :mod:`bench.loop`); "" where none is recorded.
+    (``composite/``, :mod:`bench.composite`), the host allocator (``allocator/``,
+    :mod:`bench.allocator`) and small models' epochs (``loop/``, :mod:`bench.loop`); ""
+    where none is recorded.
 
     >>> extra_sections("/no/such/folder")
-    ['', '', '', '']
+    ['', '', '', '', '']
     """
-    from bench import composite, fit_price, loop, minute_fit
+    from bench import allocator, composite, fit_price, loop, minute_fit
 
     folder = Path(results) if results is not None else RESULTS_DIR
     return [fit_price.format_fit_price_section(fit_price.load_fit_prices(folder / "fit_price")),
             minute_fit.format_minute_section(
                 minute_fit.load_minute_fits(folder / "fit_price" / "minute")),
             composite.format_composite(composite.load_composite(folder / "composite")),
+            allocator.format_section(allocator.load_records(folder / "allocator")),
             loop.format_loop_section(loop.load_records(folder / "loop"))]
 
 

@@ -281,6 +281,7 @@ def _layer_policies(model: Any) -> dict[str, int]:
 
 
 def run_benchmarks(models: Sequence[str], onednn: str | None = None, replicas: int = 1,
+                   environ: Mapping[str, str] | None = None,
                    **options: Any) -> list[dict[str, Any]]:
     """:func:`run_benchmark` for each of ``models``, here or once per oneDNN state.
 
@@ -289,7 +290,10 @@ def run_benchmarks(models: Sequence[str], onednn: str | None = None, replicas: i
         onednn: None runs in this process, in its oneDNN state. ``"on"``, ``"off"`` or
             ``"both"``: one new process per state (:func:`bench.onednn.child_command`), one
             after the other (never two at once: they would share the cores); their results
-            are tagged ``"isolated": True``.
+            are tagged ``"isolated": True``. Each applies tfmx's host allocator first
+            (:mod:`tfmx.host_allocator`: every mode of the process runs with it).
+        environ: with ``onednn``, further environment variables for each new process
+            (``{"TFMX_HOST_ALLOCATOR": "keep"}``: TensorFlow's own allocator).
         replicas: 1 (default): one device, no strategy. N > 1: each workload measured under
             N replicas (:func:`run_benchmark`) and, interleaved with it in the same process,
             with 1 replica (no strategy): :func:`bench.replicas.compare_replicas`. Checked first
@@ -316,7 +320,7 @@ def run_benchmarks(models: Sequence[str], onednn: str | None = None, replicas: i
     if onednn is not None:
         child_options = {**options, "replicas": replicas} if replicas != 1 else options
         return [r for state in onednn_states(onednn)
-                for r in run_child(state, models, child_options)]
+                for r in run_child(state, models, child_options, environ)]
     results = []
     counts = (1,) if replicas == 1 else (1, replicas)
     for name in models:
@@ -337,6 +341,7 @@ def child_main(argv: Sequence[str]) -> int:
     >>> child_main([json.dumps({"onednn": other, "models": [], "options": {}}), "unused"])
     3
     """
+    from tfmx import host_allocator
     from tfmx.backends import onednn_enabled
 
     spec_text, result_path = argv
@@ -346,6 +351,7 @@ def child_main(argv: Sequence[str]) -> int:
         print(f"tfmx bench: {ONEDNN_ENV}={os.environ.get(ONEDNN_ENV)} left oneDNN {state}: this "
               f"TensorFlow build cannot run with oneDNN {spec['onednn']}", file=sys.stderr)
         return 3
+    host_allocator.apply("cpu", onednn_enabled())  # as tfmx.enable() before the first op
     results = run_benchmarks(spec["models"], **spec["options"])
     with open(result_path, "w") as f:
         json.dump(results, f, default=str)

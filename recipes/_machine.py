@@ -26,6 +26,7 @@ def environment() -> dict[str, Any]:
     ``cpu_family``, ``cpu_model`` (number) and ``cpu_flags`` (:data:`tfmx.machine.RELEVANT_FLAGS`
     present). ``onednn`` is this process's state and ``onednn_env`` the value of
     ``TF_ENABLE_ONEDNN_OPTS`` it was imported with (None: unset, TensorFlow's default).
+    ``host_allocator``: the allocator of its CPU tensors (:func:`tfmx.host_allocator.in_use`).
 
     >>> env = environment()
     >>> sorted(env)[:6]
@@ -35,6 +36,7 @@ def environment() -> dict[str, Any]:
     """
     import tensorflow as tf
 
+    from tfmx import host_allocator
     from tfmx.machine import fingerprint
 
     fp = fingerprint()
@@ -52,5 +54,6 @@ def environment() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "onednn": fp["onednn"],
         "onednn_env": os.environ.get(ONEDNN_ENV),
+        "host_allocator": host_allocator.in_use(),
         "gpus": len(tf.config.list_physical_devices("GPU")),
     }

@@ -104,7 +104,7 @@ def test_child_refuses_to_measure_a_state_tensorflow_did_not_take(tmp_path, caps
 
 
 def test_run_benchmarks_merges_the_children_results_and_reports_failures(monkeypatch):
-    def fake_child(state, models, options, path):
+    def fake_child(state, models, options, path, environ=None):
         results = [result(state, model=m, stock=1.0) for m in models]
         code = f"import sys; open(sys.argv[1], 'w').write({json.dumps(results)!r})"
         return [sys.executable, "-c", code, path], {**os.environ, "TF_ENABLE_ONEDNN_OPTS": "1"}
@@ -114,7 +114,7 @@ def test_run_benchmarks_merges_the_children_results_and_reports_failures(monkeyp
     assert [(r["model"], onednn.onednn_state(r), r["isolated"]) for r in merged] == [
         ("mlp", "on", True), ("gru", "on", True), ("mlp", "off", True), ("gru", "off", True)]
 
-    monkeypatch.setattr(onednn, "child_command", lambda state, models, options, path: (
+    monkeypatch.setattr(onednn, "child_command", lambda *args, **kwargs: (
         [sys.executable, "-c", "raise SystemExit(5)"],
         {**os.environ, "TF_ENABLE_ONEDNN_OPTS": "0"}))
     with pytest.raises(RuntimeError, match="oneDNN off process exited with status 5"):

@@ -55,5 +55,5 @@ def test_records_round_trip_into_the_section(tmp_path):
     assert loop.format_loop_section([]) == ""
     from bench import publish
 
-    assert publish.extra_sections(tmp_path)[3] == section  # BENCHMARKS.md's section
+    assert publish.extra_sections(tmp_path)[4] == section  # BENCHMARKS.md's section
 

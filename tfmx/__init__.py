@@ -166,7 +166,10 @@ def enable(
         return
     if not _keras_runs_tensorflow():
         return
-    from tfmx import keras_fixes
+    from tfmx import host_allocator, keras_fixes
+    from tfmx.backends import onednn_enabled
+
+    host_allocator.apply(target.name, onednn_enabled())  # before the first op, or too late
 
     try:
         missing = keras_hook.install()
@@ -222,6 +225,9 @@ def disable() -> None:
     - A ``tfmx.function``: at its next call, unless an outer ``tf.function`` has already traced
       the call (that trace keeps the fused graph).
 
+    - The host allocator (``tfmx.host_allocator``): the environment variable ``enable()`` set
+      is removed; the allocator TensorFlow made with it serves the process to its end.
+
     ``tfmx.report()`` keeps what was recorded; a later ``enable()`` with new settings starts a
     fresh report.
 
@@ -230,10 +236,11 @@ def disable() -> None:
     >>> tfmx.enabled()
     False
     """
-    from tfmx import keras_hook, state
+    from tfmx import host_allocator, keras_hook, state
 
     if state.options() is not None:
         state.set_options(None)
+    host_allocator.restore()  # the environment; an allocator TensorFlow made stays
     from tfmx import keras_fixes
 
     keras_hook.uninstall()  # every patch tfmx made (fusion.patches), put back
@@ -268,10 +275,11 @@ def report(reset: bool = False) -> Report:
     >>> isinstance(tfmx.report(), tfmx.Report)
     True
     """
-    from tfmx import epoch_data, state
+    from tfmx import epoch_data, host_allocator, state
 
     current = state.report()
     epoch_data.note(current, refresh=True)  # deletions that ended after the fit
+    host_allocator.note(current)
     if reset:
         state.reset_report()
     return current

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tfmx import machine
+from tfmx import host_allocator, machine
 
 ENV_DIR = "TFMX_CACHE_DIR"
 
@@ -82,11 +82,11 @@ def code_digest() -> str:
 
 
 def fingerprint(backend: str) -> dict[str, Any]:
-    """What a measurement is a fact about: processor, TensorFlow, oneDNN state, backend and
-    tfmx's code.
+    """What a measurement is a fact about: processor, TensorFlow, oneDNN state, the allocator
+    of CPU tensors (:func:`tfmx.host_allocator.expected`), backend and tfmx's code.
 
     >>> sorted(fingerprint("cpu"))  # doctest: +NORMALIZE_WHITESPACE
-    ['backend', 'code', 'cpu', 'keras', 'onednn', 'tensorflow']
+    ['backend', 'code', 'cpu', 'host_allocator', 'keras', 'onednn', 'tensorflow']
     """
 
     info = machine.fingerprint()
@@ -97,6 +97,7 @@ def fingerprint(backend: str) -> dict[str, Any]:
         "tensorflow": info.get("tensorflow"),
         "keras": info.get("keras"),
         "onednn": info.get("onednn"),
+        "host_allocator": host_allocator.expected(),
         "code": code_digest(),
     }
 

@@ -1,0 +1,111 @@
+"""tfmx.host_allocator: TensorFlow's pool for CPU tensors where oneDNN is off, set before the
+first op, never where the user or the process decided otherwise, and undone by disable()."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tfmx import host_allocator
+from tfmx.host_allocator import TF_POOL, TF_POOL_LIMIT, decide
+
+LINUX_OFF = {"backend": "cpu", "onednn": False, "system": "Linux", "devices_made": False}
+
+
+@pytest.mark.parametrize("change, environ, pool, reason", [
+    ({}, {}, True, "oneDNN is off, where TensorFlow would use malloc"),
+    ({}, {"TFMX_HOST_ALLOCATOR": "keep"}, False, "TFMX_HOST_ALLOCATOR=keep"),
+    ({}, {"TFMX_HOST_ALLOCATOR": "pool"}, False, "is not one of"),
+    ({}, {TF_POOL: "0"}, False, "TF_CPU_ALLOCATOR_USE_BFC=0 set by the user"),
+    ({}, {TF_POOL: "true"}, True, "set by the user"),
+    ({"backend": "metal"}, {}, False, "the metal backend"),
+    ({"backend": "cuda"}, {}, False, "the cuda backend"),
+    ({"onednn": True}, {}, False, "oneDNN is on"),
+    ({"system": "Darwin"}, {}, False, "measured on Linux only"),
+    ({"devices_made": True}, {}, False, "had made its devices before tfmx.enable()"),
+])
+def test_decide(change: dict, environ: dict, pool: bool, reason: str) -> None:
+    choice = decide(**{**LINUX_OFF, **change}, environ=environ)
+    assert choice.pool is pool
+    assert reason in choice.reason
+    assert choice.sets == ({TF_POOL: "1"} if pool and TF_POOL not in environ else {})
+
+
+def test_the_cap_is_the_machines_memory_where_larger() -> None:
+    assert decide(**LINUX_OFF, environ={}, machine_mb=32768).sets == {TF_POOL: "1"}
+    big = decide(**LINUX_OFF, environ={}, machine_mb=262144)
+    assert big.sets == {TF_POOL: "1", TF_POOL_LIMIT: "262144"}
+    assert decide(**LINUX_OFF, environ={TF_POOL_LIMIT: "1000"}, machine_mb=262144).sets == {
+        TF_POOL: "1"}
+
+
+def test_apply_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError("no sysconf")
+
+    monkeypatch.setattr(host_allocator, "memory_mb", broken)
+    monkeypatch.setattr(host_allocator, "_choice", None)
+    choice = host_allocator.apply("cpu", onednn=False)
+    assert not choice.pool and "not decided: OSError: no sysconf" in choice.reason
+
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np
+    import tensorflow as tf
+    import keras
+    import tfmx
+    from tfmx import host_allocator
+    if sys.argv[1] == "op-first":
+        tf.ones([1])
+    if sys.argv[1] != "stock":
+        tfmx.enable(guard=False, tune="off")
+    set_by_tfmx = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile("adam", "mse")
+    x = np.random.RandomState(0).rand(64, 8).astype("float32")
+    model.fit(x, x[:, :1], batch_size=16, epochs=2, verbose=0)
+    notes = [n for n in tfmx.report().notes if n.startswith("host allocator")]
+    in_use = host_allocator.in_use()
+    tfmx.disable()
+    after = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC")
+    print(json.dumps({"set": set_by_tfmx, "after_disable": after,
+                      "in_use": in_use, "notes": notes,
+                      "weights": [w.tolist() for w in model.get_weights()]}))
+""")
+
+
+def _run(mode: str, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in (TF_POOL, TF_POOL_LIMIT, "TFMX_HOST_ALLOCATOR")}
+    env.update(TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="3", **extra)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], env=env, check=True,
+                         capture_output=True, text=True, timeout=300).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the pool is set on Linux only")
+def test_a_fit_runs_with_the_pool_and_the_same_weights() -> None:
+    pooled = _run("tfmx")
+    assert pooled["set"] == "1" and pooled["in_use"] == "pool"
+    assert pooled["after_disable"] is None  # disable() put the environment back
+    assert pooled["notes"] and "best-fit pool" in pooled["notes"][0]
+    kept = _run("tfmx", TFMX_HOST_ALLOCATOR="keep")
+    assert kept["set"] is None and kept["in_use"] == "malloc"
+    assert "TFMX_HOST_ALLOCATOR=keep" in kept["notes"][0]
+    late = _run("op-first")
+    assert late["set"] is None and late["in_use"] == "malloc"
+    assert "had made its devices" in late["notes"][0]
+    stock = _run("stock")
+    assert stock["in_use"] == "malloc"
+    import numpy as np
+
+    for a, b in zip(pooled["weights"], stock["weights"], strict=True):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)

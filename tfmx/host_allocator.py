@@ -1,0 +1,236 @@
+"""The host allocator: a pooled allocator for CPU tensors where TensorFlow would use malloc.
+
+TensorFlow picks the allocator of its CPU tensors once per process, when it creates its
+devices (the first op). With oneDNN on it picks oneDNN's, a best-fit pool (BFC) that keeps
+freed blocks for the next step. With oneDNN off (the default of the 2.21 wheel on CPUs
+without AVX-512, AMD's Zen 3 among them) it picks plain ``malloc``: every large tensor of
+every step is mapped fresh from the kernel, page-faulted in and given back, which slows
+the elementwise ops and XLA's compiled code as much as the contractions. TensorFlow's own
+switch for a pool in that state is the environment variable ``TF_CPU_ALLOCATOR_USE_BFC``,
+read when the devices are created.
+
+:func:`apply` (``tfmx.enable()`` calls it) sets that variable where all of these hold: the
+backend is the CPU, the system is Linux, oneDNN is off, the user has not set it either way,
+``TFMX_HOST_ALLOCATOR`` is not ``keep``, and TensorFlow has not made its devices yet (no op
+has run). The pool's cap is TensorFlow's (64 GiB, ``TF_CPU_BFC_MEM_LIMIT_IN_MB``) or the
+machine's memory where that is larger. Where the devices exist already, nothing changes, and
+the report says how to get the pool: call ``tfmx.enable()`` before the first TensorFlow op,
+or set the variable. :func:`restore` (``tfmx.disable()``) puts the environment back; an
+allocator TensorFlow has made stays for the process's life, as every allocator does.
+
+The choice is process-wide and made before anything runs, so it cannot be timed inside the
+process like the tuner's choices. It follows TensorFlow's own pairing (oneDNN's pool where
+oneDNN is on). ``python -m bench.allocator`` measures both allocators on a machine, and
+BENCHMARKS.md shows the result per processor. A step is the same either way: the allocator
+places tensors, it computes nothing.
+
+Example:
+    >>> from tfmx import host_allocator
+    >>> choice = host_allocator.decide(backend="cpu", onednn=False, system="Linux",
+    ...                                devices_made=False, environ={})
+    >>> choice.pool, choice.sets
+    (True, {'TF_CPU_ALLOCATOR_USE_BFC': '1'})
+    >>> host_allocator.decide(backend="cpu", onednn=True, system="Linux",
+    ...                       devices_made=False, environ={}).reason
+    "oneDNN is on: TensorFlow's oneDNN pool"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+from collections.abc import Mapping
+
+TF_POOL = "TF_CPU_ALLOCATOR_USE_BFC"
+"""TensorFlow's switch for a best-fit pool (BFC) as the CPU allocator, read at device creation."""
+
+TF_POOL_LIMIT = "TF_CPU_BFC_MEM_LIMIT_IN_MB"
+"""The pool's cap in MiB; TensorFlow's default is 64 GiB."""
+
+TF_DEFAULT_LIMIT_MB = 1 << 16
+
+ENV_MODE = "TFMX_HOST_ALLOCATOR"
+"""``auto`` (default): the pool where :func:`decide` says; ``keep``: TensorFlow's choice."""
+
+MODES = ("auto", "keep")
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What :func:`decide` chose: ``pool`` (tfmx set TensorFlow's pool), the environment
+    variables it sets, and the reason in words."""
+
+    pool: bool
+    reason: str
+    sets: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def describe(self) -> str:
+        """The report's line.
+
+        >>> Choice(False, "TFMX_HOST_ALLOCATOR=keep").describe()
+        "host allocator: TensorFlow's choice (TFMX_HOST_ALLOCATOR=keep)"
+        """
+        if self.pool:
+            return f"host allocator: TensorFlow's best-fit pool ({self.reason})"
+        return f"host allocator: TensorFlow's choice ({self.reason})"
+
+
+def memory_mb() -> int | None:
+    """This machine's physical memory in MiB (None where the system does not say).
+
+    >>> (memory_mb() or 1) > 0
+    True
+    """
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def decide(backend: str, onednn: bool, system: str, devices_made: bool,
+           environ: Mapping[str, str], machine_mb: int | None = None) -> Choice:
+    """Whether to ask TensorFlow for its pool, from the facts that decide it.
+
+    Args:
+        backend: tfmx's backend name; only ``"cpu"`` is considered.
+        onednn: whether TensorFlow runs oneDNN (its pool is then TensorFlow's own choice).
+        system: ``platform.system()``; only Linux, where malloc's behaviour was measured.
+        devices_made: whether TensorFlow has created its devices (the allocator is made then).
+        environ: the process's environment.
+        machine_mb: physical memory; the cap is raised to it where it exceeds TensorFlow's.
+
+    >>> decide("cpu", False, "Linux", True, {}).reason.split(":")[0]
+    'TensorFlow had made its devices before tfmx.enable()'
+    >>> decide("cpu", False, "Linux", False, {"TF_CPU_ALLOCATOR_USE_BFC": "0"}).reason
+    'TF_CPU_ALLOCATOR_USE_BFC=0 set by the user'
+    >>> decide("cpu", False, "Linux", False, {}, machine_mb=131072).sets[TF_POOL_LIMIT]
+    '131072'
+    """
+    mode = environ.get(ENV_MODE, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        return Choice(False, f"{ENV_MODE}={environ[ENV_MODE]!r} is not one of {MODES}")
+    if mode == "keep":
+        return Choice(False, f"{ENV_MODE}=keep")
+    if TF_POOL in environ:
+        return Choice(environ[TF_POOL].strip().lower() in ("1", "true"),
+                      f"{TF_POOL}={environ[TF_POOL]} set by the user")
+    if backend != "cpu":
+        return Choice(False, f"the {backend} backend: its devices hold the tensors")
+    if onednn:
+        return Choice(False, "oneDNN is on: TensorFlow's oneDNN pool")
+    if system != "Linux":
+        return Choice(False, f"{system}: the pool is measured on Linux only")
+    if devices_made:
+        return Choice(False, "TensorFlow had made its devices before tfmx.enable(): call it "
+                             f"before the first TensorFlow op, or set {TF_POOL}=1, for the pool")
+    sets = {TF_POOL: "1"}
+    if machine_mb and machine_mb > TF_DEFAULT_LIMIT_MB and TF_POOL_LIMIT not in environ:
+        sets[TF_POOL_LIMIT] = str(machine_mb)
+    return Choice(True, f"oneDNN is off, where TensorFlow would use malloc; {TF_POOL}=1 "
+                        "set by tfmx", sets)
+
+
+def devices_made() -> bool:
+    """Whether TensorFlow's eager context has created its devices (and so its allocator).
+
+    >>> import tensorflow as tf
+    >>> _ = tf.ones([1])
+    >>> devices_made()
+    True
+    """
+    try:
+        from tensorflow.python.eager import context
+
+        return bool(context.context()._initialized)
+    except Exception:  # a TensorFlow without the attribute: assume made, change nothing
+        return True
+
+
+_choice: Choice | None = None
+_saved: dict[str, str | None] = {}
+
+
+def apply(backend: str, onednn: bool) -> Choice:
+    """Decide for this process and set the environment where the pool is chosen; never raises.
+
+    >>> choice = apply("cpu", onednn=True)
+    >>> choice.pool
+    False
+    """
+    global _choice
+    if _choice is not None and _choice.pool and all(
+            os.environ.get(name) == value for name, value in _choice.sets.items()):
+        return _choice  # set by an earlier enable(): still in place
+    try:
+        choice = decide(backend, onednn, platform.system(), devices_made(), os.environ,
+                        memory_mb())
+        for name, value in choice.sets.items():
+            _saved.setdefault(name, os.environ.get(name))
+            os.environ[name] = value
+    except Exception as exc:  # the allocator is an optimization: never stop a fit for it
+        choice = Choice(False, f"not decided: {type(exc).__name__}: {exc}")
+    if _choice is None or choice.pool or not _choice.pool:
+        _choice = choice
+    return _choice
+
+
+def restore() -> None:
+    """Put back the environment variables :func:`apply` set (the allocator made stays).
+
+    >>> restore()
+    """
+    for name, value in _saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _saved.clear()
+
+
+def choice() -> Choice | None:
+    """The process's choice (None: ``tfmx.enable()`` has not run)."""
+    return _choice
+
+
+def in_use() -> str:
+    """The CPU allocator TensorFlow runs with, once its devices exist: ``"pool"`` (a best-fit
+    pool, TensorFlow's or oneDNN's), ``"malloc"``, or ``"not made"`` before the first op.
+
+    >>> import tensorflow as tf
+    >>> _ = tf.ones([1])
+    >>> in_use() in ("pool", "malloc")
+    True
+    """
+    if not devices_made():
+        return "not made"
+    import tensorflow as tf
+
+    try:
+        tf.config.experimental.get_memory_info("CPU:0")
+    except (ValueError, RuntimeError):
+        return "malloc"
+    return "pool"
+
+
+def expected() -> str:
+    """:func:`in_use`, or before the first op the allocator TensorFlow will make: ``"pool"``
+    where tfmx chose it, ``TF_CPU_ALLOCATOR_USE_BFC`` asks for it or oneDNN is on (its pool),
+    else ``"malloc"``.
+
+    >>> expected() in ("pool", "malloc")
+    True
+    """
+    made = in_use()
+    if made != "not made":
+        return made
+    from tfmx.backends import onednn_enabled
+
+    asked = os.environ.get(TF_POOL, "").strip().lower() in ("1", "true")
+    return "pool" if asked or onednn_enabled() else "malloc"
+
+
+def note(report: object) -> None:
+    """Add the choice to ``report`` (a :class:`tfmx.reporting.Report`), once."""
+    if _choice is not None:
+        report.note(_choice.describe())  # type: ignore[attr-defined]
