@@ -50,10 +50,12 @@ def summarize(model: str, medians: Mapping[str, Mapping[str, float]]) -> dict[st
 
 def measure(model: str, rounds: int, steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """``model`` measured with each allocator in the oneDNN off state: its row
-    (:func:`summarize`) and the environment of the pool's process."""
+    (:func:`summarize`, with each mode's p25-p75 spread) and the environment of the pool's
+    process."""
     from bench.runner import run_benchmarks
 
     medians: dict[str, dict[str, float]] = {}
+    spreads: dict[str, dict[str, list[float]]] = {}
     env: dict[str, Any] = {}
     for allocator, environ in ALLOCATORS.items():
         [result] = run_benchmarks([model], onednn="off", environ=environ, rounds=rounds,
@@ -62,8 +64,10 @@ def measure(model: str, rounds: int, steps: int) -> tuple[dict[str, Any], dict[s
         if ran != allocator:
             raise RuntimeError(f"{model}: the {allocator} process ran with {ran}")
         medians[allocator] = {mode: result["modes"][mode]["median_ms"] for mode in MODES}
+        spreads[allocator] = {mode: [result["modes"][mode]["p25_ms"],
+                                     result["modes"][mode]["p75_ms"]] for mode in MODES}
         env = result["env"]
-    return summarize(model, medians), env
+    return {**summarize(model, medians), "p25_p75_ms": spreads}, env
 
 
 def write_record(row: Mapping[str, Any], env: Mapping[str, Any], command: str,

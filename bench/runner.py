@@ -290,8 +290,8 @@ def run_benchmarks(models: Sequence[str], onednn: str | None = None, replicas: i
         onednn: None runs in this process, in its oneDNN state. ``"on"``, ``"off"`` or
             ``"both"``: one new process per state (:func:`bench.onednn.child_command`), one
             after the other (never two at once: they would share the cores); their results
-            are tagged ``"isolated": True``. Each applies tfmx's host allocator first
-            (:mod:`tfmx.host_allocator`: every mode of the process runs with it).
+            are tagged ``"isolated": True``. Every process applies tfmx's host allocator
+            before its first op (:mod:`tfmx.host_allocator`: every mode runs with it).
         environ: with ``onednn``, further environment variables for each new process
             (``{"TFMX_HOST_ALLOCATOR": "keep"}``: TensorFlow's own allocator).
         replicas: 1 (default): one device, no strategy. N > 1: each workload measured under
@@ -309,6 +309,11 @@ def run_benchmarks(models: Sequence[str], onednn: str | None = None, replicas: i
     >>> [(r["model"], onednn_state(r)) for r in results]  # doctest: +SKIP
     [('mlp', 'on'), ('mlp', 'off')]
     """
+    if onednn is None:  # this process measures: its allocator as tfmx.enable() would set it
+        from tfmx import host_allocator
+        from tfmx.backends import onednn_enabled
+
+        host_allocator.apply("cpu", onednn_enabled())
     models = expand_models(models)
     unknown = [m for m in models if m not in WORKLOADS]
     if unknown:
@@ -341,7 +346,6 @@ def child_main(argv: Sequence[str]) -> int:
     >>> child_main([json.dumps({"onednn": other, "models": [], "options": {}}), "unused"])
     3
     """
-    from tfmx import host_allocator
     from tfmx.backends import onednn_enabled
 
     spec_text, result_path = argv
@@ -351,7 +355,6 @@ def child_main(argv: Sequence[str]) -> int:
         print(f"tfmx bench: {ONEDNN_ENV}={os.environ.get(ONEDNN_ENV)} left oneDNN {state}: this "
               f"TensorFlow build cannot run with oneDNN {spec['onednn']}", file=sys.stderr)
         return 3
-    host_allocator.apply("cpu", onednn_enabled())  # as tfmx.enable() before the first op
     results = run_benchmarks(spec["models"], **spec["options"])
     with open(result_path, "w") as f:
         json.dump(results, f, default=str)
