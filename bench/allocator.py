@@ -92,6 +92,36 @@ def load_records(directory: str | Path = RESULTS_DIR) -> list[dict[str, Any]]:
     return read_json_records(directory, lambda record: record.get("schema") == SCHEMA)
 
 
+def attach_malloc(records: Sequence[dict[str, Any]],
+                  allocator_records: Sequence[Mapping[str, Any]]) -> None:
+    """Give each oneDNN-off step record measured with the pool (``bench.records``) the stock
+    and XLA medians measured with malloc on the same processor (an allocator record), as the
+    alternatives ``"off, malloc"`` of its result (:func:`bench.compare.compare`): what a user
+    without tfmx runs in that state is a best alternative too.
+
+    >>> step = {"onednn": "off", "result": {"model": "mlp", "env": {"host_allocator": "pool",
+    ...         "cpu_vendor": "AuthenticAMD", "cpu_family": "25", "cpu_model": "1"}}}
+    >>> alloc = {"model": "mlp", "env": step["result"]["env"],
+    ...          "medians_ms": {"malloc": {"stock": 5.0, "xla": 6.0, "tfmx": 4.0}}}
+    >>> attach_malloc([step], [alloc])
+    >>> step["result"]["alternatives"]
+    {'stock': {'off, malloc': 5.0}, 'xla': {'off, malloc': 6.0}}
+    """
+    from bench.records import processor_key
+
+    malloc = {(r["model"], processor_key(r.get("env") or {})): r["medians_ms"]["malloc"]
+              for r in allocator_records}
+    for record in records:
+        result = record.get("result") or {}
+        env = result.get("env") or {}
+        if record.get("onednn") != "off" or env.get("host_allocator") != "pool":
+            continue
+        found = malloc.get((result.get("model"), processor_key(env)))
+        if found:
+            result["alternatives"] = {mode: {"off, malloc": found[mode]}
+                                      for mode in ("stock", "xla") if found.get(mode)}
+
+
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The markdown table of ``rows`` (:func:`summarize`).
 

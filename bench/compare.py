@@ -49,10 +49,23 @@ def by_workload(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Mapping[
     return [dict(sorted(g.items(), key=lambda item: order.index(item[0]))) for _, g in groups]
 
 
+def _label(state: str, result: Mapping[str, Any]) -> str:
+    """The state an alternative is named by: ``off, pool`` where oneDNN was off and every mode
+    ran with TensorFlow's best-fit pool (``tfmx.host_allocator``), else the state.
+
+    >>> _label("off", {"env": {"host_allocator": "pool"}}), _label("on", {})
+    ('off, pool', 'on')
+    """
+    pool = (result.get("env") or {}).get("host_allocator") == "pool"
+    return f"{state}, pool" if state == "off" and pool else state
+
+
 def compare(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Per workload: median ms per mode and oneDNN state, the best alternative, tfmx against it.
 
-    The best alternative is the fastest measured of stock and XLA in every oneDNN state; the
+    The best alternative is the fastest measured of stock and XLA in every oneDNN state, and
+    of a result's ``alternatives`` (mode -> state label -> ms: stock and XLA measured in
+    another process of that state, as :func:`bench.allocator.attach_malloc` adds them); the
     ratios are tfmx's median over it, per state, and for tfmx's fastest state (``tfmx_best``).
 
     >>> def run(state, **ms):
@@ -73,7 +86,11 @@ def compare(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         ms = {mode: {s: r["modes"][mode]["median_ms"] for s, r in by_state.items()
                      if mode in r["modes"]} for mode in MODES}
         ms = {mode: v for mode, v in ms.items() if v}
-        measured = [(v, mode, s) for mode in ALTERNATIVES for s, v in ms.get(mode, {}).items()]
+        measured = [(v, mode, _label(s, by_state[s])) for mode in ALTERNATIVES
+                    for s, v in ms.get(mode, {}).items()]
+        measured += [(v, mode, s) for r in by_state.values()  # measured in other processes
+                     for mode, by_label in (r.get("alternatives") or {}).items()
+                     if mode in ALTERNATIVES for s, v in by_label.items()]
         best = min(measured) if measured else None
         tfmx_ms = ms.get("tfmx", {})
         vs_best = {s: v / best[0] for s, v in tfmx_ms.items()} if best else {}

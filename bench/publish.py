@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import allocator
 from bench.compare import compare
 from bench.environment import by_machine, default_onednn
 from bench.floor import format_record_floors
@@ -60,8 +61,12 @@ How to read the tables: median milliseconds per training step over interleaved r
 warm-up (tracing, rewriting, compiling) excluded, with the p25-p75 spread of the rounds in
 parentheses. stock: Keras's own step; XLA: the step with `jit_compile=True`; tfmx: the step
 after `tfmx.enable()`. tfmx / stock: tfmx's median over stock's, both measured in the same
-process. Best alternative: the fastest of stock and XLA in any oneDNN state recorded for the
-workload on that machine; tfmx / best below 1: tfmx is faster than anything else measured."""
+process. A oneDNN cell "off (pool)": every mode of that record ran with TensorFlow's best-fit
+pool for CPU tensors, as `tfmx.enable()` sets it where oneDNN is off; stock and XLA with
+TensorFlow's malloc, measured by the host-allocator records ("The host allocator" below),
+count as alternatives too ("off, malloc"). Best alternative: the
+fastest of stock and XLA in any oneDNN state (and allocator) recorded for the workload on that
+machine; tfmx / best below 1: tfmx is faster than anything else measured."""
 
 
 def _workload(result: Mapping[str, Any]) -> str:
@@ -91,6 +96,18 @@ def _suffix(state: str) -> str:
 
 def _state(state: str) -> str:
     return "-" if state in ("?", None) else state
+
+
+def _state_cell(record: Mapping[str, Any]) -> str:
+    """A record's oneDNN cell: its state, ``off (pool)`` where oneDNN was off and its modes
+    ran with TensorFlow's best-fit pool (``tfmx.host_allocator``).
+
+    >>> _state_cell({"onednn": "off", "env": {"host_allocator": "pool"}})
+    'off (pool)'
+    """
+    state = record.get("onednn", "?")
+    pool = (record.get("env") or {}).get("host_allocator") == "pool"
+    return f"{_state(state)} (pool)" if state == "off" and pool else _state(state)
 
 
 def _rows(records: Sequence[Mapping[str, Any]]) -> list[tuple[Mapping[str, Any], dict]]:
@@ -130,12 +147,12 @@ def format_machine(title: str, records: Sequence[Mapping[str, Any]]) -> str:
         best_s = (f"{best['ms']:.2f} {LABELS[best['mode']]}"
                   + ("" if best["onednn"] == "?" else f" ({best['onednn']})")) if best else "-"
         vs_best = row["tfmx_vs_best_alternative"].get(state)
-        cells = [_workload(record["result"]), _state(state)]
+        cells = [_workload(record["result"]), _state_cell(record)]
         cells += [_timing(record["modes"].get(m)) for m in modes]
         cells += [_ratio(record["ratios"].get("tfmx/stock")), best_s, _ratio(vs_best)]
         lines.append("| " + " | ".join(cells) + " |")
         date = (record.get("env") or {}).get("date") or "-"
-        commands.append(f"| {_workload(record['result'])} | {_state(state)} | {date} | "
+        commands.append(f"| {_workload(record['result'])} | {_state_cell(record)} | {date} | "
                         f"`{record.get('reproduce') or record.get('command', '-')}` |")
     return "\n".join(lines + format_record_floors(records, _workload) + commands)
 
@@ -293,6 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     records = load_records(args.results)
+    allocator.attach_malloc(records, allocator.load_records(
+        Path(args.results if args.results is not None else RESULTS_DIR) / "allocator"))
     benchmarks = format_benchmarks(records, extra_sections(args.results),
                                    targets_section(records, args.results, _workload))
     if not args.markdown:

@@ -47,7 +47,8 @@ SCHEMA = 1
 """The records' layout; a record of another layout is not read (:func:`load_records`)."""
 
 ENV_KEYS = ("date", "cpu", "cpu_vendor", "cpu_family", "cpu_model", "cpu_flags", "cpu_count",
-            "onednn", "onednn_env", "tensorflow", "keras", "python", "platform", "gpus")
+            "onednn", "onednn_env", "host_allocator", "tensorflow", "keras", "python", "platform",
+            "gpus")
 TIMING_KEYS = ("median_ms", "p25_ms", "p75_ms", "min_ms", "first_call_s")
 
 
