@@ -257,7 +257,12 @@ def format_readme_table(records: Sequence[Mapping[str, Any]]) -> str:
               "oneDNN state on the machine measured, the state a user runs unless they switch "
               "it; the best alternative is the fastest of stock and XLA in either oneDNN state. "
               "To switch: `TF_ENABLE_ONEDNN_OPTS=0` (or `=1`) in the environment before Python "
-              "starts; TensorFlow reads it once per process. Measured on: "
+              "starts; TensorFlow reads it once per process. Where oneDNN is off, stock, XLA "
+              "and tfmx ran with TensorFlow's best-fit pool for CPU tensors (`pool`: "
+              "`tfmx.enable()` sets it there; without tfmx, `TF_CPU_ALLOCATOR_USE_BFC=1`), "
+              "and stock and XLA with malloc count as alternatives too; tfmx against stock "
+              "with malloc, as a user runs it: BENCHMARKS.md, The host allocator. "
+              "Measured on: "
               + "; ".join(by_machine(records)) + "."
               + " Written by `python -m bench.tables --markdown` from `bench/results/`; "
               "every figure and the command that measured it: BENCHMARKS.md."]
