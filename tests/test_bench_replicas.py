@@ -114,7 +114,8 @@ def test_run_benchmarks_checks_replicas_before_starting_any_process(monkeypatch)
 def test_the_replica_count_goes_to_each_onednn_process(monkeypatch):
     seen = []
     monkeypatch.setattr(runner, "run_child",
-                        lambda state, models, options: seen.append((state, options)) or [])
+                        lambda state, models, options, environ=None:
+                        seen.append((state, options)) or [])
     run_benchmarks(["mlp"], onednn="both", replicas=2, rounds=1)
     assert seen == [("on", {"rounds": 1, "replicas": 2}), ("off", {"rounds": 1, "replicas": 2})]
     seen.clear()
