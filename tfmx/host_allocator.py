@@ -188,11 +188,6 @@ def restore() -> None:
     _saved.clear()
 
 
-def choice() -> Choice | None:
-    """The process's choice (None: ``tfmx.enable()`` has not run)."""
-    return _choice
-
-
 def in_use() -> str:
     """The CPU allocator TensorFlow runs with, once its devices exist: ``"pool"`` (a best-fit
     pool, TensorFlow's or oneDNN's), ``"malloc"``, or ``"not made"`` before the first op.
