@@ -322,3 +322,23 @@ def test_a_step_the_price_gate_runs_as_stock_loops_in_its_stock_form(chosen):
     assert int(looped.optimizer.iterations) == 4 * STEPS
     for a, b in zip(stock.get_weights(), looped.get_weights()):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+def test_the_form_a_decided_guard_keeps_is_steady_whichever_it_is():
+    """The fused step's first calls after the guard's trial are timed (its price), so the loop
+    waits for them; a kept stock or XLA step has nothing left to time and loops at once."""
+    from types import SimpleNamespace
+
+    from tfmx.dispatch import _Slot
+
+    spec = object()
+    iterator = SimpleNamespace(_type_spec=spec)
+    for kept in ("stock", "xla", "fused"):
+        slot = _Slot({"fused": 1, "stock": 2, "xla": 3},
+                     guard=SimpleNamespace(decided=True, kept=kept))
+        dispatch = SimpleNamespace(_slots={spec: slot})
+        assert step_loop.steady_form(dispatch, iterator) == (None if kept == "fused" else kept)
+        slot.followed = None
+        assert step_loop.steady_form(dispatch, iterator) == kept
+        slot.guard.decided = False
+        assert step_loop.steady_form(dispatch, iterator) is None

@@ -405,9 +405,11 @@ def steady_form(dispatch: Any, iterator: Any) -> str | None:
         return "stock"
     if slot.guard is None:
         return "fused"
-    if not slot.guard.decided or slot.followed is not None:
+    if not slot.guard.decided:
         return None
     kept = slot.guard.kept
+    if kept == "fused" and slot.followed is not None:  # its calls still timed for the price
+        return None
     return kept if kept in slot.forms else None
 
 
