@@ -61,7 +61,7 @@ from typing import Any
 from bench.environment import by_machine, format_onednn
 from bench.onednn import run_json_process
 from bench.records import RESULTS_DIR as RECORDS_DIR
-from bench.records import narrow_command, read_json_records
+from bench.records import narrow_command, processor_key, read_json_records
 
 MODES = ("stock", "tfmx", "xla")
 """The timed fits: Keras's own, with tfmx, XLA-compiled (``jit_compile=True``)."""
@@ -305,14 +305,20 @@ def lower_bounds(fits: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
 
 # -- records and tables ----------------------------------------------------------------------------
 def record_name(row: Mapping[str, Any]) -> str:
-    """The file name of ``row``'s record: its workload and oneDNN state.
+    """The file name of ``row``'s record: its workload, oneDNN state and processor
+    (``bench.records.processor_key``, where known).
 
     >>> record_name({"workload": "zoo_bert", "env": {"onednn": True}})
     'zoo_bert-onednn-on.json'
+    >>> record_name({"workload": "mlp", "env": {"onednn": False, "cpu_vendor": "AuthenticAMD",
+    ...                                         "cpu_family": "25", "cpu_model": "1"}})
+    'mlp-onednn-off-amd-f25-m1.json'
     """
-    onednn = (row.get("env") or {}).get("onednn")
+    env = row.get("env") or {}
+    onednn = env.get("onednn")
     state = "unknown" if onednn is None else ("on" if onednn else "off")
-    return re.sub(r"[^\w.-]+", "_", f"{row['workload']}-onednn-{state}") + ".json"
+    name = "-".join(filter(None, (f"{row['workload']}-onednn-{state}", processor_key(env))))
+    return re.sub(r"[^\w.-]+", "_", name) + ".json"
 
 
 def write_minute_fits(rows: Iterable[Mapping[str, Any]], command: str,
