@@ -167,6 +167,25 @@ def _floor_needed(result: Mapping[str, Any], best_ms: float | None) -> str:
             f"contraction floor ({floor['ms']:.2f} ms)")
 
 
+def _guard_words(result: Mapping[str, Any], alt: Mapping[str, Any]) -> str:
+    """Where the best alternative is XLA and tfmx's whole-step guard kept another form: which,
+    and the guard's own reason (its XLA duel's figures, or why XLA was not tried).
+
+    >>> guard = [{"kept": "fused", "reason": "xla's first call costs more than it saves"}]
+    >>> _guard_words({"guard": guard}, {"mode": "xla"})
+    "; tfmx's guard kept the fused step: xla's first call costs more than it saves"
+    >>> _guard_words({"guard": guard}, {"mode": "stock"})
+    ''
+    """
+    guards = result.get("guard") or []
+    if alt.get("mode") != "xla" or not guards or not isinstance(guards[0], Mapping):
+        return ""
+    kept, reason = guards[0].get("kept"), str(guards[0].get("reason") or "").strip()
+    if not kept or kept == "xla":
+        return ""
+    return f"; tfmx's guard kept the {kept} step" + (f": {reason}" if reason else "")
+
+
 def _over(value: float, target: float) -> str:
     gap = value - target
     return f"{gap:.3f} over {target:g}" if gap >= 0.0005 else f"under 0.001 over {target:g}"
@@ -218,7 +237,8 @@ def step_targets(results: Sequence[Mapping[str, Any]], composites: Sequence[Mapp
             best[1].append(f"{name}: {ratio:.3f} x best ({named}), "
                            f"{_over(ratio, STEP_VS_BEST)}; what holds the time: "
                            f"{what_holds(result, first['model'], state, env, composites)}"
-                           f"{_floor_needed(result, alt.get('ms'))}")
+                           f"{_floor_needed(result, alt.get('ms'))}"
+                           f"{_guard_words(result, alt)}")
         if not is_transformer(first["model"]):
             continue
         transformers += 1
