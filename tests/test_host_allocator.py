@@ -27,7 +27,7 @@ LINUX_OFF = {"backend": "cpu", "onednn": False, "system": "Linux", "devices_made
     ({"backend": "cuda"}, {}, False, "the cuda backend"),
     ({"onednn": True}, {}, False, "oneDNN is on"),
     ({"system": "Darwin"}, {}, False, "measured on Linux only"),
-    ({"devices_made": True}, {}, False, "had made its devices before tfmx.enable()"),
+    ({"devices_made": True}, {}, False, "had made its devices before tfmx was imported"),
 ])
 def test_decide(change: dict, environ: dict, pool: bool, reason: str) -> None:
     choice = decide(**{**LINUX_OFF, **change}, environ=environ)
@@ -56,19 +56,26 @@ def test_apply_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys
+    mode = sys.argv[1]
+    if mode == "tfmx-first":  # tfmx imported before TensorFlow: enable() decides
+        import tfmx
+        at_import = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC")
+        tf_imported = "tensorflow" in sys.modules
     import numpy as np
     import tensorflow as tf
     import keras
+    if mode == "op-first":
+        tf.ones([1])
     import tfmx
     from tfmx import host_allocator
-    if sys.argv[1] == "op-first":
-        tf.ones([1])
-    if sys.argv[1] != "stock":
-        tfmx.enable(guard=False, tune="off")
-    set_by_tfmx = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC")
+    if mode != "tfmx-first":
+        at_import, tf_imported = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC"), True
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                              keras.layers.Dense(1)])
+                              keras.layers.Dense(1)])  # its variables: the first ops
+    if mode != "stock":
+        tfmx.enable(guard=False, tune="off")
+    set_by_tfmx = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC")
     model.compile("adam", "mse")
     x = np.random.RandomState(0).rand(64, 8).astype("float32")
     model.fit(x, x[:, :1], batch_size=16, epochs=2, verbose=0)
@@ -76,8 +83,8 @@ SCRIPT = textwrap.dedent("""
     in_use = host_allocator.in_use()
     tfmx.disable()
     after = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC")
-    print(json.dumps({"set": set_by_tfmx, "after_disable": after,
-                      "in_use": in_use, "notes": notes,
+    print(json.dumps({"at_import": at_import, "tf_imported": tf_imported, "set": set_by_tfmx,
+                      "after_disable": after, "in_use": in_use, "notes": notes,
                       "weights": [w.tolist() for w in model.get_weights()]}))
 """)
 
@@ -93,17 +100,24 @@ def _run(mode: str, **extra: str) -> dict:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the pool is set on Linux only")
 def test_a_fit_runs_with_the_pool_and_the_same_weights() -> None:
+    # tensorflow and keras imported above tfmx, the model built before enable(): the pool was
+    # chosen at import, before the model's first op
     pooled = _run("tfmx")
-    assert pooled["set"] == "1" and pooled["in_use"] == "pool"
+    assert pooled["at_import"] == "1" and pooled["set"] == "1" and pooled["in_use"] == "pool"
     assert pooled["after_disable"] is None  # disable() put the environment back
     assert pooled["notes"] and "best-fit pool" in pooled["notes"][0]
+    assert "set at import tfmx" in pooled["notes"][0]
+    # tfmx imported first: its import leaves TensorFlow alone, enable() decides
+    first = _run("tfmx-first")
+    assert first["at_import"] is None and first["tf_imported"] is False
+    assert first["in_use"] == "malloc" and "had made its devices" in first["notes"][0]
     kept = _run("tfmx", TFMX_HOST_ALLOCATOR="keep")
-    assert kept["set"] is None and kept["in_use"] == "malloc"
+    assert kept["at_import"] is None and kept["set"] is None and kept["in_use"] == "malloc"
     assert "TFMX_HOST_ALLOCATOR=keep" in kept["notes"][0]
     late = _run("op-first")
     assert late["set"] is None and late["in_use"] == "malloc"
     assert "had made its devices" in late["notes"][0]
-    stock = _run("stock")
+    stock = _run("stock", TFMX_HOST_ALLOCATOR="keep")
     assert stock["in_use"] == "malloc"
     import numpy as np
 

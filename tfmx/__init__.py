@@ -15,7 +15,10 @@ Example:
     False
 
 ``import tfmx`` does not import TensorFlow (so ``tfmx --help`` is quick): ``FusedFunction``,
-``function`` and ``Report`` load on first use, TensorFlow with them or with ``enable()``.
+``function`` and ``Report`` load on first use, TensorFlow with them or with ``enable()``. Where
+TensorFlow is imported already and has run no op, ``import tfmx`` chooses the allocator of its
+CPU tensors (``tfmx.host_allocator``: TensorFlow's pool where oneDNN is off, as ``enable()``
+would, before the script's first op).
 """
 
 from __future__ import annotations
@@ -298,3 +301,17 @@ __all__ = [
     "function",
     "report",
 ]
+
+
+def _host_allocator_at_import() -> None:
+    """TensorFlow's pool for CPU tensors where oneDNN is off, chosen before a script's first op
+    (``tfmx.host_allocator.apply_at_import``: only where TensorFlow is imported already)."""
+    try:
+        from tfmx import host_allocator
+
+        host_allocator.apply_at_import()
+    except Exception:  # noqa: BLE001 - an optimization: enable() decides again
+        pass
+
+
+_host_allocator_at_import()

@@ -9,14 +9,18 @@ the elementwise ops and XLA's compiled code as much as the contractions. TensorF
 switch for a pool in that state is the environment variable ``TF_CPU_ALLOCATOR_USE_BFC``,
 read when the devices are created.
 
-:func:`apply` (``tfmx.enable()`` calls it) sets that variable where all of these hold: the
-backend is the CPU, the system is Linux, oneDNN is off, the user has not set it either way,
-``TFMX_HOST_ALLOCATOR`` is not ``keep``, and TensorFlow has not made its devices yet (no op
-has run). The pool's cap is TensorFlow's (64 GiB, ``TF_CPU_BFC_MEM_LIMIT_IN_MB``) or the
-machine's memory where that is larger. Where the devices exist already, nothing changes, and
-the report says how to get the pool: call ``tfmx.enable()`` before the first TensorFlow op,
-or set the variable. :func:`restore` (``tfmx.disable()``) puts the environment back; an
-allocator TensorFlow has made stays for the process's life, as every allocator does.
+:func:`apply` sets that variable where all of these hold: the backend is the CPU, the
+system is Linux, oneDNN is off, the user has not set it either way, ``TFMX_HOST_ALLOCATOR`` is
+not ``keep``, and TensorFlow has not made its devices yet (no op has run). The pool's cap is
+TensorFlow's (64 GiB, ``TF_CPU_BFC_MEM_LIMIT_IN_MB``) or the machine's memory where that is
+larger. Two moments decide: ``import tfmx``, where TensorFlow is imported already (the usual
+order of a script's imports: ``import keras`` or ``import tensorflow`` above ``import tfmx``;
+:func:`apply_at_import`), because a script often builds its data or its model, and so runs
+its first op, before it calls ``tfmx.enable()``; and ``tfmx.enable()``. Where the devices
+exist already, nothing changes, and the report says how to get the pool: import tfmx after
+TensorFlow, or call ``tfmx.enable()``, before the first TensorFlow op, or set the variable.
+:func:`restore` (``tfmx.disable()``) puts the environment back; an allocator TensorFlow has
+made stays for the process's life, as every allocator does.
 
 The choice is process-wide and made before anything runs, so it cannot be timed inside the
 process like the tuner's choices. It follows TensorFlow's own pairing (oneDNN's pool where
@@ -89,7 +93,8 @@ def memory_mb() -> int | None:
 
 
 def decide(backend: str, onednn: bool, system: str, devices_made: bool,
-           environ: Mapping[str, str], machine_mb: int | None = None) -> Choice:
+           environ: Mapping[str, str], machine_mb: int | None = None,
+           moment: str = "tfmx.enable()") -> Choice:
     """Whether to ask TensorFlow for its pool, from the facts that decide it.
 
     Args:
@@ -99,9 +104,12 @@ def decide(backend: str, onednn: bool, system: str, devices_made: bool,
         devices_made: whether TensorFlow has created its devices (the allocator is made then).
         environ: the process's environment.
         machine_mb: physical memory; the cap is raised to it where it exceeds TensorFlow's.
+        moment: when tfmx decides (``"tfmx.enable()"`` or ``"import tfmx"``), for the reason.
 
     >>> decide("cpu", False, "Linux", True, {}).reason.split(":")[0]
-    'TensorFlow had made its devices before tfmx.enable()'
+    'TensorFlow had made its devices before tfmx was imported or enabled'
+    >>> decide("cpu", False, "Linux", False, {}, moment="import tfmx").reason.split("; ")[1]
+    'TF_CPU_ALLOCATOR_USE_BFC=1 set at import tfmx'
     >>> decide("cpu", False, "Linux", False, {"TF_CPU_ALLOCATOR_USE_BFC": "0"}).reason
     'TF_CPU_ALLOCATOR_USE_BFC=0 set by the user'
     >>> decide("cpu", False, "Linux", False, {}, machine_mb=131072).sets[TF_POOL_LIMIT]
@@ -122,13 +130,14 @@ def decide(backend: str, onednn: bool, system: str, devices_made: bool,
     if system != "Linux":
         return Choice(False, f"{system}: the pool is measured on Linux only")
     if devices_made:
-        return Choice(False, "TensorFlow had made its devices before tfmx.enable(): call it "
-                             f"before the first TensorFlow op, or set {TF_POOL}=1, for the pool")
+        return Choice(False, "TensorFlow had made its devices before tfmx was imported or "
+                             "enabled: for the pool, import tfmx after TensorFlow or call "
+                             f"tfmx.enable() before the first TensorFlow op, or set {TF_POOL}=1")
     sets = {TF_POOL: "1"}
     if machine_mb and machine_mb > TF_DEFAULT_LIMIT_MB and TF_POOL_LIMIT not in environ:
         sets[TF_POOL_LIMIT] = str(machine_mb)
     return Choice(True, f"oneDNN is off, where TensorFlow would use malloc; {TF_POOL}=1 "
-                        "set by tfmx", sets)
+                        f"set at {moment}", sets)
 
 
 def devices_made() -> bool:
@@ -151,7 +160,7 @@ _choice: Choice | None = None
 _saved: dict[str, str | None] = {}
 
 
-def apply(backend: str, onednn: bool) -> Choice:
+def apply(backend: str, onednn: bool, moment: str = "tfmx.enable()") -> Choice:
     """Decide for this process and set the environment where the pool is chosen; never raises.
 
     >>> choice = apply("cpu", onednn=True)
@@ -161,10 +170,10 @@ def apply(backend: str, onednn: bool) -> Choice:
     global _choice
     if _choice is not None and _choice.pool and all(
             os.environ.get(name) == value for name, value in _choice.sets.items()):
-        return _choice  # set by an earlier enable(): still in place
+        return _choice  # set earlier (at import, or by an earlier enable()): still in place
     try:
         choice = decide(backend, onednn, platform.system(), devices_made(), os.environ,
-                        memory_mb())
+                        memory_mb(), moment)
         for name, value in choice.sets.items():
             _saved.setdefault(name, os.environ.get(name))
             os.environ[name] = value
@@ -173,6 +182,45 @@ def apply(backend: str, onednn: bool) -> Choice:
     if _choice is None or choice.pool or not _choice.pool:
         _choice = choice
     return _choice
+
+
+def _keras_backend(modules: Mapping[str, object], environ: Mapping[str, str]) -> str:
+    """The backend Keras runs on, without importing it: Keras's own answer where it is
+    imported, else ``KERAS_BACKEND``, else Keras's default.
+
+    >>> _keras_backend({}, {"KERAS_BACKEND": "jax"}), _keras_backend({}, {})
+    ('jax', 'tensorflow')
+    """
+    keras = modules.get("keras")
+    if keras is not None:
+        return str(keras.backend.backend())  # type: ignore[attr-defined]
+    return environ.get("KERAS_BACKEND") or "tensorflow"
+
+
+def apply_at_import() -> Choice | None:
+    """At ``import tfmx``: where TensorFlow is imported already, Keras runs on it, and no op
+    has run, decide as ``tfmx.enable()`` would (:func:`apply`) before the script's first op
+    does; None where it is too early (TensorFlow not imported: ``enable()`` decides) or not
+    tfmx's to decide (another Keras backend, another system, ``TFMX_HOST_ALLOCATOR=keep``,
+    the devices made already: ``enable()`` says why). Never raises, never imports TensorFlow.
+
+    >>> apply_at_import() is None or isinstance(apply_at_import(), Choice)
+    True
+    """
+    import sys
+
+    try:
+        if ("tensorflow" not in sys.modules or platform.system() != "Linux"
+                or os.environ.get(ENV_MODE, "").strip().lower() == "keep"
+                or _keras_backend(sys.modules, os.environ) != "tensorflow" or devices_made()):
+            return None
+        from tfmx.backends import detect, onednn_enabled
+
+        if onednn_enabled():
+            return None
+        return apply(detect(), False, moment="import tfmx")
+    except Exception:  # noqa: BLE001 - an optimization: enable() decides again
+        return None
 
 
 def restore() -> None:
