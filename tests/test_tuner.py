@@ -456,6 +456,22 @@ def test_the_tune_command_shows_exports_imports_and_clears(cache_dir, tmp_path, 
         main(["tune", "--import", str(tmp_path / "missing.json")])
 
 
+def test_a_prior_is_the_kind_of_op_its_decision_is_for(cache_dir):
+    """One family, two kinds of op (a signature's first word): the form kept for three MatMuls
+    is the prior of a fourth MatMul, and says nothing of a BatchMatMulV2, whose kernels may
+    lose where the MatMul's win."""
+    cache = TuningCache.for_backend("cpu")
+    forms = {"eigen": None, "onednn": None}
+    measuring = Tuner("auto", cache, _timer({"eigen": 2.0, "onednn": 1.0}))
+    for n in (8, 16, 32):
+        assert measuring.choose("k", f"MatMul {n}x{n}", forms, "eigen").choice == "onednn"
+    spent = Tuner("auto", TuningCache.for_backend("cpu"), _fail, budget=0)
+    matmul = spent.choose("k", "MatMul 64x64", forms, "eigen")
+    assert (matmul.choice, matmul.source) == ("onednn", "prior")
+    other = spent.choose("k", "BatchMatMulV2 4x64x64", forms, "eigen")
+    assert other.choice == "eigen" and other.source.startswith("conservative"), other.source
+
+
 def test_a_fit_with_no_budget_runs_the_swish_form_its_family_keeps_here(cache_dir, monkeypatch):
     """End to end: a fit whose tuner may measure nothing leaves its swish to Keras's form; with
     three other swish shapes measured here, the closed form kept in each, the same fit runs the

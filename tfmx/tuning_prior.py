@@ -7,8 +7,11 @@ same family has been measured here at other shapes and one form won almost every
 form is the better guess for the shapes not measured yet: the prior is this machine's own
 figures, never a constant. :func:`family_prior` reads it from the tuning cache:
 
-- the cache's measured decisions of the same family between the same candidates, and of the
-  same dtypes (the dtype words of their signatures: ``float32``, ``bfloat16``...);
+- the cache's measured decisions of the same family and kind (a signature's first word: the op
+  or layer it decides for, e.g. ``MatMul`` or ``BatchMatMulV2`` in the oneDNN family, where
+  one kind's kernels win and another's lose on the same machine), between the same
+  candidates, and of the same dtypes (the dtype words of their signatures: ``float32``,
+  ``bfloat16``...);
 - at least :data:`PRIOR_MIN` of them, the same form (not the conservative one) kept in at
   least :data:`PRIOR_AGREEMENT` of them, and faster than the conservative form in the median
   of their ratios;
@@ -163,15 +166,26 @@ def family_gain(decisions: Iterable[Mapping[str, Any]], family: str, signature: 
     return Gain(statistics.fmean(saved), len(saved), family)
 
 
+def kind(signature: str) -> str:
+    """A decision's kind: its signature's first word (the op or layer it decides for).
+
+    >>> kind("BatchMatMulV2 32x4x64x32 32x4x32x64 adj_x=False"), kind("float32 64"), kind("")
+    ('BatchMatMulV2', 'float32', '')
+    """
+    words = signature.split(maxsplit=1)
+    return words[0] if words else ""
+
+
 def _alike(decisions: Iterable[Mapping[str, Any]], family: str, signature: str,
            names: frozenset[str]) -> list[Mapping[str, Any]]:
-    """The measured decisions of ``family`` between ``names`` with ``signature``'s dtypes, other
-    than ``signature`` itself."""
-    dtypes = dtype_words(signature)
+    """The measured decisions of ``family`` and ``signature``'s kind between ``names`` with
+    ``signature``'s dtypes, other than ``signature`` itself."""
+    dtypes, mine = dtype_words(signature), kind(signature)
     return [d for d in decisions
             if d.get("family") == family and d.get("source", "measured") == "measured"
             and frozenset(d.get("candidates") or ()) == names
             and d.get("signature") != signature
+            and kind(str(d.get("signature", ""))) == mine
             and dtype_words(str(d.get("signature", ""))) == dtypes]
 
 
@@ -180,4 +194,4 @@ def _number(value: Any) -> bool:
 
 
 __all__ = ["PRIOR_AGREEMENT", "PRIOR_MIN", "Gain", "Prior", "dtype_words", "family_gain",
-           "family_prior"]
+           "family_prior", "kind"]
