@@ -107,10 +107,12 @@ def test_a_fit_runs_with_the_pool_and_the_same_weights() -> None:
     assert pooled["after_disable"] is None  # disable() put the environment back
     assert pooled["notes"] and "best-fit pool" in pooled["notes"][0]
     assert "set at import tfmx" in pooled["notes"][0]
-    # tfmx imported first: its import leaves TensorFlow alone, enable() decides
+    # tfmx imported first: its import leaves TensorFlow alone and decides once TensorFlow's
+    # import ends, before the first op
     first = _run("tfmx-first")
     assert first["at_import"] is None and first["tf_imported"] is False
-    assert first["in_use"] == "malloc" and "had made its devices" in first["notes"][0]
+    assert first["set"] == "1" and first["in_use"] == "pool"
+    assert "set at TensorFlow's import (tfmx imported before it)" in first["notes"][0]
     kept = _run("tfmx", TFMX_HOST_ALLOCATOR="keep")
     assert kept["at_import"] is None and kept["set"] is None and kept["in_use"] == "malloc"
     assert "TFMX_HOST_ALLOCATOR=keep" in kept["notes"][0]
@@ -123,3 +125,27 @@ def test_a_fit_runs_with_the_pool_and_the_same_weights() -> None:
 
     for a, b in zip(pooled["weights"], stock["weights"], strict=True):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)
+
+
+def test_disable_before_tensorflow_is_imported_stops_watching_its_import() -> None:
+    script = textwrap.dedent("""
+        import json, os, sys
+        import tfmx
+        from tfmx import host_allocator
+        watching = host_allocator._watcher in sys.meta_path
+        tfmx.disable()
+        import tensorflow as tf
+        print(json.dumps({"watching": watching,
+                          "after": host_allocator._watcher in sys.meta_path,
+                          "set": os.environ.get("TF_CPU_ALLOCATOR_USE_BFC"),
+                          "loader": type(tf.__spec__.loader).__name__}))
+    """)
+    env = {k: v for k, v in os.environ.items()
+           if k not in (TF_POOL, TF_POOL_LIMIT, "TFMX_HOST_ALLOCATOR")}
+    env.update(TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run([sys.executable, "-c", script], env=env, check=True,
+                         capture_output=True, text=True, timeout=300).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result == {"watching": sys.platform.startswith("linux"), "after": False,
+                      "set": None, "loader": "SourceFileLoader"}
+

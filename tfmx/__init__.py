@@ -16,9 +16,9 @@ Example:
 
 ``import tfmx`` does not import TensorFlow (so ``tfmx --help`` is quick): ``FusedFunction``,
 ``function`` and ``Report`` load on first use, TensorFlow with them or with ``enable()``. Where
-TensorFlow is imported already and has run no op, ``import tfmx`` chooses the allocator of its
-CPU tensors (``tfmx.host_allocator``: TensorFlow's pool where oneDNN is off, as ``enable()``
-would, before the script's first op).
+TensorFlow has run no op, ``import tfmx`` chooses the allocator of its CPU tensors
+(``tfmx.host_allocator``: TensorFlow's pool where oneDNN is off, as ``enable()`` would, before
+the script's first op): at once where TensorFlow is imported, else once its import ends.
 """
 
 from __future__ import annotations
@@ -304,12 +304,12 @@ __all__ = [
 
 
 def _host_allocator_at_import() -> None:
-    """TensorFlow's pool for CPU tensors where oneDNN is off, chosen before a script's first op
-    (``tfmx.host_allocator.apply_at_import``: only where TensorFlow is imported already)."""
+    """TensorFlow's pool for CPU tensors where oneDNN is off, chosen before a script's first op:
+    now where TensorFlow is imported, else once its import ends (``tfmx.host_allocator``)."""
     try:
         from tfmx import host_allocator
 
-        host_allocator.apply_at_import()
+        host_allocator.at_import()
     except Exception:  # noqa: BLE001 - an optimization: enable() decides again
         pass
 

@@ -13,12 +13,14 @@ read when the devices are created.
 system is Linux, oneDNN is off, the user has not set it either way, ``TFMX_HOST_ALLOCATOR`` is
 not ``keep``, and TensorFlow has not made its devices yet (no op has run). The pool's cap is
 TensorFlow's (64 GiB, ``TF_CPU_BFC_MEM_LIMIT_IN_MB``) or the machine's memory where that is
-larger. Two moments decide: ``import tfmx``, where TensorFlow is imported already (the usual
-order of a script's imports: ``import keras`` or ``import tensorflow`` above ``import tfmx``;
-:func:`apply_at_import`), because a script often builds its data or its model, and so runs
-its first op, before it calls ``tfmx.enable()``; and ``tfmx.enable()``. Where the devices
-exist already, nothing changes, and the report says how to get the pool: import tfmx after
-TensorFlow, or call ``tfmx.enable()``, before the first TensorFlow op, or set the variable.
+larger. A script often builds its data or its model, and so runs its first op, before it
+calls ``tfmx.enable()``, so ``import tfmx`` decides (:func:`at_import`): at once where
+TensorFlow is imported already (the usual order of a script's imports: ``import keras`` or
+``import tensorflow`` above ``import tfmx``; :func:`apply_at_import`), else once TensorFlow's
+import ends (:func:`watch_import`: ``import tfmx`` never imports TensorFlow itself);
+``tfmx.enable()`` decides where neither could. Where the devices exist already, nothing
+changes, and the report says how to get the pool: import tfmx, or call ``tfmx.enable()``,
+before the first TensorFlow op, or set the variable.
 :func:`restore` (``tfmx.disable()``) puts the environment back; an allocator TensorFlow has
 made stays for the process's life, as every allocator does.
 
@@ -131,8 +133,8 @@ def decide(backend: str, onednn: bool, system: str, devices_made: bool,
         return Choice(False, f"{system}: the pool is measured on Linux only")
     if devices_made:
         return Choice(False, "TensorFlow had made its devices before tfmx was imported or "
-                             "enabled: for the pool, import tfmx after TensorFlow or call "
-                             f"tfmx.enable() before the first TensorFlow op, or set {TF_POOL}=1")
+                             "enabled: for the pool, import tfmx or call tfmx.enable() before "
+                             f"the first TensorFlow op, or set {TF_POOL}=1")
     sets = {TF_POOL: "1"}
     if machine_mb and machine_mb > TF_DEFAULT_LIMIT_MB and TF_POOL_LIMIT not in environ:
         sets[TF_POOL_LIMIT] = str(machine_mb)
@@ -163,9 +165,8 @@ _saved: dict[str, str | None] = {}
 def apply(backend: str, onednn: bool, moment: str = "tfmx.enable()") -> Choice:
     """Decide for this process and set the environment where the pool is chosen; never raises.
 
-    >>> choice = apply("cpu", onednn=True)
-    >>> choice.pool
-    False
+    >>> isinstance(apply("cpu", onednn=True), Choice)  # the pool kept where chosen before
+    True
     """
     global _choice
     if _choice is not None and _choice.pool and all(
@@ -185,24 +186,27 @@ def apply(backend: str, onednn: bool, moment: str = "tfmx.enable()") -> Choice:
 
 
 def _keras_backend(modules: Mapping[str, object], environ: Mapping[str, str]) -> str:
-    """The backend Keras runs on, without importing it: Keras's own answer where it is
-    imported, else ``KERAS_BACKEND``, else Keras's default.
+    """The backend Keras runs on, without importing it: Keras's configuration where it is
+    loaded (Keras reads it before it imports a backend), else ``KERAS_BACKEND``, else Keras's
+    default.
 
     >>> _keras_backend({}, {"KERAS_BACKEND": "jax"}), _keras_backend({}, {})
     ('jax', 'tensorflow')
     """
-    keras = modules.get("keras")
-    if keras is not None:
-        return str(keras.backend.backend())  # type: ignore[attr-defined]
+    config = modules.get("keras.src.backend.config")
+    backend = getattr(config, "backend", None)
+    if callable(backend):
+        return str(backend())
     return environ.get("KERAS_BACKEND") or "tensorflow"
 
 
-def apply_at_import() -> Choice | None:
-    """At ``import tfmx``: where TensorFlow is imported already, Keras runs on it, and no op
-    has run, decide as ``tfmx.enable()`` would (:func:`apply`) before the script's first op
-    does; None where it is too early (TensorFlow not imported: ``enable()`` decides) or not
-    tfmx's to decide (another Keras backend, another system, ``TFMX_HOST_ALLOCATOR=keep``,
-    the devices made already: ``enable()`` says why). Never raises, never imports TensorFlow.
+def apply_at_import(moment: str = "import tfmx") -> Choice | None:
+    """Where TensorFlow is imported, Keras runs on it and no op has run, decide as
+    ``tfmx.enable()`` would (:func:`apply`), before the script's first op does: at
+    ``import tfmx``, or where tfmx was imported first, once TensorFlow's import ends
+    (:func:`watch_import`). None where it is too early (TensorFlow not imported) or not tfmx's
+    to decide (another Keras backend, another system, ``TFMX_HOST_ALLOCATOR=keep``, the devices
+    made already: ``enable()`` says why). Never raises, never imports TensorFlow.
 
     >>> apply_at_import() is None or isinstance(apply_at_import(), Choice)
     True
@@ -218,9 +222,101 @@ def apply_at_import() -> Choice | None:
 
         if onednn_enabled():
             return None
-        return apply(detect(), False, moment="import tfmx")
+        return apply(detect(), False, moment=moment)
     except Exception:  # noqa: BLE001 - an optimization: enable() decides again
         return None
+
+
+class _Loader:
+    """TensorFlow's own loader, which decides the allocator once TensorFlow's module has run
+    (its import ended) and then hands the module back to the loader it came with."""
+
+    def __init__(self, inner: object, watcher: _TensorFlowImport) -> None:
+        self._inner, self._watcher = inner, watcher
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+    def create_module(self, spec: object) -> object:
+        return self._inner.create_module(spec)  # type: ignore[attr-defined]
+
+    def exec_module(self, module: object) -> None:
+        try:
+            self._inner.exec_module(module)  # type: ignore[attr-defined]
+        finally:
+            self._watcher.remove()
+            if getattr(module, "__loader__", None) is self:
+                module.__loader__ = self._inner  # type: ignore[attr-defined]
+            spec = getattr(module, "__spec__", None)
+            if spec is not None and spec.loader is self:
+                spec.loader = self._inner
+        apply_at_import("TensorFlow's import (tfmx imported before it)")
+
+
+class _TensorFlowImport:
+    """A finder on ``sys.meta_path`` (first) that finds nothing itself: for ``tensorflow`` it
+    asks the other finders and wraps the loader they found (:class:`_Loader`). It removes
+    itself once TensorFlow's import ends, or when ``tfmx.disable()`` undoes it."""
+
+    def __init__(self) -> None:
+        self._finding = False
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
+        if fullname != "tensorflow" or self._finding:
+            return None
+        import importlib.util
+
+        self._finding = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        except Exception:  # noqa: BLE001 - TensorFlow's import goes on without tfmx
+            return None
+        finally:
+            self._finding = False
+        if spec is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        spec.loader = _Loader(spec.loader, self)
+        return spec
+
+    def remove(self) -> None:
+        import sys
+
+        while self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+_watcher: _TensorFlowImport | None = None
+
+
+def watch_import() -> bool:
+    """Where TensorFlow is not imported yet (tfmx imported first), decide once its import
+    ends, before the script's first op: a finder on ``sys.meta_path`` until then (undone by
+    :func:`restore`). True where it now watches.
+
+    >>> import tensorflow  # imported: nothing to watch
+    >>> watch_import()
+    False
+    """
+    global _watcher
+    import sys
+
+    if "tensorflow" in sys.modules or platform.system() != "Linux" or (
+            os.environ.get(ENV_MODE, "").strip().lower() == "keep"):
+        return False
+    if _watcher is None or _watcher not in sys.meta_path:
+        _watcher = _TensorFlowImport()
+        sys.meta_path.insert(0, _watcher)
+    return True
+
+
+def at_import() -> None:
+    """``import tfmx``'s part (never raises): decide now where TensorFlow is imported, else
+    once its import ends (:func:`watch_import`)."""
+    try:
+        if apply_at_import() is None:
+            watch_import()
+    except Exception:  # noqa: BLE001 - an optimization: enable() decides again
+        pass
 
 
 def restore() -> None:
@@ -228,6 +324,8 @@ def restore() -> None:
 
     >>> restore()
     """
+    if _watcher is not None:  # TensorFlow not imported yet: nothing to decide for it now
+        _watcher.remove()
     for name, value in _saved.items():
         if value is None:
             os.environ.pop(name, None)
