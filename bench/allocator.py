@@ -1,8 +1,8 @@
 """The host allocator measured: each workload's step with malloc and with TensorFlow's pool.
 
 With oneDNN off, TensorFlow allocates CPU tensors with malloc unless
-``TF_CPU_ALLOCATOR_USE_BFC=1`` asks for its best-fit pool, which ``tfmx.enable()`` does
-before the first op (:mod:`tfmx.host_allocator`). ``python -m bench.allocator --model NAME
+``TF_CPU_ALLOCATOR_USE_BFC=1`` asks for its best-fit pool, which tfmx does before the first
+op (:mod:`tfmx.host_allocator`). ``python -m bench.allocator --model NAME
 [NAME ...]`` runs ``tfmx bench``'s measurement (:func:`bench.runner.run_benchmarks`, stock,
 XLA and tfmx interleaved) twice per workload in the oneDNN off state, each in a process of
 its own: once with TensorFlow's malloc (``TFMX_HOST_ALLOCATOR=keep``), once with the pool.

@@ -442,7 +442,9 @@ INTRO = (
     "fitted with tfmx before (the last column: decisions the cache held, and how many of the "
     "timed fits' decisions were measured or read from it). An XLA fit still running at "
     "{cap:g} x stock's predicted fit stops there: `>` marks such a median, a lower bound. "
-    "Targets: tfmx at most {vs:g} x "
+    "Every fit's process imports tfmx (stock's and XLA's without enabling it), so where "
+    "oneDNN is off every mode runs with the CPU allocator tfmx's import chooses (the machine "
+    "line names it). Targets: tfmx at most {vs:g} x "
     "stock, and never above the best alternative (the faster of stock and XLA).")
 
 

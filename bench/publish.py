@@ -62,7 +62,7 @@ warm-up (tracing, rewriting, compiling) excluded, with the p25-p75 spread of the
 parentheses. stock: Keras's own step; XLA: the step with `jit_compile=True`; tfmx: the step
 after `tfmx.enable()`. tfmx / stock: tfmx's median over stock's, both measured in the same
 process. A oneDNN cell "off (pool)": every mode of that record ran with TensorFlow's best-fit
-pool for CPU tensors, as `tfmx.enable()` sets it where oneDNN is off; stock and XLA with
+pool for CPU tensors, as tfmx sets it where oneDNN is off; stock and XLA with
 TensorFlow's malloc, measured by the host-allocator records ("The host allocator" below),
 count as alternatives too ("off, malloc"). Best alternative: the
 fastest of stock and XLA in any oneDNN state (and allocator) recorded for the workload on that
@@ -259,7 +259,7 @@ def format_readme_table(records: Sequence[Mapping[str, Any]]) -> str:
               "To switch: `TF_ENABLE_ONEDNN_OPTS=0` (or `=1`) in the environment before Python "
               "starts; TensorFlow reads it once per process. Where oneDNN is off, stock, XLA "
               "and tfmx ran with TensorFlow's best-fit pool for CPU tensors (`pool`: "
-              "`tfmx.enable()` sets it there; without tfmx, `TF_CPU_ALLOCATOR_USE_BFC=1`), "
+              "tfmx sets it there; without tfmx, `TF_CPU_ALLOCATOR_USE_BFC=1`), "
               "and stock and XLA with malloc count as alternatives too; tfmx against stock "
               "with malloc, as a user runs it: BENCHMARKS.md, The host allocator. "
               "Measured on: "
