@@ -106,7 +106,8 @@ def decide(backend: str, onednn: bool, system: str, devices_made: bool,
         devices_made: whether TensorFlow has created its devices (the allocator is made then).
         environ: the process's environment.
         machine_mb: physical memory; the cap is raised to it where it exceeds TensorFlow's.
-        moment: when tfmx decides (``"tfmx.enable()"`` or ``"import tfmx"``), for the reason.
+        moment: when tfmx decides (``tfmx.enable()``, ``import tfmx``, or TensorFlow's import
+            where tfmx was imported first), for the reason.
 
     >>> decide("cpu", False, "Linux", True, {}).reason.split(":")[0]
     'TensorFlow had made its devices before tfmx was imported or enabled'
@@ -200,6 +201,13 @@ def _keras_backend(modules: Mapping[str, object], environ: Mapping[str, str]) ->
     return environ.get("KERAS_BACKEND") or "tensorflow"
 
 
+def _not_ours_at_import() -> bool:
+    """Whether the import-time choice is out of tfmx's hands whatever TensorFlow says: another
+    system than Linux, or ``TFMX_HOST_ALLOCATOR=keep`` (``enable()`` reports either)."""
+    return (platform.system() != "Linux"
+            or os.environ.get(ENV_MODE, "").strip().lower() == "keep")
+
+
 def apply_at_import(moment: str = "import tfmx") -> Choice | None:
     """Where TensorFlow is imported, Keras runs on it and no op has run, decide as
     ``tfmx.enable()`` would (:func:`apply`), before the script's first op does: at
@@ -214,8 +222,7 @@ def apply_at_import(moment: str = "import tfmx") -> Choice | None:
     import sys
 
     try:
-        if ("tensorflow" not in sys.modules or platform.system() != "Linux"
-                or os.environ.get(ENV_MODE, "").strip().lower() == "keep"
+        if ("tensorflow" not in sys.modules or _not_ours_at_import()
                 or _keras_backend(sys.modules, os.environ) != "tensorflow" or devices_made()):
             return None
         from tfmx.backends import detect, onednn_enabled
@@ -300,8 +307,7 @@ def watch_import() -> bool:
     global _watcher
     import sys
 
-    if "tensorflow" in sys.modules or platform.system() != "Linux" or (
-            os.environ.get(ENV_MODE, "").strip().lower() == "keep"):
+    if "tensorflow" in sys.modules or _not_ours_at_import():
         return False
     if _watcher is None or _watcher not in sys.meta_path:
         _watcher = _TensorFlowImport()
