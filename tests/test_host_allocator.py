@@ -57,7 +57,7 @@ def test_apply_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
 SCRIPT = textwrap.dedent("""
     import json, os, sys
     mode = sys.argv[1]
-    if mode == "tfmx-first":  # tfmx imported before TensorFlow: enable() decides
+    if mode == "tfmx-first":  # tfmx imported before TensorFlow: decided once its import ends
         import tfmx
         at_import = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC")
         tf_imported = "tensorflow" in sys.modules
@@ -89,13 +89,19 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(mode: str, **extra: str) -> dict:
+def _run_script(script: str, *args: str, **extra: str) -> dict:
+    """``script``'s last printed JSON line, run in a fresh process with oneDNN off and none of
+    the allocator's variables set but ``extra``."""
     env = {k: v for k, v in os.environ.items()
            if k not in (TF_POOL, TF_POOL_LIMIT, "TFMX_HOST_ALLOCATOR")}
     env.update(TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="3", **extra)
-    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], env=env, check=True,
+    out = subprocess.run([sys.executable, "-c", script, *args], env=env, check=True,
                          capture_output=True, text=True, timeout=300).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def _run(mode: str, **extra: str) -> dict:
+    return _run_script(SCRIPT, mode, **extra)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the pool is set on Linux only")
@@ -140,12 +146,7 @@ def test_disable_before_tensorflow_is_imported_stops_watching_its_import() -> No
                           "set": os.environ.get("TF_CPU_ALLOCATOR_USE_BFC"),
                           "loader": type(tf.__spec__.loader).__name__}))
     """)
-    env = {k: v for k, v in os.environ.items()
-           if k not in (TF_POOL, TF_POOL_LIMIT, "TFMX_HOST_ALLOCATOR")}
-    env.update(TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="3")
-    out = subprocess.run([sys.executable, "-c", script], env=env, check=True,
-                         capture_output=True, text=True, timeout=300).stdout
-    result = json.loads(out.strip().splitlines()[-1])
+    result = _run_script(script)
     assert result == {"watching": sys.platform.startswith("linux"), "after": False,
                       "set": None, "loader": "SourceFileLoader"}
 
