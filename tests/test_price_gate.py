@@ -127,12 +127,12 @@ def test_a_fused_step_measured_with_the_tuner_cut_short_is_tried_again_on_the_pr
     assert verdict.run == "tfmx"
     assert "with 12 of the tuner's decisions left unmeasured" in verdict.why
     assert price_gate({**figures, "fused_deferred": 0.0}, 10**6).run == "stock"  # final
-    # a provisional figure teaches no gain; a final one does
+    # a provisional figure teaches the gain of the step as it ran; a final one adds its own
     learn_price("step", stock_ms=60.0, fused_ms=58.0, fused_deferred=3.0)
-    assert step_gain.expected_gain()[0] == step_gain.GAIN_SEED
+    assert step_gain.expected_gain()[0] == pytest.approx(58.0 / 60.0)
     learn_price("step", fused_ms=45.0, fused_deferred=0.0)
     assert price_figures("step")["fused_deferred"] == 0.0
-    assert step_gain.expected_gain()[0] == pytest.approx(0.75)
+    assert step_gain.expected_gain()[0] == pytest.approx((58.0 / 60.0 * 0.75) ** 0.5)
 
 
 def test_the_gain_expected_round_trips_through_the_machines_cache(tmp_path):
@@ -143,6 +143,21 @@ def test_the_gain_expected_round_trips_through_the_machines_cache(tmp_path):
     assert step_gain.expected_gain()[0] == step_gain.GAIN_SEED  # without the cache: the seed
     again = TuningCache(tmp_path / "t.json", {"backend": "cpu"})
     assert step_gain.expected_gain(again)[0] == pytest.approx(0.75)
+
+
+def test_the_machines_figures_outlive_a_tfmx_version_and_its_decisions_do_not(tmp_path):
+    old = TuningCache(tmp_path / "old.json", {"backend": "cpu", "code": "old"})
+    learn_price("a", old, stock_ms=60.0, stock_first_s=2.0)
+    learn_price("a", old, fused_ms=45.0, fused_first_s=3.0)
+    guard.forget()  # a new process running another tfmx: another file for its decisions
+    new = TuningCache(tmp_path / "new.json", {"backend": "cpu", "code": "new"})
+    assert price_figures("a", new) == {}  # the step's record: measured again
+    assert step_gain.expected_gain(new)[0] == pytest.approx(0.75)
+    assert first_call.expected_first_call("fused", 100, 0.0, new, 4.0)[0] == pytest.approx(6.0)
+    assert new.figures().path == old.figures().path != new.path
+    guard.forget()
+    other = TuningCache(tmp_path / "t.json", {"backend": "cpu", "code": "new", "onednn": True})
+    assert step_gain.expected_gain(other)[0] == step_gain.GAIN_SEED  # another machine state
 
 
 def test_stock_unmeasured_the_rewrite_runs_within_the_trials_budget():
@@ -249,7 +264,7 @@ def test_first_calls_learnt_round_trip_through_the_machines_cache(tmp_path):
     assert first_call.learnt_rate("fused", again)[1] == first_call.HISTORY  # the last ones
     assert guard.expected_first_call("fused", 20000, 0.0, again, 2.0)[0] == pytest.approx(2.4)
     guard.forget()
-    other_layout = TuningCache(tmp_path / "other.json", {"backend": "cpu"})
+    other_layout = TuningCache(tmp_path / "elsewhere" / "other.json", {"backend": "cpu"})
     other_layout.put(Decision("guard-first-call", "fused", "fused", ("fused",),
                           {"ms_per_op": 15.65, "n": 25.0}))
     assert first_call.learnt_rate("fused", other_layout) is None  # ignored: the seeds stand

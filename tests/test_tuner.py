@@ -450,8 +450,15 @@ def test_the_tune_command_shows_exports_imports_and_clears(cache_dir, tmp_path, 
     monkeypatch.setenv("TFMX_CACHE_DIR", str(tmp_path / "other"))
     assert main(["tune", "--import", str(tmp_path / "e.json")]) == 0
     assert "imported 1 decision" in capsys.readouterr().out
+    from tfmx.step_gain import learn_gain
+
+    learn_gain(30.0, 60.0, TuningCache.for_backend("cpu"))  # a figure of the machine
+    assert main(["tune"]) == 0
+    assert "step-gain-ratio|fused" in capsys.readouterr().out
+    figures = TuningCache.for_backend("cpu").figures().path
+    assert figures.exists()
     assert main(["tune", "--clear"]) == 0
-    assert "removed" in capsys.readouterr().out
+    assert capsys.readouterr().out.count("removed") == 2 and not figures.exists()
     with pytest.raises(SystemExit, match="tfmx tune"):
         main(["tune", "--import", str(tmp_path / "missing.json")])
 

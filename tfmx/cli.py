@@ -109,16 +109,20 @@ def _tune(args: argparse.Namespace) -> int:
             raise SystemExit(f"tfmx tune: {err}") from None
         print(f"imported {added} decision(s) into {cache.path}")
     elif args.clear:
-        existed = cache.path.exists()
-        cache.path.unlink(missing_ok=True)
-        print(f"{'removed' if existed else 'no cache at'} {cache.path}")
+        for path in (cache.path, cache.figures().path):  # its decisions, the machine's figures
+            existed = path.exists()
+            path.unlink(missing_ok=True)
+            print(f"{'removed' if existed else 'no cache at'} {path}")
     else:
         contents = cache.contents()
         print(f"cache: {cache.path} ({'present' if cache.path.exists() else 'empty'})")
         print(f"machine: {json.dumps(contents['fingerprint'], sort_keys=True)}")
-        for key, d in sorted(contents["decisions"].items()):
+        figures = cache.figures()
+        for key, d in sorted({**figures.contents()["decisions"],
+                              **contents["decisions"]}.items()):
             times = ", ".join(f"{n} {t:.3f} ms" for n, t in d.get("times_ms", {}).items())
             print(f"  {key}: {d.get('choice')}  ({times})")
+        print(f"the machine's figures (kept by another tfmx): {figures.path}")
     return 0
 
 

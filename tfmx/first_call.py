@@ -20,7 +20,8 @@ short costs at most once per step: the form's measured first call enters the ste
 record, and the whole-step guard's trial stays within its budget.
 
 What is learnt is kept for the process and, given the machine's tuning cache
-(``tfmx.tuning_cache.TuningCache``), for this machine.
+(``tfmx.tuning_cache.TuningCache``), for this machine, in the file of its figures that another
+tfmx version keeps (``tfmx.tuning_cache.figures_cache``).
 
 Example (a step whose stock first call took 2 s, where tfmx's first calls have cost 1.2 times
 stock's):
@@ -37,7 +38,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tfmx.tuning_cache import Decision
+from tfmx.tuning_cache import Decision, figures_cache
 
 XLA_SEED = 2.0
 """Before any XLA first call was measured on this machine, its compile is expected to cost
@@ -85,6 +86,7 @@ def history(family: str, form: str, cache: Any = None) -> list[float]:
     [2.0]
     """
     known = _learnt.setdefault(family, {}).get(form)
+    cache = figures_cache(cache)
     if known is None and cache is not None:  # another process's measurements
         found = cache.get(f"{family}|{form}")
         if found is not None:
@@ -103,6 +105,7 @@ def observe(family: str, form: str, value: float, cache: Any = None) -> None:
         return
     values = [*history(family, form, cache), value][-HISTORY:]
     _learnt.setdefault(family, {})[form] = values
+    cache = figures_cache(cache)
     if cache is not None:
         cache.put(Decision(family, form, form, (form,),
                            {str(i): v for i, v in enumerate(values)}, "measured"))

@@ -7,7 +7,9 @@ per machine under :func:`cache_dir` (``$TFMX_CACHE_DIR``, else ``$XDG_CACHE_HOME
 and relevant flags, the TensorFlow version, the oneDNN state, the backend and tfmx's own code
 (:func:`code_digest`). A new TensorFlow, oneDNN switched the other way, another processor or
 another tfmx reads another file, so nothing measured elsewhere is reused, and a form
-reimplemented under the same name is measured again. :func:`export_cache` and
+reimplemented under the same name is measured again. The machine's figures (what first calls
+and whole steps cost in each form relative to stock's: priors, :func:`figures_cache`) sit in a
+file beside it whose fingerprint leaves tfmx's code out. :func:`export_cache` and
 :func:`import_cache` carry a file to identical machines running the same tfmx (preseed a
 fleet).
 
@@ -171,6 +173,24 @@ class TuningCache:
         self.fingerprint = dict(fp)
         self._lock = threading.Lock()
         self._decisions: dict[str, dict[str, Any]] | None = None
+        self._figures: TuningCache | None = None
+
+    def figures(self) -> TuningCache:
+        """The machine's figures (:func:`figures_cache`): a cache file beside this one whose
+        fingerprint leaves out tfmx's code, so that another tfmx keeps them.
+
+        >>> import tempfile, pathlib
+        >>> c = TuningCache(pathlib.Path(tempfile.mkdtemp()) / "t.json", {"code": "1"})
+        >>> f = c.figures()
+        >>> f.fingerprint, f.path.name.startswith("figures-"), f is c.figures()
+        ({}, True, True)
+        """
+        if self._figures is None:
+            fp = {k: v for k, v in self.fingerprint.items() if k != "code"}
+            backend = str(fp.get("backend", "any"))
+            self._figures = TuningCache(self.path.parent / f"figures-{backend}-{_key(fp)}.json",
+                                        fp)
+        return self._figures
 
     @classmethod
     def for_backend(cls, backend: str) -> TuningCache:
@@ -232,6 +252,21 @@ class TuningCache:
         except OSError:
             pass
 
+def figures_cache(cache: Any) -> Any:
+    """Where the machine's figures of ``cache`` are kept: what first calls cost relative to
+    stock's and what tfmx's and XLA's steps gain over stock's here (``tfmx.first_call``,
+    ``tfmx.step_gain``). They are priors about the processor, TensorFlow and its oneDNN state,
+    each the median of the last few observations, so they outlive a tfmx version (a
+    :class:`TuningCache`'s :meth:`TuningCache.figures`), while decisions between forms are
+    measured again by another tfmx. Any other cache (or None) keeps its figures itself.
+
+    >>> figures_cache(None) is None
+    True
+    """
+    figures = getattr(cache, "figures", None)
+    return figures() if callable(figures) else cache
+
+
 def export_cache(path: str | os.PathLike, backend: str = "cpu") -> Path:
     """Write this machine's tuning results for ``backend`` to ``path`` (JSON); returns it.
 
@@ -268,4 +303,4 @@ def import_cache(path: str | os.PathLike, force: bool = False) -> int:
 
 
 __all__ = ["CODE_PACKAGES", "Decision", "ENV_DIR", "TuningCache", "cache_dir", "code_digest",
-           "export_cache", "fingerprint", "import_cache"]
+           "export_cache", "figures_cache", "fingerprint", "import_cache"]
