@@ -9,7 +9,8 @@ as :func:`bench.fit_price.fit_data` makes it):
    epochs give the time of an epoch, its first one the tracing on top. The timed fits run the
    number of epochs that brings stock's whole ``fit`` nearest ``target_s`` (:func:`size_epochs`;
    60 s by default, at least one epoch).
-2. The tuning cache: one untimed tfmx fit like the timed ones (same workload, data and
+2. The tuning cache: small models (:data:`SMALL_MODELS`) fitted with tfmx first, then one
+   untimed tfmx fit like the timed ones (same workload, data and
    epochs: the tuner weighs a form's first call against the steps the fit plans), in a new
    process (``warm``: ``tfmx.enable()`` as a user calls it, the tuner measuring what the cache
    lacks, the whole-step guard storing its trial's outcome once the trial ends) with the same
@@ -62,6 +63,14 @@ from bench.environment import by_machine, format_onednn
 from bench.onednn import run_json_process
 from bench.records import RESULTS_DIR as RECORDS_DIR
 from bench.records import narrow_command, processor_key, read_json_records
+
+SMALL_MODELS = ("mlp", "small_cnn", "gru")
+"""Fitted with tfmx before anything is timed, one epoch each in a process of its own (``small``
+fits): the machine as one where small models were fitted with tfmx before. Their guard trials
+run to their end (``TFMX_GUARD_BUDGET=none``), as many shorter fits would over time, so that
+the machine's figures (``tfmx.tuning_cache.figures_cache``: first calls and step gains relative
+to stock's) hold what these models measured; the timed fits' own decisions are not among
+theirs."""
 
 MODES = ("stock", "tfmx", "xla")
 """The timed fits: Keras's own, with tfmx, XLA-compiled (``jit_compile=True``)."""
@@ -120,11 +129,14 @@ def verdict(medians: Mapping[str, float]) -> dict[str, Any]:
 
 # -- one fit, in its own process -------------------------------------------------------------------
 def _tuning(backend: str | None) -> dict[str, Any]:
+    from tfmx.step_gain import expected_gain
     from tfmx.tuning_cache import TuningCache, cache_dir
 
-    held = (len(TuningCache.for_backend(backend).contents()["decisions"])
-            if backend else None)
-    return {"cache_dir": str(cache_dir()), "held": held}
+    cache = TuningCache.for_backend(backend) if backend else None
+    held = len(cache.contents()["decisions"]) if cache is not None else None
+    ratio, how = expected_gain(cache)
+    return {"cache_dir": str(cache_dir()), "held": held,
+            "gain_expected": f"{ratio:.2f} x stock's step ({how})"}
 
 
 def planned_steps(epochs: int, samples: int, batch_size: int) -> int:
@@ -138,8 +150,26 @@ def planned_steps(epochs: int, samples: int, batch_size: int) -> int:
 
 
 def fit_in_process(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """One fit as ``spec`` says (``workload``, ``mode``: one of :data:`MODES`, ``probe`` or
-    ``warm``, ``epochs``, ``samples``, ``batch_size``), in this process; what it measured:
+    """:func:`_fit` with, for a ``small`` fit, the guard's trial run to its end
+    (``TFMX_GUARD_BUDGET=none``: the machine's figures learn its outcome), in this process
+    only while it runs."""
+    if spec.get("mode") != "small":
+        return _fit(spec)
+    before = os.environ.get("TFMX_GUARD_BUDGET")
+    os.environ["TFMX_GUARD_BUDGET"] = "none"
+    try:
+        return _fit(spec)
+    finally:
+        if before is None:
+            os.environ.pop("TFMX_GUARD_BUDGET", None)
+        else:
+            os.environ["TFMX_GUARD_BUDGET"] = before
+
+
+def _fit(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """One fit as ``spec`` says (``workload``, ``mode``: one of :data:`MODES`, ``probe``,
+    ``warm`` or ``small`` (:data:`SMALL_MODELS`), ``epochs``, ``samples``, ``batch_size``), in
+    this process; what it measured:
     ``seconds`` (``fit``'s call to its return), the probe's ``first_epoch_s`` and ``epoch_s``,
     a tfmx fit's ``guard`` line, its report's first line (``report_line``) and ``tuning``
     (the cache's folder, decisions it held before the fit and after, and this fit's decisions
@@ -161,13 +191,14 @@ def fit_in_process(spec: Mapping[str, Any]) -> dict[str, Any]:
                                                         batches=1))))
     out: dict[str, Any] = {"mode": mode}
     tuning = None
-    if mode in ("tfmx", "warm"):
+    if mode in ("tfmx", "warm", "small"):
         tfmx.enable()
         tfmx.report(reset=True)
         tuning = _tuning(state.options().backend.name)
     else:
         tfmx.disable()
-    model = build_model(workload, {"warm": "tfmx", "probe": "stock"}.get(mode, mode), 0, None)
+    model = build_model(workload, {"warm": "tfmx", "small": "tfmx", "probe": "stock"}.get(
+        mode, mode), 0, None)
     ends: list[float] = []
     epochs = PROBE_EPOCHS if mode == "probe" else int(spec["epochs"])
     marks = keras.callbacks.LambdaCallback(on_epoch_end=lambda *_: ends.append(time.perf_counter()))
@@ -244,17 +275,26 @@ def run_minute_fits(models: Sequence[str], target_s: float = TARGET_S, samples: 
                     batch_size: int = 32, rounds: int = 3, warm: bool = True,
                     cache_dir: str | None = None,
                     run: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None,
+                    small_models: Sequence[str] = SMALL_MODELS,
                     on_row: Callable[[dict[str, Any]], Any] | None = None,
                     ) -> list[dict[str, Any]]:
     """The one-minute fit of each of ``models`` (see the module doc): one row per workload
     with the sizing, the warm-up fit, every fit, each mode's median seconds and
     :func:`verdict`. ``run`` runs one fit spec (default: :func:`launch`, a new process with
-    ``cache_dir``); ``on_row`` gets each row as soon as it is measured."""
+    ``cache_dir``); ``on_row`` gets each row as soon as it is measured; with ``warm``,
+    ``small_models`` are fitted first (``small`` fits, recorded in each row)."""
     def default_run(spec: Mapping[str, Any]) -> dict[str, Any]:
         return launch(spec, cache_dir)
 
     run = run or default_run
     rows = []
+    small = [run({"workload": m, "mode": "small", "epochs": 1, "samples": samples,
+                  "batch_size": batch_size}) for m in (small_models if warm else ())]
+    for fit in small:
+        print(f"small model fitted with tfmx: {fit.get('guard') or fit.get('report_line')}",
+              file=sys.stderr, flush=True)
+    small_fits = [{"workload": m, **{k: f.get(k) for k in ("seconds", "kept", "tuning")}}
+                  for m, f in zip(small_models, small)]
     for name in models:
         base = {"workload": name, "samples": samples, "batch_size": batch_size}
         probe = run({**base, "mode": "probe", "epochs": PROBE_EPOCHS})
@@ -281,6 +321,7 @@ def run_minute_fits(models: Sequence[str], target_s: float = TARGET_S, samples: 
                "rounds": rounds,
                "sizing": {k: probe.get(k) for k in ("first_epoch_s", "epoch_s", "seconds")}
                | {"predicted_s": predicted},
+               "small": small_fits,
                "warm": None if warmed is None else {k: warmed.get(k) for k in
                                                     ("seconds", "guard", "kept", "tuning")},
                "median_s": medians, "verdict": verdict(medians), "fits": fits,
@@ -387,8 +428,9 @@ def _tuning_cell(row: Mapping[str, Any]) -> str:
     warm = "warm-up fit, " if row.get("warm") else ""
     on_prior = f", {prior} on the family's form measured here (unmeasured)" if prior else ""
     left = f", {kept} left to Keras's form (unmeasured)" if kept else ""
+    gain = tunings[0].get("gain_expected")
     return (f"{warm}{tunings[0].get('held')} held; {measured} measured, {cached} cached"
-            f"{on_prior}{left}")
+            f"{on_prior}{left}" + (f"; gain expected {gain}" if gain else ""))
 
 
 HEADER = ["| workload | fit | stock s | XLA s | tfmx s | tfmx / stock | tfmx / best | "
@@ -437,11 +479,14 @@ INTRO = (
     "rewrite and tuning, the whole-step guard's trial and XLA's compilation included. Each "
     "fit in a new process, in TensorFlow's default oneDNN state, from the same initial "
     "weights; stock, XLA (`jit_compile=True`) and tfmx (`tfmx.enable()`) interleaved over the "
-    "rounds, the median of each. Before the rounds one untimed tfmx fit of the workload "
-    "fills the tuning cache the timed tfmx fits use, as on a machine where the model was "
-    "fitted with tfmx before (the last column: decisions the cache held, and how many of the "
-    "timed fits' decisions were measured or read from it). An XLA fit still running at "
-    "{cap:g} x stock's predicted fit stops there: `>` marks such a median, a lower bound. "
+    "rounds, the median of each. Before the rounds, in the tuning cache the timed tfmx fits "
+    "use, small models (" + ", ".join(SMALL_MODELS) + ": one epoch each, their guard trials "
+    "run to their end) and then one untimed fit of the workload are fitted with tfmx, as on a "
+    "machine where small models and this model were fitted with tfmx before (the last "
+    "column: decisions the cache held, how many of the timed fits' decisions were measured "
+    "or read from it, and the step gain the price gate expected on the machine's figures). "
+    "An XLA fit still running at {cap:g} x stock's predicted fit stops there: `>` marks "
+    "such a median, a lower bound. "
     "Every fit's process imports tfmx (stock's and XLA's without enabling it), so where "
     "oneDNN is off every mode runs with the CPU allocator tfmx's import chooses (the machine "
     "line names it). Targets: tfmx at most {vs:g} x "

@@ -43,12 +43,17 @@ def rows():
     with pytest.MonkeyPatch.context() as mp, tfmx_restored():
         mp.setitem(WORKLOADS, tiny.name, tiny)
         measured = minute_fit.run_minute_fits([tiny.name], target_s=1.0, rounds=2, run=run,
-                                              **TINY)
+                                              small_models=(tiny.name,), **TINY)
     return measured, specs
 
 
 def test_the_probe_sizes_the_fit_and_the_warm_fit_comes_first(rows):
     (row,), specs = rows
+    small, specs = specs[0], specs[1:]  # a small model fitted with tfmx before all else
+    assert (small["mode"], small["epochs"]) == ("small", 1)
+    assert row["small"][0]["workload"] == "two_dense" and row["small"][0]["seconds"] > 0
+    assert "gain_expected" in row["small"][0]["tuning"]
+    assert "TFMX_GUARD_BUDGET" not in os.environ  # its trial ran to its end, in that fit only
     assert [s["mode"] for s in specs[:2]] == ["probe", "warm"]
     assert specs[0]["epochs"] == minute_fit.PROBE_EPOCHS
     sizing = row["sizing"]
