@@ -66,11 +66,11 @@ from bench.records import narrow_command, processor_key, read_json_records
 
 SMALL_MODELS = ("mlp", "small_cnn", "gru")
 """Fitted with tfmx before anything is timed, one epoch each in a process of its own (``small``
-fits): the machine as one where small models were fitted with tfmx before. Their guard trials
-run to their end (``TFMX_GUARD_BUDGET=none``), as many shorter fits would over time, so that
-the machine's figures (``tfmx.tuning_cache.figures_cache``: first calls and step gains relative
-to stock's) hold what these models measured; the timed fits' own decisions are not among
-theirs."""
+fits): the machine as one where small models were fitted with tfmx before. Their tuners and
+guard trials run to their end (:data:`SMALL_ENV`), as many shorter fits of them would over
+time, so that the machine's figures (``tfmx.tuning_cache.figures_cache``: first calls and step
+gains relative to stock's) and the tuning cache hold what these models measured; the timed
+fits' own decisions are not among theirs."""
 
 MODES = ("stock", "tfmx", "xla")
 """The timed fits: Keras's own, with tfmx, XLA-compiled (``jit_compile=True``)."""
@@ -149,21 +149,26 @@ def planned_steps(epochs: int, samples: int, batch_size: int) -> int:
     return epochs * -(-samples // batch_size)
 
 
+SMALL_ENV = {"TFMX_GUARD_BUDGET": "none", "TFMX_TUNE_SHARE": "none"}
+"""A ``small`` fit's settings: its guard's trial and its tuner run to their end (the tuner
+within its own budget, ``tfmx.tuner.DEFAULT_BUDGET_S``), not within a share of its short fit."""
+
+
 def fit_in_process(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """:func:`_fit` with, for a ``small`` fit, the guard's trial run to its end
-    (``TFMX_GUARD_BUDGET=none``: the machine's figures learn its outcome), in this process
-    only while it runs."""
+    """:func:`_fit` with, for a ``small`` fit, :data:`SMALL_ENV` set in this process while it
+    runs."""
     if spec.get("mode") != "small":
         return _fit(spec)
-    before = os.environ.get("TFMX_GUARD_BUDGET")
-    os.environ["TFMX_GUARD_BUDGET"] = "none"
+    before = {k: os.environ.get(k) for k in SMALL_ENV}
+    os.environ.update(SMALL_ENV)
     try:
         return _fit(spec)
     finally:
-        if before is None:
-            os.environ.pop("TFMX_GUARD_BUDGET", None)
-        else:
-            os.environ["TFMX_GUARD_BUDGET"] = before
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _fit(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -480,9 +485,9 @@ INTRO = (
     "fit in a new process, in TensorFlow's default oneDNN state, from the same initial "
     "weights; stock, XLA (`jit_compile=True`) and tfmx (`tfmx.enable()`) interleaved over the "
     "rounds, the median of each. Before the rounds, in the tuning cache the timed tfmx fits "
-    "use, small models (" + ", ".join(SMALL_MODELS) + ": one epoch each, their guard trials "
-    "run to their end) and then one untimed fit of the workload are fitted with tfmx, as on a "
-    "machine where small models and this model were fitted with tfmx before (the last "
+    "use, small models (" + ", ".join(SMALL_MODELS) + ": one epoch each, their tuners and "
+    "guard trials run to their end) and then one untimed fit of the workload are fitted "
+    "with tfmx, as on a machine where small models and this model were fitted with tfmx before (the last "
     "column: decisions the cache held, how many of the timed fits' decisions were measured "
     "or read from it, and the step gain the price gate expected on the machine's figures). "
     "An XLA fit still running at {cap:g} x stock's predicted fit stops there: `>` marks "
