@@ -489,13 +489,12 @@ INTRO = (
     "guard trials run to their end) and then one untimed fit of the workload are fitted "
     "with tfmx, as on a machine where small models and this model were fitted with tfmx "
     "before (the last column: decisions the cache held, how many of the timed fits' "
-    "decisions were measured or read from it, and the step gain the price gate expected on the machine's figures). "
-    "An XLA fit still running at {cap:g} x stock's predicted fit stops there: `>` marks "
-    "such a median, a lower bound. "
-    "Every fit's process imports tfmx (stock's and XLA's without enabling it), so where "
-    "oneDNN is off every mode runs with the CPU allocator tfmx's import chooses (the machine "
-    "line names it). Targets: tfmx at most {vs:g} x "
-    "stock, and never above the best alternative (the faster of stock and XLA).")
+    "decisions were measured or read from it, and the step gain the price gate expected on "
+    "the machine's figures). An XLA fit still running at {cap:g} x stock's predicted fit "
+    "stops there: `>` marks such a median, a lower bound. Every fit's process imports tfmx "
+    "(stock's and XLA's without enabling it), so where oneDNN is off every mode runs with "
+    "the CPU allocator tfmx's import chooses (the machine line names it). Targets: tfmx at "
+    "most {vs:g} x stock, and never above the best alternative (the faster of stock and XLA).")
 
 
 def format_minute_section(records: Sequence[Mapping[str, Any]]) -> str:
