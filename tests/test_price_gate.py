@@ -209,6 +209,21 @@ def test_a_large_steps_first_call_is_its_stock_first_call_times_the_learnt_ratio
     assert price_gate(big, 201).run == "tfmx" and price_gate(big, 199).run == "stock"
 
 
+def test_the_smaller_of_the_two_models_is_expected_where_both_apply():
+    """Small models whose stock first calls are mostly fixed costs teach a ratio of 4.5; their
+    seconds per op (1.5 ms) expect a larger step's first call nearer what it costs."""
+    for i in range(3):
+        ops = 1000 + 500 * i
+        learn_price(f"small {i}", stock_first_s=ops * 0.33e-3, ops=float(ops))
+        learn_price(f"small {i}", fused_first_s=ops * 1.5e-3)
+        guard.learn_first_call("fused", ops * 1.5e-3, ops)
+    assert first_call.learnt_ratio("fused")[0] == pytest.approx(1.5 / 0.33)
+    seconds, how = guard.expected_first_call("fused", 2300, stock_first_s=3.0)
+    assert seconds == pytest.approx(3.45) and how.startswith("1.50 ms per op")
+    seconds, how = guard.expected_first_call("fused", 20000, stock_first_s=3.0)  # larger yet
+    assert seconds == pytest.approx(3.0 * 1.5 / 0.33) and "x stock's first call" in how
+
+
 def test_the_ratio_is_robust_to_one_outlier():
     for seconds in (1.2, 1.3, 40.0):  # one first call slowed by something else
         first_call.learn_first_call_ratio("fused", seconds, 1.0)

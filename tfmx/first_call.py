@@ -1,15 +1,15 @@
 """What a form's first call of a step costs on this machine: learnt, and expected before it is paid.
 
-A first call traces the step, rewrites or compiles it, and runs it once. What predicts it best is
-the same step's stock first call: tfmx's first call of a step (every stage traced, the graph
-rewritten) or XLA's (compiled) costs about a fixed multiple of stock's on one machine, whatever
-the step's size. So, per form (``"fused"``, ``"xla"``), what is learnt is the ratio of its
-first call to stock's first call of the same step, whenever both were measured here
-(:func:`learn_first_call_ratio`, fed by ``tfmx.step_price.learn_price``); a form's first call
-is expected at that ratio times the step's own stock first call (:func:`expected_first_call`).
-Where stock's was not measured, seconds per op of the step stand in (:func:`learn_first_call`):
-a cruder model, since a small step's first call is mostly fixed costs. Before anything was
-measured, seeds (:data:`FUSED_SEED`, :data:`XLA_SEED`, :data:`SEED_S_PER_OP`).
+A first call traces the step, rewrites or compiles it, and runs it once. Two models predict it,
+per form (``"fused"``, ``"xla"``): the ratio of its first call to stock's first call of the
+same step, whenever both were measured here (:func:`learn_first_call_ratio`, fed by
+``tfmx.step_price.learn_price``), times the step's own stock first call; and seconds per op of
+the step (:func:`learn_first_call`). Each counts a first call's fixed costs as if they grew with
+the step, so each, learnt on smaller steps, expects too much of a larger one: the ratio where
+the small steps' stock first calls were mostly fixed costs (a first call of tfmx's form four
+times a small model's stock one, 1.3 times a transformer's), seconds per op where their ops
+were few. Where both apply the smaller estimate is taken (:func:`expected_first_call`). Before
+anything was measured, seeds (:data:`FUSED_SEED`, :data:`XLA_SEED`, :data:`SEED_S_PER_OP`).
 
 Both figures are kept as their last :data:`HISTORY` observations and read as the median of
 their logarithms (:func:`robust`): a ratio's errors multiply, so they are symmetric in log
@@ -178,8 +178,12 @@ def expected_first_call(form: str, ops: int, fused_first_s: float = 0.0, cache: 
     - stock's: measured, else :func:`learnt_stock_first_call`, else seeded by the fused first
       call (tracing and rewriting the same step: more than stock's) or :data:`SEED_S_PER_OP`;
     - fused's and XLA's: the ratio learnt here times the step's stock first call where that
-      was measured; else seconds per op learnt here; else the ratio learnt (or the seed,
-      :data:`FUSED_SEED`, :data:`XLA_SEED`) times stock's first call as expected above.
+      was measured, or seconds per op learnt here times its ops where that is less (a step's
+      first call is fixed costs and costs that grow with it: a model learnt on smaller steps
+      expects too much of a larger one, the ratio where small steps' stock first calls are
+      mostly fixed costs, seconds per op where their ops are few); else seconds per op; else
+      the ratio learnt (or the seed, :data:`FUSED_SEED`, :data:`XLA_SEED`) times stock's first
+      call as expected above.
 
     >>> expected_first_call("nothing measured", 100, fused_first_s=3.0)[1]
     'seed: the fused first call'
@@ -193,14 +197,18 @@ def expected_first_call(form: str, ops: int, fused_first_s: float = 0.0, cache: 
         if learnt is not None:
             return learnt
     ratio = learnt_ratio(form, cache) if form != "stock" else None
-    if ratio is not None and stock_first_s > 0:
-        return ratio[0] * stock_first_s, (f"{ratio[0]:.2f} x stock's first call "
-                                          f"({stock_first_s:.2f} s, measured), the median of "
-                                          f"{ratio[1]} ratio(s) measured here")
     rate = learnt_rate(form, cache) if form != "stock" else None
-    if rate is not None and ops > 0:
-        return rate[0] * ops, (f"{rate[0] * 1e3:.2f} ms per op, the median of {rate[1]} "
-                               "first call(s) measured here")
+    per_op = (rate[0] * ops, f"{rate[0] * 1e3:.2f} ms per op, the median of {rate[1]} first "
+                             "call(s) measured here") if rate is not None and ops > 0 else None
+    if ratio is not None and stock_first_s > 0:
+        scaled = (ratio[0] * stock_first_s, f"{ratio[0]:.2f} x stock's first call "
+                                            f"({stock_first_s:.2f} s, measured), the median of "
+                                            f"{ratio[1]} ratio(s) measured here")
+        # each model counts fixed costs (tracing's, a compile's) as if they grew with the step:
+        # learnt on smaller steps, both expect too much of a larger one; the smaller is kept
+        return min(scaled, per_op) if per_op is not None else scaled
+    if per_op is not None:
+        return per_op
     if form == "xla" or (form == "fused" and not fused_first_s):
         stock, how = expected_first_call("stock", ops, fused_first_s if form == "xla" else 0.0,
                                          cache, stock_first_s)
