@@ -127,12 +127,12 @@ def test_a_fused_step_measured_with_the_tuner_cut_short_is_tried_again_on_the_pr
     assert verdict.run == "tfmx"
     assert "with 12 of the tuner's decisions left unmeasured" in verdict.why
     assert price_gate({**figures, "fused_deferred": 0.0}, 10**6).run == "stock"  # final
-    # a provisional figure teaches the gain of the step as it ran; a final one adds its own
+    # a provisional figure teaches no gain; a final one does
     learn_price("step", stock_ms=60.0, fused_ms=58.0, fused_deferred=3.0)
-    assert step_gain.expected_gain()[0] == pytest.approx(58.0 / 60.0)
+    assert step_gain.expected_gain()[0] == step_gain.GAIN_SEED
     learn_price("step", fused_ms=45.0, fused_deferred=0.0)
     assert price_figures("step")["fused_deferred"] == 0.0
-    assert step_gain.expected_gain()[0] == pytest.approx((58.0 / 60.0 * 0.75) ** 0.5)
+    assert step_gain.expected_gain()[0] == pytest.approx(0.75)
 
 
 def test_the_gain_expected_round_trips_through_the_machines_cache(tmp_path):

@@ -6,10 +6,10 @@ call, which is known only once it ran. Before that, the price gate (``tfmx.step_
 a prior: the ratio of the fused step's median to stock's, learnt here from every step measured
 in both forms (:func:`learn_gain`, fed by ``tfmx.step_price.learn_price``) and read as the
 median of their logarithms (``tfmx.first_call.robust``); before any step was measured in
-both forms, :data:`GAIN_SEED`. A fused step is learnt as it ran, also where the tuner left
-some of its decisions to Keras's form (its share of the fit spent): such a step saves no more
-than the tuned one, so the prior errs on stock's side, and it is what a fit's first trial of a
-step meets. A prior is an expectation, not a measurement: the gate tries the
+both forms, :data:`GAIN_SEED`. A fused step measured with some of the tuner's decisions left
+to Keras's form (its share of the fit spent) teaches nothing: it is the gain of a tuned step
+the gate weighs (``tfmx.step_price.provisional``), and one model fitted again and again would
+otherwise fill the history with its own step as its tuning goes on. A prior is an expectation, not a measurement: the gate tries the
 fused form on it only where the fit's expected saving covers the extra first call
 :data:`GAIN_MARGIN` times over, so that a step which turns out to gain nothing costs the fit at
 most that share of what was expected (and the whole-step guard's trial then keeps stock).

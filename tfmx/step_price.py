@@ -114,6 +114,7 @@ def learn_price(key: str, cache: Any = None, **figures: float | None) -> None:
     for form in FIRST_CALL_FORMS:  # what each form gains over stock, for the priors
         name = f"{form}_ms"
         if (merged.get(name) and merged.get("stock_ms")
+                and not (form == "fused" and provisional(merged))
                 and any(known.get(k) != new[k] for k in (name, "stock_ms") if k in new)):
             learn_gain(merged[name], merged["stock_ms"], cache, form)
     fresh = {k for k, v in new.items() if k.endswith("_first_s") and known.get(k) != v}
