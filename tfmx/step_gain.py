@@ -9,10 +9,12 @@ median of their logarithms (``tfmx.first_call.robust``); before any step was mea
 both forms, :data:`GAIN_SEED`. A fused step measured with some of the tuner's decisions left
 to Keras's form (its share of the fit spent) teaches nothing: it is the gain of a tuned step
 the gate weighs (``tfmx.step_price.provisional``), and one model fitted again and again would
-otherwise fill the history with its own step as its tuning goes on. A prior is an expectation, not a measurement: the gate tries the
-fused form on it only where the fit's expected saving covers the extra first call
-:data:`GAIN_MARGIN` times over, so that a step which turns out to gain nothing costs the fit at
-most that share of what was expected (and the whole-step guard's trial then keeps stock).
+otherwise fill the history with its own step as its tuning goes on.
+
+A prior is an expectation, not a measurement: the gate tries the fused form on it only where
+the fit's expected saving covers the extra first call :data:`GAIN_MARGIN` times over, so that a
+step which turns out to gain nothing costs the fit at most that share of what was expected (and
+the whole-step guard's trial then keeps stock).
 
 What is learnt is kept for the process and, given the machine's tuning cache
 (``tfmx.tuning_cache.TuningCache``), for this machine, in the file of its figures that another
