@@ -421,6 +421,9 @@ def _tuning_cell(row: Mapping[str, Any]) -> str:
     >>> print(_tuning_cell({"warm": {}, "fits": {"tfmx": fits}}))  # doctest: +NORMALIZE_WHITESPACE
     12 held; 4 measured, 18 cached, 40 on the family's form measured here (unmeasured),
     8 left to Keras's form (unmeasured)
+    >>> row = {"small": [{"workload": "mlp"}], "warm": {"seconds": 9.0}, "fits": {"tfmx": fits}}
+    >>> _tuning_cell(row).split(";")[0]
+    'small models (mlp) and warm-up fit, 12 held'
     """
     fits = (row.get("fits") or {}).get("tfmx") or []
     tunings = [f.get("tuning") or {} for f in fits]
@@ -430,7 +433,9 @@ def _tuning_cell(row: Mapping[str, Any]) -> str:
     cached = sum((t.get("decisions") or {}).get("cached", 0) for t in tunings)
     kept = sum((t.get("decisions") or {}).get("conservative", 0) for t in tunings)
     prior = sum((t.get("decisions") or {}).get("prior", 0) for t in tunings)
-    warm = "warm-up fit, " if row.get("warm") else ""
+    small = ", ".join(f.get("workload", "?") for f in row.get("small") or ())
+    warm = (f"small models ({small}) and " if small else "") + (
+        "warm-up fit, " if row.get("warm") else "")
     on_prior = f", {prior} on the family's form measured here (unmeasured)" if prior else ""
     left = f", {kept} left to Keras's form (unmeasured)" if kept else ""
     gain = tunings[0].get("gain_expected")
@@ -488,7 +493,8 @@ INTRO = (
     "use, small models (" + ", ".join(SMALL_MODELS) + ": one epoch each, their tuners and "
     "guard trials run to their end) and then one untimed fit of the workload are fitted "
     "with tfmx, as on a machine where small models and this model were fitted with tfmx "
-    "before (the last column: decisions the cache held, how many of the timed fits' "
+    "before (the last column: which of them preceded the row's fits, decisions the cache "
+    "held, how many of the timed fits' "
     "decisions were measured or read from it, and the step gain the price gate expected on "
     "the machine's figures). An XLA fit still running at {cap:g} x stock's predicted fit "
     "stops there: `>` marks such a median, a lower bound. Every fit's process imports tfmx "
