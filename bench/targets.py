@@ -277,6 +277,24 @@ def _step_result(model: str, results: Sequence[Mapping[str, Any]], state: str
     return next((r for r in results if r["model"] == model and onednn_state(r) == state), None)
 
 
+def _fit_words(fit: Mapping[str, Any]) -> str:
+    """What a timed tfmx fit left untried: its tuner's decisions left unmeasured, XLA's step.
+
+    >>> _fit_words({"tuning": {"decisions": {"measured": 6, "cached": 16, "conservative": 35}},
+    ...             "guard": "kept fused for now (XLA not tried: the trial paused)"})
+    ', 35 of its 57 tuner decisions unmeasured, XLA not tried'
+    >>> _fit_words({})
+    ''
+    """
+    decisions = (fit.get("tuning") or {}).get("decisions") or {}
+    left = sum(v for k, v in decisions.items() if k in ("conservative", "prior"))
+    words = ([f"{left} of its {sum(decisions.values())} tuner decisions unmeasured"]
+             if left else [])
+    if "XLA not tried" in str(fit.get("guard") or ""):
+        words.append("XLA not tried")
+    return "".join(f", {w}" for w in words)
+
+
 def minute_targets(minutes: Sequence[Mapping[str, Any]], results: Sequence[Mapping[str, Any]],
                    composites: Sequence[Mapping[str, Any]]) -> list[str]:
     """One machine's one-minute-fit target (3) from its minute-fit records in the default
@@ -301,12 +319,12 @@ def minute_targets(minutes: Sequence[Mapping[str, Any]], results: Sequence[Mappi
         state = onednn_state(record)
         holds = what_holds(_step_result(record["workload"], results, state),
                            record["workload"], state, env, composites)
-        last = ((record.get("fits") or {}).get("tfmx") or [{}])[-1].get("kept")
+        fit = ((record.get("fits") or {}).get("tfmx") or [{}])[-1]
         ran = {"fused": "tfmx's fused step", "stock": "the stock step",
-               "xla": "XLA's step"}.get(last or "")
+               "xla": "XLA's step"}.get(fit.get("kept") or "")
         missed.append(f"{record['workload']}: {'; '.join(gaps) or 'not measured'}; what holds "
                       f"the time: its step: {holds}"
-                      + (f"; the last timed tfmx fit ran {ran}" if ran else ""))
+                      + (f"; the last timed tfmx fit ran {ran}{_fit_words(fit)}" if ran else ""))
     return _target(title, met, missed, len(minutes),
                    f"no one-minute fit recorded on this machine (`{MINUTE_COMMAND}`)")
 
