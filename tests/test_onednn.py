@@ -159,6 +159,21 @@ def test_every_matmul_is_a_decision_at_its_own_shapes(m, k, n, transpose_b):
     assert matches == [] and declined == [f"{sig}: left on Eigen: measured faster"]
 
 
+def test_the_largest_nodes_are_decided_first():
+    """A tuner whose budget runs out spends it on the choices that weigh most: a small MatMul
+    met first in the graph is asked after a large one."""
+    g = tf.function(lambda a, b, c, d: (tf.matmul(a, b), tf.matmul(c, d))).get_concrete_function(
+        tf.TensorSpec([8, 16]), tf.TensorSpec([16, 8]), tf.TensorSpec([512, 256]),
+        tf.TensorSpec([256, 512])).graph.as_graph_def(add_shapes=True)
+    view = GraphView(g.node)
+    chooser = _Chooser()
+    matches, _ = find_onednn(view, _Target(), chooser)
+    asked = [sig.split()[1] for _, sig, _, _ in chooser.asked]
+    assert asked == ["512x256", "8x16"] and len(matches) == 2
+    graph_order = [n.name for n in view.nodes() if n.op == "MatMul"]
+    assert [m.node.name for m in matches] == graph_order[::-1]
+
+
 @RUNS_HERE
 def test_matmul_and_its_gradients_run_on_onednn_and_match_eigen():
     w = tf.Variable(tf.random.normal([8, 16], seed=3))

@@ -25,8 +25,11 @@ the forward ``_FusedConv2D`` faster from 8,192 output pixels but slower below 2,
 (BENCHMARKS.md). Such figures are facts about one machine, so every node but the batch-norm pair
 is a tuner decision (``tfmx.tuner``): the node alone, at its own shapes (an unknown batch counts
 as 32), timed on Eigen and on oneDNN here, and the faster kept; the report lists each decision
-with both times. The batch-norm pair is retargeted as a pair, untimed; the whole-step guard
-(``tfmx.guard``) judges it with the step.
+with both times. The nodes are decided largest first (:func:`largest_first`: the elements their
+inputs hold), so that a tuner whose budget runs out has spent it on the choices that weigh most
+(a large convolution's gradients, which Eigen runs several times slower than oneDNN on some
+processors), leaving the small ones to Eigen. The batch-norm pair is retargeted as a pair,
+untimed; the whole-step guard (``tfmx.guard``) judges it with the step.
 
 Where oneDNN is on, TensorFlow's pass already does this and the backend lists nothing to
 retarget; where the kernels are not registered (other platforms), likewise. Results differ
@@ -57,12 +60,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import platform
 from collections.abc import Mapping
 
 from fusion.family import Family, declare, register
-from fusion.fragment import input_shapes
-from fusion.graph import GraphView, NodeDef, parse_input
+from fusion.fragment import UNKNOWN_DIM, input_shapes
+from fusion.graph import GraphView, NodeDef, output_shape, parse_input
 from fusion.match import const_value, dtype_name
 from fusion.pattern import Chooser, RewriteContext, Target
 from fusion.platform import Platform
@@ -379,9 +383,56 @@ def rewrite_onednn(view: GraphView, match: OneDnnMatch) -> NodeDef:
 
 
 # -- declaration ----------------------------------------------------------------------------
+def volume(view: GraphView, node: NodeDef) -> int:
+    """The elements ``node``'s data inputs hold (an unknown dimension counts as
+    ``fusion.fragment.UNKNOWN_DIM``, an unknown rank as one element): what its kernel reads, a
+    measure of what its choice between Eigen and oneDNN weighs in the step.
+
+    >>> from fusion.graph import GraphView
+    >>> x = NodeDef(name="x", op="Placeholder")
+    >>> x.attr["_output_shapes"].list.shape.add().dim.extend([])
+    >>> view = GraphView([x, NodeDef(name="m", op="MatMul", input=["x", "x"])])
+    >>> volume(view, view.node("m"))
+    2
+    """
+    total = 0
+    for ref in node.input:
+        name, port, control = parse_input(ref)
+        src = view.node(name)
+        if control or src is None:
+            continue
+        shape = output_shape(src, port)
+        total += math.prod(UNKNOWN_DIM if d is None else d for d in shape or ())
+    return total
+
+
+def largest_first(view: GraphView) -> list[NodeDef]:
+    """The graph's nodes, those with a oneDNN kernel largest first (:func:`volume`), the rest
+    after: the tuner's budget goes first to the choices that weigh most in the step (a large
+    convolution's gradients), not to the first nodes of the graph.
+
+    >>> from fusion.graph import GraphView
+    >>> def node(name, op, *dims):
+    ...     n = NodeDef(name=name, op=op)
+    ...     n.attr["_output_shapes"].list.shape.add().dim.extend([])
+    ...     for d in dims:
+    ...         n.attr["_output_shapes"].list.shape[0].dim.add().size = d
+    ...     return n
+    >>> small, big = node("small", "Placeholder", 4), node("big", "Placeholder", 64)
+    >>> a = NodeDef(name="a", op="Softmax", input=["small"])
+    >>> b = NodeDef(name="b", op="Softmax", input=["big"])
+    >>> [n.name for n in largest_first(GraphView([small, big, a, b]))]
+    ['b', 'a', 'small', 'big']
+    """
+    nodes = view.nodes()
+    ranked = [n for n in nodes if n.op in RETARGETS]
+    ranked.sort(key=lambda n: -volume(view, n))
+    return ranked + [n for n in nodes if n.op not in RETARGETS]
+
+
 RULE = Rule(match=_match, check=_check, emit=lambda v, m: rewrite_onednn(v, m),
             kind=lambda m: f"{m.node.op} -> {m.op}{m.with_gradients}",
-            begin=_nothing_to_retarget, finish=_pairs)
+            walk=largest_first, begin=_nothing_to_retarget, finish=_pairs)
 
 
 def find_onednn(view: GraphView, target: Target, tuner: Chooser | None = None,
