@@ -65,8 +65,8 @@ import platform
 from collections.abc import Mapping
 
 from fusion.family import Family, declare, register
-from fusion.fragment import UNKNOWN_DIM, input_shapes
-from fusion.graph import GraphView, NodeDef, output_shape, parse_input
+from fusion.fragment import UNKNOWN_DIM, input_shapes, tensor_shape
+from fusion.graph import GraphView, NodeDef, parse_input
 from fusion.match import const_value, dtype_name
 from fusion.pattern import Chooser, RewriteContext, Target
 from fusion.platform import Platform
@@ -395,15 +395,8 @@ def volume(view: GraphView, node: NodeDef) -> int:
     >>> volume(view, view.node("m"))
     2
     """
-    total = 0
-    for ref in node.input:
-        name, port, control = parse_input(ref)
-        src = view.node(name)
-        if control or src is None:
-            continue
-        shape = output_shape(src, port)
-        total += math.prod(UNKNOWN_DIM if d is None else d for d in shape or ())
-    return total
+    return sum(math.prod(UNKNOWN_DIM if d is None else d for d in tensor_shape(view, ref) or ())
+               for ref in view.data_inputs(node) if view.node(parse_input(ref)[0]) is not None)
 
 
 def largest_first(view: GraphView) -> list[NodeDef]:
