@@ -433,8 +433,33 @@ def test_a_gated_fit_runs_stock_untraced_by_tfmx_and_learns_stocks_price(monkeyp
         assert report.python_traces[("Sequential.train_step", "stages")] == 0
         (key,) = guard._prices
         assert key.startswith("Sequential.train_step ")
-        assert set(guard._prices[key]) == {"stock_first_s", "stock_ms", "ops"}
+        assert set(guard._prices[key]) == {"stock_first_s", "stock_ms", "ops", "fits"}
+        assert guard._prices[key]["fits"] == 1  # one fit of two epochs
         assert guard.active_plan() is None  # the fit ended
+
+
+def test_each_fit_of_a_step_is_counted_once_and_its_tuner_told(monkeypatch):
+    """Three fits of one step (the same model built again, as a user refitting it does): the
+    step's price record counts them, each fit once however often the gate is asked within it,
+    and the tuner hears, for the fit under way, how many fits of its step ran here before
+    (what its measuring share is sized for)."""
+    from tfmx import state
+
+    seen = []
+
+    def gate(figures, calls, share=None, cache=None, switchable=False, traced=False, beside=False):
+        seen.append(state.tuner().returning)
+        return GateDecision("stock", "injected")
+
+    with _gated(monkeypatch, gate) as (model, x, y):
+        for _ in range(3):
+            model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+            model = _model()
+        (key,) = guard._prices
+        assert guard._prices[key]["fits"] == 3
+    serials = [s for s, _ in seen]
+    assert [n for _, n in seen] == [0, 0, 1, 1, 2, 2]  # asked twice a fit
+    assert serials[0] == serials[1] < serials[2] == serials[3] < serials[4] == serials[5]
 
 
 def test_a_fit_without_the_guard_is_not_gated(monkeypatch):

@@ -234,7 +234,12 @@ def test_the_cache_is_reused_by_a_second_process(cache_dir):
         outs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     assert outs == [["onednn", "measured"], ["onednn", "cached"]]
     (written,) = list(cache_dir.glob("tuning-cpu-*.json"))
-    assert json.loads(written.read_text())["fingerprint"] == tuner_mod.fingerprint("cpu")
+    # the machine as a fresh process sees it (this one's allocator is an earlier test's)
+    probe = "import json; from tfmx.tuner import fingerprint; print(json.dumps(fingerprint('cpu')))"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                          text=True, timeout=300)
+    expected = json.loads(done.stdout.strip().splitlines()[-1])
+    assert json.loads(written.read_text())["fingerprint"] == expected
 
 
 @pytest.mark.parametrize("field,value", [("tensorflow", "2.99.0"), ("onednn", "flipped"),
@@ -551,6 +556,36 @@ def test_past_the_fits_share_a_decision_is_measured_where_its_family_says_it_pay
     assert ("measured beyond the fit's 2% share: its 3 measured paying decisions here saved "
             "50% of the conservative form's time on average") in paying.note
     assert 0.08 < tuner._plan_spent < 0.4  # within the cap: 10% of the run
+
+
+def test_a_step_fitted_before_measures_for_the_fits_expected_after_this_one(cache_dir):
+    """The same fit's share spent twice over (2% of 1000 steps x 4 ms is 0.08 s): for a step
+    never fitted here the decision is left, for one fitted twice before (three fits served:
+    0.24 s) it is measured; a step fitted a hundred times is served as one fitted
+    RETURNING_FITS times, and the reason a decision is left names the fits."""
+    forms = {"stock": _sleeping(0.002), "fast": _sleeping(0.001)}
+
+    def decide(returning, spent):
+        tuner = Tuner("auto", TuningCache.for_backend("cpu"))
+        tuner.step_hint = lambda: 0.004
+        with fit_plan.fitting(10, 100):
+            serial = fit_plan.active_plan().serial
+            tuner.returning = (serial, returning) if returning is not None else None
+            tuner._sync_plan()
+            tuner._plan_spent = spent
+            return tuner.choose("new", f"float32 {returning} {spent}", forms, "stock")
+
+    assert decide(None, 0.16).source.startswith("conservative (measuring budget spent")
+    assert decide(0, 0.16).source.startswith("conservative (measuring budget spent")
+    assert decide(2, 0.16).source == "measured"
+    capped = decide(100, 0.33).source  # at most 1 + 3 fits: 0.32 s
+    assert capped.startswith("conservative (measuring budget spent: 2% of the planned run, "
+                             "1000 steps x 4 fits (this one and as many after it as fitted "
+                             "before here, at most 3) x 4.0 ms a step"), capped
+    stale = Tuner("auto", None)
+    stale.returning = (-1, 3)  # another fit's
+    with fit_plan.fitting(10, 100):
+        assert stale.fits_before(fit_plan.active_plan().serial) == 0
 
 
 def test_a_decision_that_cannot_pay_for_its_measuring_is_left_and_the_attempt_counted(

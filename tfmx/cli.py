@@ -96,6 +96,20 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _figure(name: str, value: float) -> str:
+    """One figure of a cached record in its unit: a form's time, a price record's ``*_ms``
+    (milliseconds), ``*_s`` (seconds) or a count (``ops``, ``fits``).
+
+    >>> _figure("fused", 1.5), _figure("stock_first_s", 2.25), _figure("fits", 3.0)
+    ('fused 1.500 ms', 'stock_first_s 2.250 s', 'fits 3')
+    """
+    if name.endswith("_s"):
+        return f"{name} {value:.3f} s"
+    if name in ("ops", "fits", "fused_deferred"):
+        return f"{name} {value:g}"
+    return f"{name} {value:.3f} ms"
+
+
 def _tune(args: argparse.Namespace) -> int:
     from tfmx import tuner
 
@@ -120,7 +134,7 @@ def _tune(args: argparse.Namespace) -> int:
         figures = cache.figures()
         for key, d in sorted({**figures.contents()["decisions"],
                               **contents["decisions"]}.items()):
-            times = ", ".join(f"{n} {t:.3f} ms" for n, t in d.get("times_ms", {}).items())
+            times = ", ".join(_figure(n, t) for n, t in d.get("times_ms", {}).items())
             print(f"  {key}: {d.get('choice')}  ({times})")
         print(f"the machine's figures (kept by another tfmx): {figures.path}")
     return 0

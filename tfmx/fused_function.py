@@ -398,6 +398,9 @@ class FusedFunction:
         if tuner is not None and known and plan.steps:  # the tuner's share sizes on it
             step = min(known) * plan.calls / plan.steps
             tuner.step_hint = lambda: step
+        fits = guard.fits_before(key, plan.serial, cache)  # this fit counted
+        if tuner is not None:  # measuring serves the fits expected after this one too
+            tuner.returning = (plan.serial, fits)
         if ungated:
             return key, None
         verdict = guard.price_gate(figures, plan.calls, guard.budget_share(), cache,

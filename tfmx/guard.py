@@ -75,6 +75,7 @@ from tfmx.step_price import (
     expect_first_call,
     expected_first_call,
     first_call_estimate,
+    fits_before,
     learn_first_call,
     learn_price,
     price_figures,
@@ -319,4 +320,4 @@ __all__ = ["ENV_XLA", "MAX_PAIRS", "MIN_PAIRS", "Embedded", "FitPlan", "GateDeci
            "expect_first_call", "expected_first_call", "first_call_estimate", "fitting",
            "forced_form", "forcing", "forget",
            "learn_first_call", "learn_price", "make_guard", "plan_fit", "planning_callbacks",
-           "price_figures", "price_gate", "switchable", "t_test", "xla_pruned"]
+           "fits_before", "price_figures", "price_gate", "switchable", "t_test", "xla_pruned"]

@@ -62,13 +62,14 @@ PRICE_FAMILY = "price"
 calls and steps cost in each form, as measured here."""
 
 _prices: dict[str, dict[str, float]] = {}  # price key -> figures learnt in this process
+_fits: dict[str, tuple[int, int]] = {}  # price key -> (the fit counted, fits of it before)
 
 
 def price_figures(key: str, cache: Any = None) -> dict[str, float]:
     """What was measured on this machine of the step ``key``: ``fused_first_s`` and
     ``stock_first_s`` (the first call of the fit's loop: tracing, rewriting, graph
     optimization, one step), ``fused_ms``, ``stock_ms`` and ``xla_ms`` (medians of a call),
-    ``fused_deferred`` (:func:`provisional`), ``ops``.
+    ``fused_deferred`` (:func:`provisional`), ``ops``, ``fits`` (:func:`fits_before`).
 
     >>> learn_price("demo step", fused_ms=5.0)
     >>> price_figures("demo step")["fused_ms"]
@@ -123,6 +124,26 @@ def learn_price(key: str, cache: Any = None, **figures: float | None) -> None:
         name = f"{form}_first_s"
         if stock and merged.get(name) and fresh & {name, "stock_first_s"}:
             learn_first_call_ratio(form, merged[name], stock, cache)
+
+
+def fits_before(key: str, serial: int, cache: Any = None) -> int:
+    """How many fits of the step ``key`` ran on this machine before the fit numbered
+    ``serial`` (``tfmx.fit_plan.FitPlan.serial``), which it counts (once, however often it is
+    asked): the ``fits`` of its price record. A step fitted before is likely to be fitted
+    again, and what the tuner measures in one fit is kept for the next
+    (``tfmx.tuner.RETURNING_FITS``).
+
+    >>> fits_before("demo fits", 1), fits_before("demo fits", 1), fits_before("demo fits", 2)
+    (0, 0, 1)
+    >>> forget_prices()
+    """
+    counted = _fits.get(key)
+    if counted is not None and counted[0] == serial:
+        return counted[1]
+    before = int(price_figures(key, cache).get("fits", 0))
+    _fits[key] = (serial, before)
+    learn_price(key, cache, fits=before + 1)
+    return before
 
 
 def provisional(figures: Mapping[str, float]) -> int:
@@ -333,9 +354,10 @@ def forget_prices() -> None:
     forget_first_calls()
     _prices.clear()
     _expected.clear()
+    _fits.clear()
 
 
 __all__ = ["FIRST_CALL_FORMS", "FUSED_SEED", "PRICE_FAMILY", "SEED_S_PER_OP", "XLA_SEED",
            "GateDecision", "expect_first_call", "expected_first_call", "first_call_estimate",
-           "forget_prices", "learn_first_call", "learn_price", "price_figures", "price_gate",
-           "provisional"]
+           "fits_before", "forget_prices", "learn_first_call", "learn_price", "price_figures",
+           "price_gate", "provisional"]

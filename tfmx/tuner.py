@@ -123,6 +123,16 @@ GAIN_CAP = 0.10
 (:data:`GAIN_PAYBACK`); a decision whose conservative form, once timed, shows it cannot pay is
 left unmeasured, and such starts are paid from the fit's share alone."""
 
+RETURNING_FITS = 3
+"""The most fits after this one a fit's measuring is sized for. What the tuner measures is kept
+(the tuning cache) while a form's first call is paid in every fit: a step this machine fitted
+``n`` times before (``tfmx.step_price.fits_before``) is expected to be fitted about as often
+again, so its measuring share (:data:`tfmx.env.PLAN_SHARE`), its cap (:data:`GAIN_CAP`) and
+what a decision is expected to save are counted over this fit's steps times ``1 + min(n,``
+:data:`RETURNING_FITS` ``)``. A step refitted (a user tuning a model's hyperparameters) then
+reaches its measured step in a few fits instead of many; one fitted once pays its share of one
+fit."""
+
 
 def resolve_mode(mode: str | None) -> str:
     """``mode``, else ``$TFMX_TUNE``, else ``"auto"``; ValueError naming the choices otherwise.
@@ -184,6 +194,7 @@ class Tuner:
         self.on_decision = on_decision
         self._memo: dict[str, Decision] = {}
         self.step_hint: Callable[[], float | None] | None = None  # a planned step's known s
+        self.returning: tuple[int, int] | None = None  # (a fit's serial, its step's fits before)
         self._plan_serial: int | None = None  # the fit whose measuring is counted below
         self._plan_spent = 0.0  # seconds measured in that fit
         self._plan_step = 0.0  # the conservative forms' medians measured in it (seconds)
@@ -372,7 +383,22 @@ class Tuner:
             return None
         self._sync_plan()
         hint = (self.step_hint() if self.step_hint is not None else None) or 0.0
-        return _FitBudget(self, share, plan.steps, hint, gain, rounds_s, forms)
+        return _FitBudget(self, share, plan.steps, hint, gain, rounds_s, forms,
+                          1 + self.fits_before(plan.serial))
+
+    def fits_before(self, serial: int) -> int:
+        """How many fits of the step being fitted (the fit ``serial``) this machine ran before
+        it, at most :data:`RETURNING_FITS` (0 where the fit did not say, see
+        :attr:`returning`).
+
+        >>> tuner = Tuner(mode="off")
+        >>> tuner.returning = (7, 5)
+        >>> tuner.fits_before(7), tuner.fits_before(8)
+        (3, 0)
+        """
+        if self.returning is None or self.returning[0] != serial:
+            return 0
+        return max(0, min(int(self.returning[1]), RETURNING_FITS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,6 +415,13 @@ class _FitBudget:
     gain: Gain | None
     rounds_s: float = 0.0  # the decision's timed rounds, after its candidates are built
     forms: int = 2  # its candidates
+    fits: int = 1  # the fits its measuring serves: this one and those expected after it
+
+    @property
+    def horizon(self) -> int:
+        """The steps measuring is sized for: this fit's, times the fits it serves
+        (:data:`RETURNING_FITS`)."""
+        return self.steps * self.fits
 
     def step(self, call_s: float) -> float:
         """The planned step's time known so far (s)."""
@@ -398,16 +431,16 @@ class _FitBudget:
         """Seconds the fit's share leaves (inf while nothing tells the step's time)."""
         if call_s <= 0 and self.step(0.0) <= 0:
             return math.inf  # nothing known yet: the conservative form's call will say
-        return self.share * self.steps * self.step(call_s) - self.tuner._plan_spent
+        return self.share * self.horizon * self.step(call_s) - self.tuner._plan_spent
 
     def paying(self, call_s: float) -> float:
         """Seconds a decision may spend building its candidates because of what it is
         expected to save (its rounds' seconds are spent after)."""
         if self.gain is None:
             return -math.inf
-        cap = GAIN_CAP * self.steps * self.step(call_s) - self.tuner._plan_spent
+        cap = GAIN_CAP * self.horizon * self.step(call_s) - self.tuner._plan_spent
         rounds = min(self.rounds_s, MAX_ROUNDS * self.forms * call_s)
-        return min(GAIN_PAYBACK * self.gain.saving(call_s, self.steps), cap) - rounds
+        return min(GAIN_PAYBACK * self.gain.saving(call_s, self.horizon), cap) - rounds
 
     def allowed(self, call_s: float) -> float:
         """Seconds this decision may spend measuring (``tfmx.timing.measure``'s allowance)."""
@@ -421,13 +454,13 @@ class _FitBudget:
             return True
         if self.gain is None:
             return False
-        run = self.steps * self.step(0.0)
+        run = self.horizon * self.step(0.0)
         return (GAIN_CAP * run > self.tuner._plan_spent
                 and self.share * run > self.tuner._plan_waste)
 
     def bound(self) -> float:
         """The most this fit may still spend measuring (for the first-run notice)."""
-        run = self.steps * self.step(0.0)
+        run = self.horizon * self.step(0.0)
         cap = GAIN_CAP * run if self.gain is not None else self.share * run
         return max(self.share_left(0.0), cap - self.tuner._plan_spent)
 
@@ -437,11 +470,13 @@ class _FitBudget:
         how = ("known from a previous fit"
                if self.hint > 0 and self.hint >= self.tuner._plan_step + call_s
                else "the conservative forms measured in this fit")
+        fits = (f" x {self.fits} fits (this one and as many after it as fitted before here, "
+                f"at most {RETURNING_FITS})" if self.fits > 1 else "")
         text = (f"measuring budget spent: {self.share * 100:g}% of the planned run, {self.steps} "
-                f"steps x {step * 1e3:.1f} ms a step ({how}) = "
-                f"{self.share * self.steps * step:.2f} s")
+                f"steps{fits} x {step * 1e3:.1f} ms a step ({how}) = "
+                f"{self.share * self.horizon * step:.2f} s")
         if self.gain is not None and call_s > 0:
-            text += (f"; {self.gain.describe()}: {self.gain.saving(call_s, self.steps):.2f} s "
+            text += (f"; {self.gain.describe()}: {self.gain.saving(call_s, self.horizon):.2f} s "
                      f"expected over the run, not enough to pay for measuring it")
         return text + "; measured on a later run"
 
@@ -546,8 +581,8 @@ def _outside_trace(timer: Timer, candidates: Mapping[str, RunFactory],
 
 
 __all__ = ["CODE_PACKAGES", "DECISION_SECONDS", "Decision", "GAIN_CAP", "GAIN_PAYBACK",
-           "MIN_ROUNDS", "MODES", "OverBudget", "SIGNIFICANCE", "Timings", "Tuner", "TuningCache",
-           "always_fused", "budget_seconds",
+           "MIN_ROUNDS", "MODES", "OverBudget", "RETURNING_FITS", "SIGNIFICANCE", "Timings",
+           "Tuner", "TuningCache", "always_fused", "budget_seconds",
            "cache_dir", "code_digest", "export_cache", "fingerprint", "for_plan", "import_cache",
            "is_partial", "is_region", "measure", "plan_share", "planned_steps", "resolve_mode",
            "share_from_env", "sign_test", "sync", "within_noise"]
