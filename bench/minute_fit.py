@@ -424,6 +424,9 @@ def _tuning_cell(row: Mapping[str, Any]) -> str:
     >>> row = {"small": [{"workload": "mlp"}], "warm": {"seconds": 9.0}, "fits": {"tfmx": fits}}
     >>> _tuning_cell(row).split(";")[0]
     'small models (mlp) and warm-up fit, 12 held'
+    >>> timed = [{"seconds": s, "tuning": {"held": 5}} for s in (50.0, 41.5)]
+    >>> _tuning_cell({"fits": {"tfmx": timed}}).split("; ")[-1]  # as the cache filled
+    'tfmx fits in the order run: 50.0, 41.5 s'
     """
     fits = (row.get("fits") or {}).get("tfmx") or []
     tunings = [f.get("tuning") or {} for f in fits]
@@ -439,8 +442,11 @@ def _tuning_cell(row: Mapping[str, Any]) -> str:
     on_prior = f", {prior} on the family's form measured here (unmeasured)" if prior else ""
     left = f", {kept} left to Keras's form (unmeasured)" if kept else ""
     gain = tunings[0].get("gain_expected")
+    seconds = [f["seconds"] for f in fits if f.get("seconds")]
+    order = (f"; tfmx fits in the order run: {', '.join(f'{t:.1f}' for t in seconds)} s"
+             if len(seconds) > 1 else "")
     return (f"{warm}{tunings[0].get('held')} held; {measured} measured, {cached} cached"
-            f"{on_prior}{left}" + (f"; gain expected {gain}" if gain else ""))
+            f"{on_prior}{left}" + (f"; gain expected {gain}" if gain else "") + order)
 
 
 HEADER = ["| workload | fit | stock s | XLA s | tfmx s | tfmx / stock | tfmx / best | "

@@ -588,6 +588,38 @@ def test_a_step_fitted_before_measures_for_the_fits_expected_after_this_one(cach
         assert stale.fits_before(fit_plan.active_plan().serial) == 0
 
 
+def _seed_costly(cache, family, saved_ms, build_ms):
+    """Three measured decisions of ``family`` here: each kept ``fast``, ``saved_ms`` under
+    ``stock``'s 2 ms, its two candidates built in ``build_ms`` each."""
+    for n in (8, 16, 32):
+        cache.put(tuner_mod.Decision(family, f"float32 {n}", "fast", ("stock", "fast"),
+                                     {"stock": 2.0, "fast": 2.0 - saved_ms}, "measured", "",
+                                     {"stock": build_ms, "fast": build_ms}))
+
+
+def test_within_the_share_a_family_whose_decisions_cannot_pay_is_left_for_the_others(
+        cache_dir):
+    """The share unspent (2% of 1000 steps x 4 ms: 0.08 s): a decision of a family whose
+    measured decisions here each saved 0.01 ms a call and took 4 s to build is left (0.01 s
+    over the run for 4 s of measuring), with the figures, on the family's form; one whose
+    decisions saved 0.5 ms for 50 ms of building is measured."""
+    cache = TuningCache.for_backend("cpu")
+    _seed_costly(cache, "costly", saved_ms=0.01, build_ms=2000.0)
+    _seed_costly(cache, "cheap", saved_ms=0.5, build_ms=25.0)
+    tuner = Tuner("auto", cache)
+    tuner.step_hint = lambda: 0.004
+    forms = {"stock": _sleeping(0.002), "fast": _sleeping(0.001)}
+    with fit_plan.fitting(10, 100):
+        costly = tuner.choose("costly", "float32 64", forms, "stock")
+        cheap = tuner.choose("cheap", "float32 64", forms, "stock")
+    assert (costly.source, costly.choice) == ("prior", "fast"), costly.describe()
+    assert ("its 3 measured costly decisions here saved 0.010 ms a call on average and "
+            "measuring one took ~4.") in costly.why(), costly.why()
+    assert "less than that over the 1000 steps it serves" in costly.why()
+    assert (cheap.source, cheap.choice) == ("measured", "fast"), cheap.describe()
+    assert TuningCache.for_backend("cpu").get("costly|float32 64") is None
+
+
 def test_a_decision_that_cannot_pay_for_its_measuring_is_left_and_the_attempt_counted(
         cache_dir):
     """Past the share, the same family: a form of microseconds built in 40 ms saves too little

@@ -119,11 +119,27 @@ def family_prior(decisions: Iterable[Mapping[str, Any]], family: str, signature:
 class Gain:
     """What measuring a family's decisions has saved on this machine: ``share``, the mean over
     ``of`` measured decisions of the share of the conservative form's time their kept form
-    saved (0 where the conservative form was kept)."""
+    saved (0 where the conservative form was kept); ``saved_ms``, the mean milliseconds a call
+    that saved; ``build_s``, the mean seconds building and first running their candidates
+    took (0 where the cache does not say)."""
 
     share: float
     of: int
     family: str = ""
+    saved_ms: float = 0.0
+    build_s: float = 0.0
+
+    def cannot_pay(self, steps: int, rounds_s: float = 0.0) -> bool:
+        """Whether a decision like these cannot pay for its measuring over ``steps`` steps:
+        what they saved a call, over the steps, is less than what measuring one cost (their
+        builds, ``rounds_s`` of timed rounds).
+
+        >>> Gain(0.05, 10, "se", saved_ms=0.2, build_s=4.5).cannot_pay(900)
+        True
+        >>> Gain(0.4, 80, "pointwise", saved_ms=0.6, build_s=0.15).cannot_pay(900)
+        False
+        """
+        return self.build_s > 0 and self.saved_ms * max(steps, 0) / 1e3 < self.build_s + rounds_s
 
     def saving(self, call_s: float, steps: int) -> float:
         """Seconds a decision whose conservative form takes ``call_s`` a call is expected to
@@ -154,16 +170,21 @@ def family_gain(decisions: Iterable[Mapping[str, Any]], family: str, signature: 
     0.4
     """
     alike = _alike(decisions, family, signature, frozenset(candidates))
-    saved = []
+    saved, saved_ms, builds = [], [], []
     for d in alike:
         times = d.get("times_ms") or {}
         kept, base = times.get(d.get("choice")), times.get(conservative)
         if not (_number(kept) and _number(base)) or base <= 0:
             continue
         saved.append(max(0.0, 1.0 - float(kept) / float(base)))
+        saved_ms.append(max(0.0, float(base) - float(kept)))
+        first = [float(v) for v in (d.get("first_ms") or {}).values() if _number(v)]
+        if first:
+            builds.append(sum(first) / 1e3)
     if len(saved) < PRIOR_MIN:
         return None
-    return Gain(statistics.fmean(saved), len(saved), family)
+    build = statistics.fmean(builds) if len(builds) >= PRIOR_MIN else 0.0
+    return Gain(statistics.fmean(saved), len(saved), family, statistics.fmean(saved_ms), build)
 
 
 def kind(signature: str) -> str:
