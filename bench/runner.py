@@ -206,13 +206,17 @@ def _report_part(report: Any, span: tuple[tuple, tuple | None] | None) -> dict[s
     its end or None: up to now): the traces, guards, tuner decisions and fused count of one
     replica count's tfmx step."""
     if report is None or span is None:
-        return {"rewrite": [], "guard": [], "tuned": 0, "fused": None}
+        return {"rewrite": [], "guard": [], "tuned": 0, "unmeasured": 0, "fused": None}
     start, end = span
     end = end or _report_position(report)
+    decisions = report.decisions[start[2]:end[2]]
     return {
         "rewrite": [t.as_dict() for t in report.traces[start[0]:end[0]]],
         "guard": [dataclasses.asdict(g.summary()) for g in report.guards[start[1]:end[1]]],
         "tuned": end[2] - start[2],
+        # left to Keras's form or the family's prior, unmeasured (the tuner's budget spent)
+        "unmeasured": sum(1 for d in decisions if not str(getattr(d, "source", "")).startswith(
+            ("measured", "cached"))),
         "fused": end[3] - start[3],
     }
 

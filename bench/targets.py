@@ -186,6 +186,28 @@ def _guard_words(result: Mapping[str, Any], alt: Mapping[str, Any]) -> str:
     return f"; tfmx's guard kept the {kept} step" + (f": {reason}" if reason else "")
 
 
+def _tuner_words(result: Mapping[str, Any]) -> str:
+    """Where tfmx's rewrite of the step spent the tuner's whole budget (``TFMX_TUNE_BUDGET``,
+    30 s by default): the choices after that point ran Keras's form, and a later fit (the
+    cache then holding what this one measured) measures them.
+
+    >>> _tuner_words({"rewrite": [{"tune_seconds": 30.07}], "unmeasured": 120})
+    "; tfmx's tuner spent its 30 s budget measuring (30.1 s), 120 choices left to Keras's form"
+    >>> _tuner_words({"rewrite": [{"tune_seconds": 4.0}]})
+    ''
+    """
+    from tfmx.tuner import DEFAULT_BUDGET_S
+
+    spent = sum(float(t.get("tune_seconds") or 0.0) for t in result.get("rewrite") or ()
+                if isinstance(t, Mapping))
+    if not 0.98 * DEFAULT_BUDGET_S <= spent <= 2 * DEFAULT_BUDGET_S:  # past it: another budget
+        return ""
+    left = result.get("unmeasured")
+    return (f"; tfmx's tuner spent its {DEFAULT_BUDGET_S:g} s budget measuring ({spent:.1f} s)"
+            + (f", {left} choices left to Keras's form" if left else
+               ", its later choices left to Keras's form"))
+
+
 def _over(value: float, target: float) -> str:
     gap = value - target
     return f"{gap:.3f} over {target:g}" if gap >= 0.0005 else f"under 0.001 over {target:g}"
@@ -238,7 +260,7 @@ def step_targets(results: Sequence[Mapping[str, Any]], composites: Sequence[Mapp
                            f"{_over(ratio, STEP_VS_BEST)}; what holds the time: "
                            f"{what_holds(result, first['model'], state, env, composites)}"
                            f"{_floor_needed(result, alt.get('ms'))}"
-                           f"{_guard_words(result, alt)}")
+                           f"{_guard_words(result, alt)}{_tuner_words(result)}")
         if not is_transformer(first["model"]):
             continue
         transformers += 1

@@ -443,22 +443,24 @@ class _FitBudget:
         return min(GAIN_PAYBACK * self.gain.saving(call_s, self.horizon), cap) - rounds
 
     def allowed(self, call_s: float) -> float:
-        """Seconds this decision may spend measuring (``tfmx.timing.measure``'s allowance)."""
+        """Seconds this decision may spend measuring (``tfmx.timing.measure``'s allowance):
+        none past its conservative form where it cannot pay (:meth:`cannot_pay`)."""
+        if self.cannot_pay(call_s):
+            return 0.0
         return max(self.share_left(call_s), self.paying(call_s))
 
-    def cannot_pay(self) -> bool:
-        """Whether the family's measured decisions here say this one cannot pay for its
-        measuring over the steps it serves (``tfmx.tuning_prior.Gain.cannot_pay``): it is
-        then left, and the share goes to decisions that can."""
-        return self.gain is not None and self.gain.cannot_pay(self.horizon, self.rounds_s)
+    def cannot_pay(self, call_s: float) -> bool:
+        """Whether the family's measured decisions here say this one, its conservative form
+        timed at ``call_s`` a call, cannot pay for its measuring over the steps it serves
+        (``tfmx.tuning_prior.Gain.cannot_pay``): its other forms are then not built, and the
+        share goes to decisions that can pay."""
+        return self.gain is not None and self.gain.cannot_pay(call_s, self.horizon,
+                                                              self.rounds_s)
 
     def may_try(self) -> bool:
-        """Whether to start measuring: the decision can pay for its measuring as far as its
-        family's figures tell, and the share is not spent, or those figures say it may pay for
-        itself, the cap is not reached and starts that could not pay have not used up the
-        share."""
-        if self.cannot_pay():
-            return False
+        """Whether to start measuring: the share is not spent, or the family's figures say the
+        decision may pay for itself, the cap is not reached and starts that could not pay have
+        not used up the share."""
         if self.share_left(0.0) > 0:
             return True
         if self.gain is None:
@@ -476,11 +478,12 @@ class _FitBudget:
     def why(self, call_s: float) -> str:
         """Why a decision is left unmeasured."""
         gain = self.gain
-        if gain is not None and call_s <= 0 and self.cannot_pay():
-            return (f"its {gain.of} measured {gain.family} decisions here saved "
-                    f"{gain.saved_ms:.3f} ms a call on average and measuring one took "
-                    f"~{gain.build_s + self.rounds_s:.2f} s: less than that over the "
-                    f"{self.horizon} steps it serves; measured where no fit bounds the tuner")
+        if gain is not None and self.cannot_pay(call_s):
+            return (f"{gain.describe()}, and measuring one took ~"
+                    f"{gain.build_s + self.rounds_s:.2f} s: at {call_s * 1e3:.3f} ms a call, "
+                    f"~{gain.saving(call_s, self.horizon):.2f} s over the {self.horizon} steps "
+                    f"it serves, less than its measuring; measured where no fit bounds the "
+                    f"tuner")
         step = self.step(call_s)
         how = ("known from a previous fit"
                if self.hint > 0 and self.hint >= self.tuner._plan_step + call_s

@@ -129,17 +129,19 @@ class Gain:
     saved_ms: float = 0.0
     build_s: float = 0.0
 
-    def cannot_pay(self, steps: int, rounds_s: float = 0.0) -> bool:
-        """Whether a decision like these cannot pay for its measuring over ``steps`` steps:
-        what they saved a call, over the steps, is less than what measuring one cost (their
-        builds, ``rounds_s`` of timed rounds).
+    def cannot_pay(self, call_s: float, steps: int, rounds_s: float = 0.0) -> bool:
+        """Whether a decision like these, its conservative form taking ``call_s`` a call,
+        cannot pay for its measuring over ``steps`` steps: the share they saved of that call,
+        over the steps (:meth:`saving`), is less than what measuring one of them cost (their
+        builds, ``rounds_s`` of timed rounds). Unknown (False) before its call is timed: the
+        decisions of one family differ in size, and a larger one saves more.
 
-        >>> Gain(0.05, 10, "se", saved_ms=0.2, build_s=4.5).cannot_pay(900)
-        True
-        >>> Gain(0.4, 80, "pointwise", saved_ms=0.6, build_s=0.15).cannot_pay(900)
-        False
+        >>> se = Gain(0.05, 10, "se", saved_ms=0.2, build_s=4.5)
+        >>> se.cannot_pay(0.002, 900), se.cannot_pay(0.2, 900), se.cannot_pay(0.0, 900)
+        (True, False, False)
         """
-        return self.build_s > 0 and self.saved_ms * max(steps, 0) / 1e3 < self.build_s + rounds_s
+        return (self.build_s > 0 and call_s > 0
+                and self.saving(call_s, steps) < self.build_s + rounds_s)
 
     def saving(self, call_s: float, steps: int) -> float:
         """Seconds a decision whose conservative form takes ``call_s`` a call is expected to
