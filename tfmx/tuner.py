@@ -477,9 +477,11 @@ class _FitBudget:
 
     def why(self, call_s: float) -> str:
         """Why a decision is left unmeasured."""
-        gain = self.gain
+        gain = self.gain.sized(call_s) if self.gain is not None else None
         if gain is not None and self.cannot_pay(call_s):
-            return (f"{gain.describe()}, and measuring one took ~"
+            return (f"its {gain.of} measured {gain.family} decisions here of about its size "
+                    f"saved {gain.share:.0%} of the conservative form's time on average, and "
+                    f"measuring one took ~"
                     f"{gain.build_s + self.rounds_s:.2f} s: at {call_s * 1e3:.3f} ms a call, "
                     f"~{gain.saving(call_s, self.horizon):.2f} s over the {self.horizon} steps "
                     f"it serves, less than its measuring; measured where no fit bounds the "

@@ -55,6 +55,10 @@ PRIOR_MIN = 3
 PRIOR_AGREEMENT = 0.75
 """The share of those decisions that must have kept the prior's form."""
 
+SIZE_FACTOR = 4.0
+"""Decisions of a family are of a decision's size where their conservative form's time is
+within this factor of its own (:meth:`Gain.sized`)."""
+
 DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "half", "float", "int32",
                     "int64", "mixed_float16", "mixed_bfloat16"})
 
@@ -119,29 +123,57 @@ def family_prior(decisions: Iterable[Mapping[str, Any]], family: str, signature:
 class Gain:
     """What measuring a family's decisions has saved on this machine: ``share``, the mean over
     ``of`` measured decisions of the share of the conservative form's time their kept form
-    saved (0 where the conservative form was kept); ``saved_ms``, the mean milliseconds a call
-    that saved; ``build_s``, the mean seconds building and first running their candidates
-    took (0 where the cache does not say)."""
+    saved (0 where the conservative form was kept); ``samples``, per decision, its
+    conservative form's milliseconds, that share and the seconds building and first running
+    its candidates took (where the cache says)."""
 
     share: float
     of: int
     family: str = ""
-    saved_ms: float = 0.0
-    build_s: float = 0.0
+    samples: tuple[tuple[float, float, float], ...] = ()
+
+    def sized(self, call_s: float) -> Gain | None:
+        """The same figures from the decisions of about this size only: those whose
+        conservative form took within :data:`SIZE_FACTOR` x ``call_s`` a call and whose builds
+        the cache holds (at least :data:`PRIOR_MIN`), else None. A family's large decisions
+        save another share than its small ones (a large MatMul's oneDNN kernel wins where a
+        small one's does not), and cost about the same to build.
+
+        >>> gain = Gain(0.1, 4, "f", ((2.0, 0.0, 0.5), (2.5, 0.02, 0.4), (1.5, 0.01, 0.6),
+        ...                           (40.0, 0.4, 0.5)))
+        >>> sized = gain.sized(0.002)
+        >>> sized.of, round(sized.share, 3), round(sized.build_s, 2)
+        (3, 0.01, 0.5)
+        >>> gain.sized(0.040) is None
+        True
+        """
+        near = [(base, share, build) for base, share, build in self.samples
+                if build > 0 and call_s > 0
+                and 1 / SIZE_FACTOR <= base / (call_s * 1e3) <= SIZE_FACTOR]
+        if len(near) < PRIOR_MIN:
+            return None
+        return Gain(statistics.fmean(s for _, s, _ in near), len(near), self.family,
+                    tuple(near))
+
+    @property
+    def build_s(self) -> float:
+        """The mean seconds building a decision's candidates took (0 where none is known)."""
+        builds = [b for _, _, b in self.samples if b > 0]
+        return statistics.fmean(builds) if builds else 0.0
 
     def cannot_pay(self, call_s: float, steps: int, rounds_s: float = 0.0) -> bool:
-        """Whether a decision like these, its conservative form taking ``call_s`` a call,
-        cannot pay for its measuring over ``steps`` steps: the share they saved of that call,
-        over the steps (:meth:`saving`), is less than what measuring one of them cost (their
-        builds, ``rounds_s`` of timed rounds). Unknown (False) before its call is timed: the
-        decisions of one family differ in size, and a larger one saves more.
+        """Whether a decision whose conservative form takes ``call_s`` a call cannot pay for
+        its measuring over ``steps`` steps, on the figures of the family's decisions of its
+        size (:meth:`sized`): the share they saved of that call over the steps is less than
+        what measuring one of them cost (their builds, ``rounds_s`` of timed rounds). Unknown
+        (False) before its call is timed, or with too few decisions of its size.
 
-        >>> se = Gain(0.05, 10, "se", saved_ms=0.2, build_s=4.5)
-        >>> se.cannot_pay(0.002, 900), se.cannot_pay(0.2, 900), se.cannot_pay(0.0, 900)
+        >>> se = Gain(0.05, 3, "se", ((2.0, 0.05, 4.5),) * 3)
+        >>> se.cannot_pay(0.002, 900), se.cannot_pay(0.0, 900), se.cannot_pay(0.2, 900)
         (True, False, False)
         """
-        return (self.build_s > 0 and call_s > 0
-                and self.saving(call_s, steps) < self.build_s + rounds_s)
+        sized = self.sized(call_s)
+        return sized is not None and sized.saving(call_s, steps) < sized.build_s + rounds_s
 
     def saving(self, call_s: float, steps: int) -> float:
         """Seconds a decision whose conservative form takes ``call_s`` a call is expected to
@@ -158,8 +190,9 @@ def family_gain(decisions: Iterable[Mapping[str, Any]], family: str, signature: 
                 candidates: Iterable[str], conservative: str) -> Gain | None:
     """What measuring decision ``family``/``signature`` is expected to save, from the family's
     measured ``decisions`` here (same candidates and dtypes, at least :data:`PRIOR_MIN`): the
-    tuner measures beyond its share of a fit where that pays (``tfmx.tuner``). None where too
-    few were measured.
+    tuner measures beyond its share of a fit where that pays (``tfmx.tuner``), and leaves one
+    that cannot pay for its measuring (:meth:`Gain.cannot_pay`). None where too few were
+    measured.
 
     >>> measured = [{"family": "adam", "signature": f"float32 {n}", "choice": c,
     ...              "candidates": ["keras", "kernel"], "source": "measured",
@@ -172,21 +205,18 @@ def family_gain(decisions: Iterable[Mapping[str, Any]], family: str, signature: 
     0.4
     """
     alike = _alike(decisions, family, signature, frozenset(candidates))
-    saved, saved_ms, builds = [], [], []
+    samples = []
     for d in alike:
         times = d.get("times_ms") or {}
         kept, base = times.get(d.get("choice")), times.get(conservative)
         if not (_number(kept) and _number(base)) or base <= 0:
             continue
-        saved.append(max(0.0, 1.0 - float(kept) / float(base)))
-        saved_ms.append(max(0.0, float(base) - float(kept)))
         first = [float(v) for v in (d.get("first_ms") or {}).values() if _number(v)]
-        if first:
-            builds.append(sum(first) / 1e3)
-    if len(saved) < PRIOR_MIN:
+        samples.append((float(base), max(0.0, 1.0 - float(kept) / float(base)),
+                        sum(first) / 1e3))
+    if len(samples) < PRIOR_MIN:
         return None
-    build = statistics.fmean(builds) if len(builds) >= PRIOR_MIN else 0.0
-    return Gain(statistics.fmean(saved), len(saved), family, statistics.fmean(saved_ms), build)
+    return Gain(statistics.fmean(s for _, s, _ in samples), len(samples), family, tuple(samples))
 
 
 def kind(signature: str) -> str:
@@ -216,5 +246,5 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-__all__ = ["PRIOR_AGREEMENT", "PRIOR_MIN", "Gain", "Prior", "dtype_words", "family_gain",
-           "family_prior", "kind"]
+__all__ = ["PRIOR_AGREEMENT", "PRIOR_MIN", "SIZE_FACTOR", "Gain", "Prior", "dtype_words",
+           "family_gain", "family_prior", "kind"]
