@@ -128,9 +128,9 @@ def learn_price(key: str, cache: Any = None, **figures: float | None) -> None:
 
 def fits_before(key: str, serial: int, cache: Any = None) -> int:
     """How many fits of the step ``key`` ran on this machine before the fit numbered
-    ``serial`` (``tfmx.fit_plan.FitPlan.serial``), which it counts (once, however often it is
-    asked): the ``fits`` of its price record. A step fitted before is likely to be fitted
-    again, and what the tuner measures in one fit is kept for the next
+    ``serial`` (a ``tfmx.fit_plan.FitPlan``'s ``serial``), which it counts (once, however
+    often it is asked): the ``fits`` of its price record. A step fitted before is likely to be
+    fitted again, and what the tuner measures in one fit is kept for the next
     (``tfmx.tuner.RETURNING_FITS``).
 
     >>> fits_before("demo fits", 1), fits_before("demo fits", 1), fits_before("demo fits", 2)
