@@ -124,14 +124,10 @@ GAIN_CAP = 0.10
 left unmeasured, and such starts are paid from the fit's share alone."""
 
 RETURNING_FITS = 3
-"""The most fits after this one a fit's measuring is sized for. What the tuner measures is kept
-(the tuning cache) while a form's first call is paid in every fit: a step this machine fitted
-``n`` times before (``tfmx.step_price.fits_before``) is expected to be fitted about as often
-again, so its measuring share (:data:`tfmx.env.PLAN_SHARE`), its cap (:data:`GAIN_CAP`) and
-what a decision is expected to save are counted over this fit's steps times ``1 + min(n,``
-:data:`RETURNING_FITS` ``)``. A step refitted (a user tuning a model's hyperparameters) then
-reaches its measured step in a few fits instead of many; one fitted once pays its share of one
-fit."""
+"""The most fits after this one a fit's measuring is sized for: what the tuner measures is kept,
+a first call is paid in every fit, so a step fitted ``n`` times here before
+(``tfmx.step_price.fits_before``) counts its share, cap and savings over its steps x
+``1 + min(n, RETURNING_FITS)``: a model refitted reaches its measured step in a few fits."""
 
 
 def resolve_mode(mode: str | None) -> str:
@@ -387,9 +383,8 @@ class Tuner:
                           1 + self.fits_before(plan.serial))
 
     def fits_before(self, serial: int) -> int:
-        """How many fits of the step being fitted (the fit ``serial``) this machine ran before
-        it, at most :data:`RETURNING_FITS` (0 where the fit did not say, see
-        :attr:`returning`).
+        """Fits of the step of the fit ``serial`` run here before it, at most
+        :data:`RETURNING_FITS` (0 where the fit did not say, :attr:`returning`).
 
         >>> tuner = Tuner(mode="off")
         >>> tuner.returning = (7, 5)
@@ -419,8 +414,7 @@ class _FitBudget:
 
     @property
     def horizon(self) -> int:
-        """The steps measuring is sized for: this fit's, times the fits it serves
-        (:data:`RETURNING_FITS`)."""
+        """The steps measuring is sized for: this fit's x the fits it serves."""
         return self.steps * self.fits
 
     def step(self, call_s: float) -> float:
@@ -443,17 +437,15 @@ class _FitBudget:
         return min(GAIN_PAYBACK * self.gain.saving(call_s, self.horizon), cap) - rounds
 
     def allowed(self, call_s: float) -> float:
-        """Seconds this decision may spend measuring (``tfmx.timing.measure``'s allowance):
+        """Seconds this decision may spend measuring (``tfmx.timing.measure``'s allowance),
         none past its conservative form where it cannot pay (:meth:`cannot_pay`)."""
         if self.cannot_pay(call_s):
             return 0.0
         return max(self.share_left(call_s), self.paying(call_s))
 
     def cannot_pay(self, call_s: float) -> bool:
-        """Whether the family's measured decisions here say this one, its conservative form
-        timed at ``call_s`` a call, cannot pay for its measuring over the steps it serves
-        (``tfmx.tuning_prior.Gain.cannot_pay``): its other forms are then not built, and the
-        share goes to decisions that can pay."""
+        """Whether its family's figures say this decision (Keras's form at ``call_s`` a call)
+        cannot pay for its measuring (``tfmx.tuning_prior.Gain.cannot_pay``)."""
         return self.gain is not None and self.gain.cannot_pay(call_s, self.horizon,
                                                               self.rounds_s)
 
@@ -481,8 +473,8 @@ class _FitBudget:
         if gain is not None and self.cannot_pay(call_s):
             return (f"its {gain.of} measured {gain.family} decisions here of about its size "
                     f"saved {gain.share:.0%} of the conservative form's time on average, and "
-                    f"measuring one took ~"
-                    f"{gain.build_s + self.rounds_s:.2f} s: at {call_s * 1e3:.3f} ms a call, "
+                    f"measuring one took ~{gain.build_s + self.rounds_s:.2f} s: at "
+                    f"{call_s * 1e3:.3f} ms a call, "
                     f"~{gain.saving(call_s, self.horizon):.2f} s over the {self.horizon} steps "
                     f"it serves, less than its measuring; measured where no fit bounds the "
                     f"tuner")
